@@ -1,0 +1,132 @@
+"""The aiohttp application: middlewares (errors, auth, metrics), lifecycle, and `serve()`.
+
+Every failure leaves as an OpenAI-style JSON error with the right status, including aiohttp's own
+(404 unknown path, 405 wrong method, 413 body over the cap) and unexpected exceptions (500, logged):
+one bad request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+
+from aiohttp import web
+
+from hybrid.server.config import ServerConfig
+from hybrid.server.errors import ApiError, server_error
+from hybrid.server.metrics import Metrics
+from hybrid.server.routes import STATE, ServerState, add_routes
+from hybrid.server.scheduler import Scheduler
+
+log = logging.getLogger("hybrid.server")
+
+METERED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics only
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    state: ServerState = request.app[STATE]
+    endpoint = request.path if request.path in METERED else None
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except ApiError as err:
+        status = err.status
+        return _error_response(err)
+    except web.HTTPException as exc:
+        status = exc.status
+        if exc.status == 413:
+            msg = f"The request body is larger than the limit of {state.config.max_body_bytes} bytes."
+        else:
+            msg = f"{exc.reason}: {request.method} {request.path}"
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _error_response(ApiError(exc.status, msg, type=kind, headers=None))
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = CLIENT_CLOSED  # the client went away; the handler's finally already cancelled its work
+        raise
+    except Exception:  # noqa: BLE001 - a bug in one request must not reach the other requests
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(server_error("internal server error (see the server log)"))
+    finally:
+        if endpoint is not None:
+            state.metrics.request_done(endpoint, status)
+
+
+def auth_middleware(api_key: str | None):
+    expected = api_key.encode() if api_key else None
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if expected is not None and request.path.startswith("/v1"):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            # compare_digest: the time taken must not reveal how many leading bytes matched
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+                raise ApiError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
+    metrics = metrics or Metrics()
+    scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_token_budget)
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[error_middleware, auth_middleware(config.api_key)])
+    app[STATE] = ServerState(config=config, runtime=runtime, scheduler=scheduler, metrics=metrics,
+                             model_name=model_name)
+    add_routes(app)
+
+    async def start(app):
+        scheduler.start()
+
+    async def stop(app):
+        # Runs after aiohttp closed the connections; waiting sequences get a 503 event (nobody left
+        # to read it, but the engine thread ends cleanly).
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
+
+
+async def _serve(app: web.Application, host: str, port: int, announce) -> None:
+    # handler_cancellation: a client that disconnects gets its handler cancelled, which cancels its
+    # sequences, even for non-streaming requests that would otherwise only notice at the final write.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port  # noqa: SLF001 - no public API
+    announce(host, bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def serve(config: ServerConfig, runtime, model_name: str, announce=None) -> None:
+    """Run until SIGINT/SIGTERM. `announce(host, port)` is called once the socket is listening."""
+    def default_announce(host, port):
+        print(f"hybrid serve: listening on http://{host}:{port} (model '{model_name}', "
+              f"max_batch={runtime.max_batch}, max_context={runtime.max_context})", flush=True)
+
+    app = build_app(config, runtime, model_name)
+    asyncio.run(_serve(app, config.host, config.port, announce or default_announce))

@@ -1,0 +1,36 @@
+"""ServerConfig: every knob of `hybrid serve`, validated once; the CLI takes its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback by default: exposing a model server is an explicit choice
+    port: int = 8000  # 0 = any free port (the bound one is printed; tests use this)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_batch: int = 8  # KV cache slots = sequences decoded together
+    max_context: int = 2048  # positions per slot: prompt + completion must fit
+    max_queue: int = 64  # sequences waiting for a slot before new requests get 429
+    max_body_bytes: int = 1 << 20  # request bodies above this get 413 before they are parsed
+    # Prefill tokens admitted per scheduler iteration (at least one whole prompt): bounds how long
+    # running sequences wait for their next decode step while new prompts are prefilled.
+    prefill_token_budget: int = 512
+    max_choices: int = 16  # n x number of prompts in one request
+    served_model_name: str | None = None  # defaults to the model directory's name
+
+    def __post_init__(self):
+        checks = [
+            (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
+            (self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}"),
+            (self.max_context >= 2, f"max_context must be >= 2, got {self.max_context}"),
+            (self.max_queue >= 1, f"max_queue must be >= 1, got {self.max_queue}"),
+            (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
+            (self.prefill_token_budget >= 1, f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}"),
+            (self.max_choices >= 1, f"max_choices must be >= 1, got {self.max_choices}"),
+            (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

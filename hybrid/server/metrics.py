@@ -1,0 +1,135 @@
+"""Server metrics in the Prometheus text exposition format (version 0.0.4), no client library needed.
+
+Counters and gauges are updated from the event loop (requests) and the engine thread (tokens, batch
+sizes), so every update takes one lock. `EXPERT_SPLIT` is the hook for the hybrid MoE layer: it calls
+`EXPERT_SPLIT.record(layer, cpu=..., shipped=...)` per batch with how many cold experts ran on the CPU and
+how many had their weights shipped to the GPU; /metrics then shows per-layer counts and the CPU share.
+Until something records, those series are absent (not zero), so dashboards can tell "no hybrid layer".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+TOKENS_PER_S_WINDOW_S = 10.0  # tokens/s is averaged over this trailing window
+
+
+class ExpertSplitRegistry:
+    """Per MoE layer: cold experts run on the CPU vs shipped to the GPU (cumulative counts)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[int, list[int]] = {}  # layer -> [cpu, shipped]
+
+    def record(self, layer: int, cpu: int, shipped: int) -> None:
+        with self._lock:
+            c = self._counts.setdefault(int(layer), [0, 0])
+            c[0] += int(cpu)
+            c[1] += int(shipped)
+
+    def snapshot(self) -> dict[int, tuple[int, int]]:
+        with self._lock:
+            return {layer: (c[0], c[1]) for layer, c in sorted(self._counts.items())}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._counts.clear()
+
+
+EXPERT_SPLIT = ExpertSplitRegistry()
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # noqa: E731
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
+
+
+class Metrics:
+    def __init__(self, expert_split: ExpertSplitRegistry = EXPERT_SPLIT):
+        self._lock = threading.Lock()
+        self.expert_split = expert_split
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cancelled = 0  # sequences ended because the client went away
+        self.decode_steps = 0
+        self.decode_rows = 0  # sum of batch sizes over decode steps
+        self.prefills = 0
+        self.last_batch_size = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+
+    # --- updates -------------------------------------------------------------------------------
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            key = (endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def prefilled(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prefills += 1
+            self.prompt_tokens += prompt_tokens
+
+    def generated(self, tokens: int, batch_size: int | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.generation_tokens += tokens
+            self._recent.append((now, tokens))
+            if batch_size is not None:
+                self.decode_steps += 1
+                self.decode_rows += batch_size
+                self.last_batch_size = batch_size
+
+    def sequence_cancelled(self) -> None:
+        with self._lock:
+            self.cancelled += 1
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW_S
+
+    # --- exposition ----------------------------------------------------------------------------
+    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
+        """Prometheus text; `gauges` are live values from the scheduler: name -> (help, value)."""
+        tps = self.tokens_per_s()
+        out: list[str] = []
+
+        def family(name, kind, help_, samples):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                out.append(f"{name}{_labels(labels)} {value}")
+
+        with self._lock:
+            family("hybrid_requests_total", "counter", "HTTP requests on the OpenAI endpoints, by status.",
+                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            family("hybrid_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, self.prompt_tokens)])
+            family("hybrid_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generation_tokens)])
+            family("hybrid_sequences_cancelled_total", "counter",
+                   "Sequences stopped because their client disconnected.", [({}, self.cancelled)])
+            family("hybrid_prefills_total", "counter", "Prompts prefilled.", [({}, self.prefills)])
+            family("hybrid_decode_steps_total", "counter", "Batched decode steps.", [({}, self.decode_steps)])
+            family("hybrid_decode_batch_rows_total", "counter",
+                   "Sum of decode batch sizes (divide by decode steps for the mean batch).", [({}, self.decode_rows)])
+            family("hybrid_decode_batch_size", "gauge", "Sequences in the last decode step.",
+                   [({}, self.last_batch_size)])
+        family("hybrid_generation_tokens_per_second", "gauge",
+               f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW_S:g} s.", [({}, round(tps, 3))])
+        for name, (help_, value) in gauges.items():
+            family(name, "gauge", help_, [({}, value)])
+        split = self.expert_split.snapshot()
+        if split:
+            family("hybrid_cold_experts_total", "counter",
+                   "Cold experts with tokens, per MoE layer, by lane: run on the CPU or shipped to the GPU.",
+                   [({"layer": l, "lane": lane}, n) for l, (c, s) in split.items()
+                    for lane, n in (("cpu", c), ("shipped", s))])
+            family("hybrid_cold_expert_cpu_share", "gauge",
+                   "Share of cold experts run on the CPU (rest shipped), per MoE layer.",
+                   [({"layer": l}, round(c / (c + s), 6) if c + s else 0.0) for l, (c, s) in split.items()])
+        return "\n".join(out) + "\n"

@@ -1,0 +1,263 @@
+"""HTTP handlers: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+A generation request is validated and tokenized (in a worker thread: a long prompt must not stall the
+event loop), checked against the context, split into one scheduler Sequence per choice, and submitted
+all-or-nothing (429 when the queue is full). The handler then only awaits events from the engine thread.
+If the handler ends early for any reason (client gone: aiohttp cancels the handler; a write fails; an
+error), `finally` cancels the sequences, and the engine frees their slots at its next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+
+from hybrid.server import openai_format as fmt
+from hybrid.server.config import ServerConfig
+from hybrid.server.errors import ApiError, bad_request, queue_full, unavailable
+from hybrid.server.metrics import Metrics
+from hybrid.server.scheduler import Event, QueueFull, Scheduler, Sequence
+from hybrid.server.schemas import GenerationRequest, parse_request
+
+log = logging.getLogger("hybrid.server")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    runtime: object  # hybrid.server.adapter.Runtime
+    scheduler: Scheduler
+    metrics: Metrics
+    model_name: str
+    created: int = field(default_factory=fmt.now)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _json_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: web.Request):
+    try:
+        raw = await request.read()  # aiohttp raises 413 past client_max_size; the error middleware formats it
+    except web.HTTPException:
+        raise
+    try:
+        return json.loads(raw, parse_constant=_json_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _tokenize(runtime, req: GenerationRequest) -> list[list[int]]:
+    if req.chat:
+        return [runtime.encode_chat(req.messages)]
+    out = []
+    for p in req.prompts:
+        if isinstance(p, str):
+            out.append(runtime.encode(p))
+        else:
+            bad = [t for t in p if not 0 <= t < runtime.vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{runtime.vocab_size - 1})",
+                                  param="prompt")
+            out.append(list(p))
+    return out
+
+
+def _max_tokens(req: GenerationRequest, prompt_len: int, context: int) -> int:
+    """Completion budget; 400 naming the context limit when prompt (+ requested completion) can't fit."""
+    what = "messages" if req.chat else "prompt"
+    if prompt_len == 0:
+        raise bad_request(f"the {what} is empty after tokenization", param=what)
+    if prompt_len >= context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, your {what} has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the {what}.",
+            param=what, code="context_length_exceeded")
+    room = context - prompt_len
+    if req.max_tokens is None:
+        return room if req.chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+    if req.max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + req.max_tokens} tokens ({prompt_len} in the {what}, {req.max_tokens} for the "
+            f"completion). Please reduce the length of the {what} or the completion.",
+            param="max_tokens", code="context_length_exceeded")
+    return req.max_tokens
+
+
+async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_request(body, chat=chat, max_choices=state.config.max_choices)
+    if req.model is not None and req.model != state.model_name:
+        raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{state.model_name}'.",
+                       param="model", code="model_not_found")
+    loop = asyncio.get_running_loop()
+    try:
+        prompts = await loop.run_in_executor(None, _tokenize, state.runtime, req)
+    except ApiError:
+        raise
+    except Exception as exc:  # e.g. a chat template that rejects the message order
+        raise bad_request(f"could not build the prompt: {exc}", param="messages" if chat else "prompt") from None
+    budgets = [_max_tokens(req, len(p), state.runtime.max_context) for p in prompts]
+
+    events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    def sink_for(index: int):
+        def sink(ev: Event) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, ev))
+            except RuntimeError:  # the loop has closed: server shutdown, nobody is listening
+                pass
+        return sink
+
+    seqs = []
+    for p_idx, (ids, budget) in enumerate(zip(prompts, budgets)):
+        for j in range(req.n):
+            index = p_idx * req.n + j
+            params = req.sampling
+            if params.seed is not None and req.n > 1:
+                params = replace(params, seed=params.seed + j)  # n seeded choices must differ
+            seqs.append(Sequence(ids, budget, params, sink_for(index)))
+    sched = state.scheduler
+    if not sched.alive:
+        raise unavailable("the engine is not running")
+    try:
+        sched.submit(seqs)
+    except QueueFull:
+        raise queue_full(retry_after_s=_retry_after(sched)) from None
+    except RuntimeError as exc:
+        raise unavailable(str(exc)) from None
+
+    try:
+        if req.stream:
+            return await _stream(request, state, req, seqs, events)
+        return await _collect(state, req, seqs, events)
+    finally:
+        sched.cancel([s for s in seqs if not s.finished])
+
+
+def _retry_after(sched: Scheduler) -> int:
+    # A rough hint: the queue drains about one batch of sequences per second or so on small models.
+    st = sched.stats()
+    return max(1, min(60, st["waiting"] // max(1, st["max_batch"])))
+
+
+async def _collect(state: ServerState, req: GenerationRequest, seqs, events) -> web.Response:
+    k = len(seqs)
+    texts, reasons = [[] for _ in range(k)], [None] * k
+    prompt_tokens = completion_tokens = 0
+    left = k
+    while left:
+        i, ev = await events.get()
+        if ev.kind == "text":
+            texts[i].append(ev.text)
+        elif ev.kind == "done":
+            reasons[i] = ev.finish_reason
+            completion_tokens += ev.completion_tokens
+            left -= 1
+        else:
+            raise ApiError(ev.status, ev.error, type="server_error")
+    # Prompt tokens count once per prompt, not once per choice (as OpenAI bills them).
+    prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: req.n])
+    body = fmt.full_response(req.chat, fmt.new_id(req.chat), state.model_name, fmt.now(),
+                             ["".join(t) for t in texts], reasons, fmt.usage(prompt_tokens, completion_tokens))
+    return web.json_response(body)
+
+
+async def _stream(request: web.Request, state: ServerState, req: GenerationRequest, seqs, events):
+    chat, model, rid, created = req.chat, state.model_name, fmt.new_id(req.chat), fmt.now()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    uf = req.include_usage
+    if chat:  # the first chunk of each choice announces the role, as OpenAI does
+        for i in range(len(seqs)):
+            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, "", role=True, with_usage_field=uf)))
+    completion_tokens = 0
+    left = len(seqs)
+    while left:
+        i, ev = await events.get()
+        if ev.kind == "text":
+            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, ev.text, with_usage_field=uf)))
+        elif ev.kind == "done":
+            completion_tokens += ev.completion_tokens
+            left -= 1
+            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, None if chat else "",
+                                               finish_reason=ev.finish_reason, with_usage_field=uf)))
+        else:
+            # Headers are gone already: report in-band (vLLM does the same), then end the stream.
+            err = ApiError(ev.status, ev.error, type="server_error")
+            await resp.write(fmt.sse(err.body()))
+            break
+    else:
+        if uf:
+            prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: req.n])
+            await resp.write(fmt.sse(fmt.usage_chunk(chat, rid, model, created,
+                                                     fmt.usage(prompt_tokens, completion_tokens))))
+    await resp.write(fmt.sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request):
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request):
+    return await generate(request, chat=True)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "hybrid",
+            "max_model_len": state.runtime.max_context}
+
+
+async def list_models(request: web.Request):
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def get_model(request: web.Request):
+    state = request.app[STATE]
+    if request.match_info["model"] != state.model_name:
+        raise ApiError(404, f"The model '{request.match_info['model']}' does not exist", param="model",
+                       code="model_not_found")
+    return web.json_response(_model_card(state))
+
+
+async def health(request: web.Request):
+    state = request.app[STATE]
+    ok = state.scheduler.alive
+    body = {"status": "ok" if ok else "engine_down", "model": state.model_name, **state.scheduler.stats()}
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request):
+    state = request.app[STATE]
+    st = state.scheduler.stats()
+    gauges = {
+        "hybrid_queue_depth": ("Sequences waiting for a KV cache slot.", st["waiting"]),
+        "hybrid_running_sequences": ("Sequences holding a KV cache slot.", st["running"]),
+        "hybrid_kv_slots_free": ("Free KV cache slots.", st["free_slots"]),
+        "hybrid_kv_slots_total": ("KV cache slots (max batch).", st["max_batch"]),
+    }
+    text = state.metrics.render(gauges)
+    return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,250 @@
+"""The engine thread: continuous batching over a fixed set of KV cache slots.
+
+One thread owns the model. Each iteration it (1) drops sequences whose clients went away and frees their
+slots, (2) admits waiting sequences into free slots and prefills them, up to `prefill_token_budget` prompt
+tokens (always at least one prompt, so a long prompt is never starved), and (3) runs one batched decode
+step over every running sequence. Sequences therefore join and leave the decode batch at step boundaries,
+and a burst of new prompts delays running sequences by at most one budget's worth of prefill.
+
+The event loop never waits on this thread: it submits sequences (non-blocking, or 429 when the queue
+is full), and the thread pushes events back through each sequence's `sink` (a thread-safe callback).
+Every accepted sequence ends with exactly one terminal event, "done" or "error" — even when the model
+raises or the server shuts down — unless its client cancelled it, in which case nobody is listening.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from hybrid.server.detok import TextStream
+from hybrid.server.metrics import Metrics
+from hybrid.server.schemas import SamplingParams
+
+log = logging.getLogger("hybrid.server")
+
+
+@dataclass
+class Event:
+    kind: str  # "text" (a delta), "done" (terminal), "error" (terminal)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" on done
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+    status: int = 500  # HTTP status for an error event
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Sequence:
+    """One choice of one request: a prompt, its limits, and where its output goes."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+                 sink: Callable[[Event], None]):
+        self.id = next(Sequence._ids)
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.params = params
+        self.sink = sink
+        self.cancelled = False  # set by the event loop; read by the engine thread at step boundaries
+        self.slot: int | None = None
+        self.generator = None
+        self.stream: TextStream | None = None
+        self.n_generated = 0
+        self.last_token = -1
+        self.finished = False
+
+
+class Scheduler:
+    def __init__(self, runtime, metrics: Metrics, max_queue: int, prefill_token_budget: int):
+        self.runtime = runtime  # hybrid.server.adapter.Runtime
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.prefill_token_budget = prefill_token_budget
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()  # guarded by _cond
+        self._running: list[Sequence] = []  # engine thread only
+        self._free_slots = list(range(runtime.max_batch))[::-1]  # engine thread only; pop() -> lowest
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.step_started = time.monotonic()  # for /health: a stuck engine shows a growing age
+
+    # --- event-loop side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hybrid-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue all choices of a request together, or none (QueueFull)."""
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("server is shutting down")
+            if len(self._waiting) + len(seqs) > self.max_queue:
+                raise QueueFull
+            self._waiting.extend(seqs)
+            self._cond.notify()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            s.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        return {"running": len(self._running), "waiting": len(self._waiting),
+                "free_slots": len(self._free_slots), "max_batch": self.runtime.max_batch}
+
+    # --- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._waiting and not self._running:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                self.step_started = time.monotonic()
+                self._reap_cancelled()
+                self._admit()
+                self._decode()
+        except BaseException:  # noqa: BLE001 - a bug here must not strand any request
+            log.exception("engine loop crashed")
+            self._fail_all("the engine stopped unexpectedly", 500)
+            raise
+        self._fail_all("the server is shutting down", 503)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            try:
+                self.runtime.release(seq.slot)
+            finally:
+                self._free_slots.append(seq.slot)
+                seq.slot = None
+
+    def _reap_cancelled(self) -> None:
+        keep = []
+        for seq in self._running:
+            if seq.cancelled:
+                self.metrics.sequence_cancelled()
+                seq.finished = True
+                self._release(seq)
+            else:
+                keep.append(seq)
+        self._running = keep
+        with self._cond:
+            if any(s.cancelled for s in self._waiting):
+                self._waiting = deque(s for s in self._waiting if not s.cancelled)
+
+    def _admit(self) -> None:
+        budget = self.prefill_token_budget
+        admitted = 0
+        while self._free_slots:
+            with self._cond:
+                if not self._waiting:
+                    return
+                seq = self._waiting[0]
+                if admitted and len(seq.prompt_ids) > budget:
+                    return  # next iteration; decode gets its step first
+                self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            try:
+                seq.generator = self.runtime.make_generator(seq.params.seed)
+                seq.stream = TextStream(self.runtime.decode, seq.params.stop)
+                logits = self.runtime.prefill(seq.slot, seq.prompt_ids)  # [V]
+                token = self.runtime.sample(logits[None], [seq.params], [seq.generator])[0]
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+                log.exception("prefill failed")
+                self._fail(seq, f"prefill failed: {exc}", 500)
+                continue
+            self.metrics.prefilled(len(seq.prompt_ids))
+            self.metrics.generated(1)
+            budget -= len(seq.prompt_ids)
+            admitted += 1
+            self._emit(seq, token)
+            if not seq.finished:
+                self._running.append(seq)
+
+    def _decode(self) -> None:
+        if not self._running:
+            return
+        batch = self._running
+        try:
+            logits = self.runtime.decode_step([s.slot for s in batch], [s.last_token for s in batch])  # [B, V]
+            tokens = self.runtime.sample(logits, [s.params for s in batch], [s.generator for s in batch])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decode step failed")
+            for seq in batch:
+                self._fail(seq, f"decode step failed: {exc}", 500)
+            self._running = []
+            return
+        self.metrics.generated(len(batch), batch_size=len(batch))
+        for seq, token in zip(batch, tokens):
+            self._emit(seq, token)
+        self._running = [s for s in batch if not s.finished]
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        """Account one generated token: stream its text, or end the sequence."""
+        seq.n_generated += 1
+        seq.last_token = token
+        reason = None
+        if token in self.runtime.eos_token_ids:
+            text = seq.stream.finish()
+            reason = "stop"
+        else:
+            text = seq.stream.push(token)
+            if seq.stream.stopped:
+                reason = "stop"
+            elif (seq.n_generated >= seq.max_tokens
+                  or len(seq.prompt_ids) + seq.n_generated >= self.runtime.max_context):
+                text += seq.stream.finish()
+                reason = "length"
+        if reason is None:
+            if text:
+                seq.sink(Event("text", text=text))
+            return
+        if text:
+            seq.sink(Event("text", text=text))
+        seq.finished = True
+        self._release(seq)
+        seq.sink(Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+                       completion_tokens=seq.n_generated))
+
+    def _fail(self, seq: Sequence, message: str, status: int) -> None:
+        seq.finished = True
+        try:
+            self._release(seq)
+        except Exception:  # noqa: BLE001 - the error below must still reach the client
+            log.exception("releasing slot %s failed", seq.slot)
+        if not seq.cancelled:
+            seq.sink(Event("error", error=message, status=status))
+
+    def _fail_all(self, message: str, status: int) -> None:
+        with self._cond:
+            self._stopping = True
+            pending = list(self._waiting) + self._running
+            self._waiting.clear()
+        self._running = []
+        for seq in pending:
+            if not seq.finished:
+                self._fail(seq, message, status)
