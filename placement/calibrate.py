@@ -1,0 +1,96 @@
+"""Measure this machine and fit a HardwareProfile (the figures of DESIGN section 3)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from typing import Callable
+
+import torch
+
+from placement import measure
+from placement.cost_model import ExpertShape
+from placement.hardware import AUTO, HardwareProfile
+
+FULL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+QUICK_M = [1, 4, 16, 64]
+FULL_LINK = [8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20, 256 << 20]  # 8 KiB .. 256 MiB
+QUICK_LINK = [8 << 10, 512 << 10, 32 << 20]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backends: list[str] | None = None,
+              dram_bytes: int | None = None, progress: Callable[[str], None] = print) -> tuple[HardwareProfile, dict]:
+    """Run every probe; returns the profile and the raw measurements (for the summary and JSON)."""
+    raw: dict = {"shape": shape.name, "hidden": shape.hidden, "intermediate": shape.intermediate,
+                 "experts": experts, "threads": torch.get_num_threads()}
+    ms = QUICK_M if quick else FULL_M
+    dram_bytes = dram_bytes or ((256 << 20) if quick else (2 << 30))
+
+    progress(f"DRAM read bandwidth ({dram_bytes / 2**20:.0f} MiB buffer)...")
+    dram_bw, method = measure.measure_dram_read(dram_bytes)
+    raw["dram_bw"], raw["dram_method"] = dram_bw, method
+    progress(f"  B_D = {dram_bw / 1e9:.1f} GB/s ({method})")
+
+    curves, peaks = {}, {}
+    for backend in backends or measure.cpu_backends():
+        progress(f"CPU expert throughput, backend {backend}, m = {ms}...")
+        curve = measure.measure_cpu_curve(shape, backend, ms, experts=experts, reps=2 if quick else 3,
+                                          progress=lambda s: progress("  " + s))
+        curves[backend] = curve
+        peaks[backend] = max(f for _, f in curve)
+    raw["cpu_curves"] = curves
+
+    gpu = {}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        progress(f"GPU {name}: pinned host<->device transfers...")
+        link = measure.measure_link(QUICK_LINK if quick else FULL_LINK)
+        raw["link"] = link
+        progress(f"  H2D: alpha {link['h2d_alpha'] * 1e6:.1f} us, B_L {link['h2d_bw'] / 1e9:.1f} GB/s; "
+                 f"D2H: alpha {link['d2h_alpha'] * 1e6:.1f} us, {link['d2h_bw'] / 1e9:.1f} GB/s")
+        progress("  HBM copy bandwidth and expert GEMM throughput...")
+        hbm = measure.measure_hbm((256 << 20) if quick else (2 << 30))
+        c_g = measure.measure_gpu_flops(shape, m=1024 if quick else 8192)
+        raw["hbm_bw"], raw["gpu_flops"] = hbm, c_g
+        progress(f"  B_H {hbm / 1e9:.0f} GB/s, C_G {c_g / 1e12:.0f} TFLOP/s")
+        # Weights travel host->device (ship lane); activations go both ways, so alpha is their mean.
+        gpu = dict(gpu_flops=c_g, hbm_bw=hbm, link_bw=link["h2d_bw"],
+                   alpha=(link["h2d_alpha"] + link["d2h_alpha"]) / 2)
+        raw["gpu"] = name
+    else:
+        progress("no CUDA device: writing the CPU fields only (GPU and link figures left null)")
+        gpu = dict(gpu_flops=None, hbm_bw=None, link_bw=None, alpha=None)
+
+    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "gpu": raw.get("gpu"),
+               "torch": torch.__version__, "calibrated_at": datetime.datetime.now(datetime.timezone.utc)
+               .isoformat(timespec="seconds"), "shape": shape.name, "dram_method": method}
+    profile = HardwareProfile(name=f"calibrated-{platform.node() or 'this-machine'}", cpu_flops=peaks,
+                              dram_bw=dram_bw, cpu_kernel=AUTO, cpu_curves=curves, machine=machine,
+                              source="calibrated", **gpu)
+    return profile, raw
+
+
+def summary(profile: HardwareProfile) -> str:
+    rows = [("B_D  DRAM read", f"{profile.dram_bw / 1e9:.1f} GB/s")]
+    for kind, peak in profile.cpu_flops.items():
+        rows.append((f"C_C  CPU ({kind}), best", f"{peak / 1e12:.3f} TFLOP/s"))
+    if profile.has_gpu:
+        rows += [("C_G  GPU expert GEMM", f"{profile.gpu_flops / 1e12:.1f} TFLOP/s"),
+                 ("B_H  HBM copy", f"{profile.hbm_bw / 1e9:.0f} GB/s"),
+                 ("B_L  host->GPU pinned", f"{profile.link_bw / 1e9:.1f} GB/s"),
+                 ("alpha per transfer", f"{profile.alpha * 1e6:.1f} us")]
+    else:
+        rows.append(("GPU, link", "not measured (no CUDA device)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,205 @@
+"""HardwareProfile: the measured (or published) machine the cost model prices work on.
+
+Units are SI throughout: FLOP/s, bytes/s, seconds. A profile is a JSON file written by `hybrid
+calibrate` (or one of the built-ins below) and read back with `load_profile`, which validates it and
+turns every problem into a one-line UsageError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.errors import UsageError
+
+SCHEMA_VERSION = 1
+AUTO = "auto"  # cpu_kernel value: per m, the fastest kernel kind the profile knows
+
+
+def _positive(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise UsageError(f"{name} must be a positive finite number, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """C_C per CPU kernel kind, B_D, C_G, B_H, B_L and alpha of DESIGN section 3.
+
+    cpu_flops:  peak C_C per kernel kind (e.g. {"torch": 3.4e12, "amx": 1.2e13}).
+    cpu_curves: optional measured C_C(m) per kind as [[m, flop/s], ...]; when present, the model
+                interpolates it (log m) instead of using the peak, since small-m efficiency is far
+                below peak on every kernel we measured.
+    cpu_kernel: the kind used for pricing, or "auto" = the fastest kind at each m.
+    """
+
+    name: str
+    cpu_flops: dict
+    dram_bw: float
+    gpu_flops: float | None  # None: calibrated without a GPU (CPU fields only)
+    hbm_bw: float | None
+    link_bw: float | None
+    alpha: float | None
+    cpu_kernel: str = AUTO
+    cpu_curves: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+    source: str = "builtin"
+
+    def __post_init__(self):
+        if not isinstance(self.cpu_flops, dict) or not self.cpu_flops:
+            raise UsageError(f"profile {self.name!r}: cpu_flops must be a non-empty object of kernel -> FLOP/s")
+        flops = {str(k): _positive(f"cpu_flops[{k}]", v) for k, v in self.cpu_flops.items()}
+        object.__setattr__(self, "cpu_flops", flops)
+        object.__setattr__(self, "dram_bw", _positive("dram_bw", self.dram_bw))
+        gpu_fields = ("gpu_flops", "hbm_bw", "link_bw", "alpha")
+        given = [name for name in gpu_fields if getattr(self, name) is not None]
+        if given and len(given) != len(gpu_fields):
+            missing = sorted(set(gpu_fields) - set(given))
+            raise UsageError(f"profile {self.name!r}: GPU fields must be all set or all null; null: {', '.join(missing)}")
+        for name in ("gpu_flops", "hbm_bw", "link_bw"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        if self.alpha is not None:
+            try:
+                alpha = float(self.alpha)
+            except (TypeError, ValueError):
+                raise UsageError(f"alpha must be a number of seconds, got {self.alpha!r}") from None
+            if not math.isfinite(alpha) or alpha < 0:
+                raise UsageError(f"alpha must be a non-negative number of seconds, got {self.alpha!r}")
+            object.__setattr__(self, "alpha", alpha)
+        if self.cpu_kernel != AUTO and self.cpu_kernel not in flops:
+            raise UsageError(f"profile {self.name!r}: cpu_kernel {self.cpu_kernel!r} not in cpu_flops "
+                             f"({', '.join(flops)}) and not 'auto'")
+        curves = {}
+        for kind, points in (self.cpu_curves or {}).items():
+            try:
+                pts = sorted((float(m), float(f)) for m, f in points)
+            except (TypeError, ValueError):
+                raise UsageError(f"profile {self.name!r}: cpu_curves[{kind}] must be a list of [m, flop/s] pairs") from None
+            if not pts or any(not (m > 0 and f > 0 and math.isfinite(f)) for m, f in pts):
+                raise UsageError(f"profile {self.name!r}: cpu_curves[{kind}] needs positive [m, flop/s] pairs")
+            curves[str(kind)] = [list(p) for p in pts]
+        object.__setattr__(self, "cpu_curves", curves)
+
+    # -- pricing helpers -------------------------------------------------------------------------
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_flops is not None
+
+    def require_gpu(self) -> "HardwareProfile":
+        if not self.has_gpu:
+            raise UsageError(f"profile {self.name!r} has no GPU or link figures (calibrated without a GPU); "
+                             "calibrate on the GPU machine or pass --gpu-flops --hbm-bw --link-bw --alpha")
+        return self
+
+    def kinds(self, kernel: str | None = None) -> list[str]:
+        kernel = kernel or self.cpu_kernel
+        if kernel == AUTO:
+            return list(self.cpu_flops)
+        if kernel not in self.cpu_flops:
+            raise UsageError(f"CPU kernel {kernel!r} not in profile {self.name!r} ({', '.join(self.cpu_flops)})")
+        return [kernel]
+
+    def cpu_peak(self, kernel: str | None = None) -> float:
+        return max(self.cpu_flops[k] for k in self.kinds(kernel))
+
+    def cpu_flops_at(self, m, kernel: str | None = None):
+        """C_C at m tokens per expert (array in, array out): the curve if measured, else the peak."""
+        m = np.maximum(np.asarray(m, dtype=np.float64), 1.0)
+        best = np.zeros_like(m)
+        for kind in self.kinds(kernel):
+            pts = self.cpu_curves.get(kind)
+            if pts:
+                xs = np.log([p[0] for p in pts])
+                ys = np.array([p[1] for p in pts])
+                c = np.interp(np.log(m), xs, ys)  # clamped to the end points outside the range
+            else:
+                c = np.full_like(m, self.cpu_flops[kind])
+            best = np.maximum(best, c)
+        return best
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, data: dict, origin: str = "profile") -> "HardwareProfile":
+        if not isinstance(data, dict):
+            raise UsageError(f"{origin}: expected a JSON object")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise UsageError(f"{origin}: schema_version {version} not supported (this build reads {SCHEMA_VERSION})")
+        required = ("name", "cpu_flops", "dram_bw", "gpu_flops", "hbm_bw", "link_bw", "alpha")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise UsageError(f"{origin}: missing field(s) {', '.join(missing)}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known - {"schema_version"})
+        if unknown:
+            raise UsageError(f"{origin}: unknown field(s) {', '.join(unknown)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def load_profile(path: str | os.PathLike) -> HardwareProfile:
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"profile file {str(path)!r} not found") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read profile {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"profile {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    return HardwareProfile.from_json(data, origin=f"profile {str(path)!r}")
+
+
+# The box of the KTransformers paper (SOSP'25), as DESIGN section 3 states it: one Xeon Platinum 8452Y
+# socket (B_D 220 GB/s; C_C 1.8 TFLOP/s with a PyTorch AVX-512 kernel, 21.3 with their AMX kernel), an
+# A100 40GB PCIe at 50% of peak (C_G 156 TFLOP/s, B_H 778 GB/s), PCIe 4.0 x16 taken as 25 GB/s, 5 us.
+_PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6,
+              machine={"cpu": "Xeon Platinum 8452Y (1 socket)", "gpu": "A100 40GB PCIe",
+                       "link": "PCIe 4.0 x16", "reference": "KTransformers, SOSP'25"})
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "ktransformers-paper-avx512": HardwareProfile(
+        name="ktransformers-paper-avx512", cpu_flops={"avx512": 1.8e12}, cpu_kernel="avx512", **_PAPER),
+    "ktransformers-paper-amx": HardwareProfile(
+        name="ktransformers-paper-amx", cpu_flops={"amx": 21.3e12}, cpu_kernel="amx", **_PAPER),
+}
+
+
+def default_profile_path() -> Path:
+    cache = os.environ.get("HYBRID_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybrid")
+    return Path(cache) / "profile.json"
+
+
+def resolve_profile(name_or_path: str | None) -> HardwareProfile:
+    """A built-in name, a JSON path, or (None) the calibrated profile of this machine if one exists."""
+    if name_or_path is None:
+        path = default_profile_path()
+        if path.exists():
+            return load_profile(path)
+        raise UsageError(f"no profile given and none calibrated at {path}; run `hybrid calibrate` or pass "
+                         f"--profile ({', '.join(BUILTIN_PROFILES)} or a JSON file)")
+    if name_or_path in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[name_or_path]
+    if name_or_path.endswith(".json") or os.path.sep in name_or_path or Path(name_or_path).exists():
+        return load_profile(name_or_path)
+    raise UsageError(f"unknown profile {name_or_path!r}: built-ins are {', '.join(BUILTIN_PROFILES)}; "
+                     f"or pass a JSON file written by `hybrid calibrate`")
