@@ -1,0 +1,40 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases, and a shared expert added to the
+routed output through a sigmoid gate."""
+
+from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_fields, make_config, \
+    mlp_experts, moe_layer_pattern
+
+EXPERTS, FUSED = mlp_experts()
+
+
+def parse_config(raw: dict):
+    f = Fields(raw, "qwen2_moe")
+    base = base_fields(f)
+    E = int(f.req("num_experts", "num_local_experts"))
+    return make_config(dict(
+        base,
+        num_experts=E,
+        expert_intermediate_size=int(f.req("moe_intermediate_size")),
+        dense_intermediate_size=int(f.get("intermediate_size", 0)),
+        shared_expert_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
+        moe_layers=moe_layer_pattern(f, base["num_layers"], E),
+        norm_topk_prob=bool(f.get("norm_topk_prob", False)),
+        qkv_bias=bool(f.get("qkv_bias", True)),  # Qwen2 has always had q/k/v biases; v5 names the flag
+        sliding_window=f.get("sliding_window") if f.get("use_sliding_window", False) else None,
+    ))
+
+
+FAMILY = Family(
+    model_type="qwen2_moe",
+    architectures=("Qwen2MoeForCausalLM",),
+    parse_config=parse_config,
+    weights={
+        **DECODER_WEIGHTS,
+        "layers.{i}.moe.router": "model.layers.{i}.mlp.gate.weight",
+        **{f"layers.{{i}}.moe.shared.{p}": f"model.layers.{{i}}.mlp.shared_expert.{p}.weight"
+           for p in ("gate_proj", "up_proj", "down_proj")},
+        "layers.{i}.moe.shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
+    },
+    experts=EXPERTS,
+    fused_experts=FUSED,
+)

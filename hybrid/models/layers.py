@@ -1,0 +1,118 @@
+"""Layers every supported family shares: RMSNorm, grouped-query attention over the static KV cache,
+and the gated (SwiGLU) MLP. Weights are plain tensors created empty (no init pass: a 60 GB model must
+not be initialised and then overwritten) and filled by the loader or `init_random_`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.models.config import ModelConfig
+from hybrid.models.rope import apply_rotary
+
+
+def param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the activation dtype: the order the reference implementation
+        # uses, so bf16 outputs round the same way.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); dense layers and Qwen2-MoE's shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = param(intermediate, hidden)  # [F, D]
+        self.up_proj = param(intermediate, hidden)  # [F, D]
+        self.down_proj = param(hidden, intermediate)  # [D, F]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+
+
+class Linear(nn.Module):
+    def __init__(self, fan_in: int, fan_out: int, bias: bool):
+        super().__init__()
+        self.weight = param(fan_out, fan_in)
+        self.bias = param(fan_out) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention that writes K/V into a static cache and reads it back.
+
+    forward(x [B, T, D], cos/sin [B, T, hd], positions [B, T], slots [B], cache, ...) -> [B, T, D].
+    Position -1 marks padding: its K/V go to the cache's spare column (index max_context), which no
+    query ever attends to, so padding writes nothing visible and the shapes stay static (CUDA graphs).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer, self.H, self.Hkv, self.hd = layer, H, Hkv, hd
+        self.q_proj = Linear(D, H * hd, cfg.qkv_bias)
+        self.k_proj = Linear(D, Hkv * hd, cfg.qkv_bias)
+        self.v_proj = Linear(D, Hkv * hd, cfg.qkv_bias)
+        self.o_proj = Linear(H * hd, D, cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * hd, cfg.rms_norm_eps), RMSNorm(Hkv * hd, cfg.rms_norm_eps)
+        self.clip = cfg.clip_qkv
+        self.window = cfg.sliding_window
+        self.scale = hd ** -0.5
+
+    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(B, T, self.H, self.hd)
+        k = k.view(B, T, self.Hkv, self.hd)
+        v = v.view(B, T, self.Hkv, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(self.layer, slots, positions, k, v)
+
+        if fresh:
+            # Whole prompts starting at position 0 with no padding: the new K/V are all there is to
+            # see, so causal attention over them (flash kernels) replaces reading the cache back.
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=self.scale, enable_gqa=self.H != self.Hkv)
+        else:
+            kc, vc = cache.read(self.layer, slots, kv_len)  # [B, Hkv, L, hd] each
+            L = kc.shape[2]
+            if self.H != self.Hkv:
+                # Expand to H heads: SDPA's memory-efficient kernel takes a mask but no GQA.
+                rep = self.H // self.Hkv
+                kc = kc[:, :, None].expand(B, self.Hkv, rep, L, self.hd).reshape(B, self.H, L, self.hd)
+                vc = vc[:, :, None].expand(B, self.Hkv, rep, L, self.hd).reshape(B, self.H, L, self.hd)
+            qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
+            kpos = torch.arange(L, device=x.device)[None, None, None, :]  # [1, 1, 1, L]
+            mask = kpos <= qpos  # [B, 1, T, L]
+            if self.window is not None:
+                mask = mask & (kpos > qpos - self.window)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))

@@ -1,0 +1,219 @@
+"""Load a Hugging Face MoE checkpoint directory (config.json + safetensors) into a MoETransformer.
+
+Every tensor's name, shape and dtype is checked against the family's weight map from the safetensors
+headers before a byte of data is read, so a bad checkpoint fails fast with a message naming the
+tensor. Data then streams tensor by tensor (memory-mapped) into parameters pre-allocated on their
+target device, so the model is never held twice. Only safetensors is read (no pickle).
+
+Expert placement hook: `expert_device`/`expert_dtype` choose where the stacked expert tensors
+w_gate, w_up [E, F, D], w_down [E, D, F] are allocated (e.g. "cpu" while the rest sits on the GPU), and
+`experts_factory(layer, w_gate, w_up, w_down) -> executor` (optional) builds each MoE layer's executor
+from them once loaded; by default a StackedExperts wraps them without a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybrid.models.config import ModelConfig
+from hybrid.models.errors import ModelLoadError
+from hybrid.models.families import Family, family_for
+from hybrid.models.moe import StackedExperts
+from hybrid.models.rope import Rotary
+from hybrid.models.transformer import MoETransformer
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# Tensors some checkpoints carry that are recomputed, never loaded.
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], nn.Module]
+
+
+def read_config(path: str | Path) -> tuple[Family, ModelConfig, dict]:
+    """config.json (+ generation_config.json's eos ids) -> (family, ModelConfig, raw dict)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"missing file: {cfg_file}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_file}: not valid JSON ({exc})") from None
+    family = family_for(raw)
+    cfg = family.parse_config(raw)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        from hybrid.models.families.common import token_ids
+        extra = [t for t in token_ids(gen.get("eos_token_id")) if t not in cfg.eos_token_ids]
+        if extra:
+            from dataclasses import replace
+            cfg = replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra))
+    return family, cfg, raw
+
+
+def read_header(file: Path) -> dict:
+    """The safetensors JSON header, after checking the file holds every byte it promises."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+        n = struct.unpack("<Q", head)[0]
+        if 8 + n > size:
+            raise ModelLoadError(f"{file}: truncated safetensors file (header needs {8 + n} bytes, file has {size})")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelLoadError(f"{file}: corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ModelLoadError(f"{file}: truncated safetensors file (expected {8 + n + end} bytes, found {size})")
+    return header
+
+
+def checkpoint_index(path: Path) -> dict[str, tuple[Path, dict]]:
+    """tensor name -> (file, header entry) over one file or the shards of an index."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded; convert to safetensors)" if pickles else ""
+        raise ModelLoadError(f"missing file: no *.safetensors in {path}{hint}")
+    out = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"missing file: {f} (listed in {index.name})")
+        for name, entry in read_header(f).items():
+            out[name] = (f, entry)
+    return out
+
+
+def _template(name: str) -> tuple[str, int | None]:
+    m = re.match(r"layers\.(\d+)\.(.*)", name)
+    return (f"layers.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
+
+
+def _materialize(model: nn.Module, device, dtype) -> None:
+    """Replace meta parameters by uninitialised ones on `device` (no init pass, no second copy)."""
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[pname] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                                                         requires_grad=False)
+
+
+def build_empty(cfg: ModelConfig, device, dtype, expert_device=None, expert_dtype=None,
+                build_experts: bool = True) -> MoETransformer:
+    """An uninitialised model: non-expert weights on `device`, experts on `expert_device`."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg, build_experts=False)
+    _materialize(model, device, dtype)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim).to(device)
+    if build_experts:
+        for i, layer in enumerate(model.layers):
+            if layer.moe is not None:
+                layer.moe.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
+                                                   device=expert_device or device, dtype=expert_dtype or dtype)
+    return model.eval()
+
+
+def _plan(model: MoETransformer, family: Family, ckpt: dict, stacks: dict) -> dict[str, tuple]:
+    """checkpoint name -> (destination tensor, expected shape). Raises on missing/unexpected/shape."""
+    cfg = model.cfg
+    plan: dict[str, tuple[torch.Tensor, tuple]] = {}
+    for name, p in model.named_parameters():
+        if ".moe.experts." in name:
+            continue
+        key, layer = _template(name)
+        if key not in family.weights:
+            raise AssertionError(f"no checkpoint name for parameter {name} in {family.model_type}")
+        plan[family.weights[key].format(i=layer)] = (p, tuple(p.shape))
+    E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    for i, (wg, wu, wd) in stacks.items():
+        fused = {k: v.format(i=i) for k, v in family.fused_experts.items()}
+        if fused and fused["gate_up"] in ckpt:
+            plan[fused["gate_up"]] = ((wg, wu), (E, 2 * F_, D))
+            plan[fused["down"]] = (wd, (E, D, F_))
+            continue
+        for e in range(E):
+            for w, dst in (("w_gate", wg), ("w_up", wu), ("w_down", wd)):
+                plan[family.experts[w].format(i=i, e=e)] = (dst[e], tuple(dst.shape[1:]))
+    missing = [n for n in plan if n not in ckpt]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"missing tensor {missing[0]!r}" + (f" (also {', '.join(missing[1:3])}{more})"
+                                                                   if len(missing) > 1 else ""))
+    allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [n for n in ckpt if n not in plan and n not in allowed_extra and not IGNORED.match(n)]
+    if unexpected:
+        raise ModelLoadError(f"unexpected tensor {unexpected[0]!r} in {ckpt[unexpected[0]][0].name}"
+                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                             + f"; not part of a {family.model_type} model with this config")
+    for n, (_, shape) in plan.items():
+        found = tuple(ckpt[n][1]["shape"])
+        if found != shape:
+            raise ModelLoadError(f"tensor {n!r}: shape mismatch, expected {list(shape)}, found {list(found)}")
+        if ckpt[n][1]["dtype"] not in DTYPES:
+            raise ModelLoadError(f"tensor {n!r}: dtype {ckpt[n][1]['dtype']} not supported "
+                                 f"(supported: {', '.join(DTYPES)}; quantized checkpoints are not)")
+    return plan
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
+               experts_factory: ExpertsFactory | None = None, progress: bool = True) -> MoETransformer:
+    """Load the checkpoint in directory `path`; see the module docstring for the expert hook."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    path = Path(path)
+    family, cfg, _ = read_config(path)
+    ckpt = checkpoint_index(path)
+    model = build_empty(cfg, device, dtype, build_experts=False)
+    edev, edt = expert_device or device, expert_dtype or dtype
+    E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    stacks = {i: (torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
+                  torch.empty(E, D, F_, device=edev, dtype=edt))
+              for i, layer in enumerate(model.layers) if layer.moe is not None}
+    plan = _plan(model, family, ckpt, stacks)
+
+    by_file = defaultdict(list)
+    for n in plan:
+        by_file[ckpt[n][0]].append(n)
+    total = sum(ckpt[n][1]["data_offsets"][1] - ckpt[n][1]["data_offsets"][0] for n in plan)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
+               disable=not progress or os.environ.get("HYBRID_NO_PROGRESS") == "1")
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            with safe_open(str(file), framework="pt", device="cpu") as fh:
+                for n in names:
+                    src = fh.get_tensor(n)
+                    dst, _ = plan[n]
+                    if isinstance(dst, tuple):  # fused [E, 2F, D]: gate rows, then up rows
+                        dst[0].copy_(src[:, :F_])
+                        dst[1].copy_(src[:, F_:])
+                    else:
+                        dst.copy_(src)
+                    bar.update(src.numel() * src.element_size())
+                    del src
+    bar.close()
+    for i, (wg, wu, wd) in stacks.items():
+        make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
+        model.layers[i].moe.experts = make(i, wg, wu, wd)
+    return model

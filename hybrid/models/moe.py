@@ -1,0 +1,138 @@
+"""The MoE block and its swappable expert executor.
+
+MoEBlock.forward(hidden [T, D]) -> [T, D] routes (softmax over E router logits in fp32, top-K, optional
+renormalisation of the K weights), hands the routed work to `self.experts`, and adds the shared expert
+(Qwen2-MoE, scaled by a sigmoid gate) itself.
+
+Expert executor interface (what the hybrid layer implements and swaps in per layer, e.g.
+`model.layers[i].moe.experts = HybridExperts(...)`):
+
+    experts(x [T, D], topk_ids [T, K] int64, topk_weights [T, K] float32) -> [T, D] in x.dtype
+
+    out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, k]
+
+the same contract as cpu_kernels.reference.moe_forward. It must not synchronise with the host if it
+is to run inside the captured decode graph. The default, StackedExperts, holds the expert weights
+stacked as w_gate, w_up [E, F, D] and w_down [E, D, F] (rows of nn.Linear weights, as checkpoints
+store them) on one device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.models.config import ModelConfig
+from hybrid.models.layers import GatedMLP, param
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs for this device/dtype (CUDA: bf16 on sm90+; CPU: recent torch).
+    Probed once, because the fallback loop needs a host sync and so cannot be graph-captured."""
+    key = (str(device), dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.ones(4, 16, device=device, dtype=dtype)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                ok = bool((y == 16).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
+
+
+class StackedExperts(nn.Module):
+    """All E experts of one layer on one device; see the module docstring for the contract.
+
+    Tokens are sorted by expert so each expert sees one contiguous block of rows; with
+    torch._grouped_mm that is three grouped GEMMs with no host sync (decode is graph-capturable).
+    Without it, a loop over the experts that received tokens (host sync; eager only)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None, dtype=None):
+        super().__init__()
+        E, D, F_ = num_experts, hidden, intermediate
+        kw = {"device": device, "dtype": dtype}
+        self.w_gate = nn.Parameter(torch.empty(E, F_, D, **kw), requires_grad=False)  # [E, F, D]
+        self.w_up = nn.Parameter(torch.empty(E, F_, D, **kw), requires_grad=False)  # [E, F, D]
+        self.w_down = nn.Parameter(torch.empty(E, D, F_, **kw), requires_grad=False)  # [E, D, F]
+        self.num_experts = E
+
+    @classmethod
+    def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "StackedExperts":
+        """Wraps existing stacked tensors without copying them."""
+        ex = cls.__new__(cls)
+        nn.Module.__init__(ex)
+        ex.w_gate = nn.Parameter(w_gate, requires_grad=False)
+        ex.w_up = nn.Parameter(w_up, requires_grad=False)
+        ex.w_down = nn.Parameter(w_down, requires_grad=False)
+        ex.num_experts = w_gate.shape[0]
+        return ex
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, K = topk_ids.shape
+        D = x.shape[1]
+        dev = self.w_gate.device
+        xin = x.to(device=dev, dtype=self.w_gate.dtype)
+        flat = topk_ids.reshape(-1).to(dev)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # [T*K] assignments grouped by expert
+        rows = xin[order // K]  # [T*K, D]
+        if grouped_mm_works(dev, xin.dtype):
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's block
+            g = torch._grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offs)  # [T*K, F]
+            u = torch._grouped_mm(rows, self.w_up.transpose(1, 2), offs=offs)  # [T*K, F]
+            y = torch._grouped_mm(F.silu(g) * u, self.w_down.transpose(1, 2), offs=offs)  # [T*K, D]
+        else:
+            y = torch.empty(T * K, D, dtype=xin.dtype, device=dev)
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync
+            start = 0
+            for e, n in enumerate(counts):
+                if n:
+                    r = rows[start:start + n]
+                    h = F.silu(F.linear(r, self.w_gate[e])) * F.linear(r, self.w_up[e])
+                    y[start:start + n] = F.linear(h, self.w_down[e])
+                    start += n
+        # Weight in fp32 and sum the K contributions of each token without atomics (deterministic).
+        y = y.float() * topk_weights.reshape(-1).to(dev)[order, None]  # [T*K, D]
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(T, K, D).sum(1).to(device=x.device, dtype=x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """Router + expert executor (+ shared expert). forward(hidden [T, D]) -> [T, D]."""
+
+    def __init__(self, cfg: ModelConfig, experts: nn.Module | None):
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.router = param(cfg.num_experts, cfg.hidden_size)  # [E, D]
+        # None while loading with experts kept elsewhere; the loader installs the executor.
+        self.experts = experts
+        self.shared = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_gate = param(1, cfg.hidden_size)  # [1, D]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts(x, ids, weights)  # [T, D]
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out

@@ -1,0 +1,105 @@
+"""The decoder stack shared by all families: embeddings, N x (attention, MoE or dense MLP), norm, head.
+
+MoETransformer.forward(input_ids [B, T], positions [B, T], slots [B], cache, ...) -> logits
+  - positions: absolute position of each token in its sequence; -1 marks padding (writes nothing,
+    its logits are garbage). Rows are right-padded: valid tokens first.
+  - slots: the KV-cache slot each row reads and writes; K/V are written at (slot, position) and each
+    token attends to its slot's positions <= its own (a causal mask over the cache).
+  - last_only: return only each row's last valid position, logits [B, V] instead of [B, T, V].
+  - kv_len: how many cache positions to attend over (eager callers pass max position + 1 to save
+    work; None = the whole cache, which is what the captured decode graphs use).
+  - fresh: every row is a whole prompt from position 0 with no padding (prefill fast path).
+Logits come back in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.models.config import ModelConfig
+from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param
+from hybrid.models.moe import MoEBlock, StackedExperts
+from hybrid.models.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, experts: nn.Module | None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
+        self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh):
+        h = h + self.attn(self.attn_norm(h), cos, sin, positions, slots, cache, kv_len, fresh)
+        B, T, D = h.shape
+        x = self.mlp_norm(h).view(B * T, D)  # [T, D] for the MoE interface (T = all tokens of the batch)
+        ffn = self.moe if self.moe is not None else self.mlp
+        return h + ffn(x).view(B, T, D)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_device: torch.device | str | None = None,
+                 build_experts: bool = True):
+        """Parameters are created empty on the current default device. Experts are created on
+        `expert_device` (default: the same) unless build_experts=False, in which case every
+        `layers[i].moe.experts` is None until the loader installs an executor."""
+        super().__init__()
+        self.cfg = cfg
+        self.embed = param(cfg.vocab_size, cfg.hidden_size)  # [V, D]
+        layers = []
+        for i in range(cfg.num_layers):
+            experts = None
+            if cfg.moe_layers[i] and build_experts:
+                experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
+                                         device=expert_device)
+            layers.append(DecoderLayer(cfg, i, experts))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else param(cfg.vocab_size, cfg.hidden_size)  # [V, D]
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids, positions, slots, cache, last_only: bool = False,
+                kv_len: int | None = None, fresh: bool = False) -> torch.Tensor:
+        B, T = input_ids.shape
+        if fresh and self.cfg.sliding_window is not None and T > self.cfg.sliding_window:
+            fresh = False  # the fast path has no window; take the masked path
+        h = F.embedding(input_ids, self.embed)  # [B, T, D]
+        cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh)
+        if last_only:
+            last = ((positions >= 0).sum(1) - 1).clamp(min=0)  # [B]
+            h = h[torch.arange(B, device=h.device), last]  # [B, D]
+        h = self.norm(h)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(h, head).float()  # [B, (T,) V]
+
+
+@torch.no_grad()
+def init_random_(model: MoETransformer, seed: int = 0, std: float = 0.02) -> MoETransformer:
+    """Fills every weight in place: normals(0, std) for matrices, ones for norm scales, zeros for
+    biases. Generated on each tensor's own device (fast on a GPU; nothing crosses PCIe)."""
+    gens: dict[str, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        dev = p.device
+        if str(dev) not in gens:
+            gens[str(dev)] = torch.Generator(device=dev).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gens[str(dev)])
+    return model
