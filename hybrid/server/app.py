@@ -100,23 +100,23 @@ def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics |
     return app
 
 
-async def _serve(app: web.Application, host: str, port: int, announce) -> None:
+async def run_server(app: web.Application, host: str, port: int, announce,
+                     stop: asyncio.Event | None = None) -> None:
+    """Listen until `stop` is set (or SIGINT/SIGTERM when no `stop` is given, i.e. in the main thread)."""
     # handler_cancellation: a client that disconnects gets its handler cancelled, which cancels its
     # sequences, even for non-streaming requests that would otherwise only notice at the final write.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port  # noqa: SLF001 - no public API
-    announce(host, bound)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]  # the real port when port=0
+        announce(host, bound)
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -129,4 +129,4 @@ def serve(config: ServerConfig, runtime, model_name: str, announce=None) -> None
               f"max_batch={runtime.max_batch}, max_context={runtime.max_context})", flush=True)
 
     app = build_app(config, runtime, model_name)
-    asyncio.run(_serve(app, config.host, config.port, announce or default_announce))
+    asyncio.run(run_server(app, config.host, config.port, announce or default_announce))

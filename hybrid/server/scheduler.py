@@ -135,12 +135,14 @@ class Scheduler:
         self._fail_all("the server is shutting down", 503)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            try:
-                self.runtime.release(seq.slot)
-            finally:
-                self._free_slots.append(seq.slot)
-                seq.slot = None
+        if seq.slot is None:
+            return
+        try:
+            self.runtime.release(seq.slot)
+        except Exception:  # noqa: BLE001 - the next prefill overwrites the slot anyway; keep serving
+            log.exception("releasing slot %s failed", seq.slot)
+        self._free_slots.append(seq.slot)
+        seq.slot = None
 
     def _reap_cancelled(self) -> None:
         keep = []
@@ -232,10 +234,7 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, message: str, status: int) -> None:
         seq.finished = True
-        try:
-            self._release(seq)
-        except Exception:  # noqa: BLE001 - the error below must still reach the client
-            log.exception("releasing slot %s failed", seq.slot)
+        self._release(seq)
         if not seq.cancelled:
             seq.sink(Event("error", error=message, status=status))
 

@@ -1,0 +1,172 @@
+"""Unit tests of the server's pure parts: request validation, streaming detokenization, sampling, metrics."""
+
+import pytest
+import torch
+
+from hybrid.server.detok import TextStream
+from hybrid.server.errors import ApiError
+from hybrid.server.metrics import ExpertSplitRegistry, Metrics
+from hybrid.server.sampling import make_generator, sample
+from hybrid.server.schemas import SamplingParams, parse_request
+
+
+# --- validation ---------------------------------------------------------------------------------
+def test_parse_completion_defaults_and_values():
+    req = parse_request({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5,
+                         "seed": 3, "stop": "x", "stream": True, "stream_options": {"include_usage": True},
+                         "some_vendor_extra": 1}, chat=False, max_choices=4)
+    assert req.prompts == ["hi"] and req.max_tokens == 5 and req.stream and req.include_usage
+    assert req.sampling == SamplingParams(temperature=0.0, top_p=0.5, seed=3, stop=("x",))
+    assert req.sampling.greedy
+    assert parse_request({"prompt": [1, 2]}, False, 4).prompts == [[1, 2]]
+    assert parse_request({"prompt": [[1], [2, 3]]}, False, 4).prompts == [[1], [2, 3]]
+    assert parse_request({"prompt": ["a", "b"]}, False, 4).prompts == ["a", "b"]
+
+
+def test_parse_chat_normalises_messages():
+    req = parse_request({"messages": [{"role": "developer", "content": "be brief"},
+                                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]},
+                                      {"role": "assistant", "content": None}],
+                         "max_completion_tokens": 7}, chat=True, max_choices=4)
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": ""}]
+    assert req.max_tokens == 7 and req.sampling.temperature == 1.0
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], None),
+    ({}, "prompt"),
+    ({"prompt": ""}, None),  # empty string is allowed here; emptiness is checked after tokenization
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.01}, "top_p"),
+    ({"prompt": "x", "seed": "1"}, "seed"),
+    ({"prompt": "x", "seed": 1 << 70}, "seed"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 5}, "n"),
+    ({"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "model": 3}, "model"),
+])
+def test_parse_completion_rejects(body, param):
+    if body == {"prompt": ""}:
+        parse_request(body, False, 4)
+        return
+    with pytest.raises(ApiError) as e:
+        parse_request(body, chat=False, max_choices=4)
+    assert e.value.status == 400
+    assert e.value.param == param
+    assert e.value.body()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"messages": []},
+    {"messages": "hi"},
+    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+])
+def test_parse_chat_rejects(body):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, chat=True, max_choices=4)
+    assert e.value.status == 400
+
+
+# --- streaming detokenization -------------------------------------------------------------------
+def _bytes_decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _run(stream: TextStream, ids):
+    pieces = [stream.push(t) for t in ids]
+    if not stream.stopped:
+        pieces.append(stream.finish())
+    return pieces
+
+
+def test_stop_string_split_across_tokens_is_never_streamed():
+    s = TextStream(_bytes_decode, stop=("END",))
+    pieces = _run(s, list(b"abcENxEND tail"))
+    assert "".join(pieces) == "abcENx"
+    assert s.stopped and s.text == "abcENx"
+    # the held-back "EN" is released only once "x" shows it is not the stop string
+    assert pieces[:6] == ["a", "b", "c", "", "", "ENx"]
+
+
+def test_earliest_of_several_stop_strings_wins():
+    s = TextStream(_bytes_decode, stop=("zz", "b"))
+    assert "".join(_run(s, list(b"aabzz"))) == "aa"
+
+
+def test_held_back_prefix_is_flushed_at_the_end():
+    s = TextStream(_bytes_decode, stop=("xyz",))
+    pieces = _run(s, list(b"abxy"))
+    assert pieces[-1] == "xy" and "".join(pieces) == "abxy" and not s.stopped
+
+
+def test_multibyte_character_is_not_split():
+    ids = list("aé€".encode())  # 1 + 2 + 3 bytes
+    s = TextStream(_bytes_decode)
+    pieces = _run(s, ids)
+    assert "".join(pieces) == "aé€"
+    assert "\ufffd" not in "".join(pieces)
+    assert pieces[1] == "" and pieces[2] == "é"
+
+
+# --- sampling ------------------------------------------------------------------------------------
+def test_sampling_greedy_topk1_tiny_topp_are_argmax_and_seeds_reproduce():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)  # [B, V]
+    best = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.5, seed=7)]
+    gens = [make_generator(p.seed) for p in params]
+    out = sample(logits, params, gens)
+    assert out[:3] == best[:3]
+    # the seeded row draws the same token alone as in the batch
+    alone = sample(logits[3:], params[3:], [make_generator(7)])
+    assert alone[0] == out[3]
+    draws = {tuple(sample(logits[3:], params[3:], [make_generator(s)])) for s in range(40)}
+    assert len(draws) > 1  # temperature sampling really samples
+
+
+# --- metrics -------------------------------------------------------------------------------------
+def test_metrics_text_and_expert_split_hook():
+    reg = ExpertSplitRegistry()
+    m = Metrics(expert_split=reg)
+    m.request_done("/v1/completions", 200)
+    m.request_done("/v1/completions", 400)
+    m.prefilled(12)
+    m.generated(3, batch_size=3)
+    text = m.render({"hybrid_queue_depth": ("q", 2)})
+    assert 'hybrid_requests_total{endpoint="/v1/completions",status="400"} 1' in text
+    assert "hybrid_prompt_tokens_total 12" in text and "hybrid_generation_tokens_total 3" in text
+    assert "hybrid_queue_depth 2" in text and "hybrid_decode_batch_size 3" in text
+    assert "cold_expert" not in text  # no hybrid layer -> no series at all
+    reg.record(0, cpu=3, shipped=1)
+    reg.record(0, cpu=1, shipped=3)
+    reg.record(5, cpu=2, shipped=0)
+    text = m.render({})
+    assert 'hybrid_cold_experts_total{layer="0",lane="cpu"} 4' in text
+    assert 'hybrid_cold_expert_cpu_share{layer="0"} 0.5' in text
+    assert 'hybrid_cold_expert_cpu_share{layer="5"} 1.0' in text
+    for line in text.splitlines():  # every sample line is "name{labels} number"
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
