@@ -1,0 +1,175 @@
+"""Engine: KV-cache slots, prefill, decode steps and a batched `generate` on top of a MoETransformer.
+
+API (what the OpenAI server's continuous batching drives):
+
+    engine = Engine(model, tokenizer, max_batch=8, max_context=4096, eager=None)
+        # eager=None: CUDA graphs for decode on a GPU, eager on the CPU; eager=True turns graphs off.
+    slot = engine.allocate_slot()                   # a free KV slot (ValueError if none is free)
+    logits = engine.prefill(slot, token_ids)        # [V] fp32 logits after the last prompt token.
+        # Appends to what the slot already holds (multi-turn / chunked prefill); always eager.
+    logits = engine.decode_step(slots, last_tokens) # [B, V] fp32: one token per slot at its next position.
+        # Graph-captured on the GPU; the returned tensor is reused by the next step: consume it first.
+    engine.free_slot(slot)                          # the slot's cache is simply overwritten on reuse
+    engine.lengths[slot]                            # tokens held by a slot
+    engine.forward(input_ids, positions, slots)     # raw batched forward (right padding, position -1)
+    token_ids = sample(logits, [SamplingParams...], [generator...])   # hybrid.runtime.sampling
+
+    results = engine.generate(prompts, max_new_tokens=64, sampling=SamplingParams(temperature=0),
+                              stop_token_ids=None, stop_strings=(), stream=None)
+        # prompts: list of str (needs the tokenizer) or list of token-id lists, any lengths; more
+        # prompts than slots are queued and admitted as slots free up. sampling: one SamplingParams or
+        # one per prompt (per-request seed). stop_token_ids=None: the model's and tokenizer's EOS ids.
+        # stream(index, token_id, text_delta) is called for every generated token.
+        # -> list[Completion(prompt_token_ids, token_ids, text, finish_reason)], and engine.stats.
+
+Shapes: B rows, T tokens, V vocab. The stop token itself is not part of token_ids or text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hybrid.runtime.kv_cache import StaticKVCache
+from hybrid.runtime.sampling import SamplingParams, sample
+
+StreamCallback = Callable[[int, int, str], None]
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS / stop string) or "length"
+
+
+@dataclass
+class Stats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, max_batch: int = 8, max_context: int = 4096,
+                 eager: bool | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.device
+        self.cache = StaticKVCache.for_model(model, max_batch, max_context)
+        self.max_batch, self.max_context = max_batch, max_context
+        self.lengths = [0] * max_batch
+        self._free = list(range(max_batch - 1, -1, -1))
+        if eager is None:
+            eager = self.device.type != "cuda"
+        if not eager and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; pass eager=True")
+        self.graphs = None
+        if not eager:
+            from hybrid.runtime.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, self.cache)
+        self.stats = Stats()
+
+    # -- slots ------------------------------------------------------------------------------------
+    def allocate_slot(self) -> int:
+        if not self._free:
+            raise ValueError(f"all {self.max_batch} KV slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.max_batch:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    # -- model steps -------------------------------------------------------------------------------
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
+        """Raw eager forward; see hybrid.models.transformer for the conventions."""
+        dev = self.device
+        positions = positions.to(dev)
+        kv_len = int(positions.max().item()) + 1
+        return self.model(input_ids.to(dev), positions, slots.to(dev), self.cache, last_only=last_only,
+                          kv_len=max(kv_len, 1))
+
+    @torch.no_grad()
+    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        start, n = self.lengths[slot], len(token_ids)
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        if start + n > self.max_context:
+            raise ValueError(f"{start + n} tokens exceed max_context {self.max_context}")
+        dev = self.device
+        t0 = time.perf_counter()
+        ids = torch.tensor([token_ids], dtype=torch.long, device=dev)  # [1, T]
+        pos = torch.arange(start, start + n, device=dev)[None]  # [1, T]
+        logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
+                            kv_len=start + n, fresh=start == 0)  # [1, V]
+        self._sync()
+        self.lengths[slot] += n
+        self.stats.prefill_tokens += n
+        self.stats.prefill_s += time.perf_counter() - t0
+        return logits[0]
+
+    @torch.no_grad()
+    def decode_step(self, slots: list[int], last_tokens: list[int]) -> torch.Tensor:
+        positions = [self.lengths[s] for s in slots]
+        if max(positions) >= self.max_context:
+            raise ValueError(f"a slot reached max_context {self.max_context}")
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            if not self.graphs.graphs:  # capture outside the timed region
+                self.graphs.capture()
+                t0 = time.perf_counter()
+            logits = self.graphs.step(list(last_tokens), positions, list(slots))
+        else:
+            dev = self.device
+            logits = self.model(torch.tensor(last_tokens, device=dev)[:, None], torch.tensor(positions, device=dev)[:, None],
+                                torch.tensor(slots, device=dev), self.cache, last_only=True,
+                                kv_len=max(positions) + 1)
+        self._sync()
+        for s in slots:
+            self.lengths[s] += 1
+        self.stats.decode_tokens += len(slots)
+        self.stats.decode_steps += 1
+        self.stats.decode_s += time.perf_counter() - t0
+        return logits
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, prompts: list, max_new_tokens: int = 64,
+                 sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 stop_token_ids: list[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
+                 stream: StreamCallback | None = None) -> list[Completion]:
+        from hybrid.runtime.generation import run_generation
+
+        return run_generation(self, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream)
+
+    def default_stop_ids(self) -> list[int]:
+        ids = list(self.model.cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            ids += [t for t in self.tokenizer.eos_token_ids if t not in ids]
+        return ids
