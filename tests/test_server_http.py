@@ -1,4 +1,4 @@
-"""HTTP-level tests against an in-process server backed by the deterministic FakeRuntime.
+"""HTTP-level tests against an in-process server backed by the deterministic fake engine (hybrid.server.testing).
 
 The fake's output depends only on each sequence's own tokens, so these tests pin the server's own
 behaviour (batching bookkeeping, limits, errors, cancellation) without a model; test_server_e2e.py
@@ -19,7 +19,7 @@ import pytest
 
 from hybrid.server.app import build_app, run_server
 from hybrid.server.config import ServerConfig
-from hybrid.server.testing import FakeRuntime
+from hybrid.server.testing import fake_runtime
 
 
 class ServerThread:
@@ -86,7 +86,7 @@ class ServerThread:
 
 @pytest.fixture
 def server():
-    s = ServerThread(FakeRuntime(max_batch=4, max_context=128, step_delay_s=0.002))
+    s = ServerThread(fake_runtime(max_batch=4, max_context=128, step_delay_s=0.002))
     yield s
     s.close()
 
@@ -139,11 +139,11 @@ def test_concurrent_greedy_requests_match_solo_runs(server):
     prompts = [f"prompt number {i} " + "x" * i for i in range(16)]
     c = server.client()
     solo = [_completion(c, p, max_tokens=24)[0] for p in prompts]
-    server.runtime.max_rows_seen = 0
+    server.runtime.engine.max_rows_seen = 0
     with cf.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: _completion(c, p, max_tokens=24)[0], prompts))
     assert together == solo
-    assert server.runtime.max_rows_seen == 4  # they really were batched, up to max_batch
+    assert server.runtime.engine.max_rows_seen == 4  # they really were batched, up to max_batch
     server.wait_idle()
 
 
@@ -184,7 +184,7 @@ def _sse_disconnect_after(port, body, events=2):
 
 
 def test_disconnect_mid_stream_frees_slot(server):
-    server.runtime.step_delay_s = 0.02
+    server.runtime.engine.step_delay_s = 0.02
     _sse_disconnect_after(server.port, {"prompt": "long one", "max_tokens": 100, "stream": True})
     h = server.wait_idle(timeout=5)
     assert h["free_slots"] == 4
@@ -195,7 +195,7 @@ def test_disconnect_mid_stream_frees_slot(server):
 
 
 def test_disconnect_during_non_streaming_request_frees_slot(server):
-    server.runtime.step_delay_s = 0.02
+    server.runtime.engine.step_delay_s = 0.02
     s = socket.create_connection(("127.0.0.1", server.port))
     payload = json.dumps({"prompt": "quiet", "max_tokens": 100}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
@@ -209,10 +209,10 @@ def test_disconnect_during_non_streaming_request_frees_slot(server):
 
 
 def test_full_queue_gets_429_and_accepted_requests_still_complete():
-    rt = FakeRuntime(max_batch=1, max_context=64)
+    rt = fake_runtime(max_batch=1, max_context=64)
     srv = ServerThread(rt, max_queue=1)
     try:
-        rt.gate.clear()  # the engine blocks inside the first prefill
+        rt.engine.gate.clear()  # the engine blocks inside the first prefill
         with cf.ThreadPoolExecutor(2) as pool:
             first = pool.submit(srv.post, "/v1/completions", {"prompt": "one", "max_tokens": 3})
             while srv.health()["free_slots"] != 0:
@@ -224,11 +224,11 @@ def test_full_queue_gets_429_and_accepted_requests_still_complete():
             assert status == 429 and int(headers["Retry-After"]) >= 1
             assert body["error"]["type"] == "rate_limit_error"
             assert "hybrid_queue_depth 1" in srv.get("/metrics")
-            rt.gate.set()
+            rt.engine.gate.set()
             assert first.result(10)[0] == 200 and second.result(10)[0] == 200
         srv.wait_idle()
     finally:
-        rt.gate.set()
+        rt.engine.gate.set()
         srv.close()
 
 
@@ -276,7 +276,7 @@ def test_engine_failure_reaches_the_client_and_server_keeps_serving(server):
 
 
 def test_api_key_is_enforced():
-    srv = ServerThread(FakeRuntime(), api_key="s3cret")
+    srv = ServerThread(fake_runtime(), api_key="s3cret")
     try:
         assert srv.post("/v1/completions", {"prompt": "x"})[0] == 401
         status, headers, body = srv.post("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong"})

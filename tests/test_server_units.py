@@ -6,7 +6,7 @@ import torch
 from hybrid.server.detok import TextStream
 from hybrid.server.errors import ApiError
 from hybrid.server.metrics import ExpertSplitRegistry, Metrics
-from hybrid.server.sampling import make_generator, sample
+from hybrid.server.testing import fake_runtime
 from hybrid.server.schemas import SamplingParams, parse_request
 
 
@@ -130,20 +130,20 @@ def test_multibyte_character_is_not_split():
     assert pieces[1] == "" and pieces[2] == "é"
 
 
-# --- sampling ------------------------------------------------------------------------------------
+# --- sampling through the adapter ----------------------------------------------------------------
 def test_sampling_greedy_topk1_tiny_topp_are_argmax_and_seeds_reproduce():
+    rt = fake_runtime()
     torch.manual_seed(0)
     logits = torch.randn(4, 50)  # [B, V]
     best = logits.argmax(-1).tolist()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
-              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.5, seed=7)]
-    gens = [make_generator(p.seed) for p in params]
-    out = sample(logits, params, gens)
+              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.5, seed=-7)]
+    out = rt.sample(logits, [rt.sampler(p) for p in params])
     assert out[:3] == best[:3]
     # the seeded row draws the same token alone as in the batch
-    alone = sample(logits[3:], params[3:], [make_generator(7)])
-    assert alone[0] == out[3]
-    draws = {tuple(sample(logits[3:], params[3:], [make_generator(s)])) for s in range(40)}
+    assert rt.sample(logits[3:], [rt.sampler(params[3])]) == out[3:]
+    draws = {tuple(rt.sample(logits[3:], [rt.sampler(SamplingParams(temperature=1.5, seed=s))]))
+             for s in range(40)}
     assert len(draws) > 1  # temperature sampling really samples
 
 

@@ -58,7 +58,7 @@ class Sequence:
         self.sink = sink
         self.cancelled = False  # set by the event loop; read by the engine thread at step boundaries
         self.slot: int | None = None
-        self.generator = None
+        self.sampler = None  # the runtime's per-sequence sampling state (params + seeded generator)
         self.stream: TextStream | None = None
         self.n_generated = 0
         self.last_token = -1
@@ -74,7 +74,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()  # guarded by _cond
         self._running: list[Sequence] = []  # engine thread only
-        self._free_slots = list(range(runtime.max_batch))[::-1]  # engine thread only; pop() -> lowest
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.step_started = time.monotonic()  # for /health: a stuck engine shows a growing age
@@ -113,7 +112,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"running": len(self._running), "waiting": len(self._waiting),
-                "free_slots": len(self._free_slots), "max_batch": self.runtime.max_batch}
+                "free_slots": self.runtime.free_slots, "max_batch": self.runtime.max_batch}
 
     # --- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -138,10 +137,9 @@ class Scheduler:
         if seq.slot is None:
             return
         try:
-            self.runtime.release(seq.slot)
-        except Exception:  # noqa: BLE001 - the next prefill overwrites the slot anyway; keep serving
-            log.exception("releasing slot %s failed", seq.slot)
-        self._free_slots.append(seq.slot)
+            self.runtime.free_slot(seq.slot)
+        except Exception:  # noqa: BLE001 - a bookkeeping bug must not stop the other sequences
+            log.exception("freeing slot %s failed", seq.slot)
         seq.slot = None
 
     def _reap_cancelled(self) -> None:
@@ -161,7 +159,7 @@ class Scheduler:
     def _admit(self) -> None:
         budget = self.prefill_token_budget
         admitted = 0
-        while self._free_slots:
+        while self.runtime.free_slots:
             with self._cond:
                 if not self._waiting:
                     return
@@ -169,12 +167,12 @@ class Scheduler:
                 if admitted and len(seq.prompt_ids) > budget:
                     return  # next iteration; decode gets its step first
                 self._waiting.popleft()
-            seq.slot = self._free_slots.pop()
             try:
-                seq.generator = self.runtime.make_generator(seq.params.seed)
+                seq.slot = self.runtime.allocate_slot()
+                seq.sampler = self.runtime.sampler(seq.params)
                 seq.stream = TextStream(self.runtime.decode, seq.params.stop)
                 logits = self.runtime.prefill(seq.slot, seq.prompt_ids)  # [V]
-                token = self.runtime.sample(logits[None], [seq.params], [seq.generator])[0]
+                token = self.runtime.sample(logits[None], [seq.sampler])[0]
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 log.exception("prefill failed")
                 self._fail(seq, f"prefill failed: {exc}", 500)
@@ -193,7 +191,7 @@ class Scheduler:
         batch = self._running
         try:
             logits = self.runtime.decode_step([s.slot for s in batch], [s.last_token for s in batch])  # [B, V]
-            tokens = self.runtime.sample(logits, [s.params for s in batch], [s.generator for s in batch])
+            tokens = self.runtime.sample(logits, [s.sampler for s in batch])
         except Exception as exc:  # noqa: BLE001
             log.exception("decode step failed")
             for seq in batch:
