@@ -17,6 +17,7 @@ COMMANDS = [
     "cost",
     "calibrate",
     "bench",
+    "serve",
 ]
 
 

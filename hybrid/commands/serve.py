@@ -1,0 +1,76 @@
+"""`hybrid serve`: the OpenAI-compatible HTTP server (see hybrid/server/)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+
+from hybrid.errors import UsageError
+
+API_KEY_ENV = "HYBRID_API_KEY"
+
+
+def register(subparsers) -> None:
+    from hybrid.server.config import ServerConfig
+
+    d = ServerConfig()
+    p = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI API (completions, chat, streaming)",
+        description="OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream or "
+        "not), /health, /metrics (Prometheus). Requests are batched continuously on one engine thread.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); "
+                   "default: the demo checkpoint, generated on first use")
+    p.add_argument("--plan", metavar="FILE", help="expert placement plan for the hybrid runtime")
+    p.add_argument("--host", default=d.host, help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set; "
+                   "prefer the variable: command lines are visible to other users)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help="KV cache slots = sequences decoded together (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=d.max_context,
+                   help="tokens per sequence, prompt + completion (default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="sequences waiting for a slot before requests get 429 (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="request body cap; larger bodies get 413 (default %(default)s)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args) -> int:
+    from hybrid.server.adapter import load_runtime
+    from hybrid.server.app import serve
+    from hybrid.server.config import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
+                              max_context=args.max_context, max_queue=args.max_queue,
+                              max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.plan is not None and not os.path.isfile(args.plan):
+        raise UsageError(f"--plan: no such file: {args.plan}")
+    if not _is_loopback(config.host) and config.api_key is None:
+        print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
+              f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
+    runtime, name = load_runtime(args.model, args.plan, config.max_batch, config.max_context)
+    try:
+        serve(config, runtime, config.served_model_name or name)
+    except OSError as exc:  # port in use, address not available
+        raise UsageError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+    return 0
