@@ -1,0 +1,144 @@
+"""Loading of the compiled ISA libraries (ctypes over a C ABI) and the choice of ISA.
+
+The ISA is chosen once per process: HYBRID_CPU_ISA if set (amx, avx512_bf16, avx2, ref), else the best
+that both the CPU/OS (cpuid + xgetbv, probed by a baseline-compiled library) and the build provide.
+A forced ISA this machine cannot run raises IsaUnavailable instead of dying of SIGILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+log = logging.getLogger("cpu_kernels")
+
+ISAS = ("amx", "avx512_bf16", "avx2", "ref")
+_LIB = {"amx": "amx", "avx512_bf16": "avx512", "avx2": "avx2"}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Bits returned by hy_cpu_features (cpu_kernels/csrc/probe.cpp).
+F = dict(avx2=1 << 0, fma=1 << 1, avx512f=1 << 2, avx512bw=1 << 3, avx512vl=1 << 4, avx512dq=1 << 5,
+         avx512vnni=1 << 6, avx512bf16=1 << 7, amx_tile=1 << 8, amx_bf16=1 << 9, amx_int8=1 << 10,
+         os_avx=1 << 11, os_avx512=1 << 12, os_amx=1 << 13)
+_NEEDS = {
+    "avx2": ("avx2", "fma", "os_avx"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "os_avx512"),
+}
+_NEEDS["amx"] = _NEEDS["avx512_bf16"] + ("amx_tile", "amx_bf16", "amx_int8", "os_amx")
+
+
+class IsaUnavailable(RuntimeError):
+    """A requested ISA cannot run on this machine or was not built."""
+
+
+class HyMat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("rsum", ctypes.c_void_p),
+                ("w_estride", ctypes.c_int64), ("s_estride", ctypes.c_int64), ("r_estride", ctypes.c_int64),
+                ("rows", ctypes.c_int32), ("rows_p", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("ldk", ctypes.c_int32), ("group", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+
+
+class HyNode(ctypes.Structure):
+    _fields_ = [("pool", ctypes.c_void_p), ("gate", HyMat), ("up", HyMat), ("down", HyMat)]
+
+
+class HyLayer(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("act", ctypes.c_int32), ("n_local", ctypes.c_int32),
+                ("D", ctypes.c_int32), ("n_nodes", ctypes.c_int32), ("knee", ctypes.c_int32),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("nodes", HyNode * 8)]
+
+
+def _lib_path(name: str) -> str | None:
+    hits = sorted(glob.glob(os.path.join(_HERE, f"_hy_{name}*.so")))
+    return hits[0] if hits else None
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> dict[str, bool]:
+    path = _lib_path("probe")
+    if path is None:
+        return {k: False for k in F}
+    bits = ctypes.CDLL(path).hy_cpu_features()
+    return {k: bool(bits & v) for k, v in F.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _amx_permission() -> bool:
+    lib = ctypes.CDLL(_lib_path("probe"))
+    return lib.hy_request_amx() == 0
+
+
+@functools.lru_cache(maxsize=None)
+def why_unavailable(isa: str) -> str | None:
+    """None if `isa` can run here, else the reason it cannot."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {ISAS}")
+    if isa == "ref":
+        return None
+    if _lib_path("probe") is None:
+        return "the compiled kernels are not built (pip install -e . builds them)"
+    feats = cpu_features()
+    missing = [f for f in _NEEDS[isa] if not feats[f]]
+    if missing:
+        return f"CPU/OS lacks {', '.join(missing)}"
+    if _lib_path(_LIB[isa]) is None:
+        return f"library _hy_{_LIB[isa]} was not built (compiler lacked the flags?)"
+    if isa == "amx" and not _amx_permission():
+        return "Linux refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
+def available_isas() -> list[str]:
+    """ISAs usable on this machine, best first; always ends with 'ref'."""
+    return [isa for isa in ISAS if why_unavailable(isa) is None]
+
+
+@functools.lru_cache(maxsize=None)
+def default_isa() -> str:
+    forced = os.environ.get("HYBRID_CPU_ISA", "").strip()
+    if forced:
+        if forced not in ISAS:
+            raise IsaUnavailable(f"HYBRID_CPU_ISA={forced!r} is not one of {ISAS}")
+        why = why_unavailable(forced)
+        if why:
+            raise IsaUnavailable(f"HYBRID_CPU_ISA={forced} cannot run here: {why}")
+        log.info("cpu_kernels: ISA %s (forced by HYBRID_CPU_ISA)", forced)
+        return forced
+    isa = available_isas()[0]
+    skipped = "; ".join(f"{i}: {why_unavailable(i)}" for i in ISAS[:ISAS.index(isa)])
+    log.info("cpu_kernels: ISA %s (best available%s)", isa, f"; skipped {skipped}" if skipped else "")
+    return isa
+
+
+def resolve_isa(isa: str | None) -> str:
+    if isa is None:
+        return default_isa()
+    why = why_unavailable(isa)
+    if why:
+        raise IsaUnavailable(f"ISA {isa} cannot run here: {why}")
+    return isa
+
+
+@functools.lru_cache(maxsize=None)
+def load(isa: str) -> ctypes.CDLL:
+    resolve_isa(isa)
+    lib = ctypes.CDLL(_lib_path(_LIB[isa]))
+    lib.hy_pool_get.restype = ctypes.c_void_p
+    lib.hy_pool_get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.hy_pool_threads.argtypes = [ctypes.c_void_p]
+    lib.hy_pool_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.hy_pool_copy.restype = None
+    lib.hy_forward.argtypes = [ctypes.POINTER(HyLayer), ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int]
+    lib.hy_forward.restype = ctypes.c_int
+    lib.hy_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def pool(isa: str, cpus) -> int:
+    arr = (ctypes.c_int * len(cpus))(*cpus)
+    return load(isa).hy_pool_get(arr, len(cpus))

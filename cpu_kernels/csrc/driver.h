@@ -1,0 +1,354 @@
+// The fused-MoE driver shared by every ISA library: routing, activation preparation, the phases of one
+// layer call, NUMA slices and the C API. The including file first defines the ISA's kernels:
+//   vec_gemm(M, e, r0, nr, rows, m, C, ldc)   C[i*ldc + r] = sum_k act_i[k] * W_e[r0 + r][k]
+//   amx_gemm(M, e, r0, nr, bpack, bscale, m_pad, C, ldc)   same, activations packed as AMX B tiles
+// and the macros HY_ISA_NAME and HY_HAS_AMX.
+//
+// Phases of one call (each a dynamic parallel-for; NUMA nodes run theirs concurrently on their pools):
+//   0  prepare each token's row once: bf16, or int8 + scale + group sums            (node 0's pool)
+//   P  AMX experts: pack their token rows into VNNI B tiles                          (node 0's pool)
+//   1  (expert, 64-row block of F_n): gate and up GEMMs, activation, h [m, F_n]      (every node)
+//   Q  int8/int4: quantize h rows; AMX experts: pack h into B tiles                 (every node)
+//   2  32/64-row block of D: down GEMM of every expert, weighted scatter into acc_n [T, D]
+//   3  out = sum over nodes of acc_n, converted to out's dtype                      (node 0's pool)
+#pragma once
+#include <algorithm>
+#include <cstdlib>
+#include "hy.h"
+#include "pool.h"
+
+namespace {
+
+// Symmetric per-token int8 quantization of n values (zero padded up to ldk).
+void quantize_row(const float* v, int n, int ldk, int group, uint8_t* row) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+  int8_t* q = (int8_t*)row;
+  for (int i = 0; i < n; ++i) q[i] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * inv)));
+  std::memset(q + n, 0, ldk - n);
+  std::memcpy(row + ldk, &scale, 4);
+  int32_t* gs = (int32_t*)(row + ldk + 4);
+  for (int g = 0; g < ldk / group; ++g) {
+    int32_t s = 0;
+    for (int i = g * group; i < (g + 1) * group; ++i) s += q[i];
+    gs[g] = s;
+  }
+}
+
+// 16 tokens x 64 bytes of K -> one AMX B tile (16 rows of 64 bytes): B row kk holds, for each token n,
+// the 4 bytes K[4kk..4kk+3] (two bf16 or four int8: the VNNI pairing of TDPBF16PS / TDPBSSD, Intel SDM
+// vol. 2, "TDPBF16PS"). That is a 16x16 transpose of 32-bit words. Missing tokens are zero.
+void pack_b_block(const uint8_t* const* rows, int m, int tb, int kbytes, uint8_t* dst) {
+  int nkc = kbytes / 64;
+  for (int kc = 0; kc < nkc; ++kc) {
+    uint32_t* tile = (uint32_t*)(dst + ((int64_t)tb * nkc + kc) * 1024);
+    for (int n = 0; n < 16; ++n) {
+      int t = tb * 16 + n;
+      if (t < m) {
+        const uint32_t* src = (const uint32_t*)(rows[t] + kc * 64);
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = src[kk];
+      } else {
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = 0;
+      }
+    }
+  }
+}
+
+struct Buf {
+  uint8_t* p = nullptr;
+  size_t cap = 0;
+  template <class T> T* get(size_t count) {
+    size_t need = std::max<size_t>(64, count * sizeof(T));
+    if (need > cap) {
+      std::free(p);
+      cap = need + need / 4;
+      if (posix_memalign((void**)&p, 64, cap)) { p = nullptr; cap = 0; }
+    }
+    return (T*)p;
+  }
+};
+
+struct Workspace {
+  Buf cnt, off, tok, wt, xrows, xptr, act, xpack;
+  Buf hrows[HY_MAX_NODES], hf[HY_MAX_NODES], hptr[HY_MAX_NODES], hpack[HY_MAX_NODES];
+  Buf acc[HY_MAX_NODES], scratch[HY_MAX_NODES];
+};
+
+std::mutex g_job_mu;  // one layer call at a time per library; concurrent callers queue here
+Workspace* g_ws = nullptr;
+
+// pack_rows: padded token rows of the AMX experts before this one; its packed activations start at
+// pack_rows * (row bytes + 4) (tiles, then one fp32 scale per padded token).
+struct Active { int e, m, off, amx; int64_t pack_rows; };
+
+// Run one phase on every node's pool at once; a pool shared by two nodes (fake topologies) runs them
+// one after the other.
+template <class F>
+void run_nodes(const HyLayer* L, F make, std::function<int(int)> ntasks) {
+  Pool* started[HY_MAX_NODES];
+  int ns = 0;
+  for (int n = 0; n < L->n_nodes; ++n) {
+    Pool* p = (Pool*)L->nodes[n].pool;
+    int tasks = ntasks(n);
+    if (tasks <= 0) continue;
+    for (int i = 0; i < ns; ++i) if (started[i] == p) { p->wait(); started[i] = started[--ns]; break; }
+    p->start(make(n), tasks);
+    started[ns++] = p;
+  }
+  for (int i = 0; i < ns; ++i) started[i]->wait();
+}
+
+int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
+            const float* wts, const int32_t* lmap, int n_global, void* out, int out_dtype) {
+  if (!L || L->n_nodes < 1 || L->n_nodes > HY_MAX_NODES || T < 0 || K < 1 || L->n_local < 0) return HY_EARG;
+  if (T == 0) return HY_OK;
+  const int dt = L->dtype, D = L->D, E = L->n_local;
+  const HyMat& G0 = L->nodes[0].gate;
+  const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  if (!g_ws) g_ws = new Workspace();
+  Workspace& W = *g_ws;
+
+  // Routing: counting sort of the (token, k) assignments by local expert, tokens in increasing order.
+  int* cnt = W.cnt.get<int>(E + 1);
+  std::fill(cnt, cnt + E + 1, 0);
+  for (int64_t a = 0; a < (int64_t)T * K; ++a) {
+    int id = ids[a];
+    if (id < 0 || id >= n_global) return HY_EID;
+    int l = lmap[id];
+    if (l >= E) return HY_EARG;
+    if (l >= 0) cnt[l]++;
+  }
+  int* off = W.off.get<int>(E + 1);
+  off[0] = 0;
+  for (int e = 0; e < E; ++e) off[e + 1] = off[e] + cnt[e];
+  const int A = off[E];
+  int* tok = W.tok.get<int>(A);
+  float* wt = W.wt.get<float>(A);
+  std::fill(cnt, cnt + E, 0);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      int l = lmap[ids[(int64_t)t * K + k]];
+      if (l < 0) continue;
+      int i = off[l] + cnt[l]++;
+      tok[i] = t;
+      wt[i] = wts[(int64_t)t * K + k];
+    }
+  // Active experts, heaviest first so the dynamic task order balances (experts with no tokens: no work).
+  Active* act = W.act.get<Active>(E);
+  int na = 0, m_max = 0;
+  int64_t pad_rows = 0;
+  const int kb_x = dt == HY_BF16 ? Dk * 2 : Dk;  // bytes of one token row's K
+  for (int e = 0; e < E; ++e) {
+    int m = off[e + 1] - off[e];
+    if (!m) continue;
+    int amx = HY_HAS_AMX && dt != HY_INT4 && m >= L->knee;
+    act[na++] = {e, m, off[e], amx, 0};
+    m_max = std::max(m_max, m);
+  }
+  std::sort(act, act + na, [](const Active& a, const Active& b) { return a.m > b.m; });
+  for (int j = 0; j < na; ++j)
+    if (act[j].amx) { act[j].pack_rows = pad_rows; pad_rows += align_up(act[j].m, 32); }
+  const int m_max_pad = (int)align_up(std::max(m_max, 1), 32);
+
+  // Phase 0: token rows.
+  const int64_t xs = act_stride(dt, Dk, G0.group);
+  uint8_t* xrows = W.xrows.get<uint8_t>((size_t)T * xs);
+  Pool* p0 = (Pool*)L->nodes[0].pool;
+  p0->run([&](int task, int) {
+    for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
+      uint8_t* row = xrows + t * xs;
+      if (dt == HY_BF16) {
+        uint16_t* r = (uint16_t*)row;
+        if (x_dtype == HY_X_BF16) std::memcpy(r, (const uint16_t*)x + (int64_t)t * D, D * 2);
+        else for (int d = 0; d < D; ++d) r[d] = f32_to_bf16(((const float*)x)[(int64_t)t * D + d]);
+        std::memset(r + D, 0, (Dk - D) * 2);
+      } else {
+        float tmp[D];
+        for (int d = 0; d < D; ++d)
+          tmp[d] = x_dtype == HY_X_BF16 ? bf16_to_f32(((const uint16_t*)x)[(int64_t)t * D + d]) : ((const float*)x)[(int64_t)t * D + d];
+        quantize_row(tmp, D, Dk, G0.group, row);
+      }
+    }
+  }, (T + 7) / 8);
+  const uint8_t** xptr = W.xptr.get<const uint8_t*>(A);
+  for (int i = 0; i < A; ++i) xptr[i] = xrows + tok[i] * xs;
+
+  // Phase P: pack AMX experts' token rows.
+  uint8_t* xpack = W.xpack.get<uint8_t>(pad_rows * (kb_x + 4));
+  int np = 0;
+  int* ptask = W.cnt.get<int>(E + 1);  // reuse: prefix of pack tasks per active expert
+  for (int j = 0; j < na; ++j) { ptask[j] = np; if (act[j].amx) np += align_up(act[j].m, 32) / 16; }
+  ptask[na] = np;
+  auto find_j = [&](int task) { return int(std::upper_bound(ptask, ptask + na + 1, task) - ptask) - 1; };
+  p0->run([&](int task, int) {
+    int j = find_j(task), tb = task - ptask[j];
+    const Active& a = act[j];
+    int mp = (int)align_up(a.m, 32);
+    uint8_t* dst = xpack + a.pack_rows * (kb_x + 4);
+    pack_b_block(xptr + a.off, a.m, tb, kb_x, dst);
+    float* sc = (float*)(dst + (int64_t)mp / 16 * kb_x * 16);
+    for (int n = tb * 16; n < tb * 16 + 16; ++n) sc[n] = (dt != HY_BF16 && n < a.m) ? act_scale(xptr[a.off + n], Dk) : 0.f;
+  }, np);
+
+  // Per node buffers.
+  const int nn = L->n_nodes;
+  int64_t hs[HY_MAX_NODES];
+  uint8_t* hrows[HY_MAX_NODES];
+  float* hf[HY_MAX_NODES];
+  const uint8_t** hptr[HY_MAX_NODES];
+  uint8_t* hpack[HY_MAX_NODES];
+  float* acc[HY_MAX_NODES];
+  float* scratch[HY_MAX_NODES];
+  int64_t scr_per = (int64_t)m_max_pad * 64 * 2;
+  for (int n = 0; n < nn; ++n) {
+    const HyNode& N = L->nodes[n];
+    hs[n] = act_stride(dt, N.down.ldk, N.down.group);
+    hrows[n] = W.hrows[n].get<uint8_t>((size_t)A * hs[n]);
+    hf[n] = dt == HY_BF16 ? nullptr : W.hf[n].get<float>((size_t)A * N.gate.rows_p);
+    hptr[n] = W.hptr[n].get<const uint8_t*>(A);
+    for (int i = 0; i < A; ++i) hptr[n][i] = hrows[n] + i * hs[n];
+    int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
+    hpack[n] = W.hpack[n].get<uint8_t>(pad_rows * (kb_h + 4));
+    acc[n] = W.acc[n].get<float>((size_t)T * N.down.rows_p);
+    scratch[n] = W.scratch[n].get<float>((size_t)((Pool*)N.pool)->n * scr_per);
+  }
+  auto hpack_off = [&](int n, const Active& a) {
+    const HyNode& N = L->nodes[n];
+    int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
+    return a.pack_rows * (kb_h + 4);
+  };
+
+  // Phase 1: gate, up, activation.
+  run_nodes(L, [&](int n) {
+    return std::function<void(int, int)>([&, n](int task, int tid) {
+      const HyNode& N = L->nodes[n];
+      int nblk = (N.gate.rows_p + 63) / 64;
+      const Active& a = act[task / nblk];
+      int r0 = task % nblk * 64, nr = std::min(64, N.gate.rows_p - r0);
+      float* Cg = scratch[n] + tid * scr_per;
+      float* Cu = Cg + (int64_t)m_max_pad * 64;
+      if (a.amx) {
+#if HY_HAS_AMX
+        const uint8_t* bp = xpack + a.pack_rows * (kb_x + 4);
+        const float* bs = (const float*)(bp + align_up(a.m, 32) / 16 * (int64_t)kb_x * 16);
+        amx_gemm(N.gate, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), Cg, 64);
+        amx_gemm(N.up, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), Cu, 64);
+#endif
+      } else {
+        vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
+        vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
+      }
+      for (int i = 0; i < a.m; ++i) {
+        const float* g = Cg + i * 64;
+        const float* u = Cu + i * 64;
+        if (dt == HY_BF16) {
+          uint16_t* h = (uint16_t*)hptr[n][a.off + i] + r0;
+          for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(gated_act(L->act, g[r], u[r], L->alpha, L->limit));
+          if (r0 + nr == N.gate.rows_p) std::memset(h + nr, 0, (N.down.ldk - N.gate.rows_p) * 2);
+        } else {
+          float* h = hf[n] + (int64_t)(a.off + i) * N.gate.rows_p + r0;
+          for (int r = 0; r < nr; ++r) h[r] = gated_act(L->act, g[r], u[r], L->alpha, L->limit);
+        }
+      }
+    });
+  }, [&](int n) { return na * ((L->nodes[n].gate.rows_p + 63) / 64); });
+
+  // Phase Q: quantize h (int8/int4), pack h for AMX experts. Tasks: (active expert, 16-token block).
+  int qt = 0;
+  int* qtask = W.cnt.get<int>(E + 1);
+  for (int j = 0; j < na; ++j) {
+    qtask[j] = qt;
+    if (dt != HY_BF16 || act[j].amx) qt += (int)(act[j].amx ? align_up(act[j].m, 32) / 16 : (act[j].m + 15) / 16);
+  }
+  qtask[na] = qt;
+  run_nodes(L, [&](int n) {
+    return std::function<void(int, int)>([&, n](int task, int) {
+      const HyNode& N = L->nodes[n];
+      int j = int(std::upper_bound(qtask, qtask + na + 1, task) - qtask) - 1, tb = task - qtask[j];
+      const Active& a = act[j];
+      if (dt != HY_BF16)
+        for (int i = tb * 16; i < std::min(a.m, tb * 16 + 16); ++i)
+          quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down.ldk, N.down.group,
+                       hrows[n] + (a.off + i) * hs[n]);
+      if (a.amx) {
+        int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
+        int mp = (int)align_up(a.m, 32);
+        uint8_t* dst = hpack[n] + hpack_off(n, a);
+        pack_b_block(hptr[n] + a.off, a.m, tb, kb_h, dst);
+        float* sc = (float*)(dst + (int64_t)mp / 16 * kb_h * 16);
+        for (int t = tb * 16; t < tb * 16 + 16; ++t) sc[t] = (dt != HY_BF16 && t < a.m) ? act_scale(hptr[n][a.off + t], N.down.ldk) : 0.f;
+      }
+    });
+  }, [&](int) { return qt; });
+
+  // Phase 2: down projection; a task owns a block of D rows for every token, so no two tasks write
+  // the same acc element. Smaller blocks when D gives too few tasks for the pool.
+  int rbd[HY_MAX_NODES];
+  for (int n = 0; n < nn; ++n)
+    rbd[n] = (L->nodes[n].down.rows_p / 64 >= 4 * ((Pool*)L->nodes[n].pool)->n) ? 64 : 32;
+  run_nodes(L, [&](int n) {
+    return std::function<void(int, int)>([&, n](int task, int tid) {
+      const HyNode& N = L->nodes[n];
+      int r0 = task * rbd[n], nr = std::min(rbd[n], N.down.rows_p - r0);
+      const int ldacc = N.down.rows_p;
+      for (int t = 0; t < T; ++t) std::memset(acc[n] + (int64_t)t * ldacc + r0, 0, nr * 4);
+      float* C = scratch[n] + tid * scr_per;
+      for (int j = 0; j < na; ++j) {
+        const Active& a = act[j];
+        if (a.amx) {
+#if HY_HAS_AMX
+          int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
+          int mp = (int)align_up(a.m, 32);
+          const uint8_t* bp = hpack[n] + hpack_off(n, a);
+          amx_gemm(N.down, a.e, r0, nr, bp, (const float*)(bp + (int64_t)mp / 16 * kb_h * 16), mp, C, 64);
+#endif
+        } else {
+          vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, 64);
+        }
+        for (int i = 0; i < a.m; ++i) {
+          float w = wt[a.off + i];
+          float* dst = acc[n] + (int64_t)tok[a.off + i] * ldacc + r0;
+          const float* c = C + i * 64;
+          for (int r = 0; r < nr; ++r) dst[r] += w * c[r];
+        }
+      }
+    });
+  }, [&](int n) { return (L->nodes[n].down.rows_p + rbd[n] - 1) / rbd[n]; });
+
+  // Phase 3: sum node partials, convert.
+  p0->run([&](int task, int) {
+    for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t)
+      for (int d = 0; d < D; ++d) {
+        float s = 0.f;
+        for (int n = 0; n < nn; ++n) s += acc[n][(int64_t)t * L->nodes[n].down.rows_p + d];
+        if (out_dtype == HY_X_BF16) ((uint16_t*)out)[(int64_t)t * D + d] = f32_to_bf16(s);
+        else ((float*)out)[(int64_t)t * D + d] = s;
+      }
+  }, (T + 7) / 8);
+  return HY_OK;
+}
+
+}  // namespace
+
+HY_API const char* hy_isa() { return HY_ISA_NAME; }
+
+HY_API void* hy_pool_get(const int* cpus, int n) { return n > 0 ? pool_get(cpus, n) : nullptr; }
+
+HY_API int hy_pool_threads(void* pool) { return pool ? ((Pool*)pool)->n : 0; }
+
+// Copy with the pool's threads so that, by first touch, dst's pages land on the pool's NUMA node.
+HY_API void hy_pool_copy(void* pool, void* dst, const void* src, int64_t nbytes) {
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  const int64_t chunk = 1 << 21;
+  ((Pool*)pool)->run([&](int task, int) {
+    int64_t o = task * chunk;
+    std::memcpy((uint8_t*)dst + o, (const uint8_t*)src + o, std::min(chunk, nbytes - o));
+  }, (int)((nbytes + chunk - 1) / chunk));
+}
+
+HY_API int hy_forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
+                      const float* wts, const int32_t* lmap, int n_global, void* out, int out_dtype) {
+  return forward(L, x, x_dtype, T, K, ids, wts, lmap, n_global, out, out_dtype);
+}

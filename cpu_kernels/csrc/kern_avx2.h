@@ -1,0 +1,117 @@
+// AVX2 + FMA kernels (fallback ISA; also what runs on AMD hosts without AVX-512). Blocks of 4 weight
+// rows x up to 2 tokens keep the 8 accumulators plus operands within the 16 ymm registers.
+// int8 uses the sign trick: maddubs(|a|, w*sign(a)) stays exact because |a|, |w| <= 127, so the s16
+// pair sums (<= 2*127*127) cannot saturate.
+#pragma once
+#include <immintrin.h>
+#include "hy.h"
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 dot_u8s8(__m256i u, __m256i s) {  // 32 u8*s8 products -> 8 fp32 lanes of 4-products
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+template <int MT>
+void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* rows, float* C, int ldc) {
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int kk = 0; kk < k; kk += 8) {
+    __m256 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = bf16x8(w + j * ldw + kk);
+    for (int t = 0; t < MT; ++t) {
+      __m256 a = bf16x8((const uint16_t*)rows[t] + kk);
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fmadd_ps(wv[j], a, acc[j][t]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]);
+}
+
+template <int MT>
+void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int kk = 0; kk < k; kk += 32) {
+    __m256i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256((const __m256i*)(w + j * ldw + kk));
+    for (int t = 0; t < MT; ++t) {
+      __m256i a = _mm256_loadu_si256((const __m256i*)(rows[t] + kk));
+      __m256i ax = _mm256_sign_epi8(a, a);
+      // Exact in fp32 per step (|sum| < 2^24); accumulating in fp32 keeps one code path with int4.
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_add_ps(acc[j][t], dot_u8s8(ax, _mm256_sign_epi8(wv[j], a)));
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * sw[j] * act_scale(rows[t], k);
+}
+
+// int4: per 64 K values 32 bytes, low nibbles K[0..31], high nibbles K[32..63]; value = nibble - 8.
+template <int MT>
+void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
+              float* C, int ldc) {
+  const int G = k / group;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int c = 0; c < k / 64; ++c) {
+    __m256i lo[4], hi[4];
+    __m256 slo[4], shi[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+      lo[j] = _mm256_and_si256(raw, lo4);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      slo[j] = _mm256_set1_ps(sw[j * G + c * 64 / group]);
+      shi[j] = _mm256_set1_ps(sw[j * G + (c * 64 + 32) / group]);
+    }
+    for (int t = 0; t < MT; ++t) {
+      __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
+      __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
+      for (int j = 0; j < 4; ++j) {
+        acc[j][t] = _mm256_fmadd_ps(dot_u8s8(lo[j], alo), slo[j], acc[j][t]);
+        acc[j][t] = _mm256_fmadd_ps(dot_u8s8(hi[j], ahi), shi[j], acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) {
+      const int32_t* gs = act_gsum(rows[t], k);
+      float corr = 0.f;  // sum_g s_g * sum(a in g): undoes the +8 of the stored nibbles
+      for (int g = 0; g < G; ++g) corr += sw[j * G + g] * (float)gs[g];
+      C[t * ldc + j] = (hsum8(acc[j][t]) - 8.f * corr) * act_scale(rows[t], k);
+    }
+}
+
+template <int MT>
+void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
+  const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
+  const float* sw = M.scale ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  if (M.dtype == HY_BF16) {
+    const uint16_t* w = (const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
+    bf16_block<MT>(w, M.ldk, M.ldk, rows, C, ldc);
+  } else if (M.dtype == HY_INT8) {
+    const int8_t* w = (const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
+    i8_block<MT>(w, M.ldk, M.ldk, rows, sw, C, ldc);
+  } else {
+    const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
+    i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);
+  }
+}
+
+void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
+  for (int r = 0; r < nr; r += 4)
+    for (int t = 0; t < m; t += 2) {
+      if (m - t >= 2) vec_block<2>(M, e, r0 + r, rows + t, C + t * ldc + r, ldc);
+      else vec_block<1>(M, e, r0 + r, rows + t, C + t * ldc + r, ldc);
+    }
+}
+
+}  // namespace

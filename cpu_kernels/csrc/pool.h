@@ -1,0 +1,101 @@
+// Persistent pool of pinned worker threads running dynamic parallel-for phases: a phase is a task
+// count and a function; workers take task indices from one atomic counter, so uneven tasks balance.
+// One pool per NUMA node (its cpus); pools are cached by cpu list and live until the process exits.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <pthread.h>
+#include <sched.h>
+#include <immintrin.h>
+
+namespace {
+
+struct Pool {
+  std::vector<int> cpus;
+  int n = 0;
+  std::function<void(int, int)> fn;  // (task, worker index)
+  int ntasks = 0;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  std::atomic<uint64_t> gen{0};
+  std::mutex mu;
+  std::condition_variable cv_work, cv_done;
+  int sleepers = 0;
+
+  explicit Pool(const std::vector<int>& c) : cpus(c), n((int)c.size()) {
+    for (int i = 0; i < n; ++i) std::thread([this, i] { loop(i); }).detach();
+  }
+
+  // Spin briefly before sleeping: a decode step runs several short phases per layer, and a futex
+  // wake costs tens of microseconds; the spin is bounded so idle pools do not burn cores.
+  static constexpr int kSpin = 4000;
+
+  void loop(int idx) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus[idx], &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: may be refused
+    uint64_t seen = 0;
+    for (;;) {
+      int spins = 0;
+      while (gen.load(std::memory_order_acquire) == seen && spins < kSpin) { _mm_pause(); ++spins; }
+      if (gen.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lk(mu);
+        cv_work.wait(lk, [&] { return gen.load(std::memory_order_acquire) != seen; });
+      }
+      seen = gen.load(std::memory_order_acquire);
+      for (int t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, idx);
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+        std::lock_guard<std::mutex> lk(mu);
+        cv_done.notify_all();
+      }
+    }
+  }
+
+  // Start a phase; returns at once. Only one phase per pool at a time (callers hold the job lock).
+  void start(std::function<void(int, int)> f, int tasks) {
+    fn = std::move(f);
+    ntasks = tasks;
+    next.store(0, std::memory_order_relaxed);
+    done.store(0, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      gen.fetch_add(1, std::memory_order_release);
+    }
+    cv_work.notify_all();
+  }
+
+  void wait() {
+    for (int spins = 0; spins < kSpin * 4; ++spins)
+      if (done.load(std::memory_order_acquire) == n) return; else _mm_pause();
+    std::unique_lock<std::mutex> lk(mu);
+    cv_done.wait(lk, [&] { return done.load(std::memory_order_acquire) == n; });
+  }
+
+  void run(std::function<void(int, int)> f, int tasks) {
+    if (tasks <= 0) return;
+    start(std::move(f), tasks);
+    wait();
+  }
+};
+
+std::mutex g_pools_mu;
+std::map<std::vector<int>, Pool*>* g_pools = nullptr;  // never freed: detached workers reference it
+
+Pool* pool_get(const int* cpus, int n) {
+  std::vector<int> key(cpus, cpus + n);
+  std::lock_guard<std::mutex> lk(g_pools_mu);
+  if (!g_pools) g_pools = new std::map<std::vector<int>, Pool*>();
+  auto it = g_pools->find(key);
+  if (it != g_pools->end()) return it->second;
+  Pool* p = new Pool(key);
+  (*g_pools)[key] = p;
+  return p;
+}
+
+}  // namespace

@@ -1,0 +1,255 @@
+"""CpuMoE: the CPU expert executor of one MoE layer (the cold experts), over the compiled kernels.
+
+Shapes: T tokens, E experts held here, K experts per token, D hidden, F expert intermediate.
+Weights are packed once per NUMA node: each node holds a slice of F (gate/up rows, down columns) in
+its own memory (first touch by its pinned threads), runs it with its own pool, and the partial outputs
+are summed; no weight is stored twice. Packed layout: row-major [E, rows_p, ldk], zero padded, so
+the first rows x k of each expert are the plain weight matrix the GPU lane can ship as a strided view.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import threading
+
+import torch
+
+from . import _native, quant
+from .reference import ACTIVATIONS, moe_forward
+from .topology import Topology
+
+DTYPES = {"bf16": 0, "int8": 1, "int4": 2}
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ROW_ALIGN = 32  # AMX tiles have 16 rows and the kernels block 2 of them (Intel SDM: TMUL, M <= 16)
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def _check_tensor(name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+class MoEHandle:
+    """Result of CpuMoE.submit; .wait() returns the output tensor (or raises the call's error)."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+_executor_lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _submit_executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:  # calls queue in the library anyway; a few threads overlap validation
+            _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="cpu-moe")
+        return _executor
+
+
+class CpuMoE:
+    def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
+                 topology: Topology | None = None, expert_ids=None, activation: str = "silu",
+                 isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int = 16,
+                 alpha: float = 1.702, limit: float = 7.0):
+        for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+            _check_tensor(name, w, 3, _WEIGHT_DTYPES)
+        E, F, D = w_gate.shape
+        if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
+            raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
+                             f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
+        if E < 1 or F < 1 or D < 1:
+            raise ValueError("empty weights")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        if dtype == "int4" and group_size not in quant.GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if amx_min_tokens < 1:
+            raise ValueError("amx_min_tokens must be >= 1")
+        if expert_ids is None:
+            expert_ids = list(range(E))
+        expert_ids = [int(i) for i in (expert_ids.tolist() if isinstance(expert_ids, torch.Tensor) else expert_ids)]
+        if len(expert_ids) != E or len(set(expert_ids)) != E or min(expert_ids) < 0:
+            raise ValueError(f"expert_ids must be {E} distinct ids >= 0")
+        n_global = max(expert_ids) + 1 if num_experts is None else int(num_experts)
+        if max(expert_ids) >= n_global:
+            raise ValueError(f"expert_ids exceed num_experts={n_global}")
+        self.E, self.F, self.D, self.num_experts = E, F, D, n_global
+        self.dtype, self.group_size, self.activation = dtype, group_size, activation
+        self.alpha, self.limit, self.amx_min_tokens = float(alpha), float(limit), int(amx_min_tokens)
+        self.expert_ids = expert_ids
+        self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
+        self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
+        self.isa = _native.resolve_isa(isa)
+        topo = topology if topology is not None else Topology.discover()
+        if not isinstance(topo, Topology):
+            raise ValueError("topology must be a cpu_kernels.Topology")
+        self.topology = topo.limit(threads)
+        self._keep: list[torch.Tensor] = []
+        if self.isa == "ref":
+            self._pack_ref(w_gate, w_up, w_down)
+        else:
+            self._pack_native(w_gate, w_up, w_down)
+
+    # ---- packing -------------------------------------------------------------------------------
+    def _quantized(self, w: torch.Tensor):
+        """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
+        if self.dtype == "bf16":
+            return w.to(torch.bfloat16).contiguous(), None, None
+        if self.dtype == "int8":
+            q, s = quant.quantize_int8(w)
+            return q, s.contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
+        p, s = quant.quantize_int4(w, self.group_size)
+        return p, s.contiguous(), None
+
+    def _dequantized(self, w: torch.Tensor) -> torch.Tensor:
+        """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
+        if self.dtype == "bf16":
+            return w.to(torch.bfloat16)
+        if self.dtype == "int8":
+            return quant.dequantize_int8(*quant.quantize_int8(w))
+        K = w.shape[-1]
+        Kp = _align(K, max(64, self.group_size))
+        wp = torch.nn.functional.pad(w.float(), (0, Kp - K))
+        return quant.dequantize_int4(*quant.quantize_int4(wp, self.group_size), self.group_size)[..., :K]
+
+    def _pack_ref(self, w_gate, w_up, w_down):
+        self._ref = tuple(self._dequantized(w) for w in (w_gate, w_up, w_down))
+        self.nbytes = sum(t.numel() * t.element_size() for t in self._ref)
+
+    def _f_slices(self) -> list[tuple[int, int]]:
+        """Split F over the nodes in proportion to their threads, in multiples of the K padding."""
+        step = self._kpad()
+        nodes = self.topology.nodes
+        total = sum(len(n) for n in nodes)
+        bounds, acc = [0], 0
+        for n in nodes[:-1]:
+            acc += len(n)
+            bounds.append(min(self.F, _align(round(self.F * acc / total), step)))
+        bounds.append(self.F)
+        return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+    def _node_local(self, pool: int, t: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)  # untouched pages
+        _native.load(self.isa).hy_pool_copy(pool, dst.data_ptr(), t.data_ptr(), dst.numel())
+        self._keep.append(dst)
+        return dst
+
+    def _kpad(self) -> int:
+        return max(64, self.group_size) if self.dtype == "int4" else 64
+
+    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int = _ROW_ALIGN) -> _native.HyMat:
+        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk]."""
+        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
+        wp = torch.nn.functional.pad(w.float(), (0, ldk - k, 0, rows_p - rows))
+        q, s, r = self._quantized(wp)
+        m = _native.HyMat()
+        m.w = self._node_local(pool, q).data_ptr()
+        m.w_estride = q[0].numel() * q.element_size()
+        if s is not None:
+            m.scale = self._node_local(pool, s).data_ptr()
+            m.s_estride = s[0].numel()
+        if r is not None:
+            m.rsum = self._node_local(pool, r).data_ptr()
+            m.r_estride = r[0].numel()
+        m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
+        m.group, m.dtype = self.group_size, DTYPES[self.dtype]
+        self.nbytes += sum(t.numel() * t.element_size() for t in (q, s, r) if t is not None)
+        return m
+
+    def _pack_native(self, w_gate, w_up, w_down):
+        self.nbytes = 0
+        layer = _native.HyLayer()
+        layer.dtype, layer.act, layer.n_local, layer.D = DTYPES[self.dtype], ACTIVATIONS.index(self.activation), self.E, self.D
+        layer.knee, layer.alpha, layer.limit = self.amx_min_tokens, self.alpha, self.limit
+        slices = self._f_slices()
+        layer.n_nodes = len(slices)
+        for n, (f0, f1) in enumerate(slices):
+            node = layer.nodes[n]
+            node.pool = _native.pool(self.isa, self.topology.nodes[n])
+            # gate/up rows padded like down's reduction length, so h [m, F_n] rows need no tail fix-up.
+            node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], f1 - f0, self.D, self._kpad())
+            node.up = self._mat(node.pool, w_up[:, f0:f1, :], f1 - f0, self.D, self._kpad())
+            node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, f1 - f0)
+        self._layer = layer
+        self._slices = slices
+
+    # ---- calls -----------------------------------------------------------------------------------
+    def _validate(self, x, topk_ids, topk_weights, expert_mask, out):
+        _check_tensor("x", x, 2, tuple(_X_DTYPES))
+        if x.shape[1] != self.D:
+            raise ValueError(f"x must be [T, {self.D}], got {tuple(x.shape)}")
+        _check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
+        _check_tensor("topk_weights", topk_weights, 2, (torch.float32, torch.bfloat16, torch.float16))
+        if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                             f"must both be [T={x.shape[0]}, K>=1]")
+        if expert_mask is not None:
+            _check_tensor("expert_mask", expert_mask, 1, (torch.bool,))
+            if expert_mask.shape[0] != self.num_experts:
+                raise ValueError(f"expert_mask must be bool [{self.num_experts}], got {tuple(expert_mask.shape)}")
+        if out is not None:
+            _check_tensor("out", out, 2, (x.dtype,))
+            if out.shape != x.shape:
+                raise ValueError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
+
+    def forward(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> torch.Tensor:
+        """out [T, D] (x's dtype) = sum over each token's chosen experts held here (and in expert_mask)
+        of topk_weight * expert(x)."""
+        self._validate(x, topk_ids, topk_weights, expert_mask, out)
+        lmap = self._lmap if expert_mask is None else torch.where(expert_mask, self._lmap, -1).to(torch.int32)
+        if out is None:
+            out = torch.empty_like(x)
+        if self.isa == "ref":
+            return self._forward_ref(x, topk_ids, topk_weights, lmap, out)
+        ids = topk_ids.to(torch.int32).contiguous()
+        wts = topk_weights.to(torch.float32).contiguous()
+        T, K = ids.shape
+        rc = _native.load(self.isa).hy_forward(
+            ctypes.byref(self._layer), x.data_ptr(), _X_DTYPES[x.dtype], T, K, ids.data_ptr(), wts.data_ptr(),
+            lmap.data_ptr(), self.num_experts, out.data_ptr(), _X_DTYPES[x.dtype])
+        if rc == -1:
+            raise ValueError(f"topk_ids out of range [0, {self.num_experts})")
+        if rc != 0:
+            raise RuntimeError(f"cpu_kernels: hy_forward failed with code {rc}")
+        return out
+
+    def _forward_ref(self, x, topk_ids, topk_weights, lmap, out):
+        ids = topk_ids.long()
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_experts):
+            raise ValueError(f"topk_ids out of range [0, {self.num_experts})")
+        local = lmap[ids].long()
+        held = local >= 0  # tokens routed to experts not held here (or masked) contribute nothing
+        res = moe_forward(x, *self._ref, torch.where(held, local, 0), torch.where(held, topk_weights.float(), 0.0),
+                          activation=self.activation, alpha=self.alpha, limit=self.limit)
+        out.copy_(res)
+        return out
+
+    __call__ = forward
+
+    def submit(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> MoEHandle:
+        """Run forward on a worker thread (the library releases the GIL); returns a handle with .wait()."""
+        self._validate(x, topk_ids, topk_weights, expert_mask, out)
+        return MoEHandle(_submit_executor().submit(self.forward, x, topk_ids, topk_weights, expert_mask, out))

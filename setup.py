@@ -1,0 +1,53 @@
+"""Build of the compiled CPU expert kernels (cpu_kernels/csrc), one shared library per ISA.
+
+Each library is a plain C ABI loaded with ctypes (cpu_kernels/_native.py): no Python or torch headers,
+so one build serves every torch version, and ctypes releases the GIL during each call. Every ISA is
+compiled with its own flags and chosen at run time from cpuid, so the build never needs the build
+machine's CPU to have the ISA. A compiler that lacks an ISA's flags skips that library with a loud
+warning instead of failing the install (the runtime then falls back to the next ISA, or to torch).
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+BASE = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"]
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+          "-mavx2", "-mf16c"]
+AMX = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+CSRC = "cpu_kernels/csrc/"
+DEPS = [CSRC + f for f in ("hy.h", "pool.h", "driver.h", "kern_avx2.h", "kern_avx512.h", "kern_amx.h")]
+
+
+def lib(name, source, flags):
+    return Extension(
+        f"cpu_kernels._hy_{name}",
+        sources=[CSRC + source],
+        depends=DEPS,
+        language="c++",
+        extra_compile_args=BASE + flags,
+        extra_link_args=["-pthread"],
+        optional=True,  # setuptools: a failed build of this library warns and continues
+    )
+
+
+class LoudBuildExt(build_ext):
+    """Say plainly which ISA library could not be built and what that means at run time."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # compiler lacks the flags, or an old assembler
+            print(f"\n*** hybrid-moe: NOT building {ext.name} ({exc}); that ISA will be unavailable and "
+                  "cpu_kernels falls back to the next one (see cpu_kernels.available_isas()).\n", flush=True)
+            raise
+
+
+setup(
+    ext_modules=[
+        lib("probe", "probe.cpp", []),
+        lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma"]),
+        lib("avx512", "lib_avx512.cpp", AVX512),
+        lib("amx", "lib_amx.cpp", AVX512 + AMX),
+    ],
+    cmdclass={"build_ext": LoudBuildExt},
+)
