@@ -43,11 +43,8 @@ class CrossoverRig:
         self.host_x = torch.empty(rows, shape.hidden, dtype=torch.bfloat16, pin_memory=pin)
         self.host_out = torch.empty(rows, shape.hidden, dtype=torch.bfloat16, pin_memory=pin)
         self.out_dev = torch.empty(rows, shape.hidden, dtype=torch.bfloat16, device=self.device)
-        if self.cuda:
-            d, f = shape.hidden, shape.intermediate
-            self.stage = [torch.empty(f, d, dtype=torch.bfloat16, device="cuda"),
-                          torch.empty(f, d, dtype=torch.bfloat16, device="cuda"),
-                          torch.empty(d, f, dtype=torch.bfloat16, device="cuda")]
+        if self.cuda:  # one staging slot: an expert's three matrices, shipped in one transfer
+            self.stage = torch.empty(self.weights.packed.shape[1], dtype=torch.bfloat16, device="cuda")
 
     def _sync(self):
         if self.cuda:
@@ -72,15 +69,12 @@ class CrossoverRig:
     def t_gpu(self, m: int) -> float:
         x = self.x_all[: m * self.experts]
         wt = self.weights
-        sg, su, sd = self.stage if self.cuda else (None, None, None)
 
         def step():
             for e in range(self.experts):
-                sg.copy_(wt.w_gate[e], non_blocking=True)
-                su.copy_(wt.w_up[e], non_blocking=True)
-                sd.copy_(wt.w_down[e], non_blocking=True)
+                self.stage.copy_(wt.packed[e], non_blocking=True)
                 rows = slice(e * m, (e + 1) * m)
-                self.out_dev[rows] = measure.torch_expert(x[rows], sg, su, sd)
+                self.out_dev[rows] = measure.torch_expert(x[rows], *wt.matrices(e, self.stage))
 
         return measure.median_time(step, reps=self.reps, sync=self._sync)
 
@@ -145,6 +139,12 @@ def run_sweep(shape: ExpertShape, profile: HardwareProfile | None, experts: int 
         result["predicted_knee_tokens"] = cm.knee_tokens(shape, profile, kernel)
         if pred and measured_cross:
             result["crossover_ratio_measured_over_predicted"] = measured_cross / pred
+        for lane in ("cpu", "gpu"):
+            meas = np.array([v if v is not None else np.nan for v in result[f"measured_t_{lane}_ms"]])
+            err = np.abs(np.array(result[f"predicted_t_{lane}_ms"]) - meas) / meas
+            if np.isfinite(err).any():
+                result[f"t_{lane}_relative_error_median"] = float(np.nanmedian(err))
+                result[f"t_{lane}_relative_error_max"] = float(np.nanmax(err))
     return result
 
 
@@ -159,6 +159,10 @@ def print_table(res: dict, log=print) -> None:
         log(f"{m:>6} {tc:12.3f} {pc} {tg if tg is not None else float('nan'):12.3f} {pg}  {win}")
     log(f"measured crossover: {res['measured_crossover_tokens']}; predicted: {res.get('predicted_crossover_tokens')}; "
         f"ratio measured/predicted: {res.get('crossover_ratio_measured_over_predicted')}")
+    for lane in ("cpu", "gpu"):
+        if f"t_{lane}_relative_error_median" in res:
+            log(f"T_{lane[0].upper()} predicted vs measured: median error {res[f't_{lane}_relative_error_median']:.1%}, "
+                f"max {res[f't_{lane}_relative_error_max']:.1%}")
 
 
 def plot(res: dict, path: Path) -> None:

@@ -12,7 +12,7 @@ from placement import measure
 from placement.cost_model import ExpertShape
 from placement.hardware import AUTO, HardwareProfile
 
-FULL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+FULL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # the crossover sweep's range
 QUICK_M = [1, 4, 16, 64]
 FULL_LINK = [8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20, 256 << 20]  # 8 KiB .. 256 MiB
 QUICK_LINK = [8 << 10, 512 << 10, 32 << 20]

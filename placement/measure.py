@@ -73,30 +73,44 @@ def measure_dram_read(nbytes: int = 1 << 30, reps: int = 5) -> tuple[float, str]
 # -- experts ------------------------------------------------------------------------------------------
 @dataclass
 class ExpertWeights:
-    """E experts' weights: gate, up [E, F, D]; down [E, D, F] (bf16 unless asked)."""
+    """E experts' weights: gate, up [E, F, D]; down [E, D, F] (bf16 unless asked).
 
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
+    `packed` [E, 3*F*D] holds each expert's three matrices back to back, so shipping an expert is one
+    host->device transfer (one alpha, as the cost model prices it); the stacks are views into it.
+    """
+
+    packed: torch.Tensor
+    hidden: int
+    intermediate: int
 
     @classmethod
     def random(cls, shape: ExpertShape, experts: int, dtype=torch.bfloat16, device="cpu", pin: bool = False,
                seed: int = 0):
         g = torch.Generator(device="cpu").manual_seed(seed)
         d, f = shape.hidden, shape.intermediate
-        scale = 1.0 / d ** 0.5
-
-        def make(*size):
-            t = (torch.randn(*size, generator=g, dtype=torch.float32) * scale).to(dtype)
-            if pin:
-                t = t.pin_memory()
-            return t.to(device) if device != "cpu" else t
-
-        return cls(make(experts, f, d), make(experts, f, d), make(experts, d, f))
+        packed = (torch.randn(experts, 3 * f * d, generator=g, dtype=torch.float32) / d ** 0.5).to(dtype)
+        if pin:
+            packed = packed.pin_memory()
+        if device != "cpu":
+            packed = packed.to(device)
+        return cls(packed, d, f)
 
     @property
     def experts(self) -> int:
-        return self.w_gate.shape[0]
+        return self.packed.shape[0]
+
+    def matrices(self, e: int, packed: torch.Tensor | None = None):
+        """(gate [F, D], up [F, D], down [D, F]) of expert e, as views of `packed` (default: ours)."""
+        d, f = self.hidden, self.intermediate
+        row = (self.packed[e] if packed is None else packed).view(3, f * d)
+        return row[0].view(f, d), row[1].view(f, d), row[2].view(d, f)
+
+    def stacks(self):
+        """Contiguous copies (w_gate [E, F, D], w_up [E, F, D], w_down [E, D, F]) for CPU kernels."""
+        d, f = self.hidden, self.intermediate
+        v = self.packed.view(self.experts, 3, f * d)
+        return (v[:, 0].reshape(-1, f, d).contiguous(), v[:, 1].reshape(-1, f, d).contiguous(),
+                v[:, 2].reshape(-1, d, f).contiguous())
 
 
 def torch_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -123,10 +137,11 @@ class CpuExpertRunner:
         self.w = weights
         self.backend = backend
         self.moe = None
+        self.w_gate, self.w_up, self.w_down = weights.stacks()
         if backend != "torch":
             import cpu_kernels
 
-            self.moe = cpu_kernels.CpuMoE(weights.w_gate, weights.w_up, weights.w_down, dtype="bf16",
+            self.moe = cpu_kernels.CpuMoE(self.w_gate, self.w_up, self.w_down, dtype="bf16",
                                           threads=threads, isa=backend)
 
     def routing(self, m: int):
@@ -143,7 +158,7 @@ class CpuExpertRunner:
         out = out if out is not None else torch.empty_like(x)
         for e in range(self.w.experts):
             rows = slice(e * m, (e + 1) * m)
-            out[rows] = torch_expert(x[rows], self.w.w_gate[e], self.w.w_up[e], self.w.w_down[e])
+            out[rows] = torch_expert(x[rows], self.w_gate[e], self.w_up[e], self.w_down[e])
         return out
 
 
@@ -209,7 +224,7 @@ def measure_gpu_flops(shape: ExpertShape, m: int = 8192, experts: int = 8, devic
 
     def run():
         for e in range(experts):
-            torch_expert(x, w.w_gate[e], w.w_up[e], w.w_down[e])
+            torch_expert(x, *w.matrices(e))
 
     t = median_time(run, reps=5, warmup=2, sync=cuda_sync)
     return 2.0 * m * shape.params * experts / t
