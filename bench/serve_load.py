@@ -1,0 +1,182 @@
+"""Load test for `hybrid serve`: N concurrent clients, reports requests/s and tokens/s.
+
+    python -m bench.serve_load --spawn --clients 16 --requests 64 --max-tokens 32   # starts a server
+    python -m bench.serve_load --url http://127.0.0.1:8000 --clients 8 --stream      # an existing one
+
+Each client sends its share of the requests back to back (closed loop), so `--clients` is the
+concurrency the server sees. Tokens are the server's own usage counts. The mean decode batch comes from
+the server's /metrics (rows / steps over the run), which shows whether continuous batching kept the
+batch full. Figures go to stdout and to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river "
+         "under an old stone bridge near the northern hills").split()
+
+
+def prompt_for(i: int, words: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def one_request(session, url, args, i, headers) -> dict:
+    prompt = prompt_for(i, args.prompt_words)
+    body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "stream": args.stream}
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    if args.stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    async with session.post(url + path, json=body, headers=headers) as r:
+        if r.status != 200:
+            return {"status": r.status, "error": (await r.text())[:200], "latency": time.perf_counter() - t0}
+        if args.stream:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+        else:
+            usage = (await r.json())["usage"]
+    return {"status": 200, "latency": time.perf_counter() - t0, "ttft": ttft,
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]}
+
+
+async def run_load(url: str, args) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.get(url + "/health") as r:
+            health = await r.json()
+        # warm-up: one request, so lazy initialisation is not timed
+        await one_request(session, url, args, 10_000, headers)
+        async with session.get(url + "/metrics") as r:
+            before = await r.text()
+        queue = asyncio.Queue()
+        for i in range(args.requests):
+            queue.put_nowait(i)
+        results = []
+
+        async def client():
+            while not queue.empty():
+                results.append(await one_request(session, url, args, queue.get_nowait(), headers))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(args.clients)))
+        wall = time.perf_counter() - t0
+        async with session.get(url + "/metrics") as r:
+            after = await r.text()
+    ok = [r for r in results if r["status"] == 200]
+    steps = metric(after, "hybrid_decode_steps_total") - metric(before, "hybrid_decode_steps_total")
+    rows = metric(after, "hybrid_decode_batch_rows_total") - metric(before, "hybrid_decode_batch_rows_total")
+    lat = sorted(r["latency"] for r in ok) or [0.0]
+    ttfts = sorted(r["ttft"] for r in ok if r.get("ttft") is not None)
+    out_tokens = sum(r["completion_tokens"] for r in ok)
+    return {
+        "server": health, "clients": args.clients, "requests": args.requests, "ok": len(ok),
+        "errors": {str(r["status"]): r.get("error") for r in results if r["status"] != 200},
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 2),
+        "prompt_tokens_per_s": round(sum(r["prompt_tokens"] for r in ok) / wall, 2),
+        "output_tokens": out_tokens,
+        "latency_p50_s": round(statistics.median(lat), 3),
+        "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "mean_decode_batch": round(rows / steps, 2) if steps else None,
+    }
+
+
+def spawn_server(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "hybrid", "serve", "--port", "0", "--max-batch", str(args.max_batch),
+           "--max-context", str(args.max_context), "--max-queue", str(max(64, args.requests))]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = dict(os.environ, HYBRID_NO_PROGRESS="1")
+    if args.api_key:
+        env["HYBRID_API_KEY"] = args.api_key
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # "hybrid serve: listening on http://127.0.0.1:PORT (...)"
+        if "listening on " in line:
+            return proc, line.split("listening on ")[1].split()[0]
+    raise SystemExit(f"server exited with {proc.wait()} before listening")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--spawn", action="store_true", help="start `hybrid serve` on a free port for the run")
+    p.add_argument("--model", help="with --spawn: checkpoint directory (default: demo)")
+    p.add_argument("--max-batch", type=int, default=16, help="with --spawn (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=1024, help="with --spawn (default %(default)s)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=None, help="total (default 4 x clients)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--api-key", default=os.environ.get("HYBRID_API_KEY"))
+    p.add_argument("--json", default="bench/results/serve_load.json", help="where to write the figures")
+    args = p.parse_args(argv)
+    args.requests = args.requests or 4 * args.clients
+    proc = None
+    url = args.url.rstrip("/")
+    if args.spawn:
+        proc, url = spawn_server(args)
+    try:
+        print(f"# serve_load: {platform.node()} {platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cpus, python {platform.python_version()}")
+        print(f"# {url}: clients={args.clients} requests={args.requests} max_tokens={args.max_tokens} "
+              f"prompt_words={args.prompt_words} temperature={args.temperature} "
+              f"{'chat' if args.chat else 'completions'} {'stream' if args.stream else 'no-stream'}")
+        res = asyncio.run(run_load(url, args))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    res["settings"] = {k: v for k, v in vars(args).items() if k != "api_key"}
+    print(f"# server: {res['server']}")
+    print(f"requests/s {res['requests_per_s']}  output tokens/s {res['output_tokens_per_s']}  "
+          f"prompt tokens/s {res['prompt_tokens_per_s']}  ok {res['ok']}/{args.requests}  wall {res['wall_s']} s")
+    print(f"latency p50 {res['latency_p50_s']} s  p95 {res['latency_p95_s']} s  ttft p50 {res['ttft_p50_s']} s  "
+          f"mean decode batch {res['mean_decode_batch']}")
+    if res["errors"]:
+        print(f"errors: {res['errors']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if res["ok"] == args.requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
