@@ -15,6 +15,8 @@ from hybrid.errors import UsageError
 
 COMMANDS = [
     "cost",
+    "generate",
+    "chat",
     "calibrate",
     "bench",
     "serve",

@@ -18,7 +18,7 @@ from hybrid.models.config import RopeConfig
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [hd/2] fp32, attention scaling applied to cos/sin)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     base = rope.theta ** exponent  # [hd/2]
     inv = 1.0 / base
     if rope.kind == "default":
@@ -66,7 +66,7 @@ def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor,
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the original frequency), 0: interpolate by s
     inv = (1.0 / (s * base)) * (1 - keep) + (1.0 / base) * keep
     return inv, float(attn)

@@ -1,0 +1,71 @@
+"""`hybrid generate`: complete one prompt, streaming the text, then print prefill/decode tokens/s."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hybrid.errors import UsageError
+
+
+def register(subparsers) -> None:
+    from hybrid.runtime.session import add_model_arguments
+
+    p = subparsers.add_parser("generate", help="generate text from a prompt",
+                              description="Generate a completion. Without --model a small demo model with "
+                              "random weights is built on first use (cached under ~/.cache/hybrid or $HYBRID_CACHE).")
+    p.add_argument("--prompt", default="The capital of France is", help="prompt text")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object: prompt and generated token ids, "
+                   "text, prefill and decode tokens/s")
+    add_model_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hybrid.runtime.session import open_session, sampling_from_args
+
+    if args.max_new_tokens < 1:
+        raise UsageError("-n must be at least 1")
+    sampling = sampling_from_args(args)
+    s = open_session(args)
+    tok = s.tokenizer
+    prompt_ids = (tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+                  else tok.encode(args.prompt))
+    if not prompt_ids:
+        raise UsageError("the prompt encodes to no tokens")
+    if len(prompt_ids) >= args.max_context:
+        raise UsageError(f"the prompt has {len(prompt_ids)} tokens; --max-context is {args.max_context}")
+
+    def stream(_i, _token, delta):
+        if delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(args.prompt if not args.chat else "")
+        sys.stdout.flush()
+    try:
+        out = s.engine.generate([prompt_ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                stop_strings=args.stop, stream=None if args.json else stream)[0]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    st = s.engine.stats
+    if args.json:
+        print(json.dumps({
+            "model": s.model_dir, "demo_random_weights": s.demo, "device": str(s.device),
+            "dtype": str(s.dtype).replace("torch.", ""), "prompt": args.prompt,
+            "prompt_token_ids": out.prompt_token_ids, "generated_token_ids": out.token_ids, "text": out.text,
+            "finish_reason": out.finish_reason, "prefill_tokens": st.prefill_tokens,
+            "prefill_tokens_per_s": round(st.prefill_tps, 2), "decode_tokens": st.decode_tokens,
+            "decode_tokens_per_s": round(st.decode_tps, 2),
+            "cuda_graphs": s.engine.graphs is not None,
+        }, ensure_ascii=False))
+    else:
+        print()
+        print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}] prefill: {st.prefill_tokens} tokens at "
+              f"{st.prefill_tps:.1f} tok/s | decode: {st.decode_tokens} tokens at {st.decode_tps:.1f} tok/s "
+              f"({s.device}, {str(s.dtype).replace('torch.', '')}"
+              f"{', CUDA graphs' if s.engine.graphs is not None else ''})", file=sys.stderr)
+    return 0

@@ -1,0 +1,73 @@
+"""config.json contents of the public models the benchmarks imitate (shapes only; from each model's
+published config.json), plus the demo model. `hf_config(name, layers=N)` returns a copy, optionally
+with fewer layers (disk and time on the GPU box)."""
+
+from __future__ import annotations
+
+import copy
+
+PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None,
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+    },
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+        "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "clip_qkv": None,
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": 50279,
+        "torch_dtype": "bfloat16",
+    },
+    # The demo model: a real Qwen3-MoE config, small enough to write in a second on 2 cores.
+    "demo": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1088,
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16,
+        "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    },
+}
+
+
+def hf_config(name: str, layers: int | None = None) -> dict:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    cfg = copy.deepcopy(PRESETS[name])
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise ValueError(f"layers must be in 1..{cfg['num_hidden_layers']}, got {layers}")
+        cfg["num_hidden_layers"] = layers
+    return cfg

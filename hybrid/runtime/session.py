@@ -1,0 +1,82 @@
+"""Opening a model for the CLI: resolve --model (or build the demo), pick device and dtype, load,
+wrap in an Engine. Shared by `hybrid generate` and `hybrid chat` (and usable by the server)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.errors import UsageError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def add_model_arguments(p) -> None:
+    p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json). Default: a small built-in demo model with random weights.")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
+    p.add_argument("--max-context", type=int, default=4096, help="KV-cache positions per sequence (default 4096)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+@dataclass
+class Session:
+    engine: object
+    tokenizer: object
+    model_dir: str
+    demo: bool
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but CUDA is not available")
+    return dev
+
+
+def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stderr)) -> Session:
+    from hybrid.models import load_model
+    from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    demo = not args.model
+    model_dir = str(ensure_demo_checkpoint(progress_print=log)) if demo else args.model
+    if demo:
+        log(DEMO_NOTICE.format(path=model_dir))
+    if args.max_context < 2:
+        raise UsageError("--max-context must be at least 2")
+    model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
+    tokenizer = Tokenizer(model_dir)
+    if args.eager and device.type != "cuda":
+        pass  # the CPU is always eager
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context,
+                    eager=args.eager or device.type != "cuda")
+    return Session(engine, tokenizer, model_dir, demo, device, dtype)
+
+
+def sampling_from_args(args):
+    from hybrid.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
