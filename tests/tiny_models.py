@@ -1,0 +1,85 @@
+"""Tiny random Hugging Face MoE checkpoints for the equality tests (transformers is a test-only
+dependency). Every weight is re-drawn (norm scales around 1, biases non-zero) so a swapped or
+mis-mapped tensor changes the output; the defaults (norms = 1, biases = 0) would hide such bugs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+
+# model_type -> (config class name, model class name, config kwargs). Each covers its family's quirks:
+# Qwen3 with QK-norm and YaRN; Qwen2 with shared expert, q/k/v biases, a dense layer and tied
+# embeddings; Mixtral with a sliding window; OLMoE with full-width QK-norm and clip_qkv.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, moe_intermediate_size=32, intermediate_size=96, head_dim=16, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32})),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=4, intermediate_size=32, sliding_window=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_experts=8, intermediate_size=32, clip_qkv=1.0, norm_topk_prob=False)),
+}
+
+
+def hf_config(model_type: str, **overrides):
+    import transformers
+
+    cfg_cls, _, kw = FAMILIES[model_type]
+    kw = dict(kw)
+    kw.update(dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    kw.update(overrides)
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@torch.no_grad()
+def randomize_(model, seed: int = 0, std: float = 0.08) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith("bias"):
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(std * noise)
+
+
+def make_checkpoint(model_type: str, out: Path, seed: int = 0, **overrides):
+    """Saves a tiny random model with save_pretrained; returns the (fp32, eval) transformers model."""
+    import transformers
+
+    _, model_cls, _ = FAMILIES[model_type]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(hf_config(model_type, **overrides)).eval()
+    randomize_(model, seed)
+    model.save_pretrained(str(out))
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] fp32 logits of the transformers model for one unpadded sequence."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens, recomputing the whole sequence each step (no cache: the plainest reference)."""
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        t = int(hf_logits(model, ids)[-1].argmax())
+        ids.append(t)
+        out.append(t)
+    return out
