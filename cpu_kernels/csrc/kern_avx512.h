@@ -1,0 +1,109 @@
+// AVX-512 kernels: the vector (GEMV-like) path for few tokens per expert, reading row-major weights.
+// Blocks of 4 weight rows x up to 4 tokens: 16 zmm accumulators + 4 weight + 1 activation registers
+// of the 32. bf16: VDPBF16PS (pairs of bf16 products into fp32). int8: VPDPBUSD (u8 x s8, 4 products
+// into int32) with the activations offset by +128 to make them unsigned, undone with the precomputed
+// row sums: sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned
+// operand, the int8 activations the signed one; the +8 offset is undone per group with the
+// activation group sums.
+#pragma once
+#include <immintrin.h>
+#include "hy.h"
+
+namespace {
+
+template <int MT>
+void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* rows, float* C, int ldc) {
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int kk = 0; kk < k; kk += 32) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
+    for (int t = 0; t < MT; ++t) {
+      __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
+    }
+  }
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]);
+}
+
+template <int MT>
+void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw,
+              const int32_t* rsum, float* C, int ldc) {
+  const __m512i off = _mm512_set1_epi8((char)0x80);
+  __m512i acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_si512();
+  for (int kk = 0; kk < k; kk += 64) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
+    for (int t = 0; t < MT; ++t) {
+      __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t)
+      C[t * ldc + j] = (float)(_mm512_reduce_add_epi32(acc[j][t]) - 128 * rsum[j]) * sw[j] * act_scale(rows[t], k);
+}
+
+template <int MT>
+void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
+              float* C, int ldc) {
+  const int G = k / group;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int c = 0; c < k / 64; ++c) {
+    __m512i wq[4];
+    __m512 sv[4];
+    const int g0 = c * 64 / group, g1 = (c * 64 + 32) / group;  // lanes 0-7 cover K 0..31, 8-15 K 32..63
+    for (int j = 0; j < 4; ++j) {
+      __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+      __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      sv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[j * G + g0])),
+                                 _mm256_set1_ps(sw[j * G + g1]), 1);
+    }
+    for (int t = 0; t < MT; ++t) {
+      __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+      for (int j = 0; j < 4; ++j)
+        acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], a)),
+                                    sv[j], acc[j][t]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) {
+      const int32_t* gs = act_gsum(rows[t], k);
+      float corr = 0.f;
+      for (int g = 0; g < G; ++g) corr += sw[j * G + g] * (float)gs[g];
+      C[t * ldc + j] = (_mm512_reduce_add_ps(acc[j][t]) - 8.f * corr) * act_scale(rows[t], k);
+    }
+}
+
+template <int MT>
+void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
+  const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
+  const float* sw = M.scale ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  if (M.dtype == HY_BF16) {
+    bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc);
+  } else if (M.dtype == HY_INT8) {
+    i8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, sw,
+                 M.rsum + e * M.r_estride + r, C, ldc);
+  } else {
+    i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);
+  }
+}
+
+void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
+  for (int r = 0; r < nr; r += 4)
+    for (int t = 0; t < m; t += 4) {
+      float* c = C + t * ldc + r;
+      switch (std::min(4, m - t)) {
+        case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc); break;
+        case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc); break;
+        case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc); break;
+        default: vec_block<1>(M, e, r0 + r, rows + t, c, ldc);
+      }
+    }
+}
+
+}  // namespace

@@ -1,0 +1,271 @@
+"""Compiled CPU expert kernels vs the pure-PyTorch reference, for every ISA this machine can run.
+
+Ragged loads (experts with 0, 1, 7, 300 and more tokens), T = 1 and 513, D and F that are multiples of
+no tile; outputs pre-filled with NaN. int8/int4 are compared with the reference run on the weights
+de-quantized independently here; the kernels also quantize activations per token (int8), which bounds
+how close they can get: the tolerances below are ~2x what correct kernels show, far below what any
+indexing or layout bug produces (errors of order 1).
+"""
+
+import threading
+
+import pytest
+import torch
+
+import cpu_kernels
+from cpu_kernels import CpuMoE, quant
+from cpu_kernels.reference import moe_forward
+
+ISAS = cpu_kernels.available_isas()
+COMPILED = [i for i in ISAS if i != "ref"]
+# (isa, amx_min_tokens): the AMX build is run with all experts on AMX, with the default knee, and with
+# all experts on its AVX-512 vector path.
+CASES = [pytest.param(i, 16, id=i) for i in ISAS if i != "amx"]
+if "amx" in ISAS:
+    CASES += [pytest.param("amx", k, id=f"amx-knee{k}", marks=pytest.mark.amx) for k in (1, 16, 10**9)]
+TOL = {"bf16": 1e-2, "int8": 4e-2, "int4": 4e-2}
+E, F, D = 6, 97, 131
+
+
+def weights(seed=0, e=E, f=F, d=D):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, f, d, generator=g) / d**0.5, torch.randn(e, f, d, generator=g) / d**0.5,
+            torch.randn(e, d, f, generator=g) / f**0.5)
+
+
+def ragged_routing(T, seed=0):
+    """topk [T, 2]: slot 0 gives experts 0,1,2,3 exactly 300, 7, 1, 0 tokens (T=513), the rest to 4;
+    slot 1 sends every token to 5. Tokens are shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.full((T,), 4, dtype=torch.int64)
+    counts = [(0, 300), (1, 7), (2, 1)] if T >= 308 else [(2, 1)]
+    pos = 0
+    for e, c in counts:
+        first[pos:pos + c] = e
+        pos += c
+    first = first[torch.randperm(T, generator=g)]
+    ids = torch.stack([first, torch.full((T,), 5)], 1)
+    w = torch.rand(T, 2, generator=g) + 0.1
+    return ids, w
+
+
+def dequantized(ws, dtype, group=128):
+    if dtype == "bf16":
+        return [w.bfloat16() for w in ws]
+    if dtype == "int8":
+        return [quant.dequantize_int8(*quant.quantize_int8(w)) for w in ws]
+    out = []
+    for w in ws:
+        k = w.shape[-1]
+        kp = (k + max(64, group) - 1) // max(64, group) * max(64, group)
+        wp = torch.nn.functional.pad(w, (0, kp - k))
+        out.append(quant.dequantize_int4(*quant.quantize_int4(wp, group), group)[..., :k])
+    return out
+
+
+def rel_err(y, r):
+    return float((y.float() - r.float()).abs().max() / r.float().abs().max())
+
+
+@pytest.mark.parametrize("isa,knee", CASES)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("T", [1, 513])
+def test_matches_reference(isa, knee, dtype, T):
+    ws = weights()
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, amx_min_tokens=knee)
+    assert moe.isa == isa and moe.nbytes > 0
+    ids, w = ragged_routing(T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+    y = moe.forward(x, ids, w, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert not torch.isnan(y).any()
+    ref = moe_forward(x, *dequantized(ws, dtype), ids, w)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("group", quant.GROUP_SIZES)
+def test_int4_groups_fp32_input(isa, group):
+    ws = weights(seed=2, f=150, d=200)
+    moe = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa)
+    ids, w = ragged_routing(40, seed=3)
+    x = torch.randn(40, 200, generator=torch.Generator().manual_seed(4))
+    y = moe.forward(x, ids, w)
+    assert y.dtype == torch.float32
+    ref = moe_forward(x, *dequantized(ws, "int4", group), ids, w)
+    assert rel_err(y, ref) < TOL["int4"]
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu_oai"])
+def test_activations(isa, activation):
+    ws = [w * 3 for w in weights(seed=5)]  # large enough that the SwiGLU clamp (7) is reached
+    moe = CpuMoE(*ws, isa=isa, activation=activation)
+    ids, w = ragged_routing(64, seed=6)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(7)).bfloat16()
+    ref = moe_forward(x, *dequantized(ws, "bf16"), ids, w, activation=activation)
+    assert rel_err(moe.forward(x, ids, w), ref) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_expert_mask_and_subset(isa):
+    ws = weights(seed=8)
+    ids, w = ragged_routing(513, seed=9)
+    x = torch.randn(513, D, generator=torch.Generator().manual_seed(10)).bfloat16()
+    mask = torch.tensor([True, False, True, True, False, True])
+    full = CpuMoE(*ws, isa=isa)
+    ref_masked = moe_forward(x, *dequantized(ws, "bf16"), ids, w, expert_mask=mask)
+    y = full.forward(x, ids, w, expert_mask=mask)
+    assert rel_err(y, ref_masked) < TOL["bf16"]
+    assert rel_err(full.forward(x, ids, w), ref_masked) > 0.05  # the mask changed something
+    # Only experts 0, 2, 5 held (cold experts of a layer); tokens routed elsewhere are skipped.
+    held = [0, 2, 5]
+    sub = CpuMoE(*[t[held].contiguous() for t in ws], isa=isa, expert_ids=held, num_experts=E)
+    only = torch.zeros(E, dtype=torch.bool)
+    only[held] = True
+    ref_sub = moe_forward(x, *dequantized(ws, "bf16"), ids, w, expert_mask=only)
+    assert rel_err(sub.forward(x, ids, w), ref_sub) < TOL["bf16"]
+    both = only & mask
+    ref_both = moe_forward(x, *dequantized(ws, "bf16"), ids, w, expert_mask=both)
+    assert rel_err(sub.forward(x, ids, w, expert_mask=mask), ref_both) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_submit_from_threads(isa):
+    ws = weights(seed=11)
+    moe = CpuMoE(*ws, isa=isa, dtype="int8")
+    jobs = []
+    for s in range(6):
+        ids, w = ragged_routing(100 + 37 * s, seed=s)
+        jobs.append((torch.randn(100 + 37 * s, D, generator=torch.Generator().manual_seed(s)).bfloat16(), ids, w))
+    expected = [moe.forward(*j) for j in jobs]
+    results, errors, lock = [], [], threading.Lock()
+
+    def worker(i):
+        try:
+            handles = [(k, moe.submit(*jobs[k])) for k in (i, (i + 3) % 6, (i + 5) % 6)]
+            for k, h in handles:
+                y = h.wait(timeout=120)
+                with lock:
+                    results.append((k, y))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 18
+    for k, y in results:
+        assert torch.equal(y, expected[k])  # same inputs, same kernels: bitwise equal
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bad_input_raises(isa):
+    ws = weights(seed=12)
+    moe = CpuMoE(*ws, isa=isa)
+    x = torch.randn(4, D).bfloat16()
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    w = torch.ones(4, 2)
+    bad = [
+        dict(x=torch.randn(4, D + 1).bfloat16()),                        # shape mismatch
+        dict(ids=torch.full((4, 2), E, dtype=torch.int64)),              # id out of range
+        dict(ids=torch.full((4, 2), -1, dtype=torch.int64)),
+        dict(x=torch.randint(0, 3, (4, D))),                             # wrong dtype
+        dict(ids=ids.float()),
+        dict(x=torch.randn(D, 4).bfloat16().t()),                        # non-contiguous
+        dict(w=torch.ones(2, 4).t()),
+        dict(ids=torch.zeros(3, 2, dtype=torch.int64), w=torch.ones(3, 2)),
+        dict(mask=torch.ones(E + 1, dtype=torch.bool)),
+        dict(mask=torch.ones(E)),
+        dict(out=torch.empty(4, D)),                                     # out dtype != x dtype
+    ]
+    for b in bad:
+        with pytest.raises(ValueError):
+            moe.forward(b.get("x", x), b.get("ids", ids), b.get("w", w), expert_mask=b.get("mask"), out=b.get("out"))
+    with pytest.raises(ValueError):
+        CpuMoE(ws[0], ws[1][:, :-1], ws[2], isa=isa)
+    with pytest.raises(ValueError):
+        CpuMoE(*ws, dtype="int4", group_size=48, isa=isa)
+    with pytest.raises(ValueError):
+        CpuMoE(*ws, dtype="fp8", isa=isa)
+    with pytest.raises(ValueError):
+        CpuMoE(ws[0].transpose(1, 2), ws[1], ws[2], isa=isa)
+    assert torch.isfinite(moe.forward(x, ids, w)).all()  # still works after the errors
+
+
+def test_unavailable_isa_is_loud(monkeypatch):
+    from cpu_kernels import _native
+    missing = [i for i in cpu_kernels.ISAS if i not in ISAS]
+    for isa in missing:
+        with pytest.raises(cpu_kernels.IsaUnavailable):
+            CpuMoE(*weights(), isa=isa)
+    monkeypatch.setenv("HYBRID_CPU_ISA", "ref")
+    _native.default_isa.cache_clear()
+    try:
+        assert CpuMoE(*weights()).isa == "ref"
+        monkeypatch.setenv("HYBRID_CPU_ISA", "sse9")
+        _native.default_isa.cache_clear()
+        with pytest.raises(cpu_kernels.IsaUnavailable):
+            CpuMoE(*weights())
+        for isa in missing:
+            monkeypatch.setenv("HYBRID_CPU_ISA", isa)
+            _native.default_isa.cache_clear()
+            with pytest.raises(cpu_kernels.IsaUnavailable):
+                CpuMoE(*weights())
+    finally:
+        _native.default_isa.cache_clear()
+    assert ISAS[-1] == "ref" and ISAS == [i for i in cpu_kernels.ISAS if i in ISAS]
+
+
+def _quant_rows(v):
+    """The kernels' per-token activation quantization, de-quantized again: round(v * 127/amax) * amax/127."""
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(v * inv).clamp(-127, 127) * (amax / 127.0)
+
+
+def emulated(x, ws, ids, w, dtype):
+    """Reference that also rounds activations the way the kernels do (bf16 h, or int8 x and h)."""
+    wg, wu, wd = (t.float() for t in dequantized(ws, dtype))
+    out = torch.zeros(x.shape[0], wd.shape[1])
+    for e in torch.unique(ids).tolist():
+        tok, kk = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok].float()
+        xe = xe.bfloat16().float() if dtype == "bf16" else _quant_rows(xe)
+        h = torch.nn.functional.silu(xe @ wg[e].T) * (xe @ wu[e].T)
+        h = h.bfloat16().float() if dtype == "bf16" else _quant_rows(h)
+        out.index_add_(0, tok, (h @ wd[e].T) * w[tok, kk][:, None])
+    return out
+
+
+@pytest.mark.parametrize("isa,knee", [c for c in CASES if c.values[0] != "ref"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_kernel_arithmetic_tight(isa, knee, dtype):
+    """With activation rounding emulated, only fp32 summation order differs: a tight bound that a wrong
+    group scale, a lost tail or an off-by-one row would break."""
+    ws = weights(seed=13)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, amx_min_tokens=knee)
+    ids, w = ragged_routing(513, seed=14)
+    x = torch.randn(513, D, generator=torch.Generator().manual_seed(15))
+    assert rel_err(moe.forward(x, ids, w), emulated(x, ws, ids, w, dtype)) < 2e-3
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_numa_split_matches(isa, dtype):
+    """Two (fake) NUMA nodes: F split in two slices, each run by its own pool, partials summed."""
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    topo = cpu_kernels.Topology(((cpus[0],), (cpus[-1],)))
+    ws = weights(seed=16, f=300, d=D)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, topology=topo, group_size=64)
+    assert len(moe._slices) == 2 and moe._slices[0][1] == moe._slices[1][0]
+    ids, w = ragged_routing(513, seed=17)
+    x = torch.randn(513, D, generator=torch.Generator().manual_seed(18)).bfloat16()
+    ref = moe_forward(x, *dequantized(ws, dtype, 64), ids, w)
+    y = moe.forward(x, ids, w)
+    assert not torch.isnan(y).any() and rel_err(y, ref) < TOL[dtype]
+    one = CpuMoE(*ws, dtype=dtype, isa=isa, topology=cpu_kernels.Topology(((cpus[0],),)), group_size=64)
+    assert one.nbytes == pytest.approx(moe.nbytes, rel=0.1)  # split, not duplicated

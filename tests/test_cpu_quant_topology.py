@@ -1,0 +1,77 @@
+"""Exact checks of the weight quantization formats and of NUMA topology discovery."""
+
+import pytest
+import torch
+
+from cpu_kernels import Topology, quant
+from cpu_kernels.topology import parse_cpulist
+
+
+def test_int8_roundtrip_exact():
+    g = torch.Generator().manual_seed(0)
+    s = 2.0 ** torch.randint(-8, 0, (5, 1), generator=g)  # power-of-two scales: q * s is exact
+    q = torch.randint(-127, 128, (5, 200), generator=g)
+    q[:, 0] = 127
+    w = q.float() * s
+    qq, ss = quant.quantize_int8(w)
+    assert torch.equal(ss, s[:, 0]) and torch.equal(qq.long(), q)
+    assert torch.equal(quant.dequantize_int8(qq, ss), w)
+    assert int(quant.quantize_int8(torch.full((1, 64), -3.0))[0].min()) == -127  # never -128
+
+
+@pytest.mark.parametrize("group", quant.GROUP_SIZES)
+def test_int4_roundtrip_exact(group):
+    g = torch.Generator().manual_seed(group)
+    K = 256
+    s = 2.0 ** torch.randint(-6, 2, (3, K // group), generator=g)
+    q = torch.randint(-7, 8, (3, K), generator=g)
+    q[:, ::group] = 7  # every group reaches amax = 7 * s
+    w = q.float() * s.repeat_interleave(group, -1)
+    packed, ss = quant.quantize_int4(w, group)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, K // 2)
+    assert torch.equal(ss, s)
+    assert torch.equal(quant.dequantize_int4(packed, ss, group), w)
+
+
+def test_int4_nibble_layout():
+    u = torch.arange(128, dtype=torch.uint8).remainder(16).reshape(1, 128)
+    p = quant.pack_nibbles(u)
+    # chunk c, byte j: low nibble = value c*64 + j, high nibble = value c*64 + 32 + j
+    for c in range(2):
+        for j in range(32):
+            assert int(p[0, c * 32 + j]) == int(u[0, c * 64 + j]) | (int(u[0, c * 64 + 32 + j]) << 4)
+    assert torch.equal(quant.unpack_nibbles(p), u)
+
+
+def test_quantize_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        quant.quantize_int4(torch.zeros(2, 96), 32)  # K not a multiple of 64
+    with pytest.raises(ValueError):
+        quant.quantize_int4(torch.zeros(2, 128), 48)
+
+
+def test_parse_cpulist():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def test_discover_fake_sysfs(tmp_path):
+    for n, cl in ((0, "0-3,8-11"), (1, "4-7,12-15"), (2, "")):
+        (tmp_path / f"node{n}").mkdir()
+        (tmp_path / f"node{n}" / "cpulist").write_text(cl + "\n")
+    (tmp_path / "possible").write_text("0-2\n")  # not a node directory
+    topo = Topology.discover(tmp_path, allowed=range(16))
+    assert topo.nodes == ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    part = Topology.discover(tmp_path, allowed={1, 2, 5})
+    assert part.nodes == ((1, 2), (5,))
+    assert Topology.discover(tmp_path / "missing", allowed={3, 1}).nodes == ((1, 3),)
+    assert topo.limit(3).nodes == ((0, 1), (4,))
+    assert topo.limit(None) is topo and topo.threads == 16
+
+
+def test_topology_validation():
+    with pytest.raises(ValueError):
+        Topology(())
+    with pytest.raises(ValueError):
+        Topology(((0,), ()))
+    with pytest.raises(ValueError):
+        Topology(((0,),)).limit(0)
