@@ -13,6 +13,7 @@ API_KEY_ENV = "HYBRID_API_KEY"
 
 
 def register(subparsers) -> None:
+    from hybrid.server.adapter import DTYPES
     from hybrid.server.config import ServerConfig
 
     d = ServerConfig()
@@ -36,6 +37,9 @@ def register(subparsers) -> None:
                    help="sequences waiting for a slot before requests get 429 (default %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body cap; larger bodies get 413 (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations (default auto: bfloat16 on a GPU, float32 on the CPU; "
+                   "float64 makes greedy output independent of batching, for exactness tests)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -68,7 +72,7 @@ def run(args) -> int:
     if not _is_loopback(config.host) and config.api_key is None:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
-    runtime, name = load_runtime(args.model, args.plan, config.max_batch, config.max_context)
+    runtime, name = load_runtime(args.model, args.plan, config.max_batch, config.max_context, args.dtype)
     try:
         serve(config, runtime, config.served_model_name or name)
     except OSError as exc:  # port in use, address not available

@@ -69,8 +69,21 @@ class Runtime:
         return self._sample(logits, [s[0] for s in samplers], [s[1] for s in samplers])
 
 
-def load_runtime(model_dir: str | None, plan: str | None, max_batch: int, max_context: int) -> tuple[Runtime, str]:
-    """-> (runtime, served model name). model_dir None = the demo checkpoint."""
+DTYPES = ("auto", "bfloat16", "float16", "float32", "float64")
+
+
+def load_runtime(model_dir: str | None, plan: str | None, max_batch: int, max_context: int,
+                 dtype: str = "auto") -> tuple[Runtime, str]:
+    """-> (runtime, served model name). model_dir None = the demo checkpoint (built on first use).
+
+    dtype "auto" = bfloat16 on a GPU, float32 on the CPU. float64 exists for exactness checks: fp32
+    GEMMs round differently at different batch sizes (gemv vs gemm blocking, grouped-GEMM group
+    sizes), and a MoE router turns those last-bit differences into different experts at near-ties,
+    so only in fp64 is greedy output reliably identical batched and alone.
+    """
+    import sys
+    from pathlib import Path
+
     import torch
 
     from hybrid.errors import UsageError
@@ -82,14 +95,20 @@ def load_runtime(model_dir: str | None, plan: str | None, max_batch: int, max_co
         raise UsageError(f"--plan {plan}: expert placement plans are not supported by this runtime yet "
                          "(the placement planner has not landed); serve without --plan")
     if model_dir is None:
-        raise UsageError("no demo checkpoint available yet; pass --model DIR")
+        from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - stdout announces the port
+        model_dir = ensure_demo_checkpoint(progress_print=log)
+        log(DEMO_NOTICE.format(path=model_dir))
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
     try:
-        model = load_model(model_dir, device=device, dtype=dtype)
+        model = load_model(model_dir, device=device, dtype=getattr(torch, dtype), progress=False)
         tokenizer = Tokenizer(model_dir)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
     engine = Engine(model, tokenizer, max_batch=max_batch, max_context=max_context)
-    from pathlib import Path
     return Runtime(engine, tokenizer), Path(model_dir).resolve().name
