@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def run(args, input_fn=input) -> int:
+def run(args, input_fn=None) -> int:
+    input_fn = input_fn or input  # looked up per call, so tests can replace builtins.input
     from hybrid.runtime.session import open_session, sampling_from_args
 
     sampling = sampling_from_args(args)

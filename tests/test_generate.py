@@ -1,0 +1,199 @@
+"""Engine, sampling and CLI behaviour on the CPU: slots, padding, chunked prefill, stop tokens and
+strings, streaming, seeds, top-k/top-p, the demo checkpoint and `hybrid generate/chat`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybrid.cli import main
+from hybrid.models import build_empty, init_random_
+from hybrid.models.families import family_for
+from hybrid.models.presets import hf_config
+from hybrid.runtime import Engine, SamplingParams, sample
+from hybrid.runtime.sampling import filter_logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    raw = hf_config("demo", layers=2)
+    cfg = family_for(raw).parse_config(raw)
+    return init_random_(build_empty(cfg, "cpu", torch.float32), seed=0, std=0.1)
+
+
+def prompt(n, seed=0):
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_slots_allocate_free_and_reuse(model):
+    e = Engine(model, max_batch=2, max_context=16)
+    a, b = e.allocate_slot(), e.allocate_slot()
+    assert {a, b} == {0, 1}
+    with pytest.raises(ValueError, match="all 2 KV slots"):
+        e.allocate_slot()
+    e.prefill(a, prompt(5))
+    assert e.lengths[a] == 5
+    e.free_slot(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        e.free_slot(a)
+    assert e.allocate_slot() == a and e.lengths[a] == 0
+
+
+def test_padding_writes_nothing_and_rows_are_independent(model):
+    e = Engine(model, max_batch=3, max_context=16)
+    p = prompt(6, 1)
+    alone = e.forward(torch.tensor([p]), torch.arange(6)[None], torch.tensor([1]))[0]  # [T, V]
+    k_before = e.cache.k[:, :, :16].clone()
+    ids = torch.tensor([p + [0, 0], prompt(8, 2)])
+    pos = torch.tensor([list(range(6)) + [-1, -1], list(range(8))])
+    both = e.forward(ids, pos, torch.tensor([0, 2]))
+    assert torch.allclose(both[0, :6], alone, atol=1e-5)
+    # Row 0's padding (positions -1) left slot 0's positions 6, 7 untouched.
+    assert torch.equal(e.cache.k[:, 0, 6:16], k_before[:, 0, 6:16])
+    last = e.forward(ids, pos, torch.tensor([0, 2]), last_only=True)  # [B, V]
+    assert torch.allclose(last[0], alone[5], atol=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot(model):
+    e = Engine(model, max_batch=2, max_context=32)
+    p = prompt(12, 3)
+    s0, s1 = e.allocate_slot(), e.allocate_slot()
+    one = e.prefill(s0, p)
+    e.prefill(s1, p[:5])
+    two = e.prefill(s1, p[5:])
+    assert torch.allclose(one, two, atol=1e-5)
+    with pytest.raises(ValueError, match="exceed max_context"):
+        e.prefill(s1, prompt(30))
+
+
+def test_greedy_batch_equals_one_by_one(model):
+    prompts = [prompt(n, n) for n in (3, 9, 5, 7)]
+    batched = Engine(model, max_batch=3, max_context=40).generate(prompts, 12, stop_token_ids=[])
+    for p, r in zip(prompts, batched):
+        alone = Engine(model, max_batch=1, max_context=40).generate([p], 12, stop_token_ids=[])[0]
+        assert r.token_ids == alone.token_ids and len(r.token_ids) == 12
+
+
+def test_stop_token_ends_and_is_not_returned(model):
+    p = prompt(6, 4)
+    free = Engine(model, max_batch=1, max_context=40).generate([p], 10, stop_token_ids=[])[0].token_ids
+    stop = free[4]
+    first = free.index(stop)
+    out = Engine(model, max_batch=1, max_context=40).generate([p], 10, stop_token_ids=[stop])[0]
+    assert out.token_ids == free[:first] and out.finish_reason == "stop"
+
+
+def test_max_context_ends_generation(model):
+    out = Engine(model, max_batch=1, max_context=10).generate([prompt(6)], 50, stop_token_ids=[])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5  # positions 6..9 decode, +1 from prefill
+
+
+def test_seeded_sampling_is_reproducible_and_differs_by_seed(model):
+    e = Engine(model, max_batch=2, max_context=40)
+    p = prompt(4, 5)
+    sp = SamplingParams(temperature=1.0, seed=7)
+    a = e.generate([p, p], 16, sampling=[sp, SamplingParams(temperature=1.0, seed=8)], stop_token_ids=[])
+    b = e.generate([p], 16, sampling=sp, stop_token_ids=[])
+    assert a[0].token_ids == b[0].token_ids
+    assert a[0].token_ids != a[1].token_ids
+    greedy = e.generate([p], 16, stop_token_ids=[])[0].token_ids
+    topk1 = e.generate([p], 16, sampling=SamplingParams(temperature=1.0, top_k=1, seed=3), stop_token_ids=[])
+    assert topk1[0].token_ids == greedy
+
+
+def test_filter_logits_top_k_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, top_k=2)))
+    assert kept.tolist() == [True, False, False, False, True]
+    probs = torch.softmax(logits, -1)  # sorted: 3.0 (0.61), 2.0 (0.22), 1.0 (0.08), ...
+    p = float(probs[4] + probs[0]) - 1e-4  # mass of the top two, just under it
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, top_p=p)))
+    assert kept.tolist() == [True, False, False, False, True]
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.01)))
+    assert kept.tolist() == [False, False, False, False, True]
+    assert sample(logits[None], [SamplingParams()], [None]) == [4]
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    import os
+
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("HYBRID_CACHE")
+    os.environ["HYBRID_CACHE"] = str(cache)
+    from hybrid.runtime.demo import ensure_demo_checkpoint
+
+    path = ensure_demo_checkpoint(progress_print=lambda m: None)
+    yield path
+    if old is None:
+        os.environ.pop("HYBRID_CACHE")
+    else:
+        os.environ["HYBRID_CACHE"] = old
+
+
+def test_stop_strings_and_streaming_with_tokenizer(demo_dir):
+    from hybrid.models import load_model
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(demo_dir)
+    e = Engine(load_model(demo_dir, progress=False), tok, max_batch=2, max_context=64)
+    p = tok.encode("Hello, world! The capital")
+    free = e.generate([p], 20, stop_token_ids=[])[0]
+    assert free.text == tok.decode(free.token_ids)
+    pieces = []
+    streamed = e.generate([p, p[:3]], 20, stop_token_ids=[], stream=lambda i, t, d: pieces.append((i, d)))
+    assert "".join(d for i, d in pieces if i == 0) == streamed[0].text == free.text
+    assert "".join(d for i, d in pieces if i == 1) == streamed[1].text
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop and stop in free.text
+    out = e.generate([p], 20, stop_token_ids=[], stop_strings=[stop])[0]
+    assert out.text == free.text[:free.text.find(stop)] and out.finish_reason == "stop"
+
+
+def test_demo_checkpoint_is_cached_and_loads(demo_dir):
+    from hybrid.runtime.demo import ensure_demo_checkpoint
+
+    mtime = (demo_dir / "config.json").stat().st_mtime
+    assert ensure_demo_checkpoint(progress_print=lambda m: None) == demo_dir
+    assert (demo_dir / "config.json").stat().st_mtime == mtime
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe"
+    tcfg = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tcfg["chat_template"]
+
+
+def test_cli_generate_json(demo_dir, capsys):
+    assert main(["generate", "--prompt", "Hello there", "-n", "6", "--json"]) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    assert res["demo_random_weights"] is True and "RANDOM" in out.err
+    assert len(res["generated_token_ids"]) <= 6 and res["prompt"] == "Hello there"
+    assert res["prefill_tokens_per_s"] > 0 and res["dtype"] == "float32"
+    # Same greedy tokens from the library.
+    from hybrid.models import load_model
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    e = Engine(load_model(demo_dir, progress=False), Tokenizer(demo_dir), max_batch=1, max_context=64)
+    assert e.generate([res["prompt_token_ids"]], 6)[0].token_ids == res["generated_token_ids"]
+
+
+def test_cli_generate_text_and_errors(demo_dir, capsys):
+    assert main(["generate", "-n", "4", "--prompt", "Once upon"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("Once upon") and "tok/s" in out.err and "decode" in out.err
+    assert main(["generate", "--top-p", "0", "-n", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--model", str(demo_dir / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"hybrid generate: error: model directory not found: {demo_dir / 'nope'}"
+
+
+def test_cli_chat(demo_dir, capsys, monkeypatch):
+    lines = iter(["hi", "/reset", "", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
+    assert main(["chat", "-n", "5"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("decode") == 2  # one stats line per reply
