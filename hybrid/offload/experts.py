@@ -1,0 +1,196 @@
+"""HybridExperts: one MoE layer's expert executor split across the GPU, the CPU lane and the ship lane.
+
+Implements the executor contract of hybrid.models.moe (experts(x [T, D], topk_ids [T, K], topk_weights
+[T, K]) -> [T, D]). Per batch: the histogram of tokens per expert is read on the host, the scheduler
+splits the cold experts with tokens between the CPU lane and the ship lane (placement.schedule), the
+CPU lane is started first, the GPU then runs the resident experts and, as their weights arrive, the
+shipped ones; the CPU lane's summed output is added last. Partial outputs are merged in fp32.
+
+Every expert's weights exist once in DRAM, inside the CPU executor (packed, maybe quantized); resident
+and shipped experts are de-quantized from those same bytes, so an expert computes the same function
+whichever lane runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.offload.lanes import CpuLane, ShipLane
+from hybrid.offload.sources import packed_sources, pin
+from placement.schedule import LayerScheduler
+
+
+@dataclass
+class LayerStats:
+    """Running counters of one layer's decisions (what /metrics and the benchmarks report)."""
+
+    batches: int = 0
+    tokens: int = 0
+    cpu_experts: int = 0  # cold experts with tokens run on the CPU lane
+    shipped_experts: int = 0
+    resident_experts: int = 0  # resident experts that received tokens
+    decide_s: float = 0.0
+    predicted_s: float = 0.0
+    routed: np.ndarray | None = field(default=None, repr=False)  # tokens per expert, cumulative [E]
+
+    @property
+    def cpu_share(self) -> float:
+        n = self.cpu_experts + self.shipped_experts
+        return self.cpu_experts / n if n else 0.0
+
+
+class Offload:
+    """What all hybrid layers of one model share: device, lanes, scheduler settings and CPU executor options."""
+
+    def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
+                 cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 4,
+                 group_size: int = 128):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.scheduler = scheduler
+        self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
+        self.cpu_lane = CpuLane(self.device)
+        self.ship_lane = ShipLane(self.device, staging_slots)
+        self.pinned_weight_bytes = 0
+        self.layers: list["HybridExperts"] = []
+
+    def memory(self) -> dict:
+        """Bytes: DRAM of the CPU executors, pinned host memory, VRAM of resident experts and staging."""
+        return {
+            "dram_expert_bytes": sum(layer.cpu_moe.nbytes for layer in self.layers),
+            "pinned_bytes": self.pinned_weight_bytes + self.cpu_lane.pinned_bytes,
+            "vram_resident_bytes": sum(layer.resident_bytes for layer in self.layers),
+            "vram_staging_bytes": self.ship_lane.vram_bytes,
+        }
+
+
+class HybridExperts(nn.Module):
+    graph_safe = False  # reads the routing histogram on the host: decode runs eager
+
+    def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offload: Offload):
+        super().__init__()
+        import cpu_kernels
+
+        self.layer = layer
+        self.offload = offload
+        E, F_, D = w_gate.shape
+        self.num_experts, self.F, self.D = E, F_, D
+        self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
+                                          dtype=offload.cpu_dtype, group_size=offload.group_size,
+                                          threads=offload.threads, isa=offload.cpu_isa)
+        self.sources = packed_sources(self.cpu_moe)
+        if offload.device.type == "cuda":
+            offload.pinned_weight_bytes += pin([t for ns in self.sources for m in ns.mats() for t in (m.q, m.scale)])
+        self.stats = LayerStats(routed=np.zeros(E, dtype=np.int64))
+        self.set_resident([])
+        offload.layers.append(self)
+
+    # -- placement --------------------------------------------------------------------------------
+    def expert_weights(self, e: int, device=None, dtype=None):
+        """Expert e's (gate [F, D], up [F, D], down [D, F]), de-quantized from the one packed copy."""
+        device, dtype = device or self.offload.device, dtype or self.offload.dtype
+        parts = []
+        for ns in self.sources:
+            parts.append([m.decode(m.q[e].to(device), None if m.scale is None else m.scale[e].to(device), dtype)
+                          for m in ns.mats()])
+        if len(parts) == 1:
+            return tuple(p.contiguous() for p in parts[0])
+        return (torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0),
+                torch.cat([p[2] for p in parts], 1))
+
+    def set_resident(self, ids) -> None:
+        """Make exactly `ids` resident in VRAM (uploaded from the packed copy); the rest are cold."""
+        ids = sorted(int(i) for i in ids)
+        if any(i < 0 or i >= self.num_experts for i in ids):
+            raise ValueError(f"resident ids must be in [0, {self.num_experts})")
+        dev, dt = self.offload.device, self.offload.dtype
+        R = len(ids)
+        self.resident_ids = np.array(ids, dtype=np.int64)
+        is_res = np.zeros(self.num_experts, dtype=bool)
+        is_res[ids] = True
+        self.is_resident = is_res
+        self.cold_ids = np.nonzero(~is_res)[0]
+        self.w_gate = torch.empty(R, self.F, self.D, device=dev, dtype=dt)  # [R, F, D]
+        self.w_up = torch.empty(R, self.F, self.D, device=dev, dtype=dt)
+        self.w_down = torch.empty(R, self.D, self.F, device=dev, dtype=dt)  # [R, D, F]
+        for r, e in enumerate(ids):
+            g, u, d = self.expert_weights(e)
+            self.w_gate[r], self.w_up[r], self.w_down[r] = g, u, d
+        self._slot_of = {e: r for r, e in enumerate(ids)}
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
+
+    # -- forward ----------------------------------------------------------------------------------
+    @staticmethod
+    def _expert(x, g, u, d):
+        return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, K = topk_ids.shape
+        off = self.offload
+        dev = off.device
+        x = x.to(device=dev, dtype=off.dtype)
+        flat = topk_ids.reshape(-1).to(dev)  # [T*K]
+        hist = torch.bincount(flat, minlength=self.num_experts).cpu().numpy()  # host sync: the split needs it
+        t0 = time.perf_counter()
+        sched = off.scheduler
+        busy = sched.gpu_time(hist[self.resident_ids]) if self.resident_ids.size else 0.0
+        split = sched.decide(hist[self.cold_ids], batch_tokens=T, gpu_busy=busy, rows=T)
+        decide_s = time.perf_counter() - t0
+        ship_ids = self.cold_ids[split.ship]
+        cpu_ids = self.cold_ids[~split.ship & (hist[self.cold_ids] > 0)]
+        self._account(hist, T, len(cpu_ids), len(ship_ids), decide_s, split.total)
+
+        out = torch.zeros(T, self.D, device=dev, dtype=torch.float32)  # fp32 merge of the lanes
+        future = None
+        if cpu_ids.size:  # start the CPU lane first: it runs while the GPU works
+            mask = torch.zeros(self.num_experts, dtype=torch.bool)
+            mask[torch.from_numpy(cpu_ids)] = True
+            future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids.to(dev), topk_weights.to(dev), mask)
+
+        gpu_ids = [int(e) for e in self.resident_ids if hist[e] > 0] + [int(e) for e in ship_ids]
+        if gpu_ids:
+            order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+            token = order // K  # [T*K] token of each sorted assignment
+            wts = topk_weights.reshape(-1).to(dev)[order].float()
+            ends = np.cumsum(hist)
+            lane = off.ship_lane
+            pending = [int(e) for e in ship_ids]
+            fetched = {e: lane.fetch(self.sources, e) for e in pending[:lane.n_slots]}  # copies start now
+            pending = pending[lane.n_slots:]
+            for e in gpu_ids:  # resident first: their compute overlaps the first transfers
+                a, b = int(ends[e] - hist[e]), int(ends[e])
+                rows = token[a:b]
+                if e in self._slot_of:
+                    r = self._slot_of[e]
+                    y = self._expert(x[rows], self.w_gate[r], self.w_up[r], self.w_down[r])
+                else:
+                    slot = fetched.pop(e)
+                    y = self._expert(x[rows], *lane.weights(self.sources, slot, off.dtype))
+                    lane.release(slot)
+                    if pending:  # the slot just read is the next one to refill
+                        nxt = pending.pop(0)
+                        fetched[nxt] = lane.fetch(self.sources, nxt)
+                out.index_add_(0, rows, y.float() * wts[a:b, None])
+        if future is not None:
+            out += off.cpu_lane.collect(future).float()
+        return out.to(x.dtype)
+
+    def _account(self, hist, tokens, n_cpu, n_ship, decide_s, predicted_s):
+        s = self.stats
+        s.batches += 1
+        s.tokens += tokens
+        s.cpu_experts += n_cpu
+        s.shipped_experts += n_ship
+        s.resident_experts += int((hist[self.resident_ids] > 0).sum()) if self.resident_ids.size else 0
+        s.decide_s += decide_s
+        s.predicted_s += predicted_s
+        s.routed += hist

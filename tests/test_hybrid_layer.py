@@ -1,0 +1,122 @@
+"""The hybrid MoE layer against the reference MoE: every strategy, resident sets, CPU dtypes, ISAs."""
+
+import numpy as np
+import pytest
+import torch
+
+import cpu_kernels
+from cpu_kernels.reference import moe_forward
+from hybrid.offload import HybridExperts, Offload
+from placement.cost_model import ExpertShape
+from placement.hardware import BUILTIN_PROFILES
+from placement.schedule import LayerScheduler
+
+E, D, F_, K = 8, 96, 80, 2  # D, F not multiples of the kernels' tiles
+AMX_BOX = BUILTIN_PROFILES["ktransformers-paper-amx"]
+STRATEGIES = ["cost", "cpu", "ship", "threshold:4"]
+
+
+def bf16_weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16).float()  # noqa: E731
+    return mk(E, F_, D), mk(E, F_, D), mk(E, D, F_)
+
+
+def routing(T, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    if skew:
+        logits[:, :2] += 3.0
+    w, ids = torch.softmax(logits, -1).topk(K, -1)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def make_layer(strategy, resident=(), cpu_dtype="bf16", isa="ref", shape_scale=1.0):
+    # Price the tiny expert as the 235B one so the cost model makes non-trivial splits.
+    shape = ExpertShape("test", hidden=4096, intermediate=int(1536 * shape_scale), num_experts=E, topk=K)
+    off = Offload("cpu", torch.float32, LayerScheduler(shape, AMX_BOX, strategy), cpu_dtype=cpu_dtype,
+                  cpu_isa=isa, staging_slots=2)
+    wg, wu, wd = bf16_weights()
+    layer = HybridExperts(0, wg, wu, wd, off)
+    layer.set_resident(resident)
+    return layer, (wg, wu, wd)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("resident", [(), (0, 5), tuple(range(E))])
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_matches_reference(strategy, resident, T):
+    layer, (wg, wu, wd) = make_layer(strategy, resident)
+    x = torch.randn(T, D).to(torch.bfloat16).float()
+    ids, w = routing(T, seed=T, skew=True)
+    ref = moe_forward(x, wg, wu, wd, ids, w)
+    out = layer(x, ids, w)
+    assert out.shape == (T, D) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_lanes_are_really_used():
+    layer, _ = make_layer("ship", resident=(1,))
+    ids, w = routing(64, seed=3)
+    layer(torch.randn(64, D), ids, w)
+    s = layer.stats
+    assert s.shipped_experts == int((np.bincount(ids.flatten(), minlength=E) > 0).sum()) - 1
+    assert s.cpu_experts == 0 and s.resident_experts == 1
+    layer2, _ = make_layer("cpu")
+    layer2(torch.randn(64, D), ids, w)
+    assert layer2.stats.shipped_experts == 0 and layer2.stats.cpu_experts > 0
+    assert layer2.stats.cpu_share == 1.0
+
+
+def test_cost_strategy_mixes_lanes_on_a_big_batch():
+    layer, _ = make_layer("cost")
+    ids = torch.arange(E).repeat(512)[: 512 * K].view(512, K)  # 128 tokens per expert
+    w = torch.full(ids.shape, 0.5)
+    layer(torch.randn(512, D), ids, w)
+    assert layer.stats.cpu_experts > 0 and layer.stats.shipped_experts > 0
+
+
+@pytest.mark.parametrize("cpu_dtype", ["int8", "int4"])
+def test_quantized_cpu_dtype_same_function_on_every_lane(cpu_dtype):
+    """Resident and shipped experts are de-quantized from the CPU executor's bytes: all lanes agree."""
+    isa = cpu_kernels.available_isas()[0]
+    outs = []
+    ids, w = routing(40, seed=1)
+    x = torch.randn(40, D).to(torch.bfloat16).float()
+    for strategy, resident in (("cpu", ()), ("ship", ()), ("cpu", tuple(range(E)))):
+        layer, _ = make_layer(strategy, resident, cpu_dtype=cpu_dtype, isa=isa)
+        outs.append(layer(x, ids, w))
+    # Lanes differ only in accumulation order and the CPU kernels' on-the-fly activation quantization.
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max() / outs[0].abs().max() < 0.05
+    layer, (wg, wu, wd) = make_layer("ship", cpu_dtype=cpu_dtype, isa=isa)
+    g, u, d = layer.expert_weights(3)
+    assert g.shape == (F_, D) and d.shape == (D, F_)
+    assert (g - wg[3]).abs().max() <= wg[3].abs().max() / (7 if cpu_dtype == "int4" else 127) * 0.51 + 1e-6
+
+
+@pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])
+def test_compiled_cpu_lane(isa):
+    layer, (wg, wu, wd) = make_layer("cpu", resident=(2,), isa=isa)
+    ids, w = routing(33, seed=7)
+    x = torch.randn(33, D).to(torch.bfloat16).float()
+    ref = moe_forward(x, wg, wu, wd, ids, w)
+    out = layer(x, ids, w)
+    assert ((out - ref).abs().max() / ref.abs().max()) < 2e-2  # bf16 activations in the compiled kernels
+
+
+def test_set_resident_validates():
+    layer, _ = make_layer("cost")
+    with pytest.raises(ValueError):
+        layer.set_resident([E])
+    layer.set_resident([3, 1])
+    assert list(layer.resident_ids) == [1, 3] and layer.resident_bytes == 2 * 3 * F_ * D * 4
+
+
+def test_memory_report():
+    layer, _ = make_layer("ship")
+    ids, w = routing(16, seed=2)
+    layer(torch.randn(16, D), ids, w)
+    mem = layer.offload.memory()
+    assert mem["dram_expert_bytes"] == layer.cpu_moe.nbytes > 0
+    assert mem["vram_staging_bytes"] > 0 and mem["vram_resident_bytes"] == 0

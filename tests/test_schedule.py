@@ -1,0 +1,114 @@
+"""The per-batch split: hand-checked histograms, exhaustive optimality on small layers, strategies."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from hybrid.errors import UsageError
+from placement.cost_model import PRESETS, cpu_compute_time, gpu_compute_time
+from placement.hardware import BUILTIN_PROFILES
+from placement.layer_model import CPU, SHIP, layer_time
+from placement.schedule import LayerScheduler, Strategy, parse_strategy
+
+QWEN = PRESETS["qwen3-235b-a22b"]
+AVX = BUILTIN_PROFILES["ktransformers-paper-avx512"]
+AMX = BUILTIN_PROFILES["ktransformers-paper-amx"]
+TAU = AVX.alpha + QWEN.weight_bytes / AVX.link_bw  # 1.51 ms per expert on the paper box
+
+
+def test_parse_strategy():
+    assert parse_strategy("cost") == Strategy("cost")
+    assert parse_strategy("threshold:32") == Strategy("threshold", 32)
+    assert str(parse_strategy("threshold:7")) == "threshold:7"
+    for bad in ("fast", "threshold:", "threshold:-1", ""):
+        with pytest.raises(UsageError):
+            parse_strategy(bad)
+
+
+def test_all_cpu_is_best_for_decode():
+    # 8 experts x 1 token: each costs ~0.18 ms on the CPU, 1.5 ms to ship.
+    s = LayerScheduler(QWEN, AMX).decide(np.array([1] * 8 + [0] * 8), batch_tokens=1)
+    assert not s.ship.any()
+    assert s.cpu_lane == pytest.approx(2 * AMX.alpha + 8 * 2 * 4096 * 2 / AMX.link_bw
+                                       + 8 * QWEN.weight_bytes / AMX.dram_bw)
+
+
+def test_all_ship_is_best_for_big_prefill_on_avx512():
+    # 4096 tokens on each of 4 experts: 86 ms each on AVX-512, 1.5 ms to ship.
+    s = LayerScheduler(QWEN, AVX).decide(np.array([4096] * 4), batch_tokens=2048)
+    assert s.ship.all()
+
+
+def test_mixed_split_by_hand():
+    # 16 experts x 128 tokens on the AMX box: 0.227 ms each on the CPU (compute-bound), 1.51 ms to ship.
+    # Shipping k: CPU lane ~ (16-k)*0.227 ms (+ rows), GPU lane ~ k*1.51 ms. k=2 balances best.
+    hist = np.array([128] * 16)
+    s = LayerScheduler(QWEN, AMX).decide(hist, batch_tokens=256)
+    assert int(s.ship.sum()) == 2
+    c = float(cpu_compute_time(QWEN, AMX, 128))
+    rows = 14 * 128
+    assert s.cpu_lane == pytest.approx(2 * AMX.alpha + rows * 2 * 4096 * 2 / AMX.link_bw + 14 * c)
+    assert s.gpu_lane == pytest.approx(2 * TAU + float(gpu_compute_time(QWEN, AMX, 128)))
+    assert s.total < min(LayerScheduler(QWEN, AMX, "cpu").decide(hist, 256).total,
+                         LayerScheduler(QWEN, AMX, "ship").decide(hist, 256).total)
+
+
+def test_ships_the_most_expensive_experts():
+    hist = np.array([1, 300, 2, 500, 0, 3] + [64] * 10)
+    s = LayerScheduler(QWEN, AMX).decide(hist, batch_tokens=512)
+    assert s.ship[3] and s.ship[1] and not s.ship[4]
+    shipped_m = hist[s.ship]
+    kept_m = hist[~s.ship & (hist > 0)]
+    assert shipped_m.min() >= kept_m.max()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("hw", [AVX, AMX], ids=["avx512", "amx"])
+def test_cost_split_is_optimal_over_all_subsets(seed, hw):
+    rng = np.random.default_rng(seed)
+    hist = rng.choice([0, 1, 3, 40, 200, 900, 3000], size=8)
+    busy = float(rng.uniform(0, 3e-3))
+    s = LayerScheduler(QWEN, hw).decide(hist, batch_tokens=int(hist.sum()), gpu_busy=busy)
+    best = min(
+        layer_time(QWEN, hw, hist, [SHIP if b else CPU for b in bits], shared_gpu_time=busy).total
+        for bits in itertools.product([False, True], repeat=hist.size))
+    max_g = float(gpu_compute_time(QWEN, hw, hist).max())
+    assert s.total <= best + 1e-12
+    assert s.total >= best - max_g  # shipping order only moves the GPU lane by one expert's compute
+
+
+def test_threshold_and_fixed_strategies():
+    hist = np.array([5, 0, 7])
+    assert not LayerScheduler(QWEN, AMX, "threshold:32").decide(hist, batch_tokens=31).ship.any()
+    s = LayerScheduler(QWEN, AMX, "threshold:32").decide(hist, batch_tokens=32)
+    assert list(s.ship) == [True, False, True]
+    assert list(LayerScheduler(QWEN, AMX, "ship").decide(hist, 1).ship) == [True, False, True]
+    assert not LayerScheduler(QWEN, AMX, "cpu").decide(np.array([4096] * 3), 4096).ship.any()
+
+
+def test_cannot_ship_falls_back_to_cpu():
+    s = LayerScheduler(QWEN, AVX, "ship", can_ship=False).decide(np.array([4096, 4096]), 4096)
+    assert not s.ship.any()
+
+
+def test_empty_histogram_and_growing_tables():
+    sched = LayerScheduler(QWEN, AVX, max_m=16)
+    s = sched.decide(np.zeros(8, dtype=int), batch_tokens=0, gpu_busy=1e-3)
+    assert not s.ship.any() and s.cpu_lane == 0.0 and s.gpu_lane == 1e-3
+    s = sched.decide(np.array([5000]), batch_tokens=5000)  # beyond the first table
+    assert s.ship.all() and sched.max_m >= 5000
+
+
+def test_decision_time_reported(capsys):
+    sched = LayerScheduler(QWEN, AMX)
+    rng = np.random.default_rng(0)
+    hists = [rng.multinomial(512 * 8, np.ones(128) / 128) for _ in range(200)]
+    t0 = time.perf_counter()
+    for h in hists:
+        sched.decide(h, batch_tokens=512)
+    per = (time.perf_counter() - t0) / len(hists)
+    with capsys.disabled():
+        print(f"\n[scheduler] cost decision over 128 experts: {per * 1e6:.1f} us per layer (this machine)")
+    assert per > 0
