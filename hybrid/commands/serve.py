@@ -35,6 +35,9 @@ def register(subparsers) -> None:
                    help="tokens per sequence, prompt + completion (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="sequences waiting for a slot before requests get 429 (default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens prefilled per scheduler step; running sequences wait at most this "
+                   "much prefill per token (default %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body cap; larger bodies get 413 (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
@@ -64,7 +67,7 @@ def run(args) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                               max_context=args.max_context, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name)
+                              max_body_bytes=args.max_body_bytes, prefill_chunk=args.prefill_chunk, served_model_name=args.served_model_name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.plan is not None and not os.path.isfile(args.plan):

@@ -80,7 +80,7 @@ def auth_middleware(api_key: str | None):
 
 def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
     metrics = metrics or Metrics()
-    scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_token_budget)
+    scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_chunk)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware(config.api_key)])
     app[STATE] = ServerState(config=config, runtime=runtime, scheduler=scheduler, metrics=metrics,

@@ -14,9 +14,9 @@ class ServerConfig:
     max_context: int = 2048  # positions per slot: prompt + completion must fit
     max_queue: int = 64  # sequences waiting for a slot before new requests get 429
     max_body_bytes: int = 1 << 20  # request bodies above this get 413 before they are parsed
-    # Prefill tokens admitted per scheduler iteration (at least one whole prompt): bounds how long
-    # running sequences wait for their next decode step while new prompts are prefilled.
-    prefill_token_budget: int = 512
+    # Prompt tokens prefilled per scheduler iteration, in chunks of at most this size: bounds how long
+    # running sequences wait for their next token while new (long) prompts are prefilled.
+    prefill_chunk: int = 512
     max_choices: int = 16  # n x number of prompts in one request
     served_model_name: str | None = None  # defaults to the model directory's name
 
@@ -27,7 +27,7 @@ class ServerConfig:
             (self.max_context >= 2, f"max_context must be >= 2, got {self.max_context}"),
             (self.max_queue >= 1, f"max_queue must be >= 1, got {self.max_queue}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
-            (self.prefill_token_budget >= 1, f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}"),
+            (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),
             (self.max_choices >= 1, f"max_choices must be >= 1, got {self.max_choices}"),
             (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
         ]

@@ -68,9 +68,10 @@ class Metrics:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def prefilled(self, prompt_tokens: int) -> None:
+    def prefilled(self, prompt_tokens: int, done: bool = True) -> None:
+        """A prefill chunk ran; `done` = it completed its prompt."""
         with self._lock:
-            self.prefills += 1
+            self.prefills += int(done)
             self.prompt_tokens += prompt_tokens
 
     def generated(self, tokens: int, batch_size: int | None = None) -> None:

@@ -1,15 +1,18 @@
 """The engine thread: continuous batching over a fixed set of KV cache slots.
 
 One thread owns the model. Each iteration it (1) drops sequences whose clients went away and frees their
-slots, (2) admits waiting sequences into free slots and prefills them, up to `prefill_token_budget` prompt
-tokens (always at least one prompt, so a long prompt is never starved), and (3) runs one batched decode
-step over every running sequence. Sequences therefore join and leave the decode batch at step boundaries,
-and a burst of new prompts delays running sequences by at most one budget's worth of prefill.
+slots, (2) prefills prompts into free slots, at most `prefill_chunk` tokens per iteration (at least one
+chunk), and (3) runs one batched decode step over every sequence that has finished its prefill. So
+sequences join and leave the decode batch at step boundaries, and a long prompt is prefilled in chunks
+(the engine's prefill appends to what a slot holds) with decode steps in between: running sequences wait
+at most one chunk's worth of prefill per token, however long the new prompts are. Chunk boundaries fall
+at fixed multiples of `prefill_chunk` within each prompt, so how a prompt is split never depends on what
+else is running (same arithmetic alone or under load).
 
 The event loop never waits on this thread: it submits sequences (non-blocking, or 429 when the queue
 is full), and the thread pushes events back through each sequence's `sink` (a thread-safe callback).
-Every accepted sequence ends with exactly one terminal event, "done" or "error" — even when the model
-raises or the server shuts down — unless its client cancelled it, in which case nobody is listening.
+Every accepted sequence ends with exactly one terminal event, "done" or "error" (even when the model
+raises or the server shuts down) unless its client cancelled it, in which case nobody is listening.
 """
 
 from __future__ import annotations
@@ -60,23 +63,24 @@ class Sequence:
         self.slot: int | None = None
         self.sampler = None  # the runtime's per-sequence sampling state (params + seeded generator)
         self.stream: TextStream | None = None
+        self.prefilled = 0  # prompt tokens already in the slot's KV cache
         self.n_generated = 0
         self.last_token = -1
         self.finished = False
 
 
 class Scheduler:
-    def __init__(self, runtime, metrics: Metrics, max_queue: int, prefill_token_budget: int):
+    def __init__(self, runtime, metrics: Metrics, max_queue: int, prefill_chunk: int):
         self.runtime = runtime  # hybrid.server.adapter.Runtime
         self.metrics = metrics
         self.max_queue = max_queue
-        self.prefill_token_budget = prefill_token_budget
+        self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()  # guarded by _cond
-        self._running: list[Sequence] = []  # engine thread only
+        self._prefilling: Sequence | None = None  # engine thread only: holds a slot, prompt partly in
+        self._running: list[Sequence] = []  # engine thread only: prefilled, decoding
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.step_started = time.monotonic()  # for /health: a stuck engine shows a growing age
 
     # --- event-loop side -------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +102,7 @@ class Scheduler:
         """Queue all choices of a request together, or none (QueueFull)."""
         with self._cond:
             if self._stopping:
-                raise RuntimeError("server is shutting down")
+                raise RuntimeError("the server is shutting down")
             if len(self._waiting) + len(seqs) > self.max_queue:
                 raise QueueFull
             self._waiting.extend(seqs)
@@ -111,21 +115,22 @@ class Scheduler:
             self._cond.notify()
 
     def stats(self) -> dict:
-        return {"running": len(self._running), "waiting": len(self._waiting),
-                "free_slots": self.runtime.free_slots, "max_batch": self.runtime.max_batch}
+        prefilling = int(self._prefilling is not None)
+        return {"running": len(self._running) + prefilling, "prefilling": prefilling,
+                "waiting": len(self._waiting), "free_slots": self.runtime.free_slots,
+                "max_batch": self.runtime.max_batch}
 
     # --- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._waiting and not self._running:
+                    while not (self._stopping or self._waiting or self._running or self._prefilling):
                         self._cond.wait()
                     if self._stopping:
                         break
-                self.step_started = time.monotonic()
                 self._reap_cancelled()
-                self._admit()
+                self._prefill()
                 self._decode()
         except BaseException:  # noqa: BLE001 - a bug here must not strand any request
             log.exception("engine loop crashed")
@@ -143,44 +148,64 @@ class Scheduler:
         seq.slot = None
 
     def _reap_cancelled(self) -> None:
-        keep = []
-        for seq in self._running:
+        for seq in self._running + ([self._prefilling] if self._prefilling else []):
             if seq.cancelled:
                 self.metrics.sequence_cancelled()
                 seq.finished = True
                 self._release(seq)
-            else:
-                keep.append(seq)
-        self._running = keep
+        self._running = [s for s in self._running if not s.finished]
+        if self._prefilling is not None and self._prefilling.finished:
+            self._prefilling = None
         with self._cond:
             if any(s.cancelled for s in self._waiting):
                 self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
-    def _admit(self) -> None:
-        budget = self.prefill_token_budget
-        admitted = 0
-        while self.runtime.free_slots:
-            with self._cond:
-                if not self._waiting:
+    def _start_next(self) -> bool:
+        """Move the oldest waiting sequence into a free slot; False when there is none or no slot."""
+        if not self.runtime.free_slots:
+            return False
+        with self._cond:
+            if not self._waiting:
+                return False
+            seq = self._waiting.popleft()
+        try:
+            seq.slot = self.runtime.allocate_slot()
+            seq.sampler = self.runtime.sampler(seq.params)
+            seq.stream = TextStream(self.runtime.decode, seq.params.stop)
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
+            log.exception("starting a sequence failed")
+            self._fail(seq, f"could not start the request: {exc}", 500)
+            return True
+        self._prefilling = seq
+        return True
+
+    def _prefill(self) -> None:
+        spent = 0
+        while True:
+            if self._prefilling is None:
+                if not self._start_next():
                     return
-                seq = self._waiting[0]
-                if admitted and len(seq.prompt_ids) > budget:
-                    return  # next iteration; decode gets its step first
-                self._waiting.popleft()
+                continue
+            seq = self._prefilling
+            start = seq.prefilled
+            n = min(self.prefill_chunk, len(seq.prompt_ids) - start)
+            if spent and spent + n > self.prefill_chunk:
+                return  # over this iteration's budget: decode first
             try:
-                seq.slot = self.runtime.allocate_slot()
-                seq.sampler = self.runtime.sampler(seq.params)
-                seq.stream = TextStream(self.runtime.decode, seq.params.stop)
-                logits = self.runtime.prefill(seq.slot, seq.prompt_ids)  # [V]
+                logits = self.runtime.prefill(seq.slot, seq.prompt_ids[start : start + n])  # [V]
+                seq.prefilled += n
+                spent += n
+                self.metrics.prefilled(n, done=seq.prefilled == len(seq.prompt_ids))
+                if seq.prefilled < len(seq.prompt_ids):
+                    continue
+                self._prefilling = None
                 token = self.runtime.sample(logits[None], [seq.sampler])[0]
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 log.exception("prefill failed")
+                self._prefilling = None
                 self._fail(seq, f"prefill failed: {exc}", 500)
                 continue
-            self.metrics.prefilled(len(seq.prompt_ids))
             self.metrics.generated(1)
-            budget -= len(seq.prompt_ids)
-            admitted += 1
             self._emit(seq, token)
             if not seq.finished:
                 self._running.append(seq)
@@ -205,6 +230,13 @@ class Scheduler:
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """Account one generated token: stream its text, or end the sequence."""
+        try:
+            self._account(seq, token)
+        except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer choking on an id: fail only this one
+            log.exception("handling a generated token failed")
+            self._fail(seq, f"could not decode the output: {exc}", 500)
+
+    def _account(self, seq: Sequence, token: int) -> None:
         seq.n_generated += 1
         seq.last_token = token
         reason = None
@@ -219,12 +251,10 @@ class Scheduler:
                   or len(seq.prompt_ids) + seq.n_generated >= self.runtime.max_context):
                 text += seq.stream.finish()
                 reason = "length"
-        if reason is None:
-            if text:
-                seq.sink(Event("text", text=text))
-            return
         if text:
             seq.sink(Event("text", text=text))
+        if reason is None:
+            return
         seq.finished = True
         self._release(seq)
         seq.sink(Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
@@ -239,9 +269,9 @@ class Scheduler:
     def _fail_all(self, message: str, status: int) -> None:
         with self._cond:
             self._stopping = True
-            pending = list(self._waiting) + self._running
+            pending = list(self._waiting) + self._running + ([self._prefilling] if self._prefilling else [])
             self._waiting.clear()
-        self._running = []
+        self._running, self._prefilling = [], None
         for seq in pending:
             if not seq.finished:
                 self._fail(seq, message, status)

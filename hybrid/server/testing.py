@@ -1,4 +1,5 @@
-"""A tiny deterministic stand-in for the engine and tokenizer, for server tests that need no model.
+"""A tiny deterministic stand-in for the engine and tokenizer, for server tests that need no model or
+HTTP.
 
 `fake_runtime()` wraps them in the real adapter (hybrid.server.adapter.Runtime), so the tests cover the
 adapter and the runtime's sampling too. Tokens are bytes (id = byte + 1; 0 is EOS). The "model" scores
@@ -45,6 +46,8 @@ class FakeEngine:
         self.history: dict[int, list[int]] = {}  # allocated slot -> token ids in its KV cache
         self._free = list(range(max_batch))[::-1]
         self.max_rows_seen = 0
+        self.calls: list[tuple] = []  # ("prefill", slot, n tokens) / ("decode", slots): the schedule
+        self.fail_decode = False  # every decode step raises while set
 
     def default_stop_ids(self) -> list[int]:
         return [0]
@@ -76,17 +79,22 @@ class FakeEngine:
             time.sleep(self.step_delay_s)
 
     def prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
-        assert self.history[slot] == [], f"prefill into used slot {slot}"
-        assert 0 < len(ids) < self.max_context
+        """Appends to what the slot holds (chunked prefill), like hybrid.runtime.Engine.prefill."""
+        h = self.history[slot]  # KeyError = prefill into a free slot
+        assert 0 < len(ids) and len(h) + len(ids) <= self.max_context
         self._wait()
+        self.calls.append(("prefill", slot, len(ids)))
         if FAIL_BYTE + 1 in ids:
             raise RuntimeError("injected prefill failure")
-        self.history[slot] = list(ids)
-        return self._logits(ids)  # [V]
+        h.extend(ids)
+        return self._logits(h)  # [V]
 
     def decode_step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         assert len(set(slots)) == len(slots), "a slot twice in one batch"
         self._wait()
+        self.calls.append(("decode", tuple(slots)))
+        if self.fail_decode:
+            raise RuntimeError("injected decode failure")
         self.max_rows_seen = max(self.max_rows_seen, len(slots))
         rows = []
         for slot, tok in zip(slots, tokens):

@@ -1,0 +1,155 @@
+"""The engine thread on its own (no HTTP): chunked prefill interleaving, slot recycling, terminal events."""
+
+import threading
+import time
+
+from hybrid.server.metrics import Metrics
+from hybrid.server.scheduler import Scheduler, Sequence
+from hybrid.server.schemas import SamplingParams
+from hybrid.server.testing import fake_runtime
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Collector:
+    """A sink that records events and signals when the sequence ends."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev.kind in ("done", "error"):
+            self.done.set()
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events if e.kind == "text")
+
+    @property
+    def terminal(self):
+        return [e for e in self.events if e.kind in ("done", "error")]
+
+
+def _seq(ids, max_tokens, params=GREEDY):
+    c = Collector()
+    return Sequence(list(ids), max_tokens, params, c), c
+
+
+def _run(rt, seqs, chunk=64, max_queue=64):
+    sched = Scheduler(rt, Metrics(), max_queue=max_queue, prefill_chunk=chunk)
+    sched.start()
+    try:
+        for s, _ in seqs:
+            sched.submit([s])
+        for _, c in seqs:
+            assert c.done.wait(20)
+    finally:
+        sched.stop()
+    return sched
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    rt = fake_runtime(max_batch=4, max_context=2048)
+    short, sc = _seq([5, 6, 7], 40)
+    long_ids = [(i * 37) % 200 + 20 for i in range(1000)]  # no id 8 (= BEL, fails on purpose)
+    long, lc = _seq(long_ids, 5)
+    rt.engine.step_delay_s = 0.001
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=128)
+    sched.start()
+    try:
+        sched.submit([short])
+        while short.n_generated < 3:  # the short one is decoding when the long prompt arrives
+            time.sleep(0.001)
+        sched.submit([long])
+        assert lc.done.wait(20) and sc.done.wait(20)
+    finally:
+        sched.stop()
+    calls = rt.engine.calls
+    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[2] > 3]
+    assert [calls[i][2] for i in chunks] == [128] * 7 + [104]  # fixed boundaries: multiples of 128
+    short_slot = calls[0][1]  # the first prefill was the short prompt's
+    for a, b in zip(chunks, chunks[1:]):  # the short sequence decodes between every two chunks
+        assert any(c[0] == "decode" and short_slot in c[1] for c in calls[a + 1 : b]), calls[a : b + 1]
+    # chunking does not change the result: same output as the long prompt alone
+    alone, ac = _seq(long_ids, 5)
+    _run(fake_runtime(max_batch=4, max_context=2048), [(alone, ac)], chunk=1000)
+    assert ac.text == lc.text and lc.terminal[0].completion_tokens == 5
+
+
+def test_slots_are_recycled_and_every_sequence_ends_once():
+    rt = fake_runtime(max_batch=2, max_context=128)
+    seqs = [_seq([i + 20, i + 21], 3 + i % 5) for i in range(12)]
+    sched = _run(rt, seqs)
+    for s, c in seqs:
+        assert len(c.terminal) == 1 and c.terminal[0].kind == "done"
+        assert c.terminal[0].finish_reason in ("stop", "length")
+        assert c.events[-1].kind == "done"  # nothing after the terminal event
+    assert rt.engine.max_rows_seen == 2 and rt.free_slots == 2
+    assert sched.stats()["running"] == 0
+
+
+def test_decode_failure_fails_running_sequences_and_engine_recovers():
+    rt = fake_runtime(max_batch=2, max_context=128)
+    rt.engine.fail_decode = True
+    (a, ac), (b, bc) = _seq([3, 4], 10), _seq([5, 6], 10)
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    sched.start()
+    try:
+        sched.submit([a, b])
+        assert ac.done.wait(10) and bc.done.wait(10)
+        assert ac.terminal[0].kind == "error" and "injected decode failure" in ac.terminal[0].error
+        assert rt.free_slots == 2
+        rt.engine.fail_decode = False
+        c, cc = _seq([10, 11], 4)
+        sched.submit([c])
+        assert cc.done.wait(10) and cc.terminal[0].kind == "done"
+    finally:
+        sched.stop()
+
+
+def test_shutdown_fails_waiting_sequences_with_503():
+    rt = fake_runtime(max_batch=1, max_context=128)
+    rt.engine.gate.clear()  # the engine blocks in the first prefill
+    seqs = [_seq([3, 4], 4) for _ in range(3)]
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    sched.start()
+    for s, _ in seqs:
+        sched.submit([s])
+    while rt.free_slots:
+        time.sleep(0.001)
+    stopper = threading.Thread(target=sched.stop)
+    stopper.start()
+    rt.engine.gate.set()
+    stopper.join(10)
+    for _, c in seqs:
+        assert c.done.wait(5) and len(c.terminal) == 1
+    statuses = sorted(c.terminal[0].kind for _, c in seqs)
+    assert statuses.count("error") >= 2  # the queued ones were told, not dropped
+    assert all(c.terminal[0].status == 503 for _, c in seqs if c.terminal[0].kind == "error")
+
+
+def test_cancelled_sequences_free_their_slots_at_the_next_step():
+    rt = fake_runtime(max_batch=2, max_context=256)
+    rt.engine.step_delay_s = 0.005
+    (a, ac), (b, bc) = _seq([3, 4], 200), _seq([5, 6], 200)
+    m = Metrics()
+    sched = Scheduler(rt, m, max_queue=8, prefill_chunk=64)
+    sched.start()
+    try:
+        sched.submit([a, b])
+        while a.n_generated < 3 or b.n_generated < 3:
+            time.sleep(0.001)
+        sched.cancel([a])
+        deadline = time.monotonic() + 5
+        while rt.free_slots != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert not b.finished and m.cancelled == 1 and ac.terminal == []
+        sched.cancel([b])
+        while rt.free_slots != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    finally:
+        sched.stop()
