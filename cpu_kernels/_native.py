@@ -136,6 +136,8 @@ def load(isa: str) -> ctypes.CDLL:
                                ctypes.c_int]
     lib.hy_forward.restype = ctypes.c_int
     lib.hy_isa.restype = ctypes.c_char_p
+    lib.hy_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.hy_stream_read.restype = ctypes.c_int64
     return lib
 
 

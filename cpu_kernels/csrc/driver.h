@@ -92,11 +92,16 @@ void run_nodes(const HyLayer* L, F make, std::function<int(int)> ntasks) {
     Pool* p = (Pool*)L->nodes[n].pool;
     int tasks = ntasks(n);
     if (tasks <= 0) continue;
-    for (int i = 0; i < ns; ++i) if (started[i] == p) { p->wait(); started[i] = started[--ns]; break; }
-    p->start(make(n), tasks);
+    for (int i = 0; i < ns; ++i) if (started[i] == p) { p->finish(); started[i] = started[--ns]; break; }
+    p->start(make(n), tasks, /*helps=*/false);
     started[ns++] = p;
   }
-  for (int i = 0; i < ns; ++i) started[i]->wait();
+  // The caller works as participant 0 of node 0's pool (finished first, while the other nodes run);
+  // on other nodes participant 0's cpu stays idle rather than have the caller read remote memory.
+  Pool* p0 = (Pool*)L->nodes[0].pool;
+  for (int i = 0; i < ns; ++i)
+    if (started[i] == p0) { p0->caller_helps = true; p0->finish(); started[i] = started[--ns]; break; }
+  for (int i = 0; i < ns; ++i) started[i]->finish();
 }
 
 int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
@@ -345,10 +350,38 @@ HY_API void hy_pool_copy(void* pool, void* dst, const void* src, int64_t nbytes)
   ((Pool*)pool)->run([&](int task, int) {
     int64_t o = task * chunk;
     std::memcpy((uint8_t*)dst + o, (const uint8_t*)src + o, std::min(chunk, nbytes - o));
-  }, (int)((nbytes + chunk - 1) / chunk));
+  }, (int)((nbytes + chunk - 1) / chunk), /*helps=*/false);
 }
 
 HY_API int hy_forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
                       const float* wts, const int32_t* lmap, int n_global, void* out, int out_dtype) {
   return forward(L, x, x_dtype, T, K, ids, wts, lmap, n_global, out, out_dtype);
+}
+
+// Multithreaded streaming read of buf with the pool's threads (the benchmark's DRAM-read ceiling, the
+// same way the kernels read weights: each thread takes 1 MiB chunks). Returns a checksum so the loads
+// cannot be optimised away.
+HY_API int64_t hy_stream_read(void* pool, const void* buf, int64_t nbytes) {
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  Pool* p = (Pool*)pool;
+  const int64_t chunk = 1 << 20;
+  std::vector<int64_t> part(p->n * 8, 0);
+  p->run([&](int task, int tid) {
+    const uint8_t* b = (const uint8_t*)buf + task * chunk;
+    int64_t n = std::min(chunk, nbytes - task * chunk) / 128 * 128;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t o = 0; o < n; o += 128) {
+      a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i*)(b + o)));
+      a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i*)(b + o + 32)));
+      a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i*)(b + o + 64)));
+      a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i*)(b + o + 96)));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    int64_t s[4];
+    _mm256_storeu_si256((__m256i*)s, a0);
+    part[tid * 8] += s[0] + s[1] + s[2] + s[3];
+  }, (int)((nbytes + chunk - 1) / chunk));
+  int64_t s = 0;
+  for (int i = 0; i < p->n; ++i) s += part[i * 8];
+  return s;
 }

@@ -1,6 +1,7 @@
 // Persistent pool of pinned worker threads running dynamic parallel-for phases: a phase is a task
 // count and a function; workers take task indices from one atomic counter, so uneven tasks balance.
 // One pool per NUMA node (its cpus); pools are cached by cpu list and live until the process exits.
+// The calling thread is participant 0 of a phase it runs with run(); workers are pinned to cpus[1..].
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -17,23 +18,29 @@ namespace {
 
 struct Pool {
   std::vector<int> cpus;
-  int n = 0;
-  std::function<void(int, int)> fn;  // (task, worker index)
+  int n = 0;                         // participants: the calling thread (index 0) + n-1 pinned workers
+  std::function<void(int, int)> fn;  // (task, participant index)
   int ntasks = 0;
+  bool caller_helps = true;
   std::atomic<int> next{0};
-  std::atomic<int> done{0};
+  std::atomic<int> done{0};          // workers finished with the current phase
   std::atomic<uint64_t> gen{0};
   std::mutex mu;
   std::condition_variable cv_work, cv_done;
-  int sleepers = 0;
 
+  // The caller takes the first cpu's share itself: a phase then needs no hand-back wake-up, and the
+  // pool never has more runnable threads than cpus (a spinning caller would steal a worker's cpu).
   explicit Pool(const std::vector<int>& c) : cpus(c), n((int)c.size()) {
-    for (int i = 0; i < n; ++i) std::thread([this, i] { loop(i); }).detach();
+    for (int i = 1; i < n; ++i) std::thread([this, i] { loop(i); }).detach();
   }
 
-  // Spin briefly before sleeping: a decode step runs several short phases per layer, and a futex
-  // wake costs tens of microseconds; the spin is bounded so idle pools do not burn cores.
+  // Spin briefly before sleeping: a layer call runs ~6 short phases back to back, and a futex wake
+  // costs tens of microseconds; bounded so that idle pools do not burn cores.
   static constexpr int kSpin = 4000;
+
+  void work(int idx) {
+    for (int t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, idx);
+  }
 
   void loop(int idx) {
     cpu_set_t set;
@@ -49,38 +56,46 @@ struct Pool {
         cv_work.wait(lk, [&] { return gen.load(std::memory_order_acquire) != seen; });
       }
       seen = gen.load(std::memory_order_acquire);
-      for (int t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, idx);
-      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      work(idx);
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n - 1) {
         std::lock_guard<std::mutex> lk(mu);
         cv_done.notify_all();
       }
     }
   }
 
-  // Start a phase; returns at once. Only one phase per pool at a time (callers hold the job lock).
-  void start(std::function<void(int, int)> f, int tasks) {
+  // Start a phase on the workers; returns at once. One phase per pool at a time (the job lock).
+  // helps: whether the caller will take tasks too (see finish); false for first-touch copies, whose
+  // pages must be touched by the pinned workers only.
+  void start(std::function<void(int, int)> f, int tasks, bool helps = true) {
     fn = std::move(f);
     ntasks = tasks;
+    caller_helps = helps || n == 1;
     next.store(0, std::memory_order_relaxed);
     done.store(0, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      gen.fetch_add(1, std::memory_order_release);
+    if (n > 1) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        gen.fetch_add(1, std::memory_order_release);
+      }
+      cv_work.notify_all();
     }
-    cv_work.notify_all();
   }
 
-  void wait() {
+  // Take the caller's share (if it helps), then wait for the workers.
+  void finish() {
+    if (caller_helps) work(0);
+    if (n == 1) return;
     for (int spins = 0; spins < kSpin * 4; ++spins)
-      if (done.load(std::memory_order_acquire) == n) return; else _mm_pause();
+      if (done.load(std::memory_order_acquire) == n - 1) return; else _mm_pause();
     std::unique_lock<std::mutex> lk(mu);
-    cv_done.wait(lk, [&] { return done.load(std::memory_order_acquire) == n; });
+    cv_done.wait(lk, [&] { return done.load(std::memory_order_acquire) == n - 1; });
   }
 
-  void run(std::function<void(int, int)> f, int tasks) {
+  void run(std::function<void(int, int)> f, int tasks, bool helps = true) {
     if (tasks <= 0) return;
-    start(std::move(f), tasks);
-    wait();
+    start(std::move(f), tasks, helps);
+    finish();
   }
 };
 

@@ -1,0 +1,163 @@
+"""Benchmark of the CPU expert executor (cpu_kernels.CpuMoE) on this machine.
+
+Decode (1-4 tokens per expert): effective weight GB/s (bytes of the active experts' weights and
+scales / time) against the DRAM read bandwidth measured here by a multithreaded streaming read.
+Prefill (many tokens per expert): TFLOP/s (TOPS for int8/int4; 2*m*P_e per expert) against torch's own
+bf16 per-expert loop on the same experts and threads.
+Experts are rotated call to call over a pool of `--pool-experts` distinct experts, so decode reads come
+from DRAM rather than the last-level cache.
+
+    python -m bench.cpu_moe --out cpu_moe.json            # default sweep (~3-4 min on a 16-core host)
+    python -m bench.cpu_moe --quick                       # small shapes, seconds (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import cpu_kernels
+from cpu_kernels import CpuMoE, _native
+
+SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "tiny": (512, 256)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def timeit(fn, min_time=0.25, min_iters=3, max_iters=50) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn(0)
+    times, start, i = [], time.perf_counter(), 1
+    while i <= max_iters and (i <= min_iters or time.perf_counter() - start < min_time):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+        i += 1
+    return statistics.median(times)
+
+
+def dram_read_gbps(isa: str, threads: int, nbytes: int = 2 << 30) -> float:
+    """Best of 3 multithreaded streaming reads of a buffer far larger than the last-level cache."""
+    topo = cpu_kernels.Topology.discover().limit(threads)
+    lib = _native.load(isa)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    pools = [_native.pool(isa, n) for n in topo.nodes]
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for p in pools:  # one node at a time would undercount multi-node boxes; the test boxes have one
+            lib.hy_stream_read(p, buf.data_ptr(), nbytes // len(pools))
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def routing(n_active: int, m: int, pool_experts: int, it: int):
+    """n_active experts (rotated by iteration) with exactly m tokens each, one expert per token (K=1)."""
+    base = (it * n_active) % pool_experts
+    ids = (base + torch.arange(n_active).repeat_interleave(m)) % pool_experts
+    return ids[:, None].to(torch.int32).contiguous(), torch.ones(n_active * m, 1)
+
+
+def torch_loop_tflops(D, F, n_active, m, threads, pool_experts) -> float:
+    """torch's bf16 per-expert loop: the baseline a Python implementation reaches for."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    w = [(torch.randn(F, D, generator=g).bfloat16(), torch.randn(F, D, generator=g).bfloat16(),
+          torch.randn(D, F, generator=g).bfloat16()) for _ in range(min(pool_experts, n_active))]
+    x = torch.randn(m, D, generator=g).bfloat16()
+    lin = torch.nn.functional.linear
+
+    def run(_):
+        for wg, wu, wd in w:
+            lin(torch.nn.functional.silu(lin(x, wg)) * lin(x, wu), wd)
+
+    return 2 * 3 * D * F * m * n_active / timeit(run) / 1e12
+
+
+def build(D, F, pool_experts, dtype, isa, threads, knee):
+    g = torch.Generator().manual_seed(0)
+    uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
+    ws = [(torch.randn(uniq, r, c, generator=g) * 0.02).repeat(pool_experts // uniq, 1, 1).bfloat16()
+          for r, c in ((F, D), (F, D), (D, F))]
+    return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen3-235b-a22b,qwen3-30b-a3b")
+    ap.add_argument("--isas", default="best2", help="comma list, or best2 = the two best compiled ISAs")
+    ap.add_argument("--dtypes", default="bf16,int8,int4")
+    ap.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list")
+    ap.add_argument("--decode", default="8x1,128x1,8x4,128x4", help="experts x tokens/expert")
+    ap.add_argument("--prefill", default="8x16,8x64,8x256,8x1024", help="experts x tokens/expert")
+    ap.add_argument("--pool-experts", type=int, default=64, help="distinct experts cycled through (> LLC)")
+    ap.add_argument("--knee", type=int, default=16, help="AMX from this many tokens per expert")
+    ap.add_argument("--quick", action="store_true", help="tiny shape, few cases")
+    ap.add_argument("--out", default="cpu_moe.json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.shapes, a.decode, a.prefill, a.pool_experts = "tiny", "8x1,8x4", "8x64", 16
+    compiled = [i for i in cpu_kernels.available_isas() if i != "ref"]
+    isas = compiled[:2] if a.isas == "best2" else a.isas.split(",")
+    threads_list = [int(t) for t in a.threads.split(",")]
+    dec = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
+    pre = [tuple(map(int, c.split("x"))) for c in a.prefill.split(",") if c]
+
+    print(f"# bench.cpu_moe  machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cpus, torch {torch.__version__}")
+    print(f"# ISAs: {isas} (available: {cpu_kernels.available_isas()}), threads: {threads_list}, dtypes: {a.dtypes}")
+    print(f"# shapes (D, F): {', '.join(f'{s}={SHAPES[s]}' for s in a.shapes.split(','))}; AMX knee {a.knee} tokens")
+    rows = []
+    dram = {}
+    for th in threads_list:
+        dram[th] = dram_read_gbps(isas[0], th)
+        print(f"# DRAM read, {th} threads: {dram[th]:.1f} GB/s (streaming read of 2 GiB)")
+    hdr = f"{'shape':16} {'isa':12} {'dtype':5} {'thr':>3} {'E':>4} {'m':>5} {'ms':>9} {'GB/s':>7} {'%DRAM':>6} {'TFLOP/s':>8} {'torch':>6} {'x torch':>7}"
+    print(hdr)
+    for shape in a.shapes.split(","):
+        D, F = SHAPES[shape]
+        for th in threads_list:
+            torch_tf = {(n, m): torch_loop_tflops(D, F, n, m, th, a.pool_experts) for n, m in pre}
+            for isa in isas:
+                for dtype in a.dtypes.split(","):
+                    moe = build(D, F, a.pool_experts, dtype, isa, th, a.knee)
+                    per_expert = moe.nbytes / a.pool_experts
+                    for kind, cases in (("decode", dec), ("prefill", pre)):
+                        for n, m in cases:
+                            x = torch.randn(n * m, D).bfloat16()
+                            out = torch.empty_like(x)
+                            sec = timeit(lambda it: moe.forward(x, *routing(n, m, a.pool_experts, it), out=out))
+                            gbps = n * per_expert / sec / 1e9
+                            tflops = 2 * 3 * D * F * m * n / sec / 1e12
+                            r = dict(kind=kind, shape=shape, D=D, F=F, isa=isa, dtype=dtype, threads=th, experts=n,
+                                     tokens_per_expert=m, ms=sec * 1e3, weight_gbps=gbps, dram_gbps=dram[th],
+                                     dram_frac=gbps / dram[th], tflops=tflops,
+                                     torch_bf16_tflops=torch_tf.get((n, m)),
+                                     x_torch=tflops / torch_tf[(n, m)] if (n, m) in torch_tf else None)
+                            rows.append(r)
+                            print(f"{shape:16} {isa:12} {dtype:5} {th:3d} {n:4d} {m:5d} {sec * 1e3:9.3f} {gbps:7.1f} "
+                                  f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} "
+                                  + (f"{torch_tf[(n, m)]:6.2f} {r['x_torch']:6.2f}x" if r["x_torch"] else ""),
+                                  flush=True)
+                    del moe
+    with open(a.out, "w") as f:
+        json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, rows=rows), f, indent=1)
+    print(f"# wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
