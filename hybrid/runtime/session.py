@@ -26,6 +26,9 @@ def add_model_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    from hybrid.offload.build import add_hybrid_arguments
+
+    add_hybrid_arguments(p)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Session:
     demo: bool
     device: torch.device
     dtype: torch.dtype
+    offload: object = None  # hybrid.offload.Offload when cold experts live on the CPU
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,13 +68,21 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
         log(DEMO_NOTICE.format(path=model_dir))
     if args.max_context < 2:
         raise UsageError("--max-context must be at least 2")
-    model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
+    from hybrid.offload.build import hybrid_config_from_args, load_hybrid, open_hybrid
+
+    hcfg = hybrid_config_from_args(args)
+    offload = None
+    if hcfg is None:
+        model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
+    else:
+        model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
     tokenizer = Tokenizer(model_dir)
-    if args.eager and device.type != "cuda":
-        pass  # the CPU is always eager
+    # The hybrid layer reads its routing histogram on the host, so its decode steps run eager.
     engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context,
-                    eager=args.eager or device.type != "cuda")
-    return Session(engine, tokenizer, model_dir, demo, device, dtype)
+                    eager=args.eager or device.type != "cuda" or offload is not None)
+    if offload is not None:
+        open_hybrid(engine, offload, hcfg, log)
+    return Session(engine, tokenizer, model_dir, demo, device, dtype, offload)
 
 
 def sampling_from_args(args):

@@ -1,0 +1,205 @@
+"""Loading a checkpoint as a hybrid model: experts go to the CPU executor, hot ones are made resident.
+
+    hcfg = HybridConfig(gpu_experts=32, schedule="cost", cpu_dtype="bf16")
+    model, offload = load_hybrid(model_dir, device, dtype, hcfg)
+    ... build the Engine (KV cache) ...
+    place_resident(model, offload, hcfg, run_prompt, fixed_vram_bytes)   # routing-count calibration
+
+Until the planner lands, the resident set is `--gpu-experts N` per layer (or the N a `--gpu-budget`
+allows), chosen per layer by routing counts from a short calibration run on a built-in text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hybrid.errors import UsageError
+from placement.cost_model import ExpertShape
+from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
+from placement.schedule import LayerScheduler, parse_strategy
+
+log = logging.getLogger("hybrid.offload")
+
+CPU_DTYPES = ("bf16", "int8", "int4")
+FALLBACK_PROFILE = "ktransformers-paper-amx"
+# Routing calibration text: varied prose, code and numbers so that many experts see tokens.
+CALIBRATION_TEXT = (
+    "The history of the printing press begins in the fifteenth century. def merge(a, b): return sorted(a + b) "
+    "Photosynthesis converts light energy into chemical energy stored in glucose. 3.14159 * r ** 2 = area; "
+    "Il pleut sur la ville comme il pleut sur mon coeur. SELECT name, count(*) FROM users GROUP BY name; "
+    "The quarterly report shows revenue of $4.2 million, up 12% year over year. Bonjour, comment allez-vous? "
+    "for (int i = 0; i < n; ++i) { sum += x[i] * y[i]; } Mount Everest is 8,849 metres above sea level. "
+)
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24000MB', '1.5TB', '123' -> bytes (binary for KiB/MiB/GiB/TiB, decimal for KB/MB/GB/TB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise UsageError(f"cannot read {text!r} as a size (examples: 24GiB, 24000MB, 25769803776)")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * scale)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    gpu_experts: int | None = None  # resident experts per MoE layer
+    gpu_budget: int | None = None  # bytes of VRAM for everything; resident experts get what is left
+    schedule: str = "cost"
+    cpu_dtype: str = "bf16"
+    cpu_isa: str | None = None
+    cpu_threads: int | None = None
+    profile: str | None = None
+    staging_slots: int = 4
+
+    def __post_init__(self):
+        parse_strategy(self.schedule)
+        if self.cpu_dtype not in CPU_DTYPES:
+            raise UsageError(f"--cpu-dtype must be one of {', '.join(CPU_DTYPES)}, got {self.cpu_dtype!r}")
+        if self.gpu_experts is not None and self.gpu_experts < 0:
+            raise UsageError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
+        if self.gpu_budget is not None and self.gpu_budget <= 0:
+            raise UsageError("--gpu-budget must be positive")
+        if self.gpu_experts is not None and self.gpu_budget is not None:
+            raise UsageError("give --gpu-experts or --gpu-budget, not both")
+        if self.staging_slots < 1:
+            raise UsageError("--staging-slots must be >= 1")
+
+
+def add_hybrid_arguments(p) -> None:
+    g = p.add_argument_group("hybrid experts (cold experts on the CPU; any of these turns it on)")
+    g.add_argument("--gpu-experts", type=int, metavar="N",
+                   help="resident experts per MoE layer, chosen by routing counts of a short calibration run")
+    g.add_argument("--gpu-budget", metavar="SIZE", help="VRAM for the whole model (24GiB, 24000MB or bytes); "
+                   "resident experts get what the rest leaves")
+    g.add_argument("--schedule", default=None, help="cold-expert split per batch: cost (default: the calibrated "
+                   "cost model), cpu (llama.cpp -ot exps=CPU), ship (always ship weights), threshold:N")
+    g.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPES, help="dtype of the CPU-resident experts "
+                   "(default bf16)")
+    g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
+    g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
+                   f"profile, else the built-in {FALLBACK_PROFILE})")
+
+
+def hybrid_config_from_args(args) -> HybridConfig | None:
+    """None when no hybrid flag was given (all experts on the model's device)."""
+    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype")
+    if all(getattr(args, f, None) is None for f in flags):
+        return None
+    return HybridConfig(gpu_experts=args.gpu_experts,
+                        gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
+                        schedule=args.schedule or "cost", cpu_dtype=args.cpu_dtype or "bf16",
+                        cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None))
+
+
+def scheduler_profile(name: str | None):
+    if name is not None:
+        return resolve_profile(name)
+    path = default_profile_path()
+    if path.exists():
+        hw = load_profile(path)
+        if hw.has_gpu:
+            return hw
+        log.warning("calibrated profile %s has no GPU figures; scheduling with %s", path, FALLBACK_PROFILE)
+    else:
+        log.warning("no calibrated profile at %s (run `hybrid calibrate`); scheduling with the built-in %s",
+                    path, FALLBACK_PROFILE)
+    return BUILTIN_PROFILES[FALLBACK_PROFILE]
+
+
+def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
+    """The cost model's view of one cold expert of this model (weights priced in the CPU dtype)."""
+    bpw = {"bf16": 2.0, "int8": 1.0 + 4.0 / cfg.hidden_size, "int4": 0.5 + 4.0 / 128}[cpu_dtype]
+    return ExpertShape(cfg.family, hidden=cfg.hidden_size, intermediate=cfg.expert_intermediate_size,
+                       num_experts=cfg.num_experts, topk=cfg.experts_per_token,
+                       layers=max(1, sum(cfg.moe_layers)), bytes_per_weight=bpw,
+                       act_bytes=torch.empty((), dtype=act_dtype).element_size())
+
+
+def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progress: bool = True):
+    """Load with every expert in the CPU executor (one packed DRAM copy); none resident yet."""
+    from hybrid.models import load_model
+    from hybrid.models.loader import read_config
+    from hybrid.offload.experts import HybridExperts, Offload
+
+    device = torch.device(device)
+    _, cfg, _ = read_config(model_dir)
+    hw = scheduler_profile(hcfg.profile)
+    shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
+    sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
+    offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
+                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots)
+    model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
+                       expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
+                       experts_factory=lambda i, g, u, d: HybridExperts(i, g, u, d, offload), progress=progress)
+    offload.profile_name = hw.name
+    return model, offload
+
+
+def expert_vram_bytes(cfg, dtype: torch.dtype) -> int:
+    return 3 * cfg.hidden_size * cfg.expert_intermediate_size * torch.empty((), dtype=dtype).element_size()
+
+
+def resident_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) -> int:
+    """Resident experts per layer: --gpu-experts, or what --gpu-budget leaves after the fixed part."""
+    cfg = model.cfg
+    if hcfg.gpu_budget is None:
+        return min(hcfg.gpu_experts or 0, cfg.num_experts)
+    per_layer = len(offload.layers) * expert_vram_bytes(cfg, offload.dtype)
+    left = hcfg.gpu_budget - fixed_vram_bytes
+    if left < 0:
+        raise UsageError(f"--gpu-budget {hcfg.gpu_budget / 2**30:.2f} GiB is below what the model needs without "
+                         f"experts ({fixed_vram_bytes / 2**30:.2f} GiB: non-expert weights, KV cache, staging); "
+                         "raise the budget or lower --max-context")
+    return int(min(cfg.num_experts, left // per_layer))
+
+
+def place_resident(model, offload, hcfg: HybridConfig, run_prompt: Callable[[list[int]], object],
+                   tokens: list[int], fixed_vram_bytes: int) -> int:
+    """Count routing on a calibration prompt, then make each layer's N most-routed experts resident."""
+    n = resident_count(model, offload, hcfg, fixed_vram_bytes)
+    if n == 0:
+        return 0
+    before = [layer.stats.routed.copy() for layer in offload.layers]
+    run_prompt(tokens)
+    for layer, prev in zip(offload.layers, before):
+        counts = layer.stats.routed - prev
+        top = np.argsort(-counts, kind="stable")[:n]
+        layer.set_resident(top.tolist())
+    return n
+
+
+def fixed_vram(model, cache_bytes: int, offload) -> int:
+    """VRAM that is not resident experts: non-expert weights, KV cache, ship-lane staging slots."""
+    params = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".moe.experts." not in name)
+    staging = offload.ship_lane.n_slots * expert_vram_bytes(model.cfg, torch.bfloat16)
+    return params + cache_bytes + staging
+
+
+def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
+    """Choose the resident experts with the engine's own prefill, then report placement and memory."""
+    from hybrid.runtime.engine import Stats
+
+    model = engine.model
+    tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
+    slot = engine.allocate_slot()
+    try:
+        n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens,
+                           fixed_vram(model, engine.cache.nbytes, offload))
+    finally:
+        engine.free_slot(slot)
+    engine.stats = Stats()  # the calibration run is not part of the user's numbers
+    mem = offload.memory()
+    log(f"hybrid: {n} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
+        f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
+        f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
+        f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
+    return n

@@ -1,0 +1,126 @@
+"""A whole model with hybrid MoE layers: greedy tokens identical across strategies and resident counts."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import cpu_kernels
+from hybrid.cli import main
+from hybrid.errors import UsageError
+from hybrid.models import load_model
+from hybrid.models.presets import hf_config
+from hybrid.models.writer import write_random_checkpoint
+from hybrid.offload.build import HybridConfig, load_hybrid, parse_bytes, place_resident, resident_count
+from hybrid.runtime.engine import Engine
+from hybrid.runtime.sampling import SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [200, 1, 64], [9] * 12]
+CALIB = list(range(3, 200, 3))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=3, eos_token_id=None, pad_token_id=None)
+    # std 0.1: large enough that routing and logits are far from ties, so greedy tokens are a sharp test
+    return write_random_checkpoint(tmp_path_factory.mktemp("hy") / "ckpt", cfg, seed=3, std=0.1)
+
+
+def greedy(model, n=12):
+    eng = Engine(model, None, max_batch=4, max_context=64, eager=True)
+    outs = eng.generate(PROMPTS, max_new_tokens=n, sampling=SamplingParams(temperature=0), stop_token_ids=[])
+    return [o.token_ids for o in outs], eng
+
+
+def hybrid_model(ckpt, schedule, n_resident, isa="ref", cpu_dtype="bf16"):
+    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa=isa, cpu_dtype=cpu_dtype,
+                        profile="ktransformers-paper-amx")
+    model, off = load_hybrid(ckpt, "cpu", torch.float32, hcfg, progress=False)
+    eng = Engine(model, None, max_batch=1, max_context=256, eager=True)
+    slot = eng.allocate_slot()
+    place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), CALIB, fixed_vram_bytes=0)
+    return model, off
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(ckpt):
+    return greedy(load_model(ckpt, device="cpu", dtype=torch.float32, progress=False))[0]
+
+
+@pytest.mark.parametrize("schedule", ["cost", "cpu", "ship", "threshold:8"])
+@pytest.mark.parametrize("n_resident", [0, 3, 16])
+def test_greedy_identical_across_strategies(ckpt, reference_tokens, schedule, n_resident):
+    model, off = hybrid_model(ckpt, schedule, n_resident)
+    tokens, _ = greedy(model)
+    assert tokens == reference_tokens
+    assert all(len(layer.resident_ids) == n_resident for layer in off.layers)
+
+
+def test_resident_experts_are_the_most_routed(ckpt):
+    model, off = hybrid_model(ckpt, "cost", 4)
+    for layer in off.layers:
+        counts = layer.stats.routed
+        res = set(layer.resident_ids.tolist())
+        assert min(counts[list(res)]) >= max(counts[[e for e in range(len(counts)) if e not in res]])
+
+
+def test_lanes_used_in_a_whole_model(ckpt):
+    _, off = hybrid_model(ckpt, "ship", 2)
+    model = off.layers[0]
+    assert model.stats.shipped_experts > 0
+    _, off = hybrid_model(ckpt, "cpu", 2)
+    assert off.layers[0].stats.cpu_experts > 0 and off.layers[0].stats.shipped_experts == 0
+
+
+@pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])
+def test_compiled_kernels_close_to_reference(ckpt, isa):
+    ref = load_model(ckpt, device="cpu", dtype=torch.float32, progress=False)
+    model, _ = hybrid_model(ckpt, "cost", 2, isa=isa)
+    ids = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(len(PROMPTS[0]))[None]
+    a = Engine(ref, None, max_batch=1, max_context=32, eager=True).forward(ids, pos, torch.tensor([0]))
+    b = Engine(model, None, max_batch=1, max_context=32, eager=True).forward(ids, pos, torch.tensor([0]))
+    rel = ((a - b).abs().max() / a.abs().max()).item()
+    assert rel < 2e-2  # bf16 activations inside the compiled kernels
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("24000MB") == 24_000_000_000
+    assert parse_bytes("1024") == 1024
+    assert parse_bytes("1.5 KiB") == 1536
+    for bad in ("", "lots", "-5GB", "12XB"):
+        with pytest.raises(UsageError):
+            parse_bytes(bad)
+
+
+def test_budget_decides_resident_count(ckpt):
+    hcfg = HybridConfig(gpu_budget=10**9, profile="ktransformers-paper-amx", cpu_isa="ref")
+    model, off = load_hybrid(ckpt, "cpu", torch.float32, hcfg, progress=False)
+    cfg = model.cfg
+    per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
+    fixed = 10**9 - 5 * len(off.layers) * per_expert + 1  # one byte short of 5 per layer
+    assert resident_count(model, off, hcfg, fixed) == 4
+    assert resident_count(model, off, hcfg, 0) == cfg.num_experts  # a huge budget holds them all
+    with pytest.raises(UsageError, match="below what the model needs"):
+        resident_count(model, off, hcfg, 10**9 + 1)
+
+
+def test_generate_cli_hybrid_json(ckpt, capsys):
+    import shutil
+
+    from hybrid.runtime.demo import build_tokenizer
+
+    tok_dir = ckpt.parent / "with_tok"
+    if not tok_dir.exists():
+        shutil.copytree(ckpt, tok_dir)
+        build_tokenizer(tok_dir, vocab_size=256)
+    rc = main(["generate", "--model", str(tok_dir), "-n", "4", "--json", "--gpu-experts", "2",
+               "--schedule", "cost", "--profile", "ktransformers-paper-amx"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # build_tokenizer prints the Zen
+    assert len(out["generated_token_ids"]) == 4
+    assert main(["generate", "--model", str(tok_dir), "--schedule", "sometimes"]) == 2
+    assert "unknown schedule" in capsys.readouterr().err
