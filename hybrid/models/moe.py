@@ -75,6 +75,14 @@ class StackedExperts(nn.Module):
         ex.num_experts = w_gate.shape[0]
         return ex
 
+    @property
+    def capturable(self) -> bool:
+        """True when forward runs without a host sync (grouped GEMMs), so decode can be graph-captured.
+        On CUDA only bf16 qualifies: for other dtypes torch._grouped_mm falls back to a loop that
+        reads the group offsets on the host."""
+        dev, dt = self.w_gate.device, self.w_gate.dtype
+        return grouped_mm_works(dev, dt) and (dev.type != "cuda" or dt == torch.bfloat16)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         D = x.shape[1]
@@ -83,7 +91,7 @@ class StackedExperts(nn.Module):
         flat = topk_ids.reshape(-1).to(dev)  # [T*K]
         order = torch.argsort(flat, stable=True)  # [T*K] assignments grouped by expert
         rows = xin[order // K]  # [T*K, D]
-        if grouped_mm_works(dev, xin.dtype):
+        if self.capturable:
             counts = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's block

@@ -78,6 +78,14 @@ class Engine:
         if not eager and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; pass eager=True")
         self.graphs = None
+        blockers = [i for i, layer in enumerate(model.layers)
+                    if layer.moe is not None and not getattr(layer.moe.experts, "capturable", False)]
+        if not eager and blockers:
+            # Loud, not silent: the executor would sync with the host inside the graph.
+            import warnings
+            warnings.warn(f"CUDA graphs off: the expert executor of layer {blockers[0]} is not capturable "
+                          f"({type(model.layers[blockers[0]].moe.experts).__name__}, {model.dtype}); decoding eagerly")
+            eager = True
         if not eager:
             from hybrid.runtime.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.cache)
