@@ -30,28 +30,37 @@ MAX_BATCH, MAX_CONTEXT = 8, 256
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _start(log_path, extra_args):
+    """Start `hybrid serve --port 0 ...` and return (process, port) once it announces itself."""
+    env = dict(os.environ, HYBRID_API_KEY=KEY, HYBRID_NO_PROGRESS="1")
+    cmd = [sys.executable, "-m", "hybrid", "serve", "--port", "0", *extra_args]
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    line = proc.stdout.readline()  # blocks until the announcement (or EOF if it died)
+    if "listening on http://127.0.0.1:" not in line:
+        proc.kill()
+        pytest.fail(f"server did not start: {line!r}\n{log_path.read_text()}")
+    return proc, int(line.split("127.0.0.1:")[1].split()[0])
+
+
+def _stop(proc, log_path):
+    proc.terminate()
+    try:
+        assert proc.wait(20) == 0, log_path.read_text()  # SIGTERM = clean shutdown, exit status 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    env = dict(os.environ, HYBRID_API_KEY=KEY, HYBRID_NO_PROGRESS="1")
-    cmd = [sys.executable, "-m", "hybrid", "serve", "--port", "0", "--max-batch", str(MAX_BATCH),
-           "--max-context", str(MAX_CONTEXT), "--max-body-bytes", "65536", "--dtype", "float64"]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc, port = _start(log, ["--max-batch", str(MAX_BATCH), "--max-context", str(MAX_CONTEXT),
+                              "--max-body-bytes", "65536", "--dtype", "float64"])
     try:
-        line = proc.stdout.readline()  # blocks until the announcement (or EOF if it died)
-        if "listening on http://127.0.0.1:" not in line:
-            proc.kill()
-            pytest.fail(f"server did not start: {line!r}\n{log.read_text()}")
-        port = int(line.split("127.0.0.1:")[1].split()[0])
         yield Server(port, proc)
     finally:
-        proc.terminate()
-        try:
-            assert proc.wait(20) == 0, log.read_text()  # SIGTERM = clean shutdown, exit status 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        _stop(proc, log)
 
 
 class Server:
@@ -191,3 +200,41 @@ def test_bad_inputs_get_their_status(server, path, raw, status, needle):
     assert got == status
     assert needle in body["error"]["message"]
     assert server.health()["status"] == "ok"
+
+
+def test_metrics_without_hybrid_layer(server):
+    text = server.get("/metrics")
+    for name in ("hybrid_requests_total", "hybrid_generation_tokens_per_second", "hybrid_queue_depth",
+                 "hybrid_decode_batch_size", "hybrid_prompt_tokens_total", "hybrid_kv_slots_free"):
+        assert f"# TYPE {name} " in text
+    assert "cold_expert" not in text  # plain model: no hybrid series at all
+
+
+def test_hybrid_layer_split_reaches_metrics(tmp_path):
+    """With cold experts on the CPU executor (--gpu-experts; on a CPU-only box both lanes run on the
+    CPU), /metrics reports per layer how many cold experts ran on the CPU lane vs were shipped."""
+    log = tmp_path / "stderr.txt"
+    proc, port = _start(log, ["--max-batch", "2", "--max-context", "128", "--gpu-experts", "4"])
+    try:
+        srv = Server(port, proc)
+        before = srv.get("/metrics")
+        c = srv.client()
+        c.completions.create(model=_model(srv), prompt="The quick brown fox", max_tokens=8, temperature=0)
+        after = srv.get("/metrics")
+    finally:
+        _stop(proc, log)
+
+    def split(text):
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("hybrid_cold_experts_total{"):
+                labels, value = line.rsplit(" ", 1)
+                out[labels] = float(value)
+        return out
+
+    b, a = split(before), split(after)
+    assert {f'hybrid_cold_experts_total{{layer="{i}",lane="{lane}"}}' for i in range(4)
+            for lane in ("cpu", "shipped")} == set(a)
+    assert sum(a.values()) > sum(b.get(k, 0) for k in a)  # the request's batches were counted
+    shares = [float(l.rsplit(" ", 1)[1]) for l in after.splitlines() if l.startswith("hybrid_cold_expert_cpu_share{")]
+    assert len(shares) == 4 and all(0.0 <= x <= 1.0 for x in shares)

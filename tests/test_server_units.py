@@ -5,7 +5,7 @@ import torch
 
 from hybrid.server.detok import TextStream
 from hybrid.server.errors import ApiError
-from hybrid.server.metrics import ExpertSplitRegistry, Metrics
+from hybrid.server.metrics import Metrics
 from hybrid.server.testing import fake_runtime
 from hybrid.server.schemas import SamplingParams, parse_request
 
@@ -149,8 +149,8 @@ def test_sampling_greedy_topk1_tiny_topp_are_argmax_and_seeds_reproduce():
 
 # --- metrics -------------------------------------------------------------------------------------
 def test_metrics_text_and_expert_split_hook():
-    reg = ExpertSplitRegistry()
-    m = Metrics(expert_split=reg)
+    split = {}
+    m = Metrics(expert_split=lambda: split)
     m.request_done("/v1/completions", 200)
     m.request_done("/v1/completions", 400)
     m.prefilled(12)
@@ -160,9 +160,7 @@ def test_metrics_text_and_expert_split_hook():
     assert "hybrid_prompt_tokens_total 12" in text and "hybrid_generation_tokens_total 3" in text
     assert "hybrid_queue_depth 2" in text and "hybrid_decode_batch_size 3" in text
     assert "cold_expert" not in text  # no hybrid layer -> no series at all
-    reg.record(0, cpu=3, shipped=1)
-    reg.record(0, cpu=1, shipped=3)
-    reg.record(5, cpu=2, shipped=0)
+    split.update({0: (4, 4), 5: (2, 0)})
     text = m.render({})
     assert 'hybrid_cold_experts_total{layer="0",lane="cpu"} 4' in text
     assert 'hybrid_cold_expert_cpu_share{layer="0"} 0.5' in text

@@ -13,7 +13,9 @@ API_KEY_ENV = "HYBRID_API_KEY"
 
 
 def register(subparsers) -> None:
-    from hybrid.server.adapter import DTYPES
+    from hybrid.offload.build import add_hybrid_arguments
+    from hybrid.runtime.session import DTYPES
+    from hybrid.server.adapter import EXACT_DTYPE
     from hybrid.server.config import ServerConfig
 
     d = ServerConfig()
@@ -23,7 +25,8 @@ def register(subparsers) -> None:
         "not), /health, /metrics (Prometheus). Requests are batched continuously on one engine thread.")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); "
                    "default: the demo checkpoint, generated on first use")
-    p.add_argument("--plan", metavar="FILE", help="expert placement plan for the hybrid runtime")
+    p.add_argument("--plan", metavar="FILE", help="expert placement plan (not supported yet: the planner has not "
+                   "landed; use --gpu-experts / --gpu-budget)")
     p.add_argument("--host", default=d.host, help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
     p.add_argument("--api-key", default=None,
@@ -40,11 +43,14 @@ def register(subparsers) -> None:
                    "much prefill per token (default %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body cap; larger bodies get 413 (default %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and activations (default auto: bfloat16 on a GPU, float32 on the CPU; "
-                   "float64 makes greedy output independent of batching, for exactness tests)")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + [EXACT_DTYPE],
+                   help="default: bfloat16 on the GPU, float32 on the CPU; float64 (plain model only) makes "
+                   "greedy output independent of batching, for exactness tests")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_hybrid_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -67,7 +73,8 @@ def run(args) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                               max_context=args.max_context, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes, prefill_chunk=args.prefill_chunk, served_model_name=args.served_model_name)
+                              max_body_bytes=args.max_body_bytes, prefill_chunk=args.prefill_chunk,
+                              served_model_name=args.served_model_name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.plan is not None and not os.path.isfile(args.plan):
@@ -75,7 +82,7 @@ def run(args) -> int:
     if not _is_loopback(config.host) and config.api_key is None:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
-    runtime, name = load_runtime(args.model, args.plan, config.max_batch, config.max_context, args.dtype)
+    runtime, name = load_runtime(args)
     try:
         serve(config, runtime, config.served_model_name or name)
     except OSError as exc:  # port in use, address not available

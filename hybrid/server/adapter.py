@@ -8,10 +8,15 @@
     prefill(slot, ids) -> logits [V];  decode_step(slots, tokens) -> logits [B, V]
     sampler(SamplingParams) -> per-sequence sampling state;  sample(logits [B, V], samplers) -> ids
 
-`load_runtime` builds one from a checkpoint directory (or the demo checkpoint).
+    expert_split() -> {layer: (cold experts run on the CPU, shipped)} for /metrics
+
+`load_runtime` opens the model through hybrid.runtime.session, as `hybrid generate` does.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from hybrid.server.schemas import SamplingParams
 
@@ -68,47 +73,67 @@ class Runtime:
     def sample(self, logits, samplers) -> list[int]:
         return self._sample(logits, [s[0] for s in samplers], [s[1] for s in samplers])
 
+    # hybrid layer: per MoE layer, cold experts run on the CPU vs shipped to the GPU (cumulative)
+    def expert_split(self) -> dict[int, tuple[int, int]]:
+        """Read from each expert executor that keeps such counters (hybrid.offload's LayerStats);
+        empty for a plain model, so /metrics then shows no hybrid series at all."""
+        out = {}
+        for i, layer in enumerate(getattr(self.engine.model, "layers", ())):
+            stats = getattr(getattr(getattr(layer, "moe", None), "experts", None), "stats", None)
+            if stats is not None and hasattr(stats, "cpu_experts") and hasattr(stats, "shipped_experts"):
+                out[i] = (int(stats.cpu_experts), int(stats.shipped_experts))
+        return out
 
-DTYPES = ("auto", "bfloat16", "float16", "float32", "float64")
+
+EXACT_DTYPE = "float64"
 
 
-def load_runtime(model_dir: str | None, plan: str | None, max_batch: int, max_context: int,
-                 dtype: str = "auto") -> tuple[Runtime, str]:
-    """-> (runtime, served model name). model_dir None = the demo checkpoint (built on first use).
+def load_runtime(opts, log=lambda m: print(m, file=sys.stderr, flush=True)) -> tuple[Runtime, str]:
+    """Open the model the way `hybrid generate` does (hybrid.runtime.session: --model or the demo,
+    --device, --dtype, --eager, the hybrid-expert flags) with `opts.max_batch` KV slots.
+    -> (runtime, served model name).
 
-    dtype "auto" = bfloat16 on a GPU, float32 on the CPU. float64 exists for exactness checks: fp32
-    GEMMs round differently at different batch sizes (gemv vs gemm blocking, grouped-GEMM group
-    sizes), and a MoE router turns those last-bit differences into different experts at near-ties,
-    so only in fp64 is greedy output reliably identical batched and alone.
+    --dtype float64 is the server's addition, for exactness checks: fp32 GEMMs round differently at
+    different batch sizes (gemv vs gemm blocking, grouped-GEMM group sizes), and a MoE router turns
+    those last-bit differences into different experts at near-ties, so only in fp64 is greedy output
+    reliably identical batched and alone. It loads the plain model (no hybrid layer, no CUDA graphs).
     """
-    import sys
-    from pathlib import Path
+    from hybrid.errors import UsageError
 
+    if getattr(opts, "plan", None) is not None:
+        raise UsageError(f"--plan {opts.plan}: placement plans are not supported yet (the planner has not "
+                         "landed); use --gpu-experts N or --gpu-budget SIZE for the hybrid layer instead")
+    if opts.dtype == EXACT_DTYPE:
+        engine, tokenizer, model_dir = _open_exact(opts, log)
+    else:
+        from hybrid.runtime.session import open_session
+
+        s = open_session(opts, max_batch=opts.max_batch, log=log)
+        engine, tokenizer, model_dir = s.engine, s.tokenizer, s.model_dir
+    return Runtime(engine, tokenizer), Path(model_dir).resolve().name
+
+
+def _open_exact(opts, log):
     import torch
 
     from hybrid.errors import UsageError
     from hybrid.models import ModelLoadError, load_model
-    from hybrid.runtime import Engine
+    from hybrid.offload.build import hybrid_config_from_args
+    from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.session import resolve_device
     from hybrid.runtime.tokenizer import Tokenizer
 
-    if plan is not None:
-        raise UsageError(f"--plan {plan}: expert placement plans are not supported by this runtime yet "
-                         "(the placement planner has not landed); serve without --plan")
-    if model_dir is None:
-        from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
-
-        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - stdout announces the port
-        model_dir = ensure_demo_checkpoint(progress_print=log)
+    if hybrid_config_from_args(opts) is not None:
+        raise UsageError("--dtype float64 loads the plain model; it cannot be combined with the hybrid-expert flags")
+    model_dir = opts.model
+    if not model_dir:
+        model_dir = str(ensure_demo_checkpoint(progress_print=log))
         log(DEMO_NOTICE.format(path=model_dir))
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
     try:
-        model = load_model(model_dir, device=device, dtype=getattr(torch, dtype), progress=False)
+        model = load_model(model_dir, device=resolve_device(opts.device), dtype=torch.float64, progress=False)
         tokenizer = Tokenizer(model_dir)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_context=max_context)
-    return Runtime(engine, tokenizer), Path(model_dir).resolve().name
+    return Engine(model, tokenizer, max_batch=opts.max_batch, max_context=opts.max_context, eager=True), \
+        tokenizer, model_dir

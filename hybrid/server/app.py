@@ -79,7 +79,7 @@ def auth_middleware(api_key: str | None):
 
 
 def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(expert_split=getattr(runtime, "expert_split", dict))
     scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_chunk)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware(config.api_key)])

@@ -11,7 +11,7 @@ class ServerConfig:
     port: int = 8000  # 0 = any free port (the bound one is printed; tests use this)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_batch: int = 8  # KV cache slots = sequences decoded together
-    max_context: int = 2048  # positions per slot: prompt + completion must fit
+    max_context: int = 4096  # positions per slot: prompt + completion must fit (as `hybrid generate`)
     max_queue: int = 64  # sequences waiting for a slot before new requests get 429
     max_body_bytes: int = 1 << 20  # request bodies above this get 413 before they are parsed
     # Prompt tokens prefilled per scheduler iteration, in chunks of at most this size: bounds how long

@@ -1,44 +1,23 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), no client library needed.
 
 Counters and gauges are updated from the event loop (requests) and the engine thread (tokens, batch
-sizes), so every update takes one lock. `EXPERT_SPLIT` is the hook for the hybrid MoE layer: it calls
-`EXPERT_SPLIT.record(layer, cpu=..., shipped=...)` per batch with how many cold experts ran on the CPU and
-how many had their weights shipped to the GPU; /metrics then shows per-layer counts and the CPU share.
-Until something records, those series are absent (not zero), so dashboards can tell "no hybrid layer".
+sizes), so every update takes one lock. `expert_split` is the hook for the hybrid MoE layer: a callable
+returning {layer: (cold experts run on the CPU, cold experts shipped to the GPU)}, cumulative, read at
+scrape time (the adapter reads the hybrid executors' own counters). With no hybrid layer it returns {}
+and those series are absent (not zero), so dashboards can tell "no hybrid layer" from "all shipped".
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
+
+log = logging.getLogger("hybrid.server")
 
 TOKENS_PER_S_WINDOW_S = 10.0  # tokens/s is averaged over this trailing window
-
-
-class ExpertSplitRegistry:
-    """Per MoE layer: cold experts run on the CPU vs shipped to the GPU (cumulative counts)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._counts: dict[int, list[int]] = {}  # layer -> [cpu, shipped]
-
-    def record(self, layer: int, cpu: int, shipped: int) -> None:
-        with self._lock:
-            c = self._counts.setdefault(int(layer), [0, 0])
-            c[0] += int(cpu)
-            c[1] += int(shipped)
-
-    def snapshot(self) -> dict[int, tuple[int, int]]:
-        with self._lock:
-            return {layer: (c[0], c[1]) for layer, c in sorted(self._counts.items())}
-
-    def clear(self) -> None:
-        with self._lock:
-            self._counts.clear()
-
-
-EXPERT_SPLIT = ExpertSplitRegistry()
 
 
 def _labels(labels: dict) -> str:
@@ -49,7 +28,7 @@ def _labels(labels: dict) -> str:
 
 
 class Metrics:
-    def __init__(self, expert_split: ExpertSplitRegistry = EXPERT_SPLIT):
+    def __init__(self, expert_split: Callable[[], dict[int, tuple[int, int]]] = dict):
         self._lock = threading.Lock()
         self.expert_split = expert_split
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
@@ -124,7 +103,11 @@ class Metrics:
                f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW_S:g} s.", [({}, round(tps, 3))])
         for name, (help_, value) in gauges.items():
             family(name, "gauge", help_, [({}, value)])
-        split = self.expert_split.snapshot()
+        try:
+            split = self.expert_split()
+        except Exception:  # noqa: BLE001 - a broken hook must not take the other metrics down
+            log.exception("reading the expert split failed")
+            split = {}
         if split:
             family("hybrid_cold_experts_total", "counter",
                    "Cold experts with tokens, per MoE layer, by lane: run on the CPU or shipped to the GPU.",
