@@ -59,6 +59,23 @@ def copy_bandwidth(dev, nbytes=2 << 30) -> float | None:
     return best
 
 
+def gemm_peak(dev, dtype, n=8192) -> float | None:
+    """Best bf16 n x n x n matmul TFLOP/s of 10: the compute ceiling prefill is compared to."""
+    if dev.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    a @ b
+    best = 0.0
+    for _ in range(10):
+        sync(dev)
+        t = time.perf_counter()
+        a @ b
+        sync(dev)
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e12)
+    return best
+
+
 class CountingExperts(torch.nn.Module):
     """Wraps an executor and records how many distinct experts each call touched."""
 
@@ -105,6 +122,7 @@ def main(argv=None) -> int:
     expert_bytes = cfg.expert_params * esize
     other_bytes = (counts["non_expert"] - cfg.vocab_size * cfg.hidden_size) * esize  # embedding rows ~free
     hbm = copy_bandwidth(dev)
+    peak = gemm_peak(dev, dtype)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     header = {
         "bench": "generate", "device": gpu, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
@@ -113,7 +131,7 @@ def main(argv=None) -> int:
         "expert_intermediate": cfg.expert_intermediate_size, "vocab": cfg.vocab_size,
         "params_experts_B": round(counts["experts"] / 1e9, 3), "params_other_B": round(counts["non_expert"] / 1e9, 3),
         "weights": source, "load_s": round(load_s, 1), "cuda_graphs": dev.type == "cuda" and not args.eager,
-        "copy_GBps": round(hbm, 1) if hbm else None,
+        "copy_GBps": round(hbm, 1) if hbm else None, "gemm_peak_TFLOPs": round(peak, 1) if peak else None,
     }
     print("# " + " ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     results = {"header": header, "prefill": [], "decode": []}
@@ -143,10 +161,11 @@ def main(argv=None) -> int:
             active = counts["non_expert"] - cfg.vocab_size * cfg.hidden_size + cfg.num_moe_layers * cfg.experts_per_token * cfg.expert_params
             flops = 2 * n * active + 2 * n * n * cfg.num_heads * cfg.head_dim * cfg.num_layers
             row = {"tokens": n, "seconds": round(s, 4), "tokens_per_s": round(n / s, 1),
-                   "TFLOPs": round(flops / s / 1e12, 1)}
+                   "TFLOPs": round(flops / s / 1e12, 1),
+                   "fraction_of_gemm_peak": round(flops / s / 1e12 / peak, 3) if peak else None}
             results["prefill"].append(row)
-            print(f"prefill {n:6d} tokens: {s * 1e3:9.1f} ms  {n / s:10.1f} tok/s  {flops / s / 1e12:6.1f} TFLOP/s",
-                  flush=True)
+            print(f"prefill {n:6d} tokens: {s * 1e3:9.1f} ms  {n / s:10.1f} tok/s  {flops / s / 1e12:6.1f} TFLOP/s"
+                  + (f" ({row['fraction_of_gemm_peak']:.0%} of GEMM peak)" if peak else ""), flush=True)
         del eng
         if dev.type == "cuda":
             torch.cuda.empty_cache()
