@@ -203,3 +203,17 @@ def test_legacy_rope_fields_are_read():
     raw["rope_scaling"] = {"type": "dynamic", "factor": 3.0}
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'dynamic'"):
         FAMILIES["qwen3_moe"].parse_config(raw)
+
+
+def test_mixtral_transformers5_router_spelling(tmp_path):
+    """transformers 5 calls Mixtral's router mlp.gate in memory; a checkpoint saved that way loads."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_checkpoint("mixtral", tmp_path, seed=6)
+    f = tmp_path / "model.safetensors"
+    t = load_file(str(f))
+    for i in range(3):
+        t[f"model.layers.{i}.mlp.gate.weight"] = t.pop(f"model.layers.{i}.block_sparse_moe.gate.weight")
+    save_file(t, str(f))
+    ids = [5, 4, 3, 2, 1, 7, 9]
+    assert (logits_of(tmp_path, ids) - hf_logits(hf, ids)).abs().max().item() <= 1e-4

@@ -185,6 +185,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     family, cfg, _ = read_config(path)
     ckpt = checkpoint_index(path)
+    original = {}  # our spelling -> the file's spelling (they differ only for family.aliases)
+    for n in list(ckpt):
+        canon = n
+        for pattern, repl in family.aliases:
+            canon = re.sub(pattern, repl, canon)
+        original[canon] = n
+        if canon != n:
+            ckpt[canon] = ckpt.pop(n)
     model = build_empty(cfg, device, dtype, build_experts=False)
     edev, edt = expert_device or device, expert_dtype or dtype
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
@@ -203,7 +211,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         for file, names in sorted(by_file.items()):
             with safe_open(str(file), framework="pt", device="cpu") as fh:
                 for n in names:
-                    src = fh.get_tensor(n)
+                    src = fh.get_tensor(original[n])
                     dst, _ = plan[n]
                     if isinstance(dst, tuple):  # fused [E, 2F, D]: gate rows, then up rows
                         dst[0].copy_(src[:, :F_])

@@ -125,6 +125,9 @@ class Family:
     weights: dict[str, str]
     experts: dict[str, str]
     fused_experts: dict[str, str] = field(default_factory=dict)
+    # (regex, replacement) renaming other spellings of a tensor (e.g. transformers 5's in-memory names)
+    # to the one in `weights` before matching.
+    aliases: tuple[tuple[str, str], ...] = ()
 
 
 def mlp_experts(prefix: str = "model.layers.{i}.mlp") -> tuple[dict[str, str], dict[str, str]]:

@@ -29,4 +29,6 @@ FAMILY = Family(
     experts={w: f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{n}.weight"
              for w, n in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))},
     fused_experts=FUSED,
+    # transformers 5 renamed block_sparse_moe to mlp in memory; accept that spelling of the router.
+    aliases=((r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"model.layers.\1.block_sparse_moe.gate.weight"),),
 )
