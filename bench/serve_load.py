@@ -62,8 +62,9 @@ async def one_request(session, url, args, i, headers) -> dict:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if ttft is None and chunk.get("choices"):
-                    ttft = time.perf_counter() - t0
+                choice = (chunk.get("choices") or [{}])[0]
+                if ttft is None and (choice.get("text") or (choice.get("delta") or {}).get("content")):
+                    ttft = time.perf_counter() - t0  # first text, not the role-only chat chunk
                 usage = chunk.get("usage") or usage
         else:
             usage = (await r.json())["usage"]

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -288,3 +289,15 @@ def test_api_key_is_enforced():
         assert srv.health()["status"] == "ok"  # health stays open for probes
     finally:
         srv.close()
+
+
+def test_engine_crash_answers_accepted_requests_and_reports_unhealthy(server):
+    rt = server.runtime
+    rt.engine.crash = True
+    status, _, body = server.post("/v1/completions", {"prompt": "crash", "max_tokens": 5})
+    assert status == 500 and "engine stopped" in body["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        server.get("/health")
+    assert e.value.code == 503
+    status, _, body = server.post("/v1/completions", {"prompt": "after", "max_tokens": 5})
+    assert status == 503 and body["error"]["code"] == "unavailable"

@@ -168,3 +168,19 @@ def test_metrics_text_and_expert_split_hook():
     for line in text.splitlines():  # every sample line is "name{labels} number"
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+def test_serve_cli_rejects_bad_settings_in_one_line(tmp_path, capsys):
+    from hybrid.cli import main
+
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    cases = [(["--plan", str(plan)], "placement plans are not supported yet"),
+             (["--plan", str(tmp_path / "missing.json")], "no such file"),
+             (["--max-batch", "0"], "max_batch must be >= 1"),
+             (["--port", "70000"], "port must be in 0..65535")]
+    for extra, needle in cases:
+        assert main(["serve", *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.startswith("hybrid serve: error:") and err.count("\n") == 1

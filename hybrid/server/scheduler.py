@@ -96,7 +96,9 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        # _stopping is set before a crashing loop fails its requests, so a client that got the
+        # crash's 500 sees 503 here right after, not a thread that is still unwinding.
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue all choices of a request together, or none (QueueFull)."""
@@ -167,16 +169,15 @@ class Scheduler:
         with self._cond:
             if not self._waiting:
                 return False
-            seq = self._waiting.popleft()
+            seq = self._prefilling = self._waiting.popleft()  # always in some list: _fail_all finds it
         try:
             seq.slot = self.runtime.allocate_slot()
             seq.sampler = self.runtime.sampler(seq.params)
             seq.stream = TextStream(self.runtime.decode, seq.params.stop)
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
             log.exception("starting a sequence failed")
+            self._prefilling = None
             self._fail(seq, f"could not start the request: {exc}", 500)
-            return True
-        self._prefilling = seq
         return True
 
     def _prefill(self) -> None:
@@ -198,17 +199,18 @@ class Scheduler:
                 self.metrics.prefilled(n, done=seq.prefilled == len(seq.prompt_ids))
                 if seq.prefilled < len(seq.prompt_ids):
                     continue
-                self._prefilling = None
                 token = self.runtime.sample(logits[None], [seq.sampler])[0]
+                self._prefilling = None
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
                 log.exception("prefill failed")
                 self._prefilling = None
                 self._fail(seq, f"prefill failed: {exc}", 500)
                 continue
-            self.metrics.generated(1)
+            self._running.append(seq)  # before _emit: a crash in between must not lose it
             self._emit(seq, token)
-            if not seq.finished:
-                self._running.append(seq)
+            if seq.finished:
+                self._running.remove(seq)
+            self.metrics.generated(1)
 
     def _decode(self) -> None:
         if not self._running:
@@ -223,10 +225,10 @@ class Scheduler:
                 self._fail(seq, f"decode step failed: {exc}", 500)
             self._running = []
             return
-        self.metrics.generated(len(batch), batch_size=len(batch))
         for seq, token in zip(batch, tokens):
             self._emit(seq, token)
         self._running = [s for s in batch if not s.finished]
+        self.metrics.generated(len(batch), batch_size=len(batch))
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """Account one generated token: stream its text, or end the sequence."""

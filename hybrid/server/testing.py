@@ -24,6 +24,10 @@ VOCAB = 257
 FAIL_BYTE = 0x07
 
 
+class EngineCrash(BaseException):
+    """A fatal bug in the engine loop (not an Exception: per-request handlers must not catch it)."""
+
+
 class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
@@ -48,11 +52,14 @@ class FakeEngine:
         self.max_rows_seen = 0
         self.calls: list[tuple] = []  # ("prefill", slot, n tokens) / ("decode", slots): the schedule
         self.fail_decode = False  # every decode step raises while set
+        self.crash = False  # the next slot allocation kills the engine thread
 
     def default_stop_ids(self) -> list[int]:
         return [0]
 
     def allocate_slot(self) -> int:
+        if self.crash:
+            raise EngineCrash("injected engine crash")
         slot = self._free.pop()  # IndexError when none is free: the scheduler must check first
         self.history[slot] = []
         return slot
