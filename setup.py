@@ -48,6 +48,7 @@ setup(
         lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma"]),
         lib("avx512", "lib_avx512.cpp", AVX512),
         lib("amx", "lib_amx.cpp", AVX512 + AMX),
+        lib("amxemu", "lib_amxemu.cpp", ["-mavx2", "-mfma"]),  # tests: AMX path with emulated tiles
     ],
     cmdclass={"build_ext": LoudBuildExt},
 )

@@ -249,12 +249,13 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         const float* g = Cg + i * 64;
         const float* u = Cu + i * 64;
         if (dt == HY_BF16) {
+          float v[64];
+          gated_act_row(L->act, g, u, v, nr, L->alpha, L->limit);
           uint16_t* h = (uint16_t*)hptr[n][a.off + i] + r0;
-          for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(gated_act(L->act, g[r], u[r], L->alpha, L->limit));
+          for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(v[r]);
           if (r0 + nr == N.gate.rows_p) std::memset(h + nr, 0, (N.down.ldk - N.gate.rows_p) * 2);
         } else {
-          float* h = hf[n] + (int64_t)(a.off + i) * N.gate.rows_p + r0;
-          for (int r = 0; r < nr; ++r) h[r] = gated_act(L->act, g[r], u[r], L->alpha, L->limit);
+          gated_act_row(L->act, g, u, hf[n] + (int64_t)(a.off + i) * N.gate.rows_p + r0, nr, L->alpha, L->limit);
         }
       }
     });
@@ -324,13 +325,24 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
 
   // Phase 3: sum node partials, convert.
   p0->run([&](int task, int) {
-    for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t)
-      for (int d = 0; d < D; ++d) {
-        float s = 0.f;
-        for (int n = 0; n < nn; ++n) s += acc[n][(int64_t)t * L->nodes[n].down.rows_p + d];
-        if (out_dtype == HY_X_BF16) ((uint16_t*)out)[(int64_t)t * D + d] = f32_to_bf16(s);
-        else ((float*)out)[(int64_t)t * D + d] = s;
+    for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
+      const float* s = acc[0] + (int64_t)t * L->nodes[0].down.rows_p;
+      float sum[nn > 1 ? D : 1];
+      if (nn > 1) {
+        for (int d = 0; d < D; ++d) sum[d] = s[d];
+        for (int n = 1; n < nn; ++n) {
+          const float* sn = acc[n] + (int64_t)t * L->nodes[n].down.rows_p;
+          for (int d = 0; d < D; ++d) sum[d] += sn[d];
+        }
+        s = sum;
       }
+      if (out_dtype == HY_X_BF16) {
+        uint16_t* o = (uint16_t*)out + (int64_t)t * D;
+        for (int d = 0; d < D; ++d) o[d] = f32_to_bf16(s[d]);
+      } else {
+        std::memcpy((float*)out + (int64_t)t * D, s, D * 4);
+      }
+    }
   }, (T + 7) / 8);
   return HY_OK;
 }

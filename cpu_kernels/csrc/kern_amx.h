@@ -6,13 +6,55 @@
 // Blocking: tiles 0-3 accumulate a 32-row x 32-token block (2 A tiles x 2 B tiles, 4 TDPs per 4 tile
 // loads); K is walked in blocks of 8 chunks (256 bf16 / 512 int8) so the A panel (16 KiB) stays in
 // L1 across the token blocks and the B panels of one K block (m_pad x 512 B) stay in L2; partial
-// C blocks wait in a per-thread buffer between K blocks.
+// C blocks wait in a per-thread buffer between K blocks; the last K block writes C through L1 tiles.
 #pragma once
 #include <immintrin.h>
 #include <vector>
 #include "hy.h"
 
 namespace {
+
+#if HY_AMX_EMULATE
+// Scalar stand-ins for the tile instructions (same operands and semantics as the SDM's pseudo-code),
+// so that the AMX driver path and this file's loops run and are tested on machines without AMX.
+struct EmuTiles { alignas(64) uint8_t t[8][16][64]; };
+thread_local EmuTiles g_tiles;
+inline void emu_load(int t, const void* b, int64_t s) { for (int r = 0; r < 16; ++r) std::memcpy(g_tiles.t[t][r], (const uint8_t*)b + r * s, 64); }
+inline void emu_store(int t, void* b, int64_t s) { for (int r = 0; r < 16; ++r) std::memcpy((uint8_t*)b + r * s, g_tiles.t[t][r], 64); }
+inline void emu_zero(int t) { std::memset(g_tiles.t[t], 0, 1024); }
+inline void emu_dpbf16ps(int c, int a, int b) {
+  float* C = (float*)g_tiles.t[c];
+  const uint16_t* A = (const uint16_t*)g_tiles.t[a];
+  const uint16_t* B = (const uint16_t*)g_tiles.t[b];
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n)
+      for (int k = 0; k < 16; ++k)
+        C[m * 16 + n] += bf16_to_f32(A[m * 32 + 2 * k]) * bf16_to_f32(B[k * 32 + 2 * n]) +
+                         bf16_to_f32(A[m * 32 + 2 * k + 1]) * bf16_to_f32(B[k * 32 + 2 * n + 1]);
+}
+inline void emu_dpbssd(int c, int a, int b) {
+  int32_t* C = (int32_t*)g_tiles.t[c];
+  const int8_t* A = (const int8_t*)g_tiles.t[a];
+  const int8_t* B = (const int8_t*)g_tiles.t[b];
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n)
+      for (int k = 0; k < 16; ++k)
+        for (int i = 0; i < 4; ++i) C[m * 16 + n] += A[m * 64 + 4 * k + i] * B[k * 64 + 4 * n + i];
+}
+#define HY_TILE_CONFIG(cfg) (void)(cfg)
+#define HY_TILE_LOAD(t, b, s) emu_load(t, b, s)
+#define HY_TILE_STORE(t, b, s) emu_store(t, b, s)
+#define HY_TILE_ZERO(t) emu_zero(t)
+#define HY_TDPBF16PS(c, a, b) emu_dpbf16ps(c, a, b)
+#define HY_TDPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#else
+#define HY_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define HY_TILE_LOAD(t, b, s) _tile_loadd(t, b, s)
+#define HY_TILE_STORE(t, b, s) _tile_stored(t, b, s)
+#define HY_TILE_ZERO(t) _tile_zero(t)
+#define HY_TDPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define HY_TDPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#endif
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -25,7 +67,21 @@ inline void amx_config() {
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
   for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-  _tile_loadconfig(&cfg);
+  HY_TILE_CONFIG(&cfg);
+}
+
+// One finished 16x16 C^T tile (weight rows x tokens, in L1) -> C [token, row], scaled for int8.
+template <bool BF16>
+inline void write_tile(const float* tile, float* C, int ldc, int t0, int r0, const float* sw, const float* bscale) {
+  for (int n = 0; n < 16; ++n) {
+    float* c = C + (int64_t)(t0 + n) * ldc + r0;
+    if (BF16) {
+      for (int r = 0; r < 16; ++r) c[r] = tile[r * 16 + n];
+    } else {
+      const float s = bscale[t0 + n];
+      for (int r = 0; r < 16; ++r) c[r] = (float)((const int32_t*)tile)[r * 16 + n] * sw[r0 + r] * s;
+    }
+  }
 }
 
 template <bool BF16>
@@ -33,12 +89,14 @@ void amx_gemm_t(const HyMat& M, int e, int r0, int nr, const uint8_t* bpack, con
                 float* C, int ldc) {
   static thread_local std::vector<float> cbuf_v;
   if (cbuf_v.size() < (size_t)nr * m_pad) cbuf_v.resize((size_t)nr * m_pad);
-  float* cbuf = cbuf_v.data();  // [nr, m_pad]: C^T, fp32 (bf16) or int32 (int8) bits
+  float* cbuf = cbuf_v.data();  // [nr, m_pad]: partial C^T between K blocks, fp32 (bf16) or int32 (int8)
+  alignas(64) float tile[4][256];
   amx_config();
   const int64_t ldb = BF16 ? (int64_t)M.ldk * 2 : M.ldk;  // bytes per weight row
   const int nkc = (int)(ldb / 64), ntb = m_pad / 16;
   const int64_t cst = (int64_t)m_pad * 4;  // cbuf row stride in bytes
   const uint8_t* W = M.w + e * M.w_estride + (int64_t)r0 * ldb;
+  const float* sw = BF16 ? nullptr : M.scale + e * M.s_estride + r0;
   constexpr int KB = 8;
   for (int kb = 0; kb < nkc; kb += KB) {
     const int ke = std::min(nkc, kb + KB);
@@ -49,38 +107,36 @@ void amx_gemm_t(const HyMat& M, int e, int r0, int nr, const uint8_t* bpack, con
         float* c0 = cbuf + (int64_t)rb * m_pad + tb * 16;
         float* c2 = c0 + 16 * m_pad;
         if (kb == 0) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          HY_TILE_ZERO(0); HY_TILE_ZERO(1); HY_TILE_ZERO(2); HY_TILE_ZERO(3);
         } else {
-          _tile_loadd(0, c0, cst); _tile_loadd(1, c0 + 16, cst);
-          _tile_loadd(2, c2, cst); _tile_loadd(3, c2 + 16, cst);
+          HY_TILE_LOAD(0, c0, cst); HY_TILE_LOAD(1, c0 + 16, cst);
+          HY_TILE_LOAD(2, c2, cst); HY_TILE_LOAD(3, c2 + 16, cst);
         }
         const uint8_t* B0 = bpack + (int64_t)tb * nkc * 1024;
         const uint8_t* B1 = B0 + (int64_t)nkc * 1024;
         for (int kc = kb; kc < ke; ++kc) {
-          _tile_loadd(4, A0 + kc * 64, ldb);
-          _tile_loadd(5, A1 + kc * 64, ldb);
-          _tile_loadd(6, B0 + kc * 1024, 64);
-          _tile_loadd(7, B1 + kc * 1024, 64);
+          HY_TILE_LOAD(4, A0 + kc * 64, ldb);
+          HY_TILE_LOAD(5, A1 + kc * 64, ldb);
+          HY_TILE_LOAD(6, B0 + kc * 1024, 64);
+          HY_TILE_LOAD(7, B1 + kc * 1024, 64);
           if (BF16) {
-            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            HY_TDPBF16PS(0, 4, 6); HY_TDPBF16PS(1, 4, 7); HY_TDPBF16PS(2, 5, 6); HY_TDPBF16PS(3, 5, 7);
           } else {
-            _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+            HY_TDPBSSD(0, 4, 6); HY_TDPBSSD(1, 4, 7); HY_TDPBSSD(2, 5, 6); HY_TDPBSSD(3, 5, 7);
           }
         }
-        _tile_stored(0, c0, cst); _tile_stored(1, c0 + 16, cst);
-        _tile_stored(2, c2, cst); _tile_stored(3, c2 + 16, cst);
+        if (ke < nkc) {  // more K blocks to come: park the partial sums
+          HY_TILE_STORE(0, c0, cst); HY_TILE_STORE(1, c0 + 16, cst);
+          HY_TILE_STORE(2, c2, cst); HY_TILE_STORE(3, c2 + 16, cst);
+        } else {  // done: transpose each tile through L1 straight into C (no strided pass over C)
+          HY_TILE_STORE(0, tile[0], 64); HY_TILE_STORE(1, tile[1], 64);
+          HY_TILE_STORE(2, tile[2], 64); HY_TILE_STORE(3, tile[3], 64);
+          write_tile<BF16>(tile[0], C, ldc, tb * 16, rb, sw, bscale);
+          write_tile<BF16>(tile[1], C, ldc, tb * 16 + 16, rb, sw, bscale);
+          write_tile<BF16>(tile[2], C, ldc, tb * 16, rb + 16, sw, bscale);
+          write_tile<BF16>(tile[3], C, ldc, tb * 16 + 16, rb + 16, sw, bscale);
+        }
       }
-    }
-  }
-  // C^T -> C [m_pad, ldc]; int8: int32 sums times weight-row and token scales.
-  const float* sw = BF16 ? nullptr : M.scale + e * M.s_estride + r0;
-  for (int r = 0; r < nr; ++r) {
-    const float* src = cbuf + (int64_t)r * m_pad;
-    if (BF16) {
-      for (int t = 0; t < m_pad; ++t) C[(int64_t)t * ldc + r] = src[t];
-    } else {
-      const int32_t* si = (const int32_t*)src;
-      for (int t = 0; t < m_pad; ++t) C[(int64_t)t * ldc + r] = (float)si[t] * sw[r] * bscale[t];
     }
   }
 }
