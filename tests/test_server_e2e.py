@@ -15,9 +15,11 @@ import concurrent.futures as cf
 import http.client
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -28,6 +30,7 @@ import pytest
 KEY = "test-key-e2e"
 MAX_BATCH, MAX_CONTEXT = 8, 256
 REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 180  # importing torch + building the demo checkpoint on a cold 2-core CI runner
 
 
 def _start(log_path, extra_args):
@@ -36,7 +39,13 @@ def _start(log_path, extra_args):
     cmd = [sys.executable, "-m", "hybrid", "serve", "--port", "0", *extra_args]
     with open(log_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    line = proc.stdout.readline()  # blocks until the announcement (or EOF if it died)
+    # The first stdout line is the announcement (or EOF if it died); a hung start must fail, not hang.
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=START_TIMEOUT_S)
+    except queue.Empty:
+        line = f"<nothing after {START_TIMEOUT_S} s>"
     if "listening on http://127.0.0.1:" not in line:
         proc.kill()
         pytest.fail(f"server did not start: {line!r}\n{log_path.read_text()}")
