@@ -68,6 +68,20 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
         gpu = dict(gpu_flops=c_g, hbm_bw=hbm, link_bw=link["h2d_bw"],
                    alpha=(link["h2d_alpha"] + link["d2h_alpha"]) / 2)
         raw["gpu"] = name
+        progress("  fixed costs of the hybrid layer (tiny layer: launches, copies, hand-offs)...")
+        try:
+            from hybrid.offload.overheads import measure_overheads
+
+            probe = HardwareProfile(name="probe", cpu_flops=peaks, dram_bw=dram_bw, **gpu)
+            ov = measure_overheads(probe)
+            raw["overheads"] = ov
+            gpu.update({k: ov[k] for k in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead",
+                                           "ship_expert_overhead")})
+            progress("  per layer {:.0f} us, CPU lane +{:.0f} us, ship chunk +{:.0f} us, ship expert +{:.0f} us".format(
+                *(1e6 * ov[k] for k in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead",
+                                        "ship_expert_overhead"))))
+        except Exception as exc:  # noqa: BLE001 - the profile stays usable without them; say so loudly
+            progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
     else:
         progress("no CUDA device: writing the CPU fields only (GPU and link figures left null)")
         gpu = dict(gpu_flops=None, hbm_bw=None, link_bw=None, alpha=None)
@@ -89,7 +103,11 @@ def summary(profile: HardwareProfile) -> str:
         rows += [("C_G  GPU expert GEMM", f"{profile.gpu_flops / 1e12:.1f} TFLOP/s"),
                  ("B_H  HBM copy", f"{profile.hbm_bw / 1e9:.0f} GB/s"),
                  ("B_L  host->GPU pinned", f"{profile.link_bw / 1e9:.1f} GB/s"),
-                 ("alpha per transfer", f"{profile.alpha * 1e6:.1f} us")]
+                 ("alpha per transfer", f"{profile.alpha * 1e6:.1f} us"),
+                 ("hybrid layer fixed cost", f"{profile.layer_overhead * 1e6:.0f} us"),
+                 ("CPU lane fixed cost", f"{profile.cpu_lane_overhead * 1e6:.0f} us"),
+                 ("ship: per chunk / per expert", f"{profile.ship_chunk_overhead * 1e6:.0f} / "
+                                                  f"{profile.ship_expert_overhead * 1e6:.0f} us")]
     else:
         rows.append(("GPU, link", "not measured (no CUDA device)"))
     width = max(len(k) for k, _ in rows)

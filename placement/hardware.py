@@ -51,6 +51,14 @@ class HardwareProfile:
     alpha: float | None
     cpu_kernel: str = AUTO
     cpu_curves: dict = field(default_factory=dict)
+    # Fixed costs of our own runtime, measured by `hybrid calibrate` on a tiny hybrid layer (0 = ideal, as
+    # in the paper's arithmetic): per layer call (routing histogram to the host, bookkeeping), per use of
+    # the CPU lane (pinned copies, worker hand-off, pool wake-up), per shipped chunk (grouped GEMM
+    # launches) and per shipped expert beyond its transfer (copy launches).
+    layer_overhead: float = 0.0
+    cpu_lane_overhead: float = 0.0
+    ship_chunk_overhead: float = 0.0
+    ship_expert_overhead: float = 0.0
     machine: dict = field(default_factory=dict)
     source: str = "builtin"
 
@@ -79,6 +87,15 @@ class HardwareProfile:
         if self.cpu_kernel != AUTO and self.cpu_kernel not in flops:
             raise UsageError(f"profile {self.name!r}: cpu_kernel {self.cpu_kernel!r} not in cpu_flops "
                              f"({', '.join(flops)}) and not 'auto'")
+        for name in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead", "ship_expert_overhead"):
+            v = getattr(self, name)
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise UsageError(f"{name} must be a number of seconds, got {v!r}") from None
+            if not math.isfinite(v) or v < 0:
+                raise UsageError(f"{name} must be a non-negative number of seconds, got {v!r}")
+            object.__setattr__(self, name, v)
         curves = {}
         for kind, points in (self.cpu_curves or {}).items():
             try:

@@ -55,23 +55,28 @@ class Split:
     ship: np.ndarray  # bool [n_cold]
     cpu_lane: float
     gpu_lane: float
+    fixed: float = 0.0  # the layer call's own overhead (profile.layer_overhead)
 
     @property
     def total(self) -> float:
-        return max(self.cpu_lane, self.gpu_lane)
+        return self.fixed + max(self.cpu_lane, self.gpu_lane)
 
 
 class LayerScheduler:
     """Decides the split for one layer shape on one machine; tables cover m up to `max_m` (then grow)."""
 
     def __init__(self, shape: ExpertShape, hw: HardwareProfile, strategy: Strategy | str = "cost",
-                 can_ship: bool = True, max_m: int = 4096, cpu_kernel: str | None = None):
+                 can_ship: bool = True, max_m: int = 4096, cpu_kernel: str | None = None, chunk: int = 8):
         self.shape, self.hw = shape, hw
         self.strategy = parse_strategy(strategy) if isinstance(strategy, str) else strategy
         self.can_ship = can_ship
         self.cpu_kernel = cpu_kernel
         hw.require_gpu()
-        self.tau = hw.alpha + shape.weight_bytes / hw.link_bw  # one expert's weights over the link
+        # one expert's weights over the link (+ its copy launches); each shipped expert's share of its
+        # chunk's grouped-GEMM launches is added to its GPU compute
+        self.tau = hw.alpha + shape.weight_bytes / hw.link_bw + hw.ship_expert_overhead
+        self.chunk_share = hw.ship_chunk_overhead / max(chunk, 1)
+        self.cpu_fixed = hw.cpu_lane_overhead
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
         self._tables(max_m)
 
@@ -79,6 +84,8 @@ class LayerScheduler:
         m = np.arange(max_m + 1)
         self.cpu_t = cpu_compute_time(self.shape, self.hw, m, self.cpu_kernel)  # [max_m+1] seconds
         self.gpu_t = gpu_compute_time(self.shape, self.hw, m)
+        self.ship_g = self.gpu_t + self.chunk_share  # a shipped expert's GPU stage
+        self._ship_list = self.ship_g.tolist()
         self._cpu_list, self._gpu_list = self.cpu_t.tolist(), self.gpu_t.tolist()
         self.max_m = max_m
 
@@ -101,18 +108,19 @@ class LayerScheduler:
         if not on_cpu.any():
             return 0.0
         n_rows = int(hist[on_cpu].sum()) if rows is None else rows
-        return 2.0 * self.hw.alpha + n_rows * self.row_time + float(c[on_cpu].sum())
+        return self.cpu_fixed + 2.0 * self.hw.alpha + n_rows * self.row_time + float(c[on_cpu].sum())
 
     def predict(self, hist, ship, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """Lane times for a given split: ship experts in index order behind `gpu_busy` of resident work."""
         hist = np.asarray(hist, dtype=np.int64)
         ship = np.asarray(ship, dtype=bool) & (hist > 0)
-        _, g = self._lookup(hist)
+        self._lookup(hist)
+        g = self.ship_g[hist]
         t, link = gpu_busy, 0.0
         for e in np.nonzero(ship)[0]:
             link += self.tau
             t = max(t, link) + float(g[e])
-        return Split(ship, self.cpu_lane_time(hist, ship, rows), t)
+        return Split(ship, self.cpu_lane_time(hist, ship, rows), t, self.hw.layer_overhead)
 
     def decide(self, hist, batch_tokens: int, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """The split of the cold experts for this batch. hist [n_cold] tokens per cold expert."""
@@ -133,17 +141,17 @@ class LayerScheduler:
         m_list = hist.tolist()
         if max(m_list, default=0) > self.max_m:
             self._tables(max(max(m_list), 2 * self.max_m))
-        ct, gt = self._cpu_list, self._gpu_list
+        ct, gt = self._cpu_list, self._ship_list
         active = [e for e, m in enumerate(m_list) if m > 0]
         ship = np.zeros(hist.shape, dtype=bool)
         if not active:
-            return Split(ship, 0.0, gpu_busy)
+            return Split(ship, 0.0, gpu_busy, self.hw.layer_overhead)
         active.sort(key=lambda e: -ct[m_list[e]])  # most expensive on the CPU first
         c_left = sum(ct[m_list[e]] for e in active)
         m_total = sum(m_list[e] for e in active)
         row_time = self.row_time * (rows / m_total if rows is not None else 1.0)
         m_left = m_total
-        alpha2, tau = 2.0 * self.hw.alpha, self.tau
+        alpha2, tau = 2.0 * self.hw.alpha + self.cpu_fixed, self.tau
         best_k, best_cpu, best_gpu = 0, alpha2 + m_left * row_time + c_left, gpu_busy
         best = max(best_cpu, best_gpu)
         t, link = gpu_busy, 0.0
@@ -159,4 +167,4 @@ class LayerScheduler:
             if max(cpu, t) < best:
                 best_k, best_cpu, best_gpu, best = k, cpu, t, max(cpu, t)
         ship[active[:best_k]] = True
-        return Split(ship, best_cpu, best_gpu)
+        return Split(ship, best_cpu, best_gpu, self.hw.layer_overhead)

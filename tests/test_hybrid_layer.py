@@ -35,7 +35,7 @@ def make_layer(strategy, resident=(), cpu_dtype="bf16", isa="ref", shape_scale=1
     # Price the tiny expert as the 235B one so the cost model makes non-trivial splits.
     shape = ExpertShape("test", hidden=4096, intermediate=int(1536 * shape_scale), num_experts=E, topk=K)
     off = Offload("cpu", torch.float32, LayerScheduler(shape, AMX_BOX, strategy), cpu_dtype=cpu_dtype,
-                  cpu_isa=isa, staging_slots=2)
+                  cpu_isa=isa, staging_slots=2, ship_chunk=3)  # 8 experts: chunks refill slots
     wg, wu, wd = bf16_weights()
     layer = HybridExperts(0, wg, wu, wd, off)
     layer.set_resident(resident)

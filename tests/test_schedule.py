@@ -112,3 +112,17 @@ def test_decision_time_reported(capsys):
     with capsys.disabled():
         print(f"\n[scheduler] cost decision over 128 experts: {per * 1e6:.1f} us per layer (this machine)")
     assert per > 0
+
+
+def test_runtime_overheads_enter_the_decision():
+    from dataclasses import replace
+
+    hist = np.array([128] * 16)
+    base = LayerScheduler(QWEN, AMX).decide(hist, 256)
+    assert int(base.ship.sum()) == 2
+    # a large per-shipped-expert cost makes shipping lose; the layer's fixed cost adds to the total
+    slow = replace(AMX, ship_expert_overhead=5e-3, layer_overhead=1e-4, cpu_lane_overhead=2e-4)
+    s = LayerScheduler(QWEN, slow).decide(hist, 256)
+    assert not s.ship.any()
+    assert s.total == pytest.approx(1e-4 + 2e-4 + base.cpu_lane + 2 * float(cpu_compute_time(QWEN, AMX, 128))
+                                    + 2 * 128 * 2 * 4096 * 2 / AMX.link_bw)

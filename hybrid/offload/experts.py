@@ -13,6 +13,7 @@ whichever lane runs it.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.models.moe import grouped_mm_works
 from hybrid.offload.lanes import CpuLane, ShipLane
 from hybrid.offload.sources import packed_sources, pin
 from placement.schedule import LayerScheduler
@@ -49,14 +51,18 @@ class Offload:
     """What all hybrid layers of one model share: device, lanes, scheduler settings and CPU executor options."""
 
     def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
-                 cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 4,
-                 group_size: int = 128):
+                 cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 3,
+                 group_size: int = 128, ship_chunk: int = 8):
         self.device = torch.device(device)
         self.dtype = dtype
+        if threads is None and self.device.type == "cuda":
+            # Leave one core to the thread that launches the GPU work: with every core in the CPU
+            # executor's pool, each launch waits for a core and the GPU lane slows down.
+            threads = max(1, len(os.sched_getaffinity(0)) - 1)
         self.scheduler = scheduler
         self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
         self.cpu_lane = CpuLane(self.device)
-        self.ship_lane = ShipLane(self.device, staging_slots)
+        self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
         self.pinned_weight_bytes = 0
         self.layers: list["HybridExperts"] = []
 
@@ -68,6 +74,11 @@ class Offload:
             "vram_resident_bytes": sum(layer.resident_bytes for layer in self.layers),
             "vram_staging_bytes": self.ship_lane.vram_bytes,
         }
+
+
+def _grouped_ok(rows: torch.Tensor) -> bool:
+    # torch._grouped_mm wants 16-byte aligned rows; tiny test shapes take the loop.
+    return rows.shape[1] * rows.element_size() % 16 == 0 and grouped_mm_works(rows.device, rows.dtype)
 
 
 class HybridExperts(nn.Module):
@@ -156,33 +167,63 @@ class HybridExperts(nn.Module):
             mask[torch.from_numpy(cpu_ids)] = True
             future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids.to(dev), topk_weights.to(dev), mask)
 
-        gpu_ids = [int(e) for e in self.resident_ids if hist[e] > 0] + [int(e) for e in ship_ids]
-        if gpu_ids:
-            order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-            token = order // K  # [T*K] token of each sorted assignment
-            wts = topk_weights.reshape(-1).to(dev)[order].float()
-            ends = np.cumsum(hist)
-            lane = off.ship_lane
-            pending = [int(e) for e in ship_ids]
-            fetched = {e: lane.fetch(self.sources, e) for e in pending[:lane.n_slots]}  # copies start now
-            pending = pending[lane.n_slots:]
-            for e in gpu_ids:  # resident first: their compute overlaps the first transfers
-                a, b = int(ends[e] - hist[e]), int(ends[e])
-                rows = token[a:b]
-                if e in self._slot_of:
-                    r = self._slot_of[e]
-                    y = self._expert(x[rows], self.w_gate[r], self.w_up[r], self.w_down[r])
-                else:
-                    slot = fetched.pop(e)
-                    y = self._expert(x[rows], *lane.weights(self.sources, slot, off.dtype))
-                    lane.release(slot)
-                    if pending:  # the slot just read is the next one to refill
-                        nxt = pending.pop(0)
-                        fetched[nxt] = lane.fetch(self.sources, nxt)
-                out.index_add_(0, rows, y.float() * wts[a:b, None])
+        if int(hist[self.resident_ids].sum()) or ship_ids.size:
+            self._gpu_lane(x, flat, topk_weights.reshape(-1).to(dev), hist, ship_ids, K, out)
         if future is not None:
             out += off.cpu_lane.collect(future).float()
         return out.to(x.dtype)
+
+    def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:
+        """Resident experts (one grouped GEMM) and shipped ones (one per arriving chunk) into out (fp32)."""
+        off = self.offload
+        lane = off.ship_lane
+        dev = x.device
+        E = self.num_experts
+        res = self.resident_ids
+        # Sort the GPU experts' assignments: resident experts in id order, then shipped ones in ship order;
+        # everything else (the CPU lane's) sorts to the end and is cut off.
+        rank = np.full(E, E + 1, dtype=np.int64)
+        rank[res] = np.arange(res.size)
+        rank[ship_ids] = res.size + np.arange(ship_ids.size)
+        n_res, n_ship = int(hist[res].sum()), int(hist[ship_ids].sum())
+        order = torch.argsort(torch.from_numpy(rank).to(dev)[flat], stable=True)[: n_res + n_ship]
+        token = order // K  # [n] token of each GPU assignment
+        rows = x[token]  # [n, D]
+        y = torch.empty_like(rows)
+        if n_res:
+            y[:n_res] = self._grouped(rows[:n_res], hist[res], self.w_gate, self.w_up, self.w_down)
+        pending = [int(e) for e in ship_ids]
+        chunks = [pending[i:i + lane.chunk] for i in range(0, len(pending), lane.chunk)]
+        dims = (self.F, self.D)
+        staged = [lane.fetch(self.sources, c, dims, off.dtype) for c in chunks[:lane.n_slots]]  # copies start
+        start = n_res
+        for i, c in enumerate(chunks):
+            slot = staged[i]
+            g, u, d = lane.weights(self.sources, slot, off.dtype)
+            counts = hist[c]
+            n = int(counts.sum())
+            y[start:start + n] = self._grouped(rows[start:start + n], counts, g, u, d)
+            start += n
+            lane.release(slot)
+            if i + lane.n_slots < len(chunks):  # refill the slot just read
+                staged.append(lane.fetch(self.sources, chunks[i + lane.n_slots], dims, off.dtype))
+        out.index_add_(0, token, y.float() * flat_w[order, None])
+
+    @staticmethod
+    def _grouped(rows, counts, w_gate, w_up, w_down):
+        """rows [n, D] grouped by expert (counts [G]) through G experts' weights [G, F, D] / [G, D, F]."""
+        if _grouped_ok(rows):
+            offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(rows.device, non_blocking=True)
+            g = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)  # [n, F]
+            u = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [n, D]
+        out = torch.empty_like(rows)
+        a = 0
+        for i, n in enumerate(np.asarray(counts).tolist()):
+            if n:
+                out[a:a + n] = HybridExperts._expert(rows[a:a + n], w_gate[i], w_up[i], w_down[i])
+                a += n
+        return out
 
     def _account(self, hist, tokens, n_cpu, n_ship, decide_s, predicted_s):
         s = self.stats

@@ -15,6 +15,7 @@ copies), so CI exercises the same code and the same decisions.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -75,83 +76,111 @@ class CpuLane:
 
 @dataclass
 class _Slot:
-    raw: list  # per node, per matrix: (q buffer, scale buffer | None) on the device
+    raw: list  # per sub-slot (expert), per node, per matrix: (q buffer, scale buffer | None) on the device
+    dense: list  # (gate [c, F, D], up [c, F, D], down [c, D, F]) in the compute dtype, filled by decode
     ready: object  # torch.cuda.Event | None
     free: object
+    experts: list  # experts held, in sub-slot order
 
 
 class ShipLane:
-    """VRAM staging slots for shipped experts; `n_slots` bounds the VRAM this lane uses."""
+    """VRAM staging for shipped experts: `n_slots` chunks of `chunk` experts each (bounds the VRAM).
 
-    def __init__(self, device: torch.device, n_slots: int = 4):
-        if n_slots < 1:
-            raise ValueError("the ship lane needs at least one staging slot")
+    Experts travel in chunks so that the GPU runs one grouped GEMM per chunk instead of one launch
+    sequence per expert: per-launch host overhead (~10-30 us on the GPU box) would otherwise cost more
+    than a 30B expert's transfer.
+    """
+
+    def __init__(self, device: torch.device, n_slots: int = 3, chunk: int = 8):
+        if n_slots < 1 or chunk < 1:
+            raise ValueError("the ship lane needs at least one staging slot of at least one expert")
         self.device = device
         self.cuda = device.type == "cuda"
-        self.n_slots = n_slots
+        self.n_slots, self.chunk = n_slots, chunk
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._slots: list[_Slot] | None = None
         self._layout = None
         self._next = 0
         self.vram_bytes = 0
 
-    def _ensure(self, sources: list[NodeSlice]) -> None:
-        layout = [tuple((tuple(m.q.shape[1:]), m.q.dtype, None if m.scale is None else
-                         (tuple(m.scale.shape[1:]), m.scale.dtype)) for m in ns.mats()) for ns in sources]
+    def _alloc(self, shape, dtype):
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        self.vram_bytes += t.numel() * t.element_size()
+        return t
+
+    def _ensure(self, sources: list[NodeSlice], dims, dtype) -> None:
+        layout = ([tuple((tuple(m.q.shape[1:]), m.q.dtype, None if m.scale is None else
+                          (tuple(m.scale.shape[1:]), m.scale.dtype)) for m in ns.mats()) for ns in sources], dims, dtype)
         if layout == self._layout:
             return
         if self._layout is not None:
             raise ValueError("all hybrid layers of a model must share one packed expert layout")
         self._layout = layout
+        F_, D = dims
+        # bf16 packed weights without padding on one node are the dense weights: decode is a view.
+        self.direct = (len(sources) == 1 and all(m.kind in ("bf16", "plain") and m.q.dtype == dtype
+                                                 and tuple(m.q.shape[1:]) == (m.rows, m.k) for m in sources[0].mats()))
         slots = []
         for _ in range(self.n_slots):
+            dense = [self._alloc((self.chunk, F_, D), dtype), self._alloc((self.chunk, F_, D), dtype),
+                     self._alloc((self.chunk, D, F_), dtype)]
             raw = []
-            for ns in sources:
-                mats = []
-                for m in ns.mats():
-                    q = torch.empty(m.q.shape[1:], dtype=m.q.dtype, device=self.device)
-                    s = None if m.scale is None else torch.empty(m.scale.shape[1:], dtype=m.scale.dtype,
-                                                                 device=self.device)
-                    self.vram_bytes += q.numel() * q.element_size() + (0 if s is None else s.numel() * s.element_size())
-                    mats.append((q, s))
-                raw.append(mats)
+            if not self.direct:
+                for _ in range(self.chunk):
+                    raw.append([[(self._alloc(m.q.shape[1:], m.q.dtype),
+                                  None if m.scale is None else self._alloc(m.scale.shape[1:], m.scale.dtype))
+                                 for m in ns.mats()] for ns in sources])
             ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
-            slots.append(_Slot(raw, *ev))
+            slots.append(_Slot(raw, dense, *ev, []))
         self._slots = slots
 
-    def fetch(self, sources: list[NodeSlice], e: int):
-        """Start copying expert e's packed weights into the next slot; returns the slot."""
-        self._ensure(sources)
+    def fetch(self, sources: list[NodeSlice], experts: list[int], dims, dtype):
+        """Start copying up to `chunk` experts' packed weights into the next slot; returns the slot."""
+        if len(experts) > self.chunk:
+            raise ValueError(f"at most {self.chunk} experts per chunk")
+        self._ensure(sources, dims, dtype)
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.n_slots
-        if not self.cuda:
-            for ns, mats in zip(sources, slot.raw):
-                for m, (q, s) in zip(ns.mats(), mats):
-                    q.copy_(m.q[e])
-                    if s is not None:
-                        s.copy_(m.scale[e])
-            return slot
-        self.copy_stream.wait_event(slot.free)  # the compute that last read this slot is done
-        with torch.cuda.stream(self.copy_stream):
-            for ns, mats in zip(sources, slot.raw):
-                for m, (q, s) in zip(ns.mats(), mats):
-                    q.copy_(m.q[e], non_blocking=True)
-                    if s is not None:
-                        s.copy_(m.scale[e], non_blocking=True)
-            slot.ready.record(self.copy_stream)
+        slot.experts = list(experts)
+        if self.cuda:
+            self.copy_stream.wait_event(slot.free)  # the compute that last read this slot is done
+            ctx = torch.cuda.stream(self.copy_stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            for j, e in enumerate(experts):
+                if self.direct:
+                    for m, dst in zip(sources[0].mats(), slot.dense):
+                        dst[j].copy_(m.q[e], non_blocking=self.cuda)
+                    continue
+                for ns, mats in zip(sources, slot.raw[j]):
+                    for m, (q, s) in zip(ns.mats(), mats):
+                        q.copy_(m.q[e], non_blocking=self.cuda)
+                        if s is not None:
+                            s.copy_(m.scale[e], non_blocking=self.cuda)
+            if self.cuda:
+                slot.ready.record(self.copy_stream)
         return slot
 
     def weights(self, sources: list[NodeSlice], slot: _Slot, dtype: torch.dtype):
-        """(gate [F, D], up [F, D], down [D, F]) in dtype from a fetched slot, on the compute stream."""
+        """(gate [c, F, D], up [c, F, D], down [c, D, F]) of a fetched chunk, ready on the compute stream."""
         if self.cuda:
             torch.cuda.current_stream().wait_event(slot.ready)
-        parts = [[m.decode(q, s, dtype) for m, (q, s) in zip(ns.mats(), mats)] for ns, mats in zip(sources, slot.raw)]
-        if len(parts) == 1:
-            return tuple(parts[0])
-        return (torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0),
-                torch.cat([p[2] for p in parts], 1))
+        c = len(slot.experts)
+        if not self.direct:  # de-quantize / un-pad each node's slice into the dense chunk
+            for j in range(c):
+                for ns, mats in zip(sources, slot.raw[j]):
+                    f = slice(ns.f0, ns.f1)
+                    for i, (m, (q, s)) in enumerate(zip(ns.mats(), mats)):
+                        w = m.decode(q, s, dtype)
+                        if i < 2:
+                            slot.dense[i][j, f] = w
+                        else:
+                            slot.dense[i][j, :, f] = w
+        return tuple(t[:c] for t in slot.dense)
 
     def release(self, slot: _Slot) -> None:
         """Mark the slot reusable once the compute enqueued so far (which read it) has run."""
         if self.cuda:
             slot.free.record()
+
