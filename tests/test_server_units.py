@@ -160,6 +160,14 @@ def test_metrics_text_and_expert_split_hook():
     assert "hybrid_prompt_tokens_total 12" in text and "hybrid_generation_tokens_total 3" in text
     assert "hybrid_queue_depth 2" in text and "hybrid_decode_batch_size 3" in text
     assert "cold_expert" not in text  # no hybrid layer -> no series at all
+    m.observe_sequence(queue_wait_s=0.02, ttft_s=0.3, duration_s=7.0)
+    m.observe_sequence(queue_wait_s=0.2)
+    text = m.render({})
+    assert 'hybrid_queue_wait_seconds_bucket{le="0.025"} 1' in text
+    assert 'hybrid_queue_wait_seconds_bucket{le="0.25"} 2' in text
+    assert 'hybrid_queue_wait_seconds_bucket{le="+Inf"} 2' in text and "hybrid_queue_wait_seconds_count 2" in text
+    assert 'hybrid_sequence_duration_seconds_bucket{le="5"} 0' in text
+    assert 'hybrid_sequence_duration_seconds_bucket{le="10"} 1' in text
     split.update({0: (4, 4), 5: (2, 0)})
     text = m.render({})
     assert 'hybrid_cold_experts_total{layer="0",lane="cpu"} 4' in text

@@ -83,6 +83,7 @@ def run(args) -> int:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
     runtime, name = load_runtime(args)
+    runtime.warm_up()
     try:
         serve(config, runtime, config.served_model_name or name)
     except OSError as exc:  # port in use, address not available

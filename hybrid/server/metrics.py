@@ -20,6 +20,32 @@ log = logging.getLogger("hybrid.server")
 TOKENS_PER_S_WINDOW_S = 10.0  # tokens/s is averaged over this trailing window
 
 
+# Latency buckets in seconds: from one fast decode step to a long generation on a slow box.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Histogram:
+    """Cumulative buckets + sum + count, as Prometheus histograms are exposed (callers hold the lock)."""
+
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def samples(self) -> list[tuple[str, dict, float]]:
+        out = [("_bucket", {"le": f"{b:g}"}, c) for b, c in zip(self.buckets, self.counts)]
+        out.append(("_bucket", {"le": "+Inf"}, self.count))
+        return out + [("_sum", {}, round(self.sum, 6)), ("_count", {}, self.count)]
+
+
 def _labels(labels: dict) -> str:
     if not labels:
         return ""
@@ -40,6 +66,11 @@ class Metrics:
         self.prefills = 0
         self.last_batch_size = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        self._started = time.monotonic()
+        # per sequence: waiting for a slot, until its first token, whole life (submit to last token)
+        self.queue_wait = Histogram()
+        self.time_to_first_token = Histogram()
+        self.sequence_duration = Histogram()
 
     # --- updates -------------------------------------------------------------------------------
     def request_done(self, endpoint: str, status: int) -> None:
@@ -58,6 +89,7 @@ class Metrics:
         with self._lock:
             self.generation_tokens += tokens
             self._recent.append((now, tokens))
+            self._trim(now)  # bounded even when nobody scrapes
             if batch_size is not None:
                 self.decode_steps += 1
                 self.decode_rows += batch_size
@@ -67,12 +99,25 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
+    def observe_sequence(self, queue_wait_s: float | None = None, ttft_s: float | None = None,
+                         duration_s: float | None = None) -> None:
+        with self._lock:
+            for hist, value in ((self.queue_wait, queue_wait_s), (self.time_to_first_token, ttft_s),
+                                (self.sequence_duration, duration_s)):
+                if value is not None:
+                    hist.observe(value)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
+            self._recent.popleft()
+
     def tokens_per_s(self) -> float:
         now = time.monotonic()
         with self._lock:
-            while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
-                self._recent.popleft()
-            return sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW_S
+            self._trim(now)
+            # a server up for 2 s has a 2 s window, not 10 s of which 8 never happened
+            span = max(min(TOKENS_PER_S_WINDOW_S, now - self._started), 1e-3)
+            return sum(n for _, n in self._recent) / span
 
     # --- exposition ----------------------------------------------------------------------------
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
@@ -99,6 +144,15 @@ class Metrics:
                    "Sum of decode batch sizes (divide by decode steps for the mean batch).", [({}, self.decode_rows)])
             family("hybrid_decode_batch_size", "gauge", "Sequences in the last decode step.",
                    [({}, self.last_batch_size)])
+            for name, hist, help_ in (
+                    ("hybrid_queue_wait_seconds", self.queue_wait, "Time a sequence waited for a KV slot."),
+                    ("hybrid_time_to_first_token_seconds", self.time_to_first_token,
+                     "Time from submission to a sequence's first token."),
+                    ("hybrid_sequence_duration_seconds", self.sequence_duration,
+                     "Time from submission to a sequence's last token.")):
+                out.append(f"# HELP {name} {help_}")
+                out.append(f"# TYPE {name} histogram")
+                out.extend(f"{name}{suffix}{_labels(labels)} {v}" for suffix, labels, v in hist.samples())
         family("hybrid_generation_tokens_per_second", "gauge",
                f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW_S:g} s.", [({}, round(tps, 3))])
         for name, (help_, value) in gauges.items():

@@ -60,6 +60,7 @@ class Sequence:
         self.params = params
         self.sink = sink
         self.cancelled = False  # set by the event loop; read by the engine thread at step boundaries
+        self.t_submit = time.monotonic()
         self.slot: int | None = None
         self.sampler = None  # the runtime's per-sequence sampling state (params + seeded generator)
         self.stream: TextStream | None = None
@@ -170,6 +171,7 @@ class Scheduler:
             if not self._waiting:
                 return False
             seq = self._prefilling = self._waiting.popleft()  # always in some list: _fail_all finds it
+        self.metrics.observe_sequence(queue_wait_s=time.monotonic() - seq.t_submit)
         try:
             seq.slot = self.runtime.allocate_slot()
             seq.sampler = self.runtime.sampler(seq.params)
@@ -241,6 +243,8 @@ class Scheduler:
     def _account(self, seq: Sequence, token: int) -> None:
         seq.n_generated += 1
         seq.last_token = token
+        if seq.n_generated == 1:
+            self.metrics.observe_sequence(ttft_s=time.monotonic() - seq.t_submit)
         reason = None
         if token in self.runtime.eos_token_ids:
             text = seq.stream.finish()
@@ -259,6 +263,7 @@ class Scheduler:
             return
         seq.finished = True
         self._release(seq)
+        self.metrics.observe_sequence(duration_s=time.monotonic() - seq.t_submit)
         seq.sink(Event("done", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                        completion_tokens=seq.n_generated))
 
