@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--moe-path", default="auto", choices=["auto", "grouped", "dense"],
+                   help="StackedExperts mode (hybrid/models/moe.py)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -116,6 +118,9 @@ def main(argv=None) -> int:
         source = "random weights generated in device memory"
     sync(dev)
     load_s = time.perf_counter() - t0
+    for layer in model.layers:
+        if layer.moe is not None:
+            layer.moe.experts.mode = args.moe_path
     cfg = model.cfg
     esize = torch.tensor([], dtype=dtype).element_size()
     counts = cfg.param_counts()
@@ -131,6 +136,7 @@ def main(argv=None) -> int:
         "expert_intermediate": cfg.expert_intermediate_size, "vocab": cfg.vocab_size,
         "params_experts_B": round(counts["experts"] / 1e9, 3), "params_other_B": round(counts["non_expert"] / 1e9, 3),
         "weights": source, "load_s": round(load_s, 1), "cuda_graphs": dev.type == "cuda" and not args.eager,
+        "moe_path": args.moe_path,
         "copy_GBps": round(hbm, 1) if hbm else None, "gemm_peak_TFLOPs": round(peak, 1) if peak else None,
     }
     print("# " + " ".join(f"{k}={v}" for k, v in header.items()), flush=True)

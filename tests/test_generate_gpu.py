@@ -46,11 +46,13 @@ def test_graph_decode_matches_eager():
     assert graph.graphs.graphs  # graphs were captured and used
 
 
-def test_grouped_experts_match_loop_on_cuda():
+@pytest.mark.parametrize("mode", ["grouped", "dense"])
+def test_expert_paths_match_loop_on_cuda(mode):
     E, D, F = 8, 256, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     w = [torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16) * 0.05 for s in ((E, F, D), (E, F, D), (E, D, F))]
     ex = StackedExperts.from_weights(*w)
+    ex.mode = mode
     assert ex.capturable
     x = torch.randn(37, D, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.randint(0, E - 2, (37, 2), device="cuda", generator=g)  # experts 6, 7 get no tokens

@@ -63,6 +63,7 @@ class StackedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(E, F_, D, **kw), requires_grad=False)  # [E, F, D]
         self.w_down = nn.Parameter(torch.empty(E, D, F_, **kw), requires_grad=False)  # [E, D, F]
         self.num_experts = E
+        self.mode = "auto"
 
     @classmethod
     def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "StackedExperts":
@@ -73,7 +74,30 @@ class StackedExperts(nn.Module):
         ex.w_up = nn.Parameter(w_up, requires_grad=False)
         ex.w_down = nn.Parameter(w_down, requires_grad=False)
         ex.num_experts = w_gate.shape[0]
+        ex.mode = "auto"
         return ex
+
+    # mode: "grouped" (sort + grouped GEMMs), "dense" (every expert on every token, weighted by a
+    # [T, E] matrix that is zero where a token did not route), or "auto". Dense reads each expert's
+    # weights once with plain batched GEMMs: on the H200 grouped GEMMs streamed skinny decode problems
+    # at ~1 TB/s (bench/results/h200-generate), so once a step touches a good share of the experts,
+    # reading all of them densely is cheaper. Its extra FLOPs stay hidden behind the weight reads while
+    # T is below the GPU's FLOP/byte ratio (~175 on an H200), hence the T bound.
+    DENSE_MAX_TOKENS = 64
+
+    def _use_dense(self, T: int, K: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "dense"
+        return self.w_gate.device.type == "cuda" and T <= self.DENSE_MAX_TOKENS and 4 * T * K >= self.num_experts
+
+    def _dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, D, E = x.shape[0], x.shape[1], self.num_experts
+        comb = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+        comb.scatter_(1, topk_ids, topk_weights.float())  # [T, E]
+        xe = x.unsqueeze(0).expand(E, T, D)  # [E, T, D]
+        h = F.silu(torch.bmm(xe, self.w_gate.transpose(1, 2))) * torch.bmm(xe, self.w_up.transpose(1, 2))  # [E, T, F]
+        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, T, D]
+        return (y.float() * comb.t()[:, :, None]).sum(0)  # [T, D] fp32
 
     @property
     def capturable(self) -> bool:
@@ -88,6 +112,9 @@ class StackedExperts(nn.Module):
         D = x.shape[1]
         dev = self.w_gate.device
         xin = x.to(device=dev, dtype=self.w_gate.dtype)
+        if self._use_dense(T, K):
+            out = self._dense(xin, topk_ids.to(dev), topk_weights.to(dev))
+            return out.to(device=x.device, dtype=x.dtype)
         flat = topk_ids.reshape(-1).to(dev)  # [T*K]
         order = torch.argsort(flat, stable=True)  # [T*K] assignments grouped by expert
         rows = xin[order // K]  # [T*K, D]
