@@ -96,67 +96,128 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
     return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
 
 
+def run_case(moe, D, n, m, pool_experts, isa):
+    """Median seconds per call of n experts x m tokens each, rotating over the expert pool, plus the
+    library's per-phase breakdown (mean seconds per call)."""
+    rots = [routing(n, m, pool_experts, it) for it in range(max(1, pool_experts // n))]
+    x = torch.randn(n * m, D).bfloat16()
+    out = torch.empty_like(x)
+    _native.profile_read(isa, reset=True)
+    sec = timeit(lambda it: moe.forward(x, *rots[it % len(rots)], out=out))
+    return sec, _native.profile_read(isa, reset=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen3-235b-a22b,qwen3-30b-a3b")
     ap.add_argument("--isas", default="best2", help="comma list, or best2 = the two best compiled ISAs")
     ap.add_argument("--dtypes", default="bf16,int8,int4")
     ap.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list")
-    ap.add_argument("--decode", default="8x1,128x1,8x4,128x4", help="experts x tokens/expert")
+    ap.add_argument("--decode", default="8x1,64x1,8x4,64x4", help="experts x tokens/expert")
     ap.add_argument("--prefill", default="8x16,8x64,8x256,8x1024", help="experts x tokens/expert")
+    ap.add_argument("--second-isa", default="decode", choices=("decode", "all"),
+                    help="cases for ISAs after the first: decode only (bf16, int8) or everything")
+    ap.add_argument("--knee-sweep", default="4,8,16,32", help="AMX: tokens/expert where vector and AMX paths are both timed")
+    ap.add_argument("--kblocks", default="4,8,16", help="AMX: K-block lengths (64-byte chunks) to time at 8x256, 8x1024")
+    ap.add_argument("--scaling", default="4,8", help="thread counts for a short scaling check (amx bf16, first shape)")
     ap.add_argument("--pool-experts", type=int, default=64, help="distinct experts cycled through (> LLC)")
     ap.add_argument("--knee", type=int, default=16, help="AMX from this many tokens per expert")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few cases")
     ap.add_argument("--out", default="cpu_moe.json")
     a = ap.parse_args(argv)
     if a.quick:
-        a.shapes, a.decode, a.prefill, a.pool_experts = "tiny", "8x1,8x4", "8x64", 16
+        a.shapes, a.decode, a.prefill, a.pool_experts, a.knee_sweep, a.kblocks = "tiny", "8x1,8x4", "8x64", 16, "8", "8"
     compiled = [i for i in cpu_kernels.available_isas() if i != "ref"]
     isas = compiled[:2] if a.isas == "best2" else a.isas.split(",")
     threads_list = [int(t) for t in a.threads.split(",")]
     dec = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
     pre = [tuple(map(int, c.split("x"))) for c in a.prefill.split(",") if c]
+    sweep = [int(v) for v in a.knee_sweep.split(",") if v]
+    kblocks = [int(v) for v in a.kblocks.split(",") if v]
 
     print(f"# bench.cpu_moe  machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cpus, torch {torch.__version__}")
     print(f"# ISAs: {isas} (available: {cpu_kernels.available_isas()}), threads: {threads_list}, dtypes: {a.dtypes}")
-    print(f"# shapes (D, F): {', '.join(f'{s}={SHAPES[s]}' for s in a.shapes.split(','))}; AMX knee {a.knee} tokens")
-    rows = []
-    dram = {}
+    print(f"# shapes (D, F): {', '.join(f'{s}={SHAPES[s]}' for s in a.shapes.split(','))}; AMX knee {a.knee} "
+          f"tokens; experts rotate over a pool of {a.pool_experts}; K=1, every active expert gets m tokens")
+    for isa in isas:
+        _native.profile_enable(isa)
+    rows, knee_rows, kb_rows, scale_rows, dram = [], [], [], [], {}
     for th in threads_list:
         dram[th] = dram_read_gbps(isas[0], th)
         print(f"# DRAM read, {th} threads: {dram[th]:.1f} GB/s (streaming read of 2 GiB)")
-    hdr = f"{'shape':16} {'isa':12} {'dtype':5} {'thr':>3} {'E':>4} {'m':>5} {'ms':>9} {'GB/s':>7} {'%DRAM':>6} {'TFLOP/s':>8} {'torch':>6} {'x torch':>7}"
-    print(hdr)
+    print(f"{'shape':16} {'isa':12} {'dtype':5} {'thr':>3} {'E':>4} {'m':>5} {'ms':>9} {'GB/s':>7} {'%DRAM':>6} "
+          f"{'TFLOP/s':>8} {'torch':>6} {'x torch':>7}")
     for shape in a.shapes.split(","):
         D, F = SHAPES[shape]
         for th in threads_list:
             torch_tf = {(n, m): torch_loop_tflops(D, F, n, m, th, a.pool_experts) for n, m in pre}
-            for isa in isas:
+            for ii, isa in enumerate(isas):
+                second = ii > 0 and a.second_isa == "decode"
                 for dtype in a.dtypes.split(","):
+                    if second and dtype == "int4":
+                        continue
                     moe = build(D, F, a.pool_experts, dtype, isa, th, a.knee)
                     per_expert = moe.nbytes / a.pool_experts
-                    for kind, cases in (("decode", dec), ("prefill", pre)):
+                    for kind, cases in (("decode", dec), ("prefill", [] if second else pre)):
                         for n, m in cases:
-                            x = torch.randn(n * m, D).bfloat16()
-                            out = torch.empty_like(x)
-                            sec = timeit(lambda it: moe.forward(x, *routing(n, m, a.pool_experts, it), out=out))
+                            sec, prof = run_case(moe, D, n, m, a.pool_experts, isa)
                             gbps = n * per_expert / sec / 1e9
                             tflops = 2 * 3 * D * F * m * n / sec / 1e12
+                            tt = torch_tf.get((n, m)) if kind == "prefill" else None
                             r = dict(kind=kind, shape=shape, D=D, F=F, isa=isa, dtype=dtype, threads=th, experts=n,
                                      tokens_per_expert=m, ms=sec * 1e3, weight_gbps=gbps, dram_gbps=dram[th],
-                                     dram_frac=gbps / dram[th], tflops=tflops,
-                                     torch_bf16_tflops=torch_tf.get((n, m)),
-                                     x_torch=tflops / torch_tf[(n, m)] if (n, m) in torch_tf else None)
+                                     dram_frac=gbps / dram[th], tflops=tflops, torch_bf16_tflops=tt,
+                                     x_torch=tflops / tt if tt else None, phases_ms={k: v * 1e3 for k, v in prof.items() if k != "calls"})
                             rows.append(r)
                             print(f"{shape:16} {isa:12} {dtype:5} {th:3d} {n:4d} {m:5d} {sec * 1e3:9.3f} {gbps:7.1f} "
-                                  f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} "
-                                  + (f"{torch_tf[(n, m)]:6.2f} {r['x_torch']:6.2f}x" if r["x_torch"] else ""),
+                                  f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} " + (f"{tt:6.2f} {r['x_torch']:6.2f}x" if tt else ""),
                                   flush=True)
+                    if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
+                        for m in sweep:  # the knee: same call on the vector path, then on AMX
+                            t_vec = run_case_knee(moe, D, 8, m, a.pool_experts, isa, 1 << 30)
+                            t_amx = run_case_knee(moe, D, 8, m, a.pool_experts, isa, 1)
+                            knee_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m,
+                                                  vector_ms=t_vec * 1e3, amx_ms=t_amx * 1e3))
+                            print(f"# knee {shape} {dtype} m={m}: vector {t_vec * 1e3:.3f} ms, AMX {t_amx * 1e3:.3f} ms")
+                        moe.set_amx_min_tokens(a.knee)
+                        for m in (256, 1024) if kblocks else ():  # AMX K-block length (L1/L2 reuse trade-off)
+                            for kb in kblocks:
+                                _native.load(isa).hy_set_amx_kblock(kb)
+                                t = run_case(moe, D, 8, m, a.pool_experts, isa)[0]
+                                kb_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m, kblock=kb,
+                                                    ms=t * 1e3, tflops=2 * 3 * D * F * m * 8 / t / 1e12))
+                                print(f"# kblock {shape} {dtype} 8x{m} kb={kb}: {t * 1e3:.3f} ms, "
+                                      f"{kb_rows[-1]['tflops']:.2f} TFLOP/s")
+                            _native.load(isa).hy_set_amx_kblock(8)
+                    big = [r for r in rows if r["isa"] == isa and r["dtype"] == dtype and r["shape"] == shape]
+                    for r in (big[0], big[-1]) if big else ():
+                        print(f"#   phases ms ({r['kind']} {r['experts']}x{r['tokens_per_expert']}): "
+                              + " ".join(f"{k}={v:.3f}" for k, v in r["phases_ms"].items()))
                     del moe
+    shape0 = a.shapes.split(",")[0]
+    D, F = SHAPES[shape0]
+    for th in [int(v) for v in a.scaling.split(",") if v]:
+        moe = build(D, F, a.pool_experts, "bf16", isas[0], th, a.knee)
+        for n, m in (dec[1 % len(dec)], pre[-1]) if pre and dec else ():
+            t = run_case(moe, D, n, m, a.pool_experts, isas[0])[0]
+            gb = dram_read_gbps(isas[0], th, 1 << 30)
+            scale_rows.append(dict(shape=shape0, isa=isas[0], dtype="bf16", threads=th, experts=n, tokens_per_expert=m,
+                                   ms=t * 1e3, weight_gbps=n * moe.nbytes / a.pool_experts / t / 1e9, dram_gbps=gb,
+                                   tflops=2 * 3 * D * F * m * n / t / 1e12))
+            r = scale_rows[-1]
+            print(f"# scaling {shape0} {isas[0]} bf16 {th} threads {n}x{m}: {t * 1e3:.3f} ms, {r['weight_gbps']:.1f} GB/s "
+                  f"(DRAM read {gb:.1f}), {r['tflops']:.2f} TFLOP/s")
+        del moe
     with open(a.out, "w") as f:
-        json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, rows=rows), f, indent=1)
+        json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, rows=rows,
+                       knee=knee_rows, kblock=kb_rows, scaling=scale_rows), f, indent=1)
     print(f"# wrote {a.out}")
     return 0
+
+
+def run_case_knee(moe, D, n, m, pool_experts, isa, knee) -> float:
+    moe.set_amx_min_tokens(knee)
+    return run_case(moe, D, n, m, pool_experts, isa)[0]
 
 
 if __name__ == "__main__":

@@ -140,6 +140,12 @@ def load(isa: str) -> ctypes.CDLL:
                                ctypes.c_int]
     lib.hy_forward.restype = ctypes.c_int
     lib.hy_isa.restype = ctypes.c_char_p
+    lib.hy_profile_enable.argtypes = [ctypes.c_int]
+    lib.hy_profile_enable.restype = None
+    lib.hy_profile_read.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+    lib.hy_profile_read.restype = None
+    lib.hy_set_amx_kblock.argtypes = [ctypes.c_int]
+    lib.hy_set_amx_kblock.restype = None
     lib.hy_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.hy_stream_read.restype = ctypes.c_int64
     return lib
@@ -148,3 +154,19 @@ def load(isa: str) -> ctypes.CDLL:
 def pool(isa: str, cpus) -> int:
     arr = (ctypes.c_int * len(cpus))(*cpus)
     return load(isa).hy_pool_get(arr, len(cpus))
+
+
+PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
+
+
+def profile_enable(isa: str, on: bool = True) -> None:
+    """Start (or stop) accumulating per-phase wall times in `isa`'s library (benchmarks only)."""
+    load(isa).hy_profile_enable(int(on))
+
+
+def profile_read(isa: str, reset: bool = True) -> dict:
+    """Mean seconds per call of each phase since the last reset, and the number of calls."""
+    buf = (ctypes.c_double * 8)()
+    load(isa).hy_profile_read(buf, int(reset))
+    calls = int(buf[7])
+    return dict({p: buf[i] / max(calls, 1) for i, p in enumerate(PHASES)}, calls=calls)

@@ -196,6 +196,14 @@ class CpuMoE:
         self._layer = layer
         self._slices = slices
 
+    def set_amx_min_tokens(self, knee: int) -> None:
+        """Tokens per expert from which the AMX path is used (the knee of DESIGN section 3)."""
+        if knee < 1:
+            raise ValueError("amx_min_tokens must be >= 1")
+        self.amx_min_tokens = int(knee)
+        if self.isa != "ref":
+            self._layer.knee = self.amx_min_tokens
+
     # ---- calls -----------------------------------------------------------------------------------
     def _validate(self, x, topk_ids, topk_weights, expert_mask, out):
         _check_tensor("x", x, 2, tuple(_X_DTYPES))

@@ -13,6 +13,7 @@
 //   3  out = sum over nodes of acc_n, converted to out's dtype                      (node 0's pool)
 #pragma once
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include "hy.h"
 #include "pool.h"
@@ -76,6 +77,20 @@ struct Workspace {
 };
 
 std::mutex g_job_mu;  // one layer call at a time per library; concurrent callers queue here
+
+// Optional per-phase wall times (caller's view), for the benchmark: route, tokens, pack x, gate/up,
+// quantize/pack h, down, reduce; slot 7 counts calls. Off unless hy_profile_enable(1).
+bool g_prof_on = false;
+double g_prof[8] = {0};
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(int slot) {
+    if (!g_prof_on) return;
+    auto now = std::chrono::steady_clock::now();
+    g_prof[slot] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
 Workspace* g_ws = nullptr;
 
 // pack_rows: padded token rows of the AMX experts before this one; its packed activations start at
@@ -114,6 +129,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   std::lock_guard<std::mutex> lk(g_job_mu);
   if (!g_ws) g_ws = new Workspace();
   Workspace& W = *g_ws;
+  PhaseClock clk;
 
   // Routing: counting sort of the (token, k) assignments by local expert, tokens in increasing order.
   int* cnt = W.cnt.get<int>(E + 1);
@@ -157,6 +173,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     if (act[j].amx) { act[j].pack_rows = pad_rows; pad_rows += align_up(act[j].m, 32); }
   const int m_max_pad = (int)align_up(std::max(m_max, 1), 32);
 
+  clk.lap(0);
   // Phase 0: token rows.
   const int64_t xs = act_stride(dt, Dk, G0.group);
   uint8_t* xrows = W.xrows.get<uint8_t>((size_t)T * xs);
@@ -180,6 +197,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   const uint8_t** xptr = W.xptr.get<const uint8_t*>(A);
   for (int i = 0; i < A; ++i) xptr[i] = xrows + tok[i] * xs;
 
+  clk.lap(1);
   // Phase P: pack AMX experts' token rows.
   uint8_t* xpack = W.xpack.get<uint8_t>(pad_rows * (kb_x + 4));
   int np = 0;
@@ -197,6 +215,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     for (int n = tb * 16; n < tb * 16 + 16; ++n) sc[n] = (dt != HY_BF16 && n < a.m) ? act_scale(xptr[a.off + n], Dk) : 0.f;
   }, np);
 
+  clk.lap(2);
   // Per node buffers.
   const int nn = L->n_nodes;
   int64_t hs[HY_MAX_NODES];
@@ -261,6 +280,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     });
   }, [&](int n) { return na * ((L->nodes[n].gate.rows_p + 63) / 64); });
 
+  clk.lap(3);
   // Phase Q: quantize h (int8/int4), pack h for AMX experts. Tasks: (active expert, 16-token block).
   int qt = 0;
   int* qtask = W.cnt.get<int>(E + 1);
@@ -289,6 +309,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     });
   }, [&](int) { return qt; });
 
+  clk.lap(4);
   // Phase 2: down projection; a task owns a block of D rows for every token, so no two tasks write
   // the same acc element. Smaller blocks when D gives too few tasks for the pool.
   int rbd[HY_MAX_NODES];
@@ -323,6 +344,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     });
   }, [&](int n) { return (L->nodes[n].down.rows_p + rbd[n] - 1) / rbd[n]; });
 
+  clk.lap(5);
   // Phase 3: sum node partials, convert.
   p0->run([&](int task, int) {
     for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
@@ -344,12 +366,30 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       }
     }
   }, (T + 7) / 8);
+  clk.lap(6);
+  if (g_prof_on) g_prof[7] += 1;
   return HY_OK;
 }
 
 }  // namespace
 
 HY_API const char* hy_isa() { return HY_ISA_NAME; }
+
+HY_API void hy_profile_enable(int on) { g_prof_on = on != 0; }
+
+// AMX K-block length in 64-byte chunks (benchmarking knob; ignored by builds without AMX).
+HY_API void hy_set_amx_kblock(int kb) {
+#if HY_HAS_AMX
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  if (kb >= 1 && kb <= 64) g_amx_kblock = kb;
+#endif
+}
+
+// Copies the accumulated phase times (seconds) and call count into out[8]; reset != 0 zeroes them.
+HY_API void hy_profile_read(double* out, int reset) {
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  for (int i = 0; i < 8; ++i) { out[i] = g_prof[i]; if (reset) g_prof[i] = 0; }
+}
 
 HY_API void* hy_pool_get(const int* cpus, int n) { return n > 0 ? pool_get(cpus, n) : nullptr; }
 

@@ -56,6 +56,9 @@ inline void emu_dpbssd(int c, int a, int b) {
 #define HY_TDPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #endif
 
+// K chunks (of 64 bytes) per K block; 8 = 16 KiB A panel for 32 rows. Settable for benchmarking.
+int g_amx_kblock = 8;
+
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -97,7 +100,7 @@ void amx_gemm_t(const HyMat& M, int e, int r0, int nr, const uint8_t* bpack, con
   const int64_t cst = (int64_t)m_pad * 4;  // cbuf row stride in bytes
   const uint8_t* W = M.w + e * M.w_estride + (int64_t)r0 * ldb;
   const float* sw = BF16 ? nullptr : M.scale + e * M.s_estride + r0;
-  constexpr int KB = 8;
+  const int KB = g_amx_kblock;
   for (int kb = 0; kb < nkc; kb += KB) {
     const int ke = std::min(nkc, kb + KB);
     for (int rb = 0; rb < nr; rb += 32) {

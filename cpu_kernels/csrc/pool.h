@@ -94,6 +94,7 @@ struct Pool {
 
   void run(std::function<void(int, int)> f, int tasks, bool helps = true) {
     if (tasks <= 0) return;
+    if (tasks == 1 && helps) { f(0, 0); return; }  // e.g. a decode step's token prep: no wake-up round trip
     start(std::move(f), tasks, helps);
     finish();
   }
