@@ -61,6 +61,18 @@ def build(args, hw, device, dtype):
     return model, cfg, shape, off
 
 
+def snapshot(off) -> np.ndarray:
+    return np.array([[l.stats.batches, l.stats.cpu_experts, l.stats.shipped_experts, l.stats.predicted_s,
+                      l.stats.decide_s] for l in off.layers]).sum(0)
+
+
+def describe(delta: np.ndarray, forwards: int) -> dict:
+    """Per forward: the scheduler's predicted expert time (all layers) and its split, per layer call."""
+    b = max(delta[0], 1)
+    return {"predicted_moe_ms_per_forward": 1e3 * delta[3] / forwards, "cpu_experts_per_layer": delta[1] / b,
+            "shipped_experts_per_layer": delta[2] / b, "decide_us": 1e6 * delta[4] / b}
+
+
 def timed(fn, dev) -> float:
     torch.cuda.synchronize(dev) if dev.type == "cuda" else None
     t0 = time.perf_counter()
@@ -112,6 +124,13 @@ def run(args) -> dict:
               f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
     print(header, flush=True)
     results = []
+    for strat in args.strategies:  # warm-up: first-use allocations (staging, pinned buffers) out of the timings
+        off.scheduler = LayerScheduler(shape, hw, strat)
+        s = eng.allocate_slot()
+        eng.prefill(s, torch.randint(0, cfg.vocab_size, (max(args.prefill),), generator=gen).tolist())
+        for _ in range(3):
+            eng.decode_step([s], [1])
+        eng.free_slot(s)
     for strat in args.strategies:
         off.scheduler = LayerScheduler(shape, hw, strat)
         row = {"strategy": strat}
@@ -121,9 +140,12 @@ def run(args) -> dict:
             eng.prefill(s, ids[: min(n, 256)])  # warm-up
             eng.free_slot(s)
             s = eng.allocate_slot()
+            snap = snapshot(off)
             dt = timed(lambda: eng.prefill(s, ids), device)
             eng.free_slot(s)
             row[f"prefill_{n}_tok_s"] = n / dt
+            row[f"prefill_{n}_ms"] = dt * 1e3
+            row[f"prefill_{n}_sched"] = describe(snapshot(off) - snap, 1)
         for b in args.decode_batch:
             slots = [eng.allocate_slot() for _ in range(b)]
             for s in slots:
@@ -131,17 +153,24 @@ def run(args) -> dict:
             last = [1] * b
             eng.decode_step(slots, last)  # warm-up
             before = [layer.stats.routed.copy() for layer in off.layers]
+            snap = snapshot(off)
             times = [timed(lambda: eng.decode_step(slots, last), device) for _ in range(args.steps)]
+            row[f"decode_b{b}_sched"] = describe(snapshot(off) - snap, args.steps)
             delta = [layer.stats.routed - bb for layer, bb in zip(off.layers, before)]
             for s in slots:
                 eng.free_slot(s)
             step = statistics.median(times)
             bound = decode_roofline(off, cfg, hw, dtype, delta, args.steps, b)
             row[f"decode_b{b}_tok_s"] = b / step
+            row[f"decode_b{b}_ms"] = step * 1e3
             row[f"decode_b{b}_roofline_tok_s"] = b / bound
             row[f"decode_b{b}_of_roofline"] = bound / step
         results.append(row)
-        print("  " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print("  " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                              if not isinstance(v, dict)), flush=True)
+        for k, v in row.items():
+            if isinstance(v, dict):
+                print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
     return {"header": header, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "results": results}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +25,7 @@ from torch import nn
 
 from hybrid.models.moe import grouped_mm_works
 from hybrid.offload.lanes import CpuLane, ShipLane
-from hybrid.offload.sources import packed_sources, pin
+from hybrid.offload.sources import packed_sources, pin, unpin
 from placement.schedule import LayerScheduler
 
 
@@ -96,8 +97,12 @@ class HybridExperts(nn.Module):
                                           dtype=offload.cpu_dtype, group_size=offload.group_size,
                                           threads=offload.threads, isa=offload.cpu_isa)
         self.sources = packed_sources(self.cpu_moe)
+        self._pinned = []
         if offload.device.type == "cuda":
-            offload.pinned_weight_bytes += pin([t for ns in self.sources for m in ns.mats() for t in (m.q, m.scale)])
+            self._pinned = pin([t for ns in self.sources for m in ns.mats() for t in (m.q, m.scale)])
+            offload.pinned_weight_bytes += sum(n for _, n in self._pinned)
+            # unregister before the executor's buffers go back to the allocator
+            weakref.finalize(self, unpin, self._pinned)
         self.stats = LayerStats(routed=np.zeros(E, dtype=np.int64))
         self.set_resident([])
         offload.layers.append(self)
