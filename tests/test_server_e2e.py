@@ -48,7 +48,7 @@ def _start(log_path, extra_args):
         line = f"<nothing after {START_TIMEOUT_S} s>"
     if "listening on http://127.0.0.1:" not in line:
         proc.kill()
-        pytest.fail(f"server did not start: {line!r}\n{log_path.read_text()}")
+        pytest.fail(f"server did not start: {line!r}\n{log_path.read_text()[-3000:]}", pytrace=False)
     return proc, int(line.split("127.0.0.1:")[1].split()[0])
 
 
