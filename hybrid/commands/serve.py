@@ -82,8 +82,7 @@ def run(args) -> int:
     if not _is_loopback(config.host) and config.api_key is None:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
-    runtime, name = load_runtime(args)
-    runtime.warm_up()
+    runtime, name = load_runtime(args)  # the session warms the engine up (graph capture) on a GPU
     try:
         serve(config, runtime, config.served_model_name or name)
     except OSError as exc:  # port in use, address not available

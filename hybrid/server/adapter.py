@@ -73,16 +73,6 @@ class Runtime:
     def sample(self, logits, samplers) -> list[int]:
         return self._sample(logits, [s[0] for s in samplers], [s[1] for s in samplers])
 
-    def warm_up(self) -> None:
-        """One prefill and one decode step before the port opens: the first decode step captures the
-        CUDA graphs (seconds on a GPU), which should not land on the first client's request."""
-        slot = self.allocate_slot()
-        try:
-            self.prefill(slot, [0])
-            self.decode_step([slot], [0])
-        finally:
-            self.free_slot(slot)
-
     # hybrid layer: per MoE layer, cold experts run on the CPU vs shipped to the GPU (cumulative)
     def expert_split(self) -> dict[int, tuple[int, int]]:
         """Read from each expert executor that keeps such counters (hybrid.offload's LayerStats);
