@@ -197,3 +197,11 @@ def test_cli_chat(demo_dir, capsys, monkeypatch):
     assert main(["chat", "-n", "5"]) == 0
     err = capsys.readouterr().err
     assert err.count("decode") == 2  # one stats line per reply
+
+
+def test_warmup_leaves_engine_clean(model):
+    e = Engine(model, max_batch=2, max_context=8)
+    e.warmup()
+    assert e.free_slots == 2 and e.stats.prefill_tokens == 0 and e.stats.decode_steps == 0
+    assert e.generate([prompt(3)], 4, stop_token_ids=[])[0].token_ids == \
+        Engine(model, max_batch=1, max_context=8).generate([prompt(3)], 4, stop_token_ids=[])[0].token_ids

@@ -77,18 +77,14 @@ class StackedExperts(nn.Module):
         ex.mode = "auto"
         return ex
 
-    # mode: "grouped" (sort + grouped GEMMs), "dense" (every expert on every token, weighted by a
-    # [T, E] matrix that is zero where a token did not route), or "auto". Dense reads each expert's
-    # weights once with plain batched GEMMs: on the H200 grouped GEMMs streamed skinny decode problems
-    # at ~1 TB/s (bench/results/h200-generate), so once a step touches a good share of the experts,
-    # reading all of them densely is cheaper. Its extra FLOPs stay hidden behind the weight reads while
-    # T is below the GPU's FLOP/byte ratio (~175 on an H200), hence the T bound.
-    DENSE_MAX_TOKENS = 64
-
+    # mode: "grouped" (sort + grouped GEMMs; the default, "auto") or "dense" (every expert on every
+    # token, weighted by a [T, E] matrix that is zero where a token did not route; plain batched
+    # GEMMs that read each expert once). Dense was tried for small decode batches on the H200 and
+    # was no faster (batch 32: 51.2 vs 52.1 ms/step) or slower (batch 8: 29.5 vs 24.9 ms/step) for the
+    # Qwen3-30B-A3B shape (bench/results/h200-generate/generate_h200_{auto,grouped}.json), so "auto"
+    # means grouped; dense stays for experiments and as a second reference in the tests.
     def _use_dense(self, T: int, K: int) -> bool:
-        if self.mode != "auto":
-            return self.mode == "dense"
-        return self.w_gate.device.type == "cuda" and T <= self.DENSE_MAX_TOKENS and 4 * T * K >= self.num_experts
+        return self.mode == "dense"
 
     def _dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, D, E = x.shape[0], x.shape[1], self.num_experts

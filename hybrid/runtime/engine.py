@@ -91,6 +91,17 @@ class Engine:
             self.graphs = DecodeGraphs(model, self.cache)
         self.stats = Stats()
 
+    def warmup(self) -> None:
+        """One throw-away prefill and decode step (CUDA context, cuBLAS handles, kernel selection,
+        graph capture), then zeroed stats, so the first request's tokens/s are not the start-up's."""
+        slot = self.allocate_slot()
+        try:
+            logits = self.prefill(slot, [0])
+            self.decode_step([slot], [int(logits.argmax())])
+        finally:
+            self.free_slot(slot)
+        self.stats = Stats()
+
     # -- slots ------------------------------------------------------------------------------------
     def allocate_slot(self) -> int:
         if not self._free:
