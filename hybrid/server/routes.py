@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -46,10 +47,7 @@ def _json_constant(name):
 
 
 async def read_json(request: web.Request):
-    try:
-        raw = await request.read()  # aiohttp raises 413 past client_max_size; the error middleware formats it
-    except web.HTTPException:
-        raise
+    raw = await request.read()  # aiohttp raises 413 past client_max_size; the error middleware formats it
     try:
         return json.loads(raw, parse_constant=_json_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -134,7 +132,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         sched.submit(seqs)
     except QueueFull:
-        raise queue_full(retry_after_s=_retry_after(sched)) from None
+        raise queue_full(retry_after_s=_retry_after(state)) from None
     except RuntimeError as exc:
         raise unavailable(str(exc)) from None
 
@@ -146,10 +144,12 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         sched.cancel([s for s in seqs if not s.finished])
 
 
-def _retry_after(sched: Scheduler) -> int:
-    # A rough hint: the queue drains about one batch of sequences per second or so on small models.
-    st = sched.stats()
-    return max(1, min(60, st["waiting"] // max(1, st["max_batch"])))
+def _retry_after(state: ServerState) -> int:
+    """Seconds until the queue has likely drained: queued batches x the mean sequence duration so far."""
+    st = state.scheduler.stats()
+    hist = state.metrics.sequence_duration
+    mean_s = hist.sum / hist.count if hist.count else 1.0
+    return max(1, min(60, math.ceil(mean_s * st["waiting"] / max(1, st["max_batch"]))))
 
 
 async def _collect(state: ServerState, req: GenerationRequest, seqs, events) -> web.Response:
@@ -176,36 +176,44 @@ async def _collect(state: ServerState, req: GenerationRequest, seqs, events) -> 
 
 async def _stream(request: web.Request, state: ServerState, req: GenerationRequest, seqs, events):
     chat, model, rid, created = req.chat, state.model_name, fmt.new_id(req.chat), fmt.now()
+    uf = req.include_usage
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    uf = req.include_usage
-    if chat:  # the first chunk of each choice announces the role, as OpenAI does
-        for i in range(len(seqs)):
-            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, "", role=True, with_usage_field=uf)))
-    completion_tokens = 0
-    left = len(seqs)
-    while left:
-        i, ev = await events.get()
-        if ev.kind == "text":
-            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, ev.text, with_usage_field=uf)))
-        elif ev.kind == "done":
-            completion_tokens += ev.completion_tokens
-            left -= 1
-            await resp.write(fmt.sse(fmt.chunk(chat, rid, model, created, i, None if chat else "",
-                                               finish_reason=ev.finish_reason, with_usage_field=uf)))
-        else:
-            # Headers are gone already: report in-band (vLLM does the same), then end the stream.
-            err = ApiError(ev.status, ev.error, type="server_error")
-            await resp.write(fmt.sse(err.body()))
-            break
-    else:
-        if uf:
+    try:
+        if chat:  # the first chunk of each choice announces the role, as OpenAI does
+            await resp.write(b"".join(fmt.sse(fmt.chunk(chat, rid, model, created, i, "", role=True,
+                                                        with_usage_field=uf)) for i in range(len(seqs))))
+        completion_tokens, left, failed = 0, len(seqs), False
+        while left and not failed:
+            # Everything that arrived since the last write goes out in one write (fewer syscalls
+            # when the engine outpaces the network); each event is still its own SSE message.
+            batch = [await events.get()]
+            while not events.empty():
+                batch.append(events.get_nowait())
+            out = []
+            for i, ev in batch:
+                if ev.kind == "text":
+                    out.append(fmt.sse(fmt.chunk(chat, rid, model, created, i, ev.text, with_usage_field=uf)))
+                elif ev.kind == "done":
+                    completion_tokens += ev.completion_tokens
+                    left -= 1
+                    out.append(fmt.sse(fmt.chunk(chat, rid, model, created, i, None if chat else "",
+                                                 finish_reason=ev.finish_reason, with_usage_field=uf)))
+                else:
+                    # The status line is gone already: report in-band (as vLLM does), then end the stream.
+                    out.append(fmt.sse(ApiError(ev.status, ev.error, type="server_error").body()))
+                    failed = True
+                    break
+            await resp.write(b"".join(out))
+        if uf and not failed:
             prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: req.n])
             await resp.write(fmt.sse(fmt.usage_chunk(chat, rid, model, created,
                                                      fmt.usage(prompt_tokens, completion_tokens))))
-    await resp.write(fmt.sse("[DONE]"))
-    await resp.write_eof()
+        await resp.write(fmt.sse("[DONE]"))
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left; generate()'s finally cancels its sequences
+        pass
     return resp
 
 
