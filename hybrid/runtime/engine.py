@@ -2,8 +2,11 @@
 
 API (what the OpenAI server's continuous batching drives):
 
-    engine = Engine(model, tokenizer, max_batch=8, max_context=4096, eager=None)
+    engine = Engine(model, tokenizer, max_batch=8, max_context=4096, eager=None)   # or config=RuntimeConfig(...)
         # eager=None: CUDA graphs for decode on a GPU, eager on the CPU; eager=True turns graphs off.
+        # Graphs are captured on the first decode_step (or engine.warmup()): buckets 1, 2, 4, ... up
+        # to max_batch, attending over the whole max_context; rows of any slots in any order.
+        # If a layer's expert executor is not `capturable`, graphs are turned off with a warning.
     slot = engine.allocate_slot()                   # a free KV slot (ValueError if none is free)
     logits = engine.prefill(slot, token_ids)        # [V] fp32 logits after the last prompt token.
         # Appends to what the slot already holds (multi-turn / chunked prefill); always eager.
@@ -33,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from hybrid.runtime.config import RuntimeConfig
 from hybrid.runtime.kv_cache import StaticKVCache
 from hybrid.runtime.sampling import SamplingParams, sample
 
@@ -65,8 +69,13 @@ class Stats:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, max_batch: int = 8, max_context: int = 4096,
-                 eager: bool | None = None):
+    def __init__(self, model, tokenizer=None, max_batch: int = RuntimeConfig.max_batch,
+                 max_context: int = RuntimeConfig.max_context, eager: bool | None = None,
+                 config: RuntimeConfig | None = None):
+        """`config` (a RuntimeConfig) replaces the three keyword arguments when given."""
+        config = config or RuntimeConfig(max_batch=max_batch, max_context=max_context, eager=eager)
+        max_batch, max_context, eager = config.max_batch, config.max_context, config.eager
+        self.config = config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
         self.cache = StaticKVCache.for_model(model, max_batch, max_context)

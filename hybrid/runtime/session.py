@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.errors import UsageError
+from hybrid.runtime.config import RuntimeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -19,7 +20,8 @@ def add_model_arguments(p) -> None:
                    "tokenizer.json). Default: a small built-in demo model with random weights.")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
-    p.add_argument("--max-context", type=int, default=4096, help="KV-cache positions per sequence (default 4096)")
+    p.add_argument("--max-context", type=int, default=RuntimeConfig.max_context,
+                   help=f"KV-cache positions per sequence (default {RuntimeConfig.max_context})")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
