@@ -39,6 +39,16 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
+def cold_split(text: str) -> dict[str, float]:
+    """hybrid_cold_experts_total summed over layers, by lane ({} without a hybrid layer)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hybrid_cold_experts_total{"):
+            lane = line.split('lane="')[1].split('"')[0]
+            out[lane] = out.get(lane, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def one_request(session, url, args, i, headers) -> dict:
     prompt = prompt_for(i, args.prompt_words)
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "stream": args.stream}
@@ -102,7 +112,11 @@ async def run_load(url: str, args) -> dict:
     lat = sorted(r["latency"] for r in ok) or [0.0]
     ttfts = sorted(r["ttft"] for r in ok if r.get("ttft") is not None)
     out_tokens = sum(r["completion_tokens"] for r in ok)
+    b, a = cold_split(before), cold_split(after)
+    cpu, shipped = a.get("cpu", 0) - b.get("cpu", 0), a.get("shipped", 0) - b.get("shipped", 0)
     return {
+        # with a hybrid layer: share of cold experts run on the CPU during the run (the rest shipped)
+        "cold_expert_cpu_share": round(cpu / (cpu + shipped), 4) if cpu + shipped else None,
         "server": health, "clients": args.clients, "requests": args.requests, "ok": len(ok),
         "errors": {str(r["status"]): r.get("error") for r in results if r["status"] != 200},
         "wall_s": round(wall, 3),
@@ -122,6 +136,7 @@ def spawn_server(args) -> tuple[subprocess.Popen, str]:
            "--max-context", str(args.max_context), "--max-queue", str(max(64, args.requests))]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += args.server_arg
     env = dict(os.environ, HYBRID_NO_PROGRESS="1")
     if args.api_key:
         env["HYBRID_API_KEY"] = args.api_key
@@ -139,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="with --spawn: checkpoint directory (default: demo)")
     p.add_argument("--max-batch", type=int, default=16, help="with --spawn (default %(default)s)")
     p.add_argument("--max-context", type=int, default=1024, help="with --spawn (default %(default)s)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="with --spawn: extra `hybrid serve` argument, repeatable (e.g. --server-arg=--gpu-experts=4)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=None, help="total (default 4 x clients)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -170,7 +187,9 @@ def main(argv=None) -> int:
     print(f"requests/s {res['requests_per_s']}  output tokens/s {res['output_tokens_per_s']}  "
           f"prompt tokens/s {res['prompt_tokens_per_s']}  ok {res['ok']}/{args.requests}  wall {res['wall_s']} s")
     print(f"latency p50 {res['latency_p50_s']} s  p95 {res['latency_p95_s']} s  ttft p50 {res['ttft_p50_s']} s  "
-          f"mean decode batch {res['mean_decode_batch']}")
+          f"mean decode batch {res['mean_decode_batch']}"
+          + (f"  cold experts on CPU {res['cold_expert_cpu_share']:.1%}" if res["cold_expert_cpu_share"] is not None
+             else ""))
     if res["errors"]:
         print(f"errors: {res['errors']}")
     if args.json:

@@ -301,3 +301,15 @@ def test_engine_crash_answers_accepted_requests_and_reports_unhealthy(server):
     assert e.value.code == 503
     status, _, body = server.post("/v1/completions", {"prompt": "after", "max_tokens": 5})
     assert status == 503 and body["error"]["code"] == "unavailable"
+
+
+def test_load_script_reports_rates(server, tmp_path):
+    from bench.serve_load import main
+
+    out = tmp_path / "load.json"
+    assert main(["--url", server.base, "--clients", "4", "--requests", "12", "--max-tokens", "6", "--stream",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ok"] == 12 and res["requests_per_s"] > 0 and res["output_tokens_per_s"] > 0
+    assert res["output_tokens"] <= 12 * 6 and res["mean_decode_batch"] > 1.0
+    assert res["cold_expert_cpu_share"] is None  # no hybrid layer behind the fake engine
