@@ -307,7 +307,7 @@ def test_load_script_reports_rates(server, tmp_path):
     from bench.serve_load import main
 
     out = tmp_path / "load.json"
-    assert main(["--url", server.base, "--clients", "4", "--requests", "12", "--max-tokens", "6", "--stream",
+    assert main(["--url", server.base, "--clients", "4", "--requests", "12", "--max-tokens", "6", "--stream", "--prompt-words", "6",
                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["ok"] == 12 and res["requests_per_s"] > 0 and res["output_tokens_per_s"] > 0
