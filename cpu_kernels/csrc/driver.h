@@ -1,7 +1,8 @@
 // The fused-MoE driver shared by every ISA library: routing, activation preparation, the phases of one
 // layer call, NUMA slices and the C API. The including file first defines the ISA's kernels:
 //   vec_gemm(M, e, r0, nr, rows, m, C, ldc)   C[i*ldc + r] = sum_k act_i[k] * W_e[r0 + r][k]
-//   amx_gemm(M, e, r0, nr, bpack, bscale, m_pad, C, ldc)   same, activations packed as AMX B tiles
+//   amx_gemm(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc)   same for nmat matrices at once,
+//                                             activations packed as AMX B tiles
 // and the macros HY_ISA_NAME and HY_HAS_AMX.
 //
 // Phases of one call (each a dynamic parallel-for; NUMA nodes run theirs concurrently on their pools):
@@ -257,8 +258,9 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
 #if HY_HAS_AMX
         const uint8_t* bp = xpack + a.pack_rows * (kb_x + 4);
         const float* bs = (const float*)(bp + align_up(a.m, 32) / 16 * (int64_t)kb_x * 16);
-        amx_gemm(N.gate, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), Cg, 64);
-        amx_gemm(N.up, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), Cu, 64);
+        const HyMat* ms[2] = {&N.gate, &N.up};
+        float* cs[2] = {Cg, Cu};
+        amx_gemm(ms, cs, 2, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), 64);
 #endif
       } else {
         vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
@@ -312,9 +314,13 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   clk.lap(4);
   // Phase 2: down projection; a task owns a block of D rows for every token, so no two tasks write
   // the same acc element. Smaller blocks when D gives too few tasks for the pool.
+  // AMX tasks re-read each expert's packed h per task, so they keep 64 rows; the vector path (decode)
+  // streams weights only and balances better with 32-row tasks (shorter tail before the call ends).
+  bool any_amx = false;
+  for (int j = 0; j < na; ++j) any_amx |= act[j].amx != 0;
   int rbd[HY_MAX_NODES];
   for (int n = 0; n < nn; ++n)
-    rbd[n] = (L->nodes[n].down.rows_p / 64 >= 4 * ((Pool*)L->nodes[n].pool)->n) ? 64 : 32;
+    rbd[n] = (any_amx && L->nodes[n].down.rows_p / 64 >= 4 * ((Pool*)L->nodes[n].pool)->n) ? 64 : 32;
   run_nodes(L, [&](int n) {
     return std::function<void(int, int)>([&, n](int task, int tid) {
       const HyNode& N = L->nodes[n];
@@ -329,7 +335,9 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
           int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
           int mp = (int)align_up(a.m, 32);
           const uint8_t* bp = hpack[n] + hpack_off(n, a);
-          amx_gemm(N.down, a.e, r0, nr, bp, (const float*)(bp + (int64_t)mp / 16 * kb_h * 16), mp, C, 64);
+          const HyMat* ms[1] = {&N.down};
+          float* cs[1] = {C};
+          amx_gemm(ms, cs, 1, a.e, r0, nr, bp, (const float*)(bp + (int64_t)mp / 16 * kb_h * 16), mp, 64);
 #endif
         } else {
           vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, 64);
