@@ -5,10 +5,10 @@
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B and OLMoE-1B-7B; --layers keeps the first N decoder layers (the GPU
-box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). No tokenizer is
-written; `hybrid generate --model` needs one (copy tokenizer.json/tokenizer_config.json from the real
-model or from the demo checkpoint when the vocab sizes agree). The weights are N(0, 0.02): throughput is
-meaningful, the text is not.
+box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
+the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
+in, so `hybrid generate --model OUT` runs; --tokenizer none skips it. The weights are N(0, 0.02):
+throughput is meaningful, the text is not.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
+    p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
+                   help="copy the demo checkpoint's tokenizer files in (default) or write none")
     p.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     args = p.parse_args(argv)
     from hybrid.models.families import family_for
@@ -47,6 +49,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
                                   device=args.device, progress=True)
+    if args.tokenizer == "demo":
+        import shutil
+
+        from hybrid.runtime.demo import ensure_demo_checkpoint
+
+        demo = ensure_demo_checkpoint()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo / name, out / name)
     print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}, random weights) "
           f"in {time.perf_counter() - t0:.1f} s")
     return 0

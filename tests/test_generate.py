@@ -205,3 +205,40 @@ def test_warmup_leaves_engine_clean(model):
     assert e.free_slots == 2 and e.stats.prefill_tokens == 0 and e.stats.decode_steps == 0
     assert e.generate([prompt(3)], 4, stop_token_ids=[])[0].token_ids == \
         Engine(model, max_batch=1, max_context=8).generate([prompt(3)], 4, stop_token_ids=[])[0].token_ids
+
+
+def test_make_checkpoint_writes_a_loadable_model_with_tokenizer(demo_dir, tmp_path, capsys):
+    from bench.make_checkpoint import main as make
+
+    out = tmp_path / "demo1"
+    assert make(["--preset", "demo", "--layers", "1", "--out", str(out), "--dtype", "float32"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 1 and (out / "tokenizer.json").is_file()
+    assert "wrote" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out), "-n", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["demo_random_weights"] is False and len(res["generated_token_ids"]) <= 2
+
+
+def test_chat_template_features(tmp_path):
+    """Templates use namespace(), loop controls, raise_exception and tojson, as real ones do."""
+    from hybrid.runtime.tokenizer import Tokenizer
+    from hybrid.runtime.demo import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{%- set ns = namespace(n=0) -%}"
+        "{%- for m in messages -%}{%- if m.role not in ['user', 'assistant', 'system'] -%}"
+        "{{ raise_exception('bad role ' + m.role) }}{%- endif -%}"
+        "{%- set ns.n = ns.n + 1 -%}<{{ m.role }}>{{ m.content | trim }}{{ eos_token }}{%- endfor -%}"
+        "{{ ns.n | tojson }}{%- if add_generation_prompt %}<assistant>{% endif -%}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}])
+    assert text == "<user>hi<|im_end|><assistant>yo<|im_end|>2<assistant>"
+    with pytest.raises(Exception, match="bad role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")  # transformers 5 layout
+    assert Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
