@@ -313,3 +313,23 @@ def test_load_script_reports_rates(server, tmp_path):
     assert res["ok"] == 12 and res["requests_per_s"] > 0 and res["output_tokens_per_s"] > 0
     assert res["output_tokens"] <= 12 * 6 and res["mean_decode_batch"] > 1.0
     assert res["cold_expert_cpu_share"] is None  # no hybrid layer behind the fake engine
+
+
+def test_event_loop_answers_while_the_engine_is_busy(server):
+    """The model runs on the engine thread only: with it stuck inside a step, HTTP still answers."""
+    gate = server.runtime.engine.gate
+    gate.clear()
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(server.post, "/v1/completions", {"prompt": "slow", "max_tokens": 3})
+            while server.health()["free_slots"] == 4:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            assert server.health()["running"] == 1
+            assert "hybrid_kv_slots_free 3" in server.get("/metrics")
+            assert server.post("/v1/completions", {"prompt": "x", "temperature": 9})[0] == 400
+            assert time.monotonic() - t0 < 2.0
+            gate.set()
+            assert pending.result(10)[0] == 200
+    finally:
+        gate.set()
