@@ -282,7 +282,8 @@ def test_api_key_is_enforced():
         assert srv.post("/v1/completions", {"prompt": "x"})[0] == 401
         status, headers, body = srv.post("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong"})
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
-        assert srv.post("/v1/completions", {"prompt": "x", "max_tokens": 2}, {"Authorization": "Bearer s3cret"})[0] == 200
+        ok = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 2}, {"Authorization": "Bearer s3cret"})
+        assert ok[0] == 200
         with pytest.raises(openai.AuthenticationError):
             srv.client("wrong").models.list()
         assert srv.client("s3cret").models.list().data[0].id == "fake"
@@ -307,8 +308,8 @@ def test_load_script_reports_rates(server, tmp_path):
     from bench.serve_load import main
 
     out = tmp_path / "load.json"
-    assert main(["--url", server.base, "--clients", "4", "--requests", "12", "--max-tokens", "6", "--stream", "--prompt-words", "6",
-                 "--json", str(out)]) == 0
+    assert main(["--url", server.base, "--clients", "4", "--requests", "12", "--max-tokens", "6", "--stream",
+                 "--prompt-words", "6", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["ok"] == 12 and res["requests_per_s"] > 0 and res["output_tokens_per_s"] > 0
     assert res["output_tokens"] <= 12 * 6 and res["mean_decode_batch"] > 1.0

@@ -145,7 +145,8 @@ def _content_text(content, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+                raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                  param=f"messages[{i}].content")
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
