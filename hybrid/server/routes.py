@@ -39,7 +39,8 @@ class ServerState:
     created: int = field(default_factory=fmt.now)
 
 
-STATE = web.AppKey("state", ServerState)
+# aiohttp >= 3.9 wants typed keys (and warns on strings); older ones only have strings.
+STATE = web.AppKey("state", ServerState) if hasattr(web, "AppKey") else "hybrid_state"
 
 
 def _json_constant(name):
