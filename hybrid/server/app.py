@@ -12,6 +12,7 @@ import hmac
 import logging
 import signal
 
+import aiohttp
 from aiohttp import web
 
 from hybrid.server.config import ServerConfig
@@ -21,6 +22,7 @@ from hybrid.server.routes import STATE, ServerState, add_routes
 from hybrid.server.scheduler import Scheduler
 
 log = logging.getLogger("hybrid.server")
+_AIOHTTP = tuple(int(x) for x in aiohttp.__version__.split(".")[:2])
 
 METERED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics only
@@ -105,7 +107,9 @@ async def run_server(app: web.Application, host: str, port: int, announce,
     """Listen until `stop` is set (or SIGINT/SIGTERM when no `stop` is given, i.e. in the main thread)."""
     # handler_cancellation: a client that disconnects gets its handler cancelled, which cancels its
     # sequences, even for non-streaming requests that would otherwise only notice at the final write.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # (aiohttp < 3.9 has no such switch: it always cancelled.)
+    cancel = {"handler_cancellation": True} if _AIOHTTP >= (3, 9) else {}
+    runner = web.AppRunner(app, access_log=None, **cancel)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
