@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import signal
 
 import aiohttp
@@ -22,7 +23,7 @@ from hybrid.server.routes import STATE, ServerState, add_routes
 from hybrid.server.scheduler import Scheduler
 
 log = logging.getLogger("hybrid.server")
-_AIOHTTP = tuple(int(x) for x in aiohttp.__version__.split(".")[:2])
+_AIOHTTP = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", aiohttp.__version__).groups())
 
 METERED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics only
