@@ -84,8 +84,7 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
                     eager=args.eager or device.type != "cuda" or offload is not None)
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
-    if device.type == "cuda":
-        engine.warmup()  # keep CUDA start-up (and graph capture) out of the printed tokens/s
+    engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
     return Session(engine, tokenizer, model_dir, demo, device, dtype, offload)
 
 
