@@ -238,6 +238,7 @@ def test_bad_inputs_get_their_status_and_never_hurt_the_server(server):
         (dict(raw=b"{not json"), 400, None),
         (dict(raw=b"\xff\xfe"), 400, None),
         (dict(raw=b'{"prompt": "x", "temperature": NaN}'), 400, None),
+        (dict(raw=b"[" * 200_000), 400, None),  # nesting deeper than the JSON parser's recursion limit
         (dict(body=["a list"]), 400, None),
         (dict(body={"prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
         (dict(body={"prompt": "x", "temperature": "warm"}), 400, "temperature"),
