@@ -47,7 +47,8 @@ def build(args, hw, device, dtype):
     model = build_empty(cfg, device, dtype, build_experts=False)
     init_random_(model, seed=0)
     shape = expert_shape(cfg, args.cpu_dtype, dtype)
-    off = Offload(device, dtype, LayerScheduler(shape, hw, "cost"), cpu_dtype=args.cpu_dtype, cpu_isa=args.isa)
+    off = Offload(device, dtype, LayerScheduler(shape, hw, "cost"), cpu_dtype=args.cpu_dtype, cpu_isa=args.isa,
+                  threads=args.cpu_threads)
     gen = torch.Generator(device=device).manual_seed(1)
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     for i, layer in enumerate(model.layers):
@@ -118,7 +119,8 @@ def run(args) -> dict:
     mem = off.memory()
     header = (f"# hybrid e2e | {cpu_name()} ({platform.node()}), GPU "
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'none'} | {args.preset} x {cfg.num_layers} "
-              f"layers, {resident}/{cfg.num_experts} experts resident per layer, CPU {off.layers[0].cpu_moe.isa} "
+              f"layers, {resident}/{cfg.num_experts} experts resident per layer, CPU {off.layers[0].cpu_moe.isa} x "
+              f"{sum(len(n) for n in off.layers[0].cpu_moe.topology.nodes)} threads "
               f"{args.cpu_dtype}, {dtype} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
               f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, VRAM resident "
               f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
@@ -183,6 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4"])
     p.add_argument("--isa")
+    p.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all cores but one)")
     p.add_argument("--prefill", type=ints, default=[2048, 8192])
     p.add_argument("--decode-batch", type=ints, default=[1, 8])
     p.add_argument("--steps", type=int, default=16)
