@@ -153,3 +153,23 @@ def test_cancelled_sequences_free_their_slots_at_the_next_step():
             time.sleep(0.001)
     finally:
         sched.stop()
+
+
+def test_leaked_slots_are_reported_not_spun_on(caplog):
+    rt = fake_runtime(max_batch=1, max_context=64)
+    rt.allocate_slot()  # leak the only slot behind the scheduler's back
+    s, c = _seq([3, 4], 4)
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    sched.start()
+    try:
+        sched.submit([s])
+        time.sleep(0.3)
+        assert any("stuck waiting" in r.message for r in caplog.records)
+        assert len([r for r in caplog.records if "stuck waiting" in r.message]) <= 2  # backs off, no spin
+        sched.cancel([s])  # a stuck request can still be cancelled
+        deadline = time.monotonic() + 3
+        while sched.stats()["waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        sched.stop()

@@ -133,8 +133,15 @@ class Scheduler:
                     if self._stopping:
                         break
                 self._reap_cancelled()
-                self._prefill()
-                self._decode()
+                progressed = self._prefill()
+                progressed |= self._decode()
+                if not progressed and self._waiting:
+                    # Waiting work, no free slot, nothing holding one: a leaked slot. Say so and
+                    # back off instead of spinning a core; cancellations can still be reaped.
+                    log.error("no free KV slot and nothing running: %d sequences stuck waiting",
+                              len(self._waiting))
+                    with self._cond:
+                        self._cond.wait(1.0)
         except BaseException:  # noqa: BLE001 - a bug here must not strand any request
             log.exception("engine loop crashed")
             self._fail_all("the engine stopped unexpectedly", 500)
@@ -182,18 +189,20 @@ class Scheduler:
             self._fail(seq, f"could not start the request: {exc}", 500)
         return True
 
-    def _prefill(self) -> None:
-        spent = 0
+    def _prefill(self) -> bool:
+        """Prefill up to one chunk's worth of prompt tokens; True if any work was done."""
+        spent, progressed = 0, False
         while True:
             if self._prefilling is None:
                 if not self._start_next():
-                    return
+                    return progressed
+                progressed = True  # started a sequence (or failed it: also progress)
                 continue
             seq = self._prefilling
             start = seq.prefilled
             n = min(self.prefill_chunk, len(seq.prompt_ids) - start)
             if spent and spent + n > self.prefill_chunk:
-                return  # over this iteration's budget: decode first
+                return progressed  # over this iteration's budget: decode first
             try:
                 logits = self.runtime.prefill(seq.slot, seq.prompt_ids[start : start + n])  # [V]
                 seq.prefilled += n
@@ -214,9 +223,10 @@ class Scheduler:
                 self._running.remove(seq)
             self.metrics.generated(1)
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One decode step over all running sequences; False if there were none."""
         if not self._running:
-            return
+            return False
         batch = self._running
         try:
             logits = self.runtime.decode_step([s.slot for s in batch], [s.last_token for s in batch])  # [B, V]
@@ -226,11 +236,12 @@ class Scheduler:
             for seq in batch:
                 self._fail(seq, f"decode step failed: {exc}", 500)
             self._running = []
-            return
+            return True
         for seq, token in zip(batch, tokens):
             self._emit(seq, token)
         self._running = [s for s in batch if not s.finished]
         self.metrics.generated(len(batch), batch_size=len(batch))
+        return True
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """Account one generated token: stream its text, or end the sequence."""
