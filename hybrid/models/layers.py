@@ -108,15 +108,19 @@ class Attention(nn.Module):
         else:
             kc, vc = cache.read(self.layer, slots, kv_len)  # [B, Hkv, L, hd] each
             L = kc.shape[2]
-            if self.H != self.Hkv:
-                # Expand to H heads: SDPA's memory-efficient kernel takes a mask but no GQA.
-                rep = self.H // self.Hkv
-                kc = kc[:, :, None].expand(B, self.Hkv, rep, L, self.hd).reshape(B, self.H, L, self.hd)
-                vc = vc[:, :, None].expand(B, self.Hkv, rep, L, self.hd).reshape(B, self.H, L, self.hd)
             qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
             kpos = torch.arange(L, device=x.device)[None, None, None, :]  # [1, 1, 1, L]
             mask = kpos <= qpos  # [B, 1, T, L]
             if self.window is not None:
                 mask = mask & (kpos > qpos - self.window)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=self.scale)
+            # Grouped-query attention without copying K/V per query head: the `rep` query heads that
+            # share a K/V head are folded into the query-length axis, [B, Hkv, rep*T, hd]. (SDPA's
+            # GQA flag rules out the masked memory-efficient kernel, and expanding K/V to H heads
+            # would write rep times the cache on every step.)
+            rep = self.H // self.Hkv
+            qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
+            mask = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
+            out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
+            out = out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
+            return self.o_proj(out)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
