@@ -110,7 +110,9 @@ async def run_server(app: web.Application, host: str, port: int, announce,
     # sequences, even for non-streaming requests that would otherwise only notice at the final write.
     # (aiohttp < 3.9 has no such switch: it always cancelled.)
     cancel = {"handler_cancellation": True} if _AIOHTTP >= (3, 9) else {}
-    runner = web.AppRunner(app, access_log=None, **cancel)
+    # One access-log line per request only when asked for (--log-level info/debug).
+    access = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.INFO) else None
+    runner = web.AppRunner(app, access_log=access, **cancel)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
