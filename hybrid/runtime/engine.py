@@ -22,7 +22,9 @@ API (what the OpenAI server's continuous batching drives):
         # prompts: list of str (needs the tokenizer) or list of token-id lists, any lengths; more
         # prompts than slots are queued and admitted as slots free up. sampling: one SamplingParams or
         # one per prompt (per-request seed). stop_token_ids=None: the model's and tokenizer's EOS ids.
-        # stream(index, token_id, text_delta) is called for every generated token.
+        # stream(index, token_id, text_delta) is called for every generated token; text that could
+        # still become a stop string or an incomplete UTF-8 character is held back and flushed at the
+        # end in one extra call with token_id -1. The deltas of a prompt concatenate to its text.
         # -> list[Completion(prompt_token_ids, token_ids, text, finish_reason)], and engine.stats.
 
 Shapes: B rows, T tokens, V vocab. The stop token itself is not part of token_ids or text.
