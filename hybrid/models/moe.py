@@ -83,9 +83,6 @@ class StackedExperts(nn.Module):
     # was no faster (batch 32: 51.2 vs 52.1 ms/step) or slower (batch 8: 29.5 vs 24.9 ms/step) for the
     # Qwen3-30B-A3B shape (bench/results/h200-generate/generate_h200_{auto,grouped}.json), so "auto"
     # means grouped; dense stays for experiments and as a second reference in the tests.
-    def _use_dense(self, T: int, K: int) -> bool:
-        return self.mode == "dense"
-
     def _dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, D, E = x.shape[0], x.shape[1], self.num_experts
         comb = torch.zeros(T, E, dtype=torch.float32, device=x.device)
@@ -108,7 +105,7 @@ class StackedExperts(nn.Module):
         D = x.shape[1]
         dev = self.w_gate.device
         xin = x.to(device=dev, dtype=self.w_gate.dtype)
-        if self._use_dense(T, K):
+        if self.mode == "dense":
             out = self._dense(xin, topk_ids.to(dev), topk_weights.to(dev))
             return out.to(device=x.device, dtype=x.dtype)
         flat = topk_ids.reshape(-1).to(dev)  # [T*K]
