@@ -221,7 +221,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     bar.update(src.numel() * src.element_size())
                     del src
     bar.close()
-    for i, (wg, wu, wd) in stacks.items():
-        make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
-        model.layers[i].moe.experts = make(i, wg, wu, wd)
+    make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
+    for i in sorted(stacks):
+        # pop: a factory that repacks (the hybrid CPU executor) lets each loaded stack go as it goes
+        model.layers[i].moe.experts = make(i, *stacks.pop(i))
     return model
