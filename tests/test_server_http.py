@@ -257,7 +257,8 @@ def test_bad_inputs_get_their_status_and_never_hurt_the_server(server):
     assert got == 400 and body["error"]["param"] == "messages[0].content"
     status, _, body = server.post("/v1/completions", {"prompt": "x" * 200})
     assert "maximum context length is 128 tokens" in body["error"]["message"]
-    assert server.post("/v1/completions", None, raw=b"", method="GET")[0] == 405
+    status, headers, _ = server.post("/v1/completions", None, raw=b"", method="GET")
+    assert status == 405 and headers["Allow"] == "POST"
     assert server.post("/v1/nope", {})[0] == 404
     # still healthy, still serving, no slot leaked
     assert server.wait_idle()["free_slots"] == 4

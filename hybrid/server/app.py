@@ -52,7 +52,8 @@ async def error_middleware(request: web.Request, handler):
         else:
             msg = f"{exc.reason}: {request.method} {request.path}"
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return _error_response(ApiError(exc.status, msg, type=kind, headers=None))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405 must say what is
+        return _error_response(ApiError(exc.status, msg, type=kind, headers=allow))
     except (asyncio.CancelledError, ConnectionResetError):
         status = CLIENT_CLOSED  # the client went away; the handler's finally already cancelled its work
         raise
