@@ -12,6 +12,7 @@ import hmac
 import logging
 import re
 import signal
+import sys
 
 import aiohttp
 from aiohttp import web
@@ -121,13 +122,29 @@ async def run_server(app: web.Application, host: str, port: int, announce,
         bound = runner.addresses[0][1]  # the real port when port=0
         announce(host, bound)
         if stop is None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+            stop = _stop_on_signals(asyncio.get_running_loop())
         await stop.wait()
     finally:
+        # Stops listening, then lets in-flight requests finish (up to aiohttp's 60 s shutdown timeout)
+        # before the engine thread stops: a SIGTERM drains instead of cutting streams mid-answer.
         await runner.cleanup()
+
+
+def _stop_on_signals(loop) -> asyncio.Event:
+    """First SIGINT/SIGTERM: drain and exit. A second one: the default handlers, i.e. exit now."""
+    stop = asyncio.Event()
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def first(sig):
+        print(f"hybrid serve: {signal.Signals(sig).name}: finishing in-flight requests "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+        for s in sigs:
+            loop.remove_signal_handler(s)
+        stop.set()
+
+    for sig in sigs:
+        loop.add_signal_handler(sig, first, sig)
+    return stop
 
 
 def serve(config: ServerConfig, runtime, model_name: str, announce=None) -> None:
