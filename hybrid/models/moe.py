@@ -81,7 +81,7 @@ class StackedExperts(nn.Module):
     # token, weighted by a [T, E] matrix that is zero where a token did not route; plain batched
     # GEMMs that read each expert once). Dense was tried for small decode batches on the H200 and
     # was no faster (batch 32: 51.2 vs 52.1 ms/step) or slower (batch 8: 29.5 vs 24.9 ms/step) for the
-    # Qwen3-30B-A3B shape (bench/results/h200-generate/generate_h200_{auto,grouped}.json), so "auto"
+    # Qwen3-30B-A3B shape (bench/results/h200-generate/run2_*.json), so "auto"
     # means grouped; dense stays for experiments and as a second reference in the tests.
     def _dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, D, E = x.shape[0], x.shape[1], self.num_experts
