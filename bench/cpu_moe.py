@@ -95,6 +95,13 @@ def torch_loop_tflops(D, F, n_active, m, threads, pool_experts) -> float:
     return 2 * 3 * D * F * m * n_active / timeit(run) / 1e12
 
 
+def pool_size(D, F, dtype, target_bytes=0.75e9) -> int:
+    """Experts (>= 64, a multiple of 32) whose packed weights reach target_bytes: calls rotate over
+    them so decode reads come from DRAM, not from a large last-level cache (300 MiB on the box host)."""
+    per = 3 * D * F * {"bf16": 2, "int8": 1, "int4": 0.5}[dtype]
+    return max(64, -(-int(target_bytes / per) // 32) * 32)
+
+
 def build(D, F, pool_experts, dtype, isa, threads, knee):
     g = torch.Generator().manual_seed(0)
     uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
@@ -125,15 +132,16 @@ def main(argv=None) -> int:
     ap.add_argument("--second-isa", default="decode", choices=("decode", "all"),
                     help="cases for ISAs after the first: decode only (bf16, int8) or everything")
     ap.add_argument("--knee-sweep", default="4,8,16,32", help="AMX: tokens/expert where vector and AMX paths are both timed")
-    ap.add_argument("--kblocks", default="4,8,16", help="AMX: K-block lengths (64-byte chunks) to time at 8x1024")
+    ap.add_argument("--kblocks", default="8,16,32", help="AMX: K-block lengths (64-byte chunks) to time at 8x1024")
     ap.add_argument("--scaling", default="8", help="thread counts for a short scaling check (amx bf16, first shape)")
-    ap.add_argument("--pool-experts", type=int, default=64, help="distinct experts cycled through (> LLC)")
-    ap.add_argument("--knee", type=int, default=16, help="AMX from this many tokens per expert")
+    ap.add_argument("--pool-experts", type=int, default=0,
+                    help="distinct experts cycled through; 0 = enough for >= 0.75 GB of weights (2.5x the box LLC)")
+    ap.add_argument("--knee", type=int, default=None, help="AMX from this many tokens per expert (default: CpuMoE's per dtype)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few cases")
     ap.add_argument("--out", default="cpu_moe.json")
     a = ap.parse_args(argv)
     if a.quick:
-        a.shapes, a.decode, a.prefill, a.pool_experts, a.knee_sweep, a.kblocks = "tiny", "8x1,8x4", "8x64", 16, "8", "8"
+        a.shapes, a.decode, a.prefill, a.pool_experts, a.knee_sweep, a.kblocks = "tiny", "8x1,8x4", "8x64", 16, "8", "16"
     compiled = [i for i in cpu_kernels.available_isas() if i != "ref"]
     isas = compiled[:2] if a.isas == "best2" else a.isas.split(",")
     threads_list = [int(t) for t in a.threads.split(",")]
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
     print(f"# bench.cpu_moe  machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cpus, torch {torch.__version__}")
     print(f"# ISAs: {isas} (available: {cpu_kernels.available_isas()}), threads: {threads_list}, dtypes: {a.dtypes}")
     print(f"# shapes (D, F): {', '.join(f'{s}={SHAPES[s]}' for s in a.shapes.split(','))}; AMX knee {a.knee} "
-          f"tokens; experts rotate over a pool of {a.pool_experts}; K=1, every active expert gets m tokens")
+          f"tokens; experts rotate over a pool of {a.pool_experts or '>= 0.75 GB'}; K=1, every active expert gets m tokens")
     for isa in isas:
         _native.profile_enable(isa)
     rows, knee_rows, kb_rows, scale_rows, dram = [], [], [], [], {}
@@ -165,11 +173,12 @@ def main(argv=None) -> int:
                 for dtype in a.dtypes.split(","):
                     if second and dtype == "int4":
                         continue
-                    moe = build(D, F, a.pool_experts, dtype, isa, th, a.knee)
-                    per_expert = moe.nbytes / a.pool_experts
+                    pool_e = a.pool_experts or pool_size(D, F, dtype)
+                    moe = build(D, F, pool_e, dtype, isa, th, a.knee)
+                    per_expert = moe.nbytes / pool_e
                     for kind, cases in (("decode", dec), ("prefill", [] if second else pre)):
                         for n, m in cases:
-                            sec, prof = run_case(moe, D, n, m, a.pool_experts, isa)
+                            sec, prof = run_case(moe, D, n, m, pool_e, isa)
                             gbps = n * per_expert / sec / 1e9
                             tflops = 2 * 3 * D * F * m * n / sec / 1e12
                             tt = torch_tf.get((n, m)) if kind == "prefill" else None
@@ -183,21 +192,21 @@ def main(argv=None) -> int:
                                   flush=True)
                     if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
                         for m in sweep:  # the knee: same call on the vector path, then on AMX
-                            t_vec = run_case_knee(moe, D, 8, m, a.pool_experts, isa, 1 << 30)
-                            t_amx = run_case_knee(moe, D, 8, m, a.pool_experts, isa, 1)
+                            t_vec = run_case_knee(moe, D, 8, m, pool_e, isa, 1 << 30)
+                            t_amx = run_case_knee(moe, D, 8, m, pool_e, isa, 1)
                             knee_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m,
                                                   vector_ms=t_vec * 1e3, amx_ms=t_amx * 1e3))
                             print(f"# knee {shape} {dtype} m={m}: vector {t_vec * 1e3:.3f} ms, AMX {t_amx * 1e3:.3f} ms")
-                        moe.set_amx_min_tokens(a.knee)
+                        moe.set_amx_min_tokens(a.knee or cpu_kernels.moe.AMX_KNEE[dtype])
                         for m in (1024,) if kblocks else ():  # AMX K-block length (L1/L2 reuse trade-off)
                             for kb in kblocks:
                                 _native.load(isa).hy_set_amx_kblock(kb)
-                                t = run_case(moe, D, 8, m, a.pool_experts, isa)[0]
+                                t = run_case(moe, D, 8, m, pool_e, isa)[0]
                                 kb_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m, kblock=kb,
                                                     ms=t * 1e3, tflops=2 * 3 * D * F * m * 8 / t / 1e12))
                                 print(f"# kblock {shape} {dtype} 8x{m} kb={kb}: {t * 1e3:.3f} ms, "
                                       f"{kb_rows[-1]['tflops']:.2f} TFLOP/s")
-                            _native.load(isa).hy_set_amx_kblock(8)
+                            _native.load(isa).hy_set_amx_kblock(16)
                     big = [r for r in rows if r["isa"] == isa and r["dtype"] == dtype and r["shape"] == shape]
                     for r in (big[0], big[-1]) if big else ():
                         print(f"#   phases ms ({r['kind']} {r['experts']}x{r['tokens_per_expert']}): "
@@ -206,12 +215,13 @@ def main(argv=None) -> int:
     shape0 = a.shapes.split(",")[0]
     D, F = SHAPES[shape0]
     for th in [int(v) for v in a.scaling.split(",") if v]:
-        moe = build(D, F, a.pool_experts, "bf16", isas[0], th, a.knee)
+        pool_e = a.pool_experts or pool_size(D, F, "bf16")
+        moe = build(D, F, pool_e, "bf16", isas[0], th, a.knee)
         for n, m in (dec[1 % len(dec)], pre[-1]) if pre and dec else ():
-            t = run_case(moe, D, n, m, a.pool_experts, isas[0])[0]
+            t = run_case(moe, D, n, m, pool_e, isas[0])[0]
             gb = dram_read_gbps(isas[0], th, 1 << 30)
             scale_rows.append(dict(shape=shape0, isa=isas[0], dtype="bf16", threads=th, experts=n, tokens_per_expert=m,
-                                   ms=t * 1e3, weight_gbps=n * moe.nbytes / a.pool_experts / t / 1e9, dram_gbps=gb,
+                                   ms=t * 1e3, weight_gbps=n * moe.nbytes / pool_e / t / 1e9, dram_gbps=gb,
                                    tflops=2 * 3 * D * F * m * n / t / 1e12))
             r = scale_rows[-1]
             print(f"# scaling {shape0} {isas[0]} bf16 {th} threads {n}x{m}: {t * 1e3:.3f} ms, {r['weight_gbps']:.1f} GB/s "

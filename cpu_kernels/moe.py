@@ -22,7 +22,11 @@ from .topology import Topology
 DTYPES = {"bf16": 0, "int8": 1, "int4": 2}
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_ROW_ALIGN = 32  # AMX tiles have 16 rows and the kernels block 2 of them (Intel SDM: TMUL, M <= 16)
+_ROW_ALIGN = 32
+# Tokens per expert from which AMX beats the AVX-512 vector path (Xeon EMR host, Qwen3-235B expert,
+# 8 experts): bf16 AMX was faster from 8 tokens (4.5 vs 4.9 ms), int8 from 16 (2.8 vs 3.0 ms).
+# int4 always runs on the vector path.
+AMX_KNEE = {"bf16": 8, "int8": 16}  # AMX tiles have 16 rows and the kernels block 2 of them (Intel SDM: TMUL, M <= 16)
 
 
 def _align(v: int, a: int) -> int:
@@ -70,7 +74,7 @@ def _submit_executor() -> concurrent.futures.ThreadPoolExecutor:
 class CpuMoE:
     def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
-                 isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int = 16,
+                 isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0):
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             _check_tensor(name, w, 3, _WEIGHT_DTYPES)
@@ -86,6 +90,8 @@ class CpuMoE:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if amx_min_tokens is None:  # the measured knee on the GPU box host (bench.cpu_moe, knee sweep)
+            amx_min_tokens = AMX_KNEE.get(dtype, 16)
         if amx_min_tokens < 1:
             raise ValueError("amx_min_tokens must be >= 1")
         if expert_ids is None:
