@@ -18,6 +18,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -53,28 +55,73 @@ class Offload:
 
     def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
                  cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 3,
-                 group_size: int = 128, ship_chunk: int = 8):
+                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True):
         self.device = torch.device(device)
         self.dtype = dtype
-        if threads is None and self.device.type == "cuda":
-            # Leave one core to the thread that launches the GPU work: with every core in the CPU
-            # executor's pool, each launch waits for a core and the GPU lane slows down.
-            threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        self.lane_cpus: set[int] | None = None
+        self.topology = self._split_cores(threads) if self.device.type == "cuda" else None
         self.scheduler = scheduler
         self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
-        self.cpu_lane = CpuLane(self.device)
+        self.cpu_lane = CpuLane(self.device, pin_cpus=self.lane_cpus)
+        self.graphs = graphs and self.device.type == "cuda"
+        self._graph_lane = None
         self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
         self.pinned_weight_bytes = 0
         self.layers: list["HybridExperts"] = []
+
+    def _split_cores(self, threads: int | None):
+        """Give the CPU executor's pool all cores but one and this (GPU-launching) thread the last one.
+
+        The pool's workers are pinned and sleep between the short phases of a decode-sized call; the
+        kernel then sees their cores as idle and may run the launching thread there, and the woken
+        worker waits a scheduler slice (ms) for its core. Measured on the GPU box: a decode step that
+        used both lanes took ~4x longer than either lane alone. Pinning the launching thread to a core
+        the pool does not use removes that. The CPU lane's worker (which runs the pool's first share) is
+        pinned to the pool's first core. Returns the pool's topology."""
+        import cpu_kernels
+
+        topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
+        pool = sorted(c for n in topo.nodes for c in n)
+        rest = sorted(_PROCESS_CPUS - set(pool))
+        if not rest:  # every core is in the pool: give up the last one
+            if len(pool) < 2:
+                return topo
+            last = topo.nodes[-1][-1]
+            topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
+            rest = [last]
+            pool = [c for c in pool if c != last]
+        try:
+            os.sched_setaffinity(0, rest)  # this thread only (Linux: pid 0 = the calling thread)
+        except OSError as exc:
+            log.warning("could not pin the launching thread to cpus %s (%s)", rest, exc)
+            return topo
+        self.lane_cpus = {pool[0]}
+        log.info("hybrid: CPU executor on %d cpus (%s..%s), GPU launches on cpus %s", len(pool), pool[0], pool[-1], rest)
+        return topo
+
+    @property
+    def graph_lane(self):
+        if self._graph_lane is None:
+            from hybrid.offload.graph_lane import GraphCpuLane
+
+            self._graph_lane = GraphCpuLane(self.device, pin_cpus=self.lane_cpus)
+        return self._graph_lane
 
     def memory(self) -> dict:
         """Bytes: DRAM of the CPU executors, pinned host memory, VRAM of resident experts and staging."""
         return {
             "dram_expert_bytes": sum(layer.cpu_moe.nbytes for layer in self.layers),
-            "pinned_bytes": self.pinned_weight_bytes + self.cpu_lane.pinned_bytes,
+            "pinned_bytes": self.pinned_weight_bytes + self.cpu_lane.pinned_bytes
+            + (self._graph_lane.pinned_bytes if self._graph_lane is not None else 0),
             "vram_resident_bytes": sum(layer.resident_bytes for layer in self.layers),
             "vram_staging_bytes": self.ship_lane.vram_bytes,
         }
+
+
+log = logging.getLogger("hybrid.offload")
+# The cpus this process may use, read before any thread is pinned (pinning narrows the main thread's own
+# affinity, which later reads would otherwise see).
+_PROCESS_CPUS = frozenset(os.sched_getaffinity(0))
 
 
 def _grouped_ok(rows: torch.Tensor) -> bool:
@@ -83,7 +130,8 @@ def _grouped_ok(rows: torch.Tensor) -> bool:
 
 
 class HybridExperts(nn.Module):
-    graph_safe = False  # reads the routing histogram on the host: decode runs eager
+    """See the module docstring. Eager calls split per batch; captured calls (decode graphs) use the fixed
+    split of hybrid.offload.graph_lane."""
 
     def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offload: Offload):
         super().__init__()
@@ -95,7 +143,8 @@ class HybridExperts(nn.Module):
         self.num_experts, self.F, self.D = E, F_, D
         self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
                                           dtype=offload.cpu_dtype, group_size=offload.group_size,
-                                          threads=offload.threads, isa=offload.cpu_isa)
+                                          threads=None if offload.topology else offload.threads,
+                                          topology=offload.topology, isa=offload.cpu_isa)
         self.sources = packed_sources(self.cpu_moe)
         self._pinned = []
         if offload.device.type == "cuda":
@@ -121,7 +170,11 @@ class HybridExperts(nn.Module):
                 torch.cat([p[2] for p in parts], 1))
 
     def set_resident(self, ids) -> None:
-        """Make exactly `ids` resident in VRAM (uploaded from the packed copy); the rest are cold."""
+        """Make exactly `ids` resident in VRAM (uploaded from the packed copy); the rest are cold.
+
+        Decode graphs captured before hold the old placement: capture them again afterwards."""
+        if getattr(self, "captured", False):
+            raise RuntimeError("decode graphs hold this layer's placement; change it before capturing them")
         ids = sorted(int(i) for i in ids)
         if any(i < 0 or i >= self.num_experts for i in ids):
             raise ValueError(f"resident ids must be in [0, {self.num_experts})")
@@ -139,6 +192,17 @@ class HybridExperts(nn.Module):
             g, u, d = self.expert_weights(e)
             self.w_gate[r], self.w_up[r], self.w_down[r] = g, u, d
         self._slot_of = {e: r for r, e in enumerate(ids)}
+        self.cold_mask = torch.from_numpy(~is_res)  # bool [E], host: the CPU lane's experts in graphs
+        rank = np.full(self.num_experts, R, dtype=np.int64)
+        rank[ids] = np.arange(R)
+        self.rank_dev = torch.from_numpy(rank).to(dev)  # [E]: resident slot, or R for cold
+        self.captured = False
+
+    @property
+    def capturable(self) -> bool:
+        """Decode steps can be graph-captured (CUDA, bf16 grouped GEMMs, graphs not turned off)."""
+        off = self.offload
+        return off.graphs and grouped_mm_works(off.device, off.dtype) and off.dtype == torch.bfloat16
 
     @property
     def resident_bytes(self) -> int:
@@ -154,6 +218,10 @@ class HybridExperts(nn.Module):
         off = self.offload
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self._forward_captured(x, topk_ids, topk_weights)
+        if self.capturable and T <= off.graph_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
+            off.graph_lane.buffers(T, self.D, K, off.dtype)
         flat = topk_ids.reshape(-1).to(dev)  # [T*K]
         hist = torch.bincount(flat, minlength=self.num_experts).cpu().numpy()  # host sync: the split needs it
         t0 = time.perf_counter()
@@ -176,6 +244,34 @@ class HybridExperts(nn.Module):
             self._gpu_lane(x, flat, topk_weights.reshape(-1).to(dev), hist, ship_ids, K, out)
         if future is not None:
             out += off.cpu_lane.collect(future).float()
+        return out.to(x.dtype)
+
+    def _forward_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        """No host sync: resident experts on the GPU, all cold experts through the graph's CPU lane."""
+        T, K = topk_ids.shape
+        lane = self.offload.graph_lane
+        self.captured = True
+        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights) if bool(self.cold_mask.any()) else None
+        out = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
+        R = len(self.resident_ids)
+        if R:
+            flat = topk_ids.reshape(-1)
+            r = self.rank_dev[flat]  # [T*K] resident slot, R = cold
+            order = torch.argsort(r, stable=True)
+            counts = torch.zeros(R + 1, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, r, torch.ones_like(r, dtype=torch.int32))
+            offs = counts[:R].cumsum(0, dtype=torch.int32)  # rows past offs[-1] (cold) are not computed
+            token = order // K
+            rows = x[token]
+            g = torch._grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offs)
+            u = torch._grouped_mm(rows, self.w_up.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(F.silu(g) * u, self.w_down.transpose(1, 2), offs=offs)  # [T*K, D]
+            keep = (r[order] < R)[:, None]
+            wts = topk_weights.reshape(-1)[order].float()[:, None]
+            out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
+        if cpu_out is not None:
+            lane.join()
+            out += cpu_out.float()
         return out.to(x.dtype)
 
     def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 
@@ -33,10 +34,12 @@ _LANE_SWITCH_INTERVAL = 1e-4
 
 
 class CpuLane:
-    def __init__(self, device: torch.device, max_rows: int = 256):
+    def __init__(self, device: torch.device, pin_cpus: set[int] | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-lane")
+        init = (lambda: os.sched_setaffinity(0, pin_cpus)) if pin_cpus else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-lane",
+                                                           initializer=init)
         self._bufs: dict[tuple, torch.Tensor] = {}
         self.pinned_bytes = 0
 
