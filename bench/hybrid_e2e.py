@@ -107,7 +107,7 @@ def run(args) -> dict:
     model, cfg, shape, off = build(args, hw, device, dtype)
     resident = args.resident if args.resident is not None else cfg.num_experts // 4
     max_ctx = max(max(args.prefill), 512) + 64
-    eng = Engine(model, None, max_batch=max(args.decode_batch), max_context=max_ctx, eager=True)
+    eng = Engine(model, None, max_batch=max(args.decode_batch), max_context=max_ctx, eager=not args.graphs)
     gen = torch.Generator().manual_seed(2)
     calib = torch.randint(0, cfg.vocab_size, (512,), generator=gen).tolist()
     slot = eng.allocate_slot()
@@ -121,7 +121,7 @@ def run(args) -> dict:
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'none'} | {args.preset} x {cfg.num_layers} "
               f"layers, {resident}/{cfg.num_experts} experts resident per layer, CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(len(n) for n in off.layers[0].cpu_moe.topology.nodes)} threads "
-              f"{args.cpu_dtype}, {dtype} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
+              f"{args.cpu_dtype}, {dtype}, decode {'CUDA graphs' if eng.graphs is not None else 'eager'} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
               f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, VRAM resident "
               f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
     print(header, flush=True)
@@ -173,7 +173,7 @@ def run(args) -> dict:
         for k, v in row.items():
             if isinstance(v, dict):
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
-    return {"header": header, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
+    return {"header": header, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "results": results}
 
 
@@ -185,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4"])
     p.add_argument("--isa")
+    p.add_argument("--graphs", action="store_true", help="decode in CUDA graphs (every cold expert on the CPU "
+                   "lane as a host function; the strategy then only affects prefill)")
     p.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all cores but one)")
     p.add_argument("--prefill", type=ints, default=[2048, 8192])
     p.add_argument("--decode-batch", type=ints, default=[1, 8])

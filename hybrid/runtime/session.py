@@ -79,9 +79,8 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
     else:
         model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
     tokenizer = Tokenizer(model_dir)
-    # The hybrid layer reads its routing histogram on the host, so its decode steps run eager.
     engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context,
-                    eager=args.eager or device.type != "cuda" or offload is not None)
+                    eager=args.eager or device.type != "cuda")
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
     engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
