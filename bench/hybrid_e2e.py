@@ -143,8 +143,13 @@ def run(args) -> dict:
             eng.free_slot(s)
             s = eng.allocate_slot()
             snap = snapshot(off)
+            before = [layer.stats.routed.copy() for layer in off.layers]
             dt = timed(lambda: eng.prefill(s, ids), device)
             eng.free_slot(s)
+            # PCIe bound: every cold expert the prompt touched crosses the link once per layer
+            cold_bytes = sum(int(((layer.stats.routed - b) > 0)[~layer.is_resident].sum()) * shape.weight_bytes
+                             for layer, b in zip(off.layers, before))
+            row[f"prefill_{n}_pcie_bound_tok_s"] = n / (cold_bytes / hw.link_bw) if cold_bytes else float("inf")
             row[f"prefill_{n}_tok_s"] = n / dt
             row[f"prefill_{n}_ms"] = dt * 1e3
             row[f"prefill_{n}_sched"] = describe(snapshot(off) - snap, 1)
