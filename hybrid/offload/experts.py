@@ -59,6 +59,7 @@ class Offload:
         self.device = torch.device(device)
         self.dtype = dtype
         self.lane_cpus: set[int] | None = None
+        self._launcher_cpus: set[int] | None = None
         self.topology = self._split_cores(threads) if self.device.type == "cuda" else None
         self.scheduler = scheduler
         self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
@@ -90,14 +91,20 @@ class Offload:
             topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
             rest = [last]
             pool = [c for c in pool if c != last]
-        try:
-            os.sched_setaffinity(0, rest)  # this thread only (Linux: pid 0 = the calling thread)
-        except OSError as exc:
-            log.warning("could not pin the launching thread to cpus %s (%s)", rest, exc)
-            return topo
         self.lane_cpus = {pool[0]}
+        self._launcher_cpus = set(rest)
         log.info("hybrid: CPU executor on %d cpus (%s..%s), GPU launches on cpus %s", len(pool), pool[0], pool[-1], rest)
         return topo
+
+    def pin_launcher(self) -> None:
+        """Pin the calling (GPU-launching) thread off the pool's cores; done at the first layer call, not
+        at construction, so that loading and packing in this thread still use every core."""
+        cpus, self._launcher_cpus = self._launcher_cpus, None
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)  # this thread only (Linux: pid 0 = the calling thread)
+            except OSError as exc:
+                log.warning("could not pin the launching thread to cpus %s (%s)", sorted(cpus), exc)
 
     @property
     def graph_lane(self):
@@ -218,6 +225,8 @@ class HybridExperts(nn.Module):
         off = self.offload
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
+        if off._launcher_cpus:
+            off.pin_launcher()
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._forward_captured(x, topk_ids, topk_weights)
         if self.capturable and T <= off.graph_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
