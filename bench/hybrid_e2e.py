@@ -30,7 +30,7 @@ from hybrid.models import build_empty, init_random_
 from hybrid.models.families import family_for
 from hybrid.models.presets import hf_config
 from hybrid.offload.build import expert_shape
-from hybrid.offload.experts import HybridExperts, Offload
+from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
 from placement.calibrate import cpu_name
 from placement.hardware import resolve_profile

@@ -44,7 +44,7 @@ def routing(T: int, E: int, K: int, skew: str, gen: torch.Generator, device):
 
 
 def build_layer(shape, profile, device, resident: int, cpu_dtype: str, isa: str | None, seed: int = 0):
-    from hybrid.offload.experts import HybridExperts, Offload
+    from hybrid.offload import HybridExperts, Offload
 
     g = torch.Generator().manual_seed(seed)
     E, F_, D = shape.num_experts, shape.intermediate, shape.hidden

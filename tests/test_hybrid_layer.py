@@ -120,3 +120,19 @@ def test_memory_report():
     mem = layer.offload.memory()
     assert mem["dram_expert_bytes"] == layer.cpu_moe.nbytes > 0
     assert mem["vram_staging_bytes"] > 0 and mem["vram_resident_bytes"] == 0
+
+
+def test_unaligned_rows_take_the_expert_loop():
+    """D*4 bytes not a multiple of 16: grouped GEMMs decline, the per-expert loop serves (same result)."""
+    d = 90
+    g = torch.Generator().manual_seed(4)
+    wg, wu = (torch.randn(E, F_, d, generator=g) / d ** 0.5 for _ in range(2))
+    wd = torch.randn(E, d, F_, generator=g) / F_ ** 0.5
+    wg, wu, wd = (w.to(torch.bfloat16).float() for w in (wg, wu, wd))
+    shape = ExpertShape("test", hidden=4096, intermediate=1536, num_experts=E, topk=K)
+    off = Offload("cpu", torch.float32, LayerScheduler(shape, AMX_BOX, "ship"), cpu_isa="ref", ship_chunk=3)
+    layer = HybridExperts(0, wg, wu, wd, off)
+    layer.set_resident([1, 6])
+    x = torch.randn(50, d, generator=g).to(torch.bfloat16).float()
+    ids, w = routing(50, seed=9)
+    torch.testing.assert_close(layer(x, ids, w), moe_forward(x, wg, wu, wd, ids, w), atol=2e-5, rtol=1e-4)

@@ -128,7 +128,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     """Load with every expert in the CPU executor (one packed DRAM copy); none resident yet."""
     from hybrid.models import load_model
     from hybrid.models.loader import read_config
-    from hybrid.offload.experts import HybridExperts, Offload
+    from hybrid.offload import HybridExperts, Offload
 
     device = torch.device(device)
     _, cfg, _ = read_config(model_dir)

@@ -22,7 +22,7 @@ TINY = ExpertShape("tiny", hidden=256, intermediate=256, num_experts=16, topk=1)
 
 def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     """Seconds: layer_overhead, cpu_lane_overhead, ship_chunk_overhead, ship_expert_overhead (CUDA only)."""
-    from hybrid.offload.experts import HybridExperts, Offload
+    from hybrid.offload import HybridExperts, Offload
 
     dev = torch.device("cuda")
     chunk = 8

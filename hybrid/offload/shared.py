@@ -1,0 +1,97 @@
+"""Offload: what all hybrid MoE layers of one model share (device, lanes, scheduler, CPU executor options),
+and the split of the host's cores between the CPU executor and the thread that launches GPU work."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybrid.offload.lanes import CpuLane, ShipLane
+from placement.schedule import LayerScheduler
+
+if TYPE_CHECKING:
+    from hybrid.offload.experts import HybridExperts
+
+log = logging.getLogger("hybrid.offload")
+# The cpus this process may use, read before any thread is pinned (pinning narrows the pinned thread's own
+# affinity, which later reads would otherwise see).
+_PROCESS_CPUS = frozenset(os.sched_getaffinity(0))
+
+
+class Offload:
+    """What all hybrid layers of one model share: device, lanes, scheduler settings and CPU executor options."""
+
+    def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
+                 cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 3,
+                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.lane_cpus: set[int] | None = None
+        self._launcher_cpus: set[int] | None = None
+        self.topology = self._split_cores(threads) if self.device.type == "cuda" else None
+        self.scheduler = scheduler
+        self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
+        self.cpu_lane = CpuLane(self.device, pin_cpus=self.lane_cpus)
+        self.graphs = graphs and self.device.type == "cuda"
+        self._graph_lane = None
+        self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
+        self.pinned_weight_bytes = 0
+        self.layers: list["HybridExperts"] = []
+
+    def _split_cores(self, threads: int | None):
+        """Give the CPU executor's pool all cores but one and this (GPU-launching) thread the last one.
+
+        The pool's workers are pinned and sleep between the short phases of a decode-sized call; the
+        kernel then sees their cores as idle and may run the launching thread there, and the woken
+        worker waits a scheduler slice (ms) for its core. Measured on the GPU box: a decode step that
+        used both lanes took ~4x longer than either lane alone. Pinning the launching thread to a core
+        the pool does not use removes that. The CPU lane's worker (which runs the pool's first share) is
+        pinned to the pool's first core. Returns the pool's topology."""
+        import cpu_kernels
+
+        topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
+        pool = sorted(c for n in topo.nodes for c in n)
+        rest = sorted(_PROCESS_CPUS - set(pool))
+        if not rest:  # every core is in the pool: give up the last one
+            if len(pool) < 2:
+                return topo
+            last = topo.nodes[-1][-1]
+            topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
+            rest = [last]
+            pool = [c for c in pool if c != last]
+        self.lane_cpus = {pool[0]}
+        self._launcher_cpus = set(rest)
+        log.info("hybrid: CPU executor on %d cpus (%s..%s), GPU launches on cpus %s", len(pool), pool[0], pool[-1], rest)
+        return topo
+
+    def pin_launcher(self) -> None:
+        """Pin the calling (GPU-launching) thread off the pool's cores; done at the first layer call, not
+        at construction, so that loading and packing in this thread still use every core."""
+        cpus, self._launcher_cpus = self._launcher_cpus, None
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)  # this thread only (Linux: pid 0 = the calling thread)
+            except OSError as exc:
+                log.warning("could not pin the launching thread to cpus %s (%s)", sorted(cpus), exc)
+
+    @property
+    def graph_lane(self):
+        if self._graph_lane is None:
+            from hybrid.offload.graph_lane import GraphCpuLane
+
+            self._graph_lane = GraphCpuLane(self.device, pin_cpus=self.lane_cpus)
+        return self._graph_lane
+
+    def memory(self) -> dict:
+        """Bytes: DRAM of the CPU executors, pinned host memory, VRAM of resident experts and staging."""
+        return {
+            "dram_expert_bytes": sum(layer.cpu_moe.nbytes for layer in self.layers),
+            "pinned_bytes": self.pinned_weight_bytes + self.cpu_lane.pinned_bytes
+            + (self._graph_lane.pinned_bytes if self._graph_lane is not None else 0),
+            "vram_resident_bytes": sum(layer.resident_bytes for layer in self.layers),
+            "vram_staging_bytes": self.ship_lane.vram_bytes,
+        }
