@@ -1,0 +1,172 @@
+"""Bytes a hybrid model needs, computed from its ModelConfig alone (no weight is loaded).
+
+The planner checks budgets with these figures before anything is read from disk, so every size here
+mirrors what the runtime allocates (the code each function mirrors is named in its docstring):
+
+GPU (VRAM):
+    non-expert weights  attention, norms, routers, shared experts, dense MLPs, embeddings, head
+    KV cache            hybrid.runtime.kv_cache.StaticKVCache: 2 x layers x B x (C + 1) x Hkv x hd
+    staging             hybrid.offload.lanes.ShipLane: n_slots x chunk experts, dense (+ packed raw
+                        buffers when the packed layout is not the dense one)
+    graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output
+    resident experts    3 x D x F each, de-quantized to the compute dtype (HybridExperts.set_resident)
+    reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
+
+DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
+and row sums, int4 group scales), including the resident ones: the runtime keeps one packed copy of
+every expert so that eviction and re-placement never reload from disk; plus the CPU lanes' pinned
+activation buffers.
+
+Shapes: E experts, D hidden, F expert intermediate, K experts per token, B batch rows, C context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.errors import UsageError
+
+CPU_DTYPES = ("bf16", "int8", "int4")
+ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
+INT4_GROUP = 128  # hybrid.offload.Offload default group size
+DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
+GRAPH_MAX_ROWS = 512  # hybrid.offload.graph_lane.GraphCpuLane.MAX_ROWS
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def _kpad(cpu_dtype: str, group: int) -> int:
+    return max(64, group) if cpu_dtype == "int4" else 64  # cpu_kernels.CpuMoE._kpad
+
+
+def f_slices(F: int, node_threads: list[int], cpu_dtype: str = "bf16", group: int = INT4_GROUP) -> list[tuple[int, int]]:
+    """cpu_kernels.CpuMoE._f_slices: F split over the nodes in proportion to their threads, in multiples
+    of the K padding (so each node's slice of the down matrix needs no tail handling)."""
+    step = _kpad(cpu_dtype, group)
+    total = sum(node_threads)
+    bounds, acc = [0], 0
+    for n in node_threads[:-1]:
+        acc += n
+        bounds.append(min(F, _align(round(F * acc / total), step)))
+    bounds.append(F)
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def packed_matrix_bytes(rows: int, k: int, cpu_dtype: str, row_align: int, group: int = INT4_GROUP) -> int:
+    """One expert's matrix [rows, k] as CpuMoE._mat packs it (padded to [rows_p, ldk])."""
+    rows_p, ldk = _align(rows, row_align), _align(k, _kpad(cpu_dtype, group))
+    if cpu_dtype == "bf16":
+        return rows_p * ldk * 2
+    if cpu_dtype == "int8":
+        return rows_p * ldk + rows_p * 4 + rows_p * 4  # int8 values, fp32 scale and int32 row sum per row
+    if cpu_dtype == "int4":
+        return rows_p * ldk // 2 + rows_p * (ldk // group) * 4  # nibbles, fp32 scale per group
+    raise UsageError(f"cpu dtype must be one of {', '.join(CPU_DTYPES)}, got {cpu_dtype!r}")
+
+
+def packed_slice_bytes(D: int, f0: int, f1: int, cpu_dtype: str, group: int = INT4_GROUP) -> int:
+    """One expert's share on one node: gate and up rows f0:f1 and down columns f0:f1."""
+    Fn, kp = f1 - f0, _kpad(cpu_dtype, group)
+    return (2 * packed_matrix_bytes(Fn, D, cpu_dtype, kp, group)
+            + packed_matrix_bytes(D, Fn, cpu_dtype, ROW_ALIGN, group))
+
+
+def packed_expert_bytes(D: int, F: int, cpu_dtype: str, node_threads: list[int] | None = None,
+                        group: int = INT4_GROUP) -> int:
+    """DRAM bytes of one expert in the CPU executor, summed over the nodes' slices."""
+    return sum(packed_slice_bytes(D, a, b, cpu_dtype, group)
+               for a, b in f_slices(F, node_threads or [1], cpu_dtype, group))
+
+
+def dense_layout(D: int, F: int, cpu_dtype: str, nodes: int) -> bool:
+    """ShipLane.direct: the packed bytes are the dense bf16 weights (no staging of raw bytes needed)."""
+    return cpu_dtype == "bf16" and nodes == 1 and D % 64 == 0 and F % 64 == 0 and D % ROW_ALIGN == 0
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What besides the model decides the fixed part of VRAM and DRAM."""
+
+    max_context: int = 4096  # C
+    max_batch: int = 1  # B (KV slots = decode rows)
+    cpu_dtype: str = "bf16"
+    gpu_dtype_bytes: int = 2  # bf16 on the GPU
+    staging_slots: int = 4  # hybrid.offload.build.HybridConfig.staging_slots
+    ship_chunk: int = 8  # hybrid.offload.experts.Offload ship_chunk
+    reserve: int = DEFAULT_RESERVE
+    node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor
+    group: int = INT4_GROUP
+
+    def __post_init__(self):
+        if self.max_context < 2:
+            raise UsageError(f"--max-context must be at least 2, got {self.max_context}")
+        if self.max_batch < 1:
+            raise UsageError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.cpu_dtype not in CPU_DTYPES:
+            raise UsageError(f"--cpu-dtype must be one of {', '.join(CPU_DTYPES)}, got {self.cpu_dtype!r}")
+        if self.gpu_dtype_bytes not in (2, 4):
+            raise UsageError(f"GPU dtype must be 2 or 4 bytes, got {self.gpu_dtype_bytes}")
+        if self.staging_slots < 1 or self.ship_chunk < 1:
+            raise UsageError("the ship lane needs at least one staging slot of one expert")
+        if self.reserve < 0:
+            raise UsageError(f"--reserve must be >= 0, got {self.reserve}")
+        if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
+            raise UsageError(f"every NUMA node needs >= 1 thread, got {self.node_threads}")
+        object.__setattr__(self, "node_threads", tuple(int(t) for t in self.node_threads))
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes; `gpu_fixed` is everything on the GPU except resident experts."""
+
+    non_expert: int
+    kv_cache: int
+    staging: int
+    graph_buffers: int
+    reserve: int
+    resident_expert: int  # VRAM bytes of ONE resident expert
+    dram_expert: int  # DRAM bytes of ONE expert (packed)
+    dram_experts_all: int  # every expert of every MoE layer
+    pinned_buffers: int
+
+    @property
+    def gpu_fixed(self) -> int:
+        return self.non_expert + self.kv_cache + self.staging + self.graph_buffers + self.reserve
+
+    @property
+    def cpu_total(self) -> int:
+        return self.dram_experts_all + self.pinned_buffers
+
+
+def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
+    """The fixed memory of model `cfg` (a hybrid.models.ModelConfig) under settings `s`."""
+    D, F, K = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
+    gb = s.gpu_dtype_bytes
+    non_expert = cfg.param_counts()["non_expert"] * gb
+    kv = 2 * cfg.num_layers * s.max_batch * (s.max_context + 1) * cfg.num_kv_heads * cfg.head_dim * gb
+    dense = 3 * D * F * gb
+    packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
+    raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else packed
+    staging = s.staging_slots * s.ship_chunk * (dense + raw)
+    # Decode graphs: one private pool sized by the largest bucket B; within a captured step a layer's
+    # temporaries are freed before the next layer's, so the peak is about one layer's worth: q/k/v and
+    # MLP rows (~16 [B, max(D, H*hd)] tensors), fp32 attention scores and probabilities [B, H, C+1], fp32
+    # logits [B, V] twice (head output + the copy returned), and the graph CPU lane's output [>=64, D].
+    B = s.max_batch
+    width = max(D, cfg.num_heads * cfg.head_dim)
+    graph = (16 * B * width * gb + 2 * B * cfg.num_heads * (s.max_context + 1) * 4 + 2 * B * cfg.vocab_size * 4
+             + max(B, 64) * D * gb)
+    # CPU lanes: pinned x and out [T, D], ids [T, K] int64, weights [T, K] fp32 for the largest batch a
+    # call sees (a whole prompt of C tokens), eager lane + graph lane.
+    rows = s.max_context * s.max_batch
+    pinned = rows * (2 * D * gb + K * 12) + GRAPH_MAX_ROWS * (2 * D * gb + K * 12)
+    n_experts = cfg.num_moe_layers * cfg.num_experts
+    return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
+                           resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed,
+                           pinned_buffers=pinned)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,139 @@
+"""The plan file `hybrid plan --out` writes and `generate/chat/serve --plan` read (JSON, validated).
+
+    {"schema_version": 1, "kind": "hybrid-plan",
+     "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
+     "settings": {"max_context", "max_batch", "cpu_dtype", "gpu_dtype_bytes", "staging_slots", "ship_chunk",
+                  "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
+     "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes
+     "memory": {"gpu": {non_expert, kv_cache, staging, graph_buffers, reserve, resident_experts,
+                        per_resident_expert}, "cpu": {experts, cold_experts, pinned_buffers, per_expert}},
+     "layers": [{"layer": model layer index, "resident_experts": [expert ids], "predicted_saving_s": s}],
+     "numa": [{"node", "threads", "f_start", "f_end", "bytes", "cold_bytes"}],
+     "predicted_decode_tokens_per_s", "predicted_prefill_tokens_per_s"}
+
+`predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybrid.errors import UsageError
+
+SCHEMA_VERSION = 1
+KIND = "hybrid-plan"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int  # model layer index (an MoE layer)
+    resident_experts: tuple[int, ...]
+    predicted_saving_s: float = 0.0
+
+    def __post_init__(self):
+        ids = tuple(int(e) for e in self.resident_experts)
+        if len(set(ids)) != len(ids) or any(e < 0 for e in ids):
+            raise UsageError(f"plan layer {self.layer}: resident experts must be distinct ids >= 0")
+        object.__setattr__(self, "resident_experts", ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: dict
+    settings: dict
+    gpu_bytes: int
+    gpu_budget_bytes: int
+    cpu_bytes: int
+    cpu_budget_bytes: int
+    memory: dict
+    layers: tuple[LayerPlan, ...]
+    numa: tuple
+    predicted_decode_tokens_per_s: float
+    predicted_prefill_tokens_per_s: float
+
+    def __post_init__(self):
+        E = int(self.model.get("num_experts", 0))
+        if E < 1:
+            raise UsageError("plan: model.num_experts must be >= 1")
+        for lp in self.layers:
+            if any(e >= E for e in lp.resident_experts):
+                raise UsageError(f"plan layer {lp.layer}: expert id out of range [0, {E})")
+        if [lp.layer for lp in self.layers] != list(self.model.get("moe_layers", [])):
+            raise UsageError("plan: layers do not match model.moe_layers")
+        for name in ("gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes"):
+            if int(getattr(self, name)) < 0:
+                raise UsageError(f"plan: {name} must be >= 0")
+        if self.gpu_bytes > self.gpu_budget_bytes or self.cpu_bytes > self.cpu_budget_bytes:
+            raise UsageError("plan: its memory exceeds its own budgets (edited by hand?)")
+        for name in ("predicted_decode_tokens_per_s", "predicted_prefill_tokens_per_s"):
+            v = float(getattr(self, name))
+            if not (math.isfinite(v) and v > 0):
+                raise UsageError(f"plan: {name} must be a positive number")
+
+    def resident_of(self, layer: int) -> tuple[int, ...]:
+        for lp in self.layers:
+            if lp.layer == layer:
+                return lp.resident_experts
+        raise UsageError(f"plan has no MoE layer {layer}")
+
+    def check_model(self, cfg, origin: str = "plan") -> None:
+        """The plan was made for this model's shape (layers, experts, widths)."""
+        moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+        want = {"num_layers": cfg.num_layers, "num_experts": cfg.num_experts, "topk": cfg.experts_per_token,
+                "hidden": cfg.hidden_size, "intermediate": cfg.expert_intermediate_size, "moe_layers": moe}
+        diff = [k for k, v in want.items() if self.model.get(k) != v]
+        if diff:
+            raise UsageError(f"{origin} was made for another model ({', '.join(f'{k} {self.model.get(k)} vs {want[k]}' for k in diff)}); "
+                             "run `hybrid plan --model` on this checkpoint")
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "kind": KIND, "model": self.model, "settings": self.settings,
+                "gpu_bytes": int(self.gpu_bytes), "gpu_budget_bytes": int(self.gpu_budget_bytes),
+                "cpu_bytes": int(self.cpu_bytes), "cpu_budget_bytes": int(self.cpu_budget_bytes),
+                "memory": self.memory,
+                "layers": [{"layer": lp.layer, "resident_experts": list(lp.resident_experts),
+                            "predicted_saving_s": lp.predicted_saving_s} for lp in self.layers],
+                "numa": list(self.numa),
+                "predicted_decode_tokens_per_s": float(self.predicted_decode_tokens_per_s),
+                "predicted_prefill_tokens_per_s": float(self.predicted_prefill_tokens_per_s)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, data, origin: str = "plan") -> "Plan":
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            raise UsageError(f"{origin}: not a placement plan (kind must be {KIND!r}; write one with `hybrid plan --out`)")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise UsageError(f"{origin}: schema_version {data.get('schema_version')!r} not supported "
+                             f"(this build reads {SCHEMA_VERSION})")
+        try:
+            layers = tuple(LayerPlan(int(x["layer"]), tuple(x["resident_experts"]), float(x.get("predicted_saving_s", 0)))
+                           for x in data["layers"])
+            return cls(dict(data["model"]), dict(data["settings"]), int(data["gpu_bytes"]), int(data["gpu_budget_bytes"]),
+                       int(data["cpu_bytes"]), int(data["cpu_budget_bytes"]), dict(data["memory"]), layers,
+                       tuple(data.get("numa", [])), float(data["predicted_decode_tokens_per_s"]),
+                       float(data["predicted_prefill_tokens_per_s"]))
+        except UsageError as exc:
+            raise UsageError(f"{origin}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UsageError(f"{origin}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--plan: no such file: {path}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--plan {path}: cannot read it as JSON ({exc})") from None
+    return Plan.from_json(data, origin=f"plan {str(path)!r}")

@@ -1,0 +1,92 @@
+"""Expected times of a placement from the cost model (DESIGN section 3), per expert and per step.
+
+Routing enters as `share[e]`: the probability that a token uses expert e (counts / tokens; a layer's
+shares sum to K). For a decode step of B rows, the tokens an expert receives are m ~ Binomial(B, share)
+(rows route independently), and every time is an expectation over that distribution, so a rarely used
+expert is charged its weight read only in the steps where it is used, not a fraction of a token.
+
+Decode runs as CUDA graphs on the box (hybrid.offload.graph_lane): resident experts on the GPU, every
+cold expert on the CPU lane, the two lanes concurrent, so a layer costs max(CPU lane, GPU lane). Prefill
+is eager: the cold experts are split per batch by the LayerScheduler, priced here on the expected
+histogram round(P * share).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time
+from placement.hardware import HardwareProfile
+from placement.schedule import LayerScheduler
+
+
+def binomial_pmf(shares, rows: int) -> np.ndarray:
+    """[E, rows + 1]: P(m tokens) for m = 0..rows, m ~ Binomial(rows, share[e])."""
+    q = np.clip(np.asarray(shares, dtype=np.float64), 0.0, 1.0)[:, None]  # [E, 1]
+    m = np.arange(rows + 1, dtype=np.float64)[None, :]  # [1, rows+1]
+    log_c = np.array([math.lgamma(rows + 1) - math.lgamma(k + 1) - math.lgamma(rows - k + 1) for k in range(rows + 1)])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = log_c[None, :] + np.where(m > 0, m * np.log(q), 0.0) + np.where(rows - m > 0, (rows - m) * np.log1p(-q), 0.0)
+    return np.nan_to_num(np.exp(logp))
+
+
+def expected_cpu_time(shape: ExpertShape, hw: HardwareProfile, shares, rows: int) -> np.ndarray:
+    """[E] expected CPU-kernel seconds per step of each expert if it is cold."""
+    table = cpu_compute_time(shape, hw, np.arange(rows + 1))  # [rows+1]
+    return binomial_pmf(shares, rows) @ table
+
+
+def expected_gpu_time(shape: ExpertShape, hw: HardwareProfile, shares, rows: int) -> np.ndarray:
+    """[E] expected GPU seconds per step of each expert if it is resident (weights in HBM)."""
+    table = gpu_compute_time(shape, hw, np.arange(rows + 1))
+    return binomial_pmf(shares, rows) @ table
+
+
+def decode_savings(cpu_shape: ExpertShape, gpu_shape: ExpertShape, hw: HardwareProfile, shares, rows: int) -> np.ndarray:
+    """[E] seconds per decode step saved by making each expert resident: its expected CPU-lane time
+    minus its expected GPU time. (The activation rows cross the link whenever any cold expert is used,
+    so they do not depend on one expert's placement and are left out.)"""
+    return expected_cpu_time(cpu_shape, hw, shares, rows) - expected_gpu_time(gpu_shape, hw, shares, rows)
+
+
+def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, resident, rows: int) -> float:
+    """Expected seconds of one MoE layer's experts in a decode step of `rows` tokens (graph split)."""
+    shares = np.asarray(shares, dtype=np.float64)
+    resident = np.asarray(resident, dtype=bool)
+    cold = ~resident
+    gpu = float(expected_gpu_time(gpu_shape, hw, shares[resident], rows).sum()) if resident.any() else 0.0
+    cpu = 0.0
+    if cold.any():
+        # P(no cold expert is used) ~ product over cold experts (independence, as in the batch model)
+        p_none = float(np.prod((1.0 - np.clip(shares[cold], 0, 1)) ** rows))
+        link = 2.0 * hw.alpha + rows * 2.0 * cpu_shape.hidden * cpu_shape.act_bytes / hw.link_bw
+        cpu = (1.0 - p_none) * (hw.cpu_lane_overhead + link) + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
+    return hw.layer_overhead + max(cpu, gpu)
+
+
+def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, shares, resident, tokens: int) -> float:
+    """Seconds of one MoE layer's experts for a prompt of `tokens` tokens (expected histogram)."""
+    hist = np.rint(np.asarray(shares, dtype=np.float64) * tokens).astype(np.int64)  # [E]
+    resident = np.asarray(resident, dtype=bool)
+    busy = gpu_sched.gpu_time(hist[resident]) if resident.any() else 0.0
+    return scheduler.decide(hist[~resident], batch_tokens=tokens, gpu_busy=busy, rows=tokens).total
+
+
+def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int) -> float:
+    """GPU seconds of everything but the routed experts for `rows` tokens that each attend `context`
+    positions: the weight read or the FLOPs, whichever is larger, plus attention (each row reads its
+    K/V or, for a prompt, the FLOPs of the causal scores dominate). The embedding table is gathered,
+    not read whole."""
+    params = cfg.param_counts()["non_expert"] - cfg.vocab_size * cfg.hidden_size
+    weights = max(2.0 * rows * params / hw.gpu_flops, params * gb / hw.hbm_bw)
+    kv_read = rows * 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * gb / hw.hbm_bw
+    attn_flops = 4.0 * rows * context * cfg.num_heads * cfg.head_dim * cfg.num_layers / hw.gpu_flops
+    return weights + max(kv_read, attn_flops)
+
+
+def gpu_shape_of(cpu_shape: ExpertShape, gb: int) -> ExpertShape:
+    """Resident experts are de-quantized to the compute dtype in VRAM."""
+    return replace(cpu_shape, bytes_per_weight=float(gb))

@@ -1,0 +1,121 @@
+"""Routing statistics: tokens per expert per MoE layer (what `hybrid profile-routing` writes, what
+`hybrid plan --stats` reads). The JSON schema is documented in hybrid/commands/profile_routing.py.
+
+`counts[l, e]` is the number of tokens of the run that layer `layers[l]` routed to expert `e`, so each
+row sums to `tokens * topk`; `share = counts / tokens` is the probability that a token uses the expert
+(a row of shares sums to K). `series` holds the same counts per window of `window_tokens` tokens, in
+order, for judging how long a hot set persists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.errors import UsageError
+
+SCHEMA_VERSION = 1
+KIND = "hybrid-routing-stats"
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    num_experts: int  # E
+    topk: int  # K
+    layers: tuple[int, ...]  # model layer index of each MoE layer, in order
+    counts: np.ndarray  # int64 [L, E]
+    tokens: int  # tokens behind `counts` (each counted once per layer)
+    window_tokens: int = 0
+    series: tuple = ()  # ((tokens, counts [L, E]), ...) per window, in run order
+    source: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        counts = np.asarray(self.counts, dtype=np.int64)
+        object.__setattr__(self, "counts", counts)
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.num_experts < 1 or not 1 <= self.topk <= self.num_experts:
+            raise UsageError(f"routing stats: need 1 <= topk ({self.topk}) <= num_experts ({self.num_experts})")
+        if counts.shape != (len(self.layers), self.num_experts):
+            raise UsageError(f"routing stats: counts have shape {counts.shape}, expected "
+                             f"({len(self.layers)}, {self.num_experts}) for {len(self.layers)} MoE layers")
+        if (counts < 0).any() or self.tokens < 0 or self.window_tokens < 0:
+            raise UsageError("routing stats: counts, tokens and window must be non-negative")
+        if len(set(self.layers)) != len(self.layers):
+            raise UsageError("routing stats: a layer is listed twice")
+        series = []
+        for i, (n, c) in enumerate(self.series):
+            c = np.asarray(c, dtype=np.int64)
+            if c.shape != counts.shape or (c < 0).any() or int(n) < 0:
+                raise UsageError(f"routing stats: window {i} has counts of shape {c.shape} (expected {counts.shape})")
+            series.append((int(n), c))
+        object.__setattr__(self, "series", tuple(series))
+
+    # -- views ------------------------------------------------------------------------------------
+    def shares(self) -> np.ndarray:
+        """[L, E] probability that a token routes to each expert (rows sum to K); uniform without data."""
+        if self.tokens == 0:
+            return np.full(self.counts.shape, self.topk / self.num_experts)
+        return self.counts / float(self.tokens)
+
+    @classmethod
+    def uniform(cls, cfg) -> "RoutingStats":
+        """No measurement: every expert equally likely (the planner then spreads residency evenly)."""
+        layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+        return cls(cfg.num_experts, cfg.experts_per_token, tuple(layers),
+                   np.zeros((len(layers), cfg.num_experts), dtype=np.int64), 0, source={"kind": "uniform"})
+
+    def check_model(self, cfg, origin: str = "routing stats") -> None:
+        layers = tuple(i for i, moe in enumerate(cfg.moe_layers) if moe)
+        if (self.num_experts, self.topk, self.layers) != (cfg.num_experts, cfg.experts_per_token, layers):
+            raise UsageError(f"{origin} were recorded on another model shape (E={self.num_experts}, K={self.topk}, "
+                             f"{len(self.layers)} MoE layers) than this one (E={cfg.num_experts}, "
+                             f"K={cfg.experts_per_token}, {len(layers)} MoE layers); run `hybrid profile-routing` "
+                             "on this model")
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION, "kind": KIND, "num_experts": self.num_experts, "topk": self.topk,
+            "tokens": self.tokens, "window_tokens": self.window_tokens, "source": self.source,
+            "layers": [{"layer": l, "counts": c.tolist()} for l, c in zip(self.layers, self.counts)],
+            "series": [{"tokens": n, "counts": c.tolist()} for n, c in self.series],
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json()) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, data, origin: str = "routing stats") -> "RoutingStats":
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            raise UsageError(f"{origin}: not a routing-statistics file (kind must be {KIND!r}; write one with "
+                             "`hybrid profile-routing`)")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise UsageError(f"{origin}: schema_version {data.get('schema_version')!r} not supported "
+                             f"(this build reads {SCHEMA_VERSION})")
+        try:
+            layers = data["layers"]
+            return cls(int(data["num_experts"]), int(data["topk"]), tuple(int(x["layer"]) for x in layers),
+                       np.array([x["counts"] for x in layers], dtype=np.int64).reshape(len(layers), -1),
+                       int(data["tokens"]), int(data.get("window_tokens", 0)),
+                       tuple((int(w["tokens"]), np.array(w["counts"], dtype=np.int64)) for w in data.get("series", [])),
+                       dict(data.get("source", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"{origin}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def load_stats(path: str | os.PathLike) -> RoutingStats:
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--stats: no such file: {path}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--stats {path}: cannot read it as JSON ({exc})") from None
+    return RoutingStats.from_json(data, origin=f"routing stats {str(path)!r}")
