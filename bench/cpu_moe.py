@@ -52,17 +52,7 @@ def timeit(fn, min_time=0.25, min_iters=3, max_iters=50) -> float:
 
 def dram_read_gbps(isa: str, threads: int, nbytes: int = 2 << 30) -> float:
     """Best of 3 multithreaded streaming reads of a buffer far larger than the last-level cache."""
-    topo = cpu_kernels.Topology.discover().limit(threads)
-    lib = _native.load(isa)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    pools = [_native.pool(isa, n) for n in topo.nodes]
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for p in pools:  # one node at a time would undercount multi-node boxes; the test boxes have one
-            lib.hy_stream_read(p, buf.data_ptr(), nbytes // len(pools))
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
+    return cpu_kernels.measure_read_bandwidth(nbytes, threads=threads, isa=isa)
 
 
 def routing(n_active: int, m: int, pool_experts: int, it: int):

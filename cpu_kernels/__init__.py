@@ -3,8 +3,9 @@ thread pools, and a pure-PyTorch reference (`cpu_kernels.reference.moe_forward`,
 
 from . import quant, reference
 from ._native import ISAS, IsaUnavailable, available_isas, default_isa
+from .bandwidth import measure_read_bandwidth
 from .moe import CpuMoE, MoEHandle
 from .topology import Topology
 
 __all__ = ["CpuMoE", "MoEHandle", "Topology", "available_isas", "default_isa", "ISAS", "IsaUnavailable",
-           "reference", "quant"]
+           "reference", "quant", "measure_read_bandwidth"]

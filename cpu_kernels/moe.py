@@ -202,6 +202,31 @@ class CpuMoE:
         self._layer = layer
         self._slices = slices
 
+    def packed_weights(self) -> list[dict]:
+        """The packed weights as tensor views (no copies), one dict per NUMA node slice:
+        {f0, f1, gate, up, down}, each {q, scale, rows, k, dtype, group}; q is [E, rows_p, ldk] (bf16,
+        int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in cpu_kernels.quant), zero padded, so
+        q[:, :rows, :k] is the plain matrix. With the `ref` ISA: one slice of plain de-quantized tensors."""
+        if self.isa == "ref":
+            g, u, d = self._ref
+            plain = [dict(q=t, scale=None, rows=t.shape[1], k=t.shape[2], dtype="plain", group=0) for t in (g, u, d)]
+            return [dict(f0=0, f1=self.F, gate=plain[0], up=plain[1], down=plain[2])]
+        by_ptr = {t.data_ptr(): t for t in self._keep}
+        out = []
+        for n, (f0, f1) in enumerate(self._slices):
+            node, mats = self._layer.nodes[n], {}
+            for name in ("gate", "up", "down"):
+                mm = getattr(node, name)
+                if self.dtype == "int4":
+                    q = by_ptr[mm.w].view(self.E, mm.rows_p, mm.ldk // 2)
+                    s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
+                else:
+                    q = by_ptr[mm.w].view(torch.bfloat16 if self.dtype == "bf16" else torch.int8).view(self.E, mm.rows_p, mm.ldk)
+                    s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
+                mats[name] = dict(q=q, scale=s, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group)
+            out.append(dict(f0=f0, f1=f1, **mats))
+        return out
+
     def set_amx_min_tokens(self, knee: int) -> None:
         """Tokens per expert from which the AMX path is used (the knee of DESIGN section 3)."""
         if knee < 1:

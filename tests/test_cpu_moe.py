@@ -276,3 +276,59 @@ def test_numa_split_matches(isa, dtype):
     assert not torch.isnan(y).any() and rel_err(y, ref) < TOL[dtype]
     one = CpuMoE(*ws, dtype=dtype, isa=isa, topology=cpu_kernels.Topology(((cpus[0],),)), group_size=64)
     assert one.nbytes == pytest.approx(moe.nbytes, rel=0.1)  # split, not duplicated
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_empty_batch_and_knee(isa):
+    ws = weights(seed=19)
+    moe = CpuMoE(*ws, isa=isa, threads=1)
+    assert moe.topology.threads == 1
+    empty = moe.forward(torch.zeros(0, D).bfloat16(), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
+    assert empty.shape == (0, D)
+    ids, w = ragged_routing(40, seed=20)
+    x = torch.randn(40, D, generator=torch.Generator().manual_seed(21)).bfloat16()
+    ref = moe_forward(x, *dequantized(ws, "bf16"), ids, w)
+    for knee in (1, 10**9):  # the knee only picks a path; results agree
+        moe.set_amx_min_tokens(knee)
+        assert rel_err(moe.forward(x, ids, w), ref) < TOL["bf16"]
+    with pytest.raises(ValueError):
+        moe.set_amx_min_tokens(0)
+    with pytest.raises(ValueError):
+        CpuMoE(*ws, isa=isa, threads=0)
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+def test_read_bandwidth_and_profile(isa):
+    from cpu_kernels import _native
+    assert cpu_kernels.measure_read_bandwidth(1 << 24, isa=isa, repeats=1) > 0
+    moe = CpuMoE(*weights(seed=22), isa=isa)
+    ids, w = ragged_routing(16, seed=23)
+    _native.profile_enable(isa)
+    _native.profile_read(isa, reset=True)
+    moe.forward(torch.randn(16, D).bfloat16(), ids, w)
+    prof = _native.profile_read(isa, reset=True)
+    _native.profile_enable(isa, False)
+    assert prof["calls"] == 1 and all(prof[p] >= 0 for p in _native.PHASES)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_packed_weights_are_the_plain_matrices(isa, dtype):
+    """The one packed copy (what the GPU lane ships) de-quantizes to exactly the reference's weights."""
+    ws = weights(seed=24)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, group_size=64)
+    deq = dequantized(ws, dtype, 64)
+    sl = moe.packed_weights()
+    assert sl[0]["f0"] == 0 and sl[-1]["f1"] == F
+    for s in sl:
+        for name, full in zip(("gate", "up", "down"), deq):
+            p = s[name]
+            if p["dtype"] in ("bf16", "plain"):
+                w = p["q"].float()
+            elif p["dtype"] == "int8":
+                w = quant.dequantize_int8(p["q"], p["scale"])
+            else:
+                w = quant.dequantize_int4(p["q"], p["scale"], p["group"])
+            want = full[:, s["f0"]:s["f1"], :] if name != "down" else full[:, :, s["f0"]:s["f1"]]
+            assert torch.equal(w[:, :p["rows"], :p["k"]], want.float())
+            assert not w[:, p["rows"]:, :].any() and not w[:, :, p["k"]:].any()  # zero padding
