@@ -263,6 +263,9 @@ class CpuMoE:
             out = torch.empty_like(x)
         if self.isa == "ref":
             return self._forward_ref(x, topk_ids, topk_weights, lmap, out)
+        if topk_ids.dtype == torch.int64 and topk_ids.numel() and bool(
+                (topk_ids.min() < 0) | (topk_ids.max() >= self.num_experts)):
+            raise ValueError(f"topk_ids out of range [0, {self.num_experts})")  # before int32 could wrap them
         ids = topk_ids.to(torch.int32).contiguous()
         wts = topk_weights.to(torch.float32).contiguous()
         T, K = ids.shape

@@ -176,6 +176,8 @@ def test_bad_input_raises(isa):
         dict(x=torch.randn(4, D + 1).bfloat16()),                        # shape mismatch
         dict(ids=torch.full((4, 2), E, dtype=torch.int64)),              # id out of range
         dict(ids=torch.full((4, 2), -1, dtype=torch.int64)),
+        dict(ids=torch.full((4, 2), 2**32 + 1, dtype=torch.int64)),      # would wrap to 1 as int32
+        dict(ids=torch.full((4, 2), E, dtype=torch.int32)),
         dict(x=torch.randint(0, 3, (4, D))),                             # wrong dtype
         dict(ids=ids.float()),
         dict(x=torch.randn(D, 4).bfloat16().t()),                        # non-contiguous
@@ -332,3 +334,35 @@ def test_packed_weights_are_the_plain_matrices(isa, dtype):
             want = full[:, s["f0"]:s["f1"], :] if name != "down" else full[:, :, s["f0"]:s["f1"]]
             assert torch.equal(w[:, :p["rows"], :p["k"]], want.float())
             assert not w[:, p["rows"]:, :].any() and not w[:, :, p["k"]:].any()  # zero padding
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+def test_forked_child_still_computes(isa):
+    """A child forked after the pools started has none of their threads: it must run the phases on the
+    calling thread, not wait forever for workers that do not exist."""
+    import os
+    ws = weights(seed=25)
+    moe = CpuMoE(*ws, isa=isa)
+    ids, w = ragged_routing(64, seed=26)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(27)).bfloat16()
+    expected = moe.forward(x, ids, w)
+    pid = os.fork()
+    if pid == 0:  # child: exit code says whether the result matched
+        code = 1
+        try:
+            code = 0 if torch.equal(moe.forward(x, ids, w), expected) else 2
+        finally:
+            os._exit(code)
+    import signal
+    import time
+    deadline = time.time() + 60
+    while True:  # never hang the suite: a stuck child is killed and the test fails
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child did not finish within 60 s")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -12,6 +12,7 @@
 #include <vector>
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 #include <immintrin.h>
 
 namespace {
@@ -27,6 +28,8 @@ struct Pool {
   std::atomic<uint64_t> gen{0};
   std::mutex mu;
   std::condition_variable cv_work, cv_done;
+  pid_t pid = getpid();  // a forked child has none of the workers: it runs every phase on the caller
+  bool solo = false;     // this phase runs on the caller alone
 
   // The caller takes the first cpu's share itself: a phase then needs no hand-back wake-up, and the
   // pool never has more runnable threads than cpus (a spinning caller would steal a worker's cpu).
@@ -70,10 +73,11 @@ struct Pool {
   void start(std::function<void(int, int)> f, int tasks, bool helps = true) {
     fn = std::move(f);
     ntasks = tasks;
-    caller_helps = helps || n == 1;
+    solo = n == 1 || getpid() != pid;
+    caller_helps = helps || solo;
     next.store(0, std::memory_order_relaxed);
     done.store(0, std::memory_order_relaxed);
-    if (n > 1) {
+    if (!solo) {
       {
         std::lock_guard<std::mutex> lk(mu);
         gen.fetch_add(1, std::memory_order_release);
@@ -84,8 +88,8 @@ struct Pool {
 
   // Take the caller's share (if it helps), then wait for the workers.
   void finish() {
-    if (caller_helps) work(0);
-    if (n == 1) return;
+    if (caller_helps || solo) work(0);
+    if (solo) return;
     for (int spins = 0; spins < kSpin * 4; ++spins)
       if (done.load(std::memory_order_acquire) == n - 1) return; else _mm_pause();
     std::unique_lock<std::mutex> lk(mu);
