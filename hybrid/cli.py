@@ -20,6 +20,8 @@ COMMANDS = [
     "calibrate",
     "bench",
     "serve",
+    "profile-routing",
+    "plan",
 ]
 
 
@@ -38,7 +40,7 @@ def build_parser() -> Parser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        importlib.import_module(f"hybrid.commands.{name}").register(sub)
+        importlib.import_module(f"hybrid.commands.{name.replace('-', '_')}").register(sub)
     return parser
 
 

@@ -184,7 +184,7 @@ def test_serve_cli_rejects_bad_settings_in_one_line(tmp_path, capsys):
 
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
-    cases = [(["--plan", str(plan)], "placement plans are not supported yet"),
+    cases = [(["--plan", str(plan)], "not a placement plan"),
              (["--plan", str(tmp_path / "missing.json")], "no such file"),
              (["--max-batch", "0"], "max_batch must be >= 1"),
              (["--port", "70000"], "port must be in 0..65535")]

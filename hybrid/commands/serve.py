@@ -25,8 +25,6 @@ def register(subparsers) -> None:
         "not), /health, /metrics (Prometheus). Requests are batched continuously on one engine thread.")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); "
                    "default: the demo checkpoint, generated on first use")
-    p.add_argument("--plan", metavar="FILE", help="expert placement plan (not supported yet: the planner has not "
-                   "landed; use --gpu-experts / --gpu-budget)")
     p.add_argument("--host", default=d.host, help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
     p.add_argument("--api-key", default=None,
@@ -77,7 +75,7 @@ def run(args) -> int:
                               served_model_name=args.served_model_name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.plan is not None and not os.path.isfile(args.plan):
+    if args.plan is not None and not os.path.isfile(args.plan):  # (--plan comes with the hybrid flags)
         raise UsageError(f"--plan: no such file: {args.plan}")
     if not _is_loopback(config.host) and config.api_key is None:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "

@@ -5,8 +5,9 @@
     ... build the Engine (KV cache) ...
     place_resident(model, offload, hcfg, run_prompt, fixed_vram_bytes)   # routing-count calibration
 
-Until the planner lands, the resident set is `--gpu-experts N` per layer (or the N a `--gpu-budget`
-allows), chosen per layer by routing counts from a short calibration run on a built-in text.
+The resident set is either a plan's (`--plan FILE` from `hybrid plan`: per layer, chosen across layers
+by predicted time saved per byte) or `--gpu-experts N` per layer (or the N a `--gpu-budget` allows),
+chosen per layer by routing counts from a short calibration run on a built-in text.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from hybrid.errors import UsageError
 from placement.cost_model import ExpertShape
 from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
+from placement.replace import REPLACE_MODES
 from placement.schedule import LayerScheduler, parse_strategy
 
 log = logging.getLogger("hybrid.offload")
@@ -59,9 +61,15 @@ class HybridConfig:
     cpu_threads: int | None = None
     profile: str | None = None
     staging_slots: int = 4
+    plan: object = None  # placement.plan_file.Plan: residency from the planner instead of a calibration run
+    replace: str = "off"  # "online": re-place experts from a sliding window of routing counts (eager only)
 
     def __post_init__(self):
         parse_strategy(self.schedule)
+        if self.replace not in REPLACE_MODES:
+            raise UsageError(f"--replace must be one of {', '.join(REPLACE_MODES)}, got {self.replace!r}")
+        if self.plan is not None and (self.gpu_experts is not None or self.gpu_budget is not None):
+            raise UsageError("give --plan or --gpu-experts / --gpu-budget, not both (the plan holds the placement)")
         if self.cpu_dtype not in CPU_DTYPES:
             raise UsageError(f"--cpu-dtype must be one of {', '.join(CPU_DTYPES)}, got {self.cpu_dtype!r}")
         if self.gpu_experts is not None and self.gpu_experts < 0:
@@ -87,17 +95,32 @@ def add_hybrid_arguments(p) -> None:
     g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
     g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
                    f"profile, else the built-in {FALLBACK_PROFILE})")
+    g.add_argument("--plan", metavar="FILE", help="placement plan written by `hybrid plan --out` (resident experts "
+                   "per layer, CPU dtype); replaces --gpu-experts / --gpu-budget")
+    g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "
+                   "routing shifts, when the copy pays for itself (DESIGN section 4); decodes eagerly (default off)")
 
 
 def hybrid_config_from_args(args) -> HybridConfig | None:
     """None when no hybrid flag was given (all experts on the model's device)."""
-    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype")
+    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "plan", "replace")
     if all(getattr(args, f, None) is None for f in flags):
         return None
+    plan, cpu_dtype = None, args.cpu_dtype
+    if getattr(args, "plan", None) is not None:
+        from placement.plan_file import load_plan
+
+        plan = load_plan(args.plan)
+        planned = plan.settings.get("cpu_dtype", "bf16")
+        if cpu_dtype is not None and cpu_dtype != planned:
+            raise UsageError(f"--cpu-dtype {cpu_dtype} differs from the plan's {planned}; make a new plan with "
+                             f"`hybrid plan --cpu-dtype {cpu_dtype}` or drop --cpu-dtype")
+        cpu_dtype = planned
     return HybridConfig(gpu_experts=args.gpu_experts,
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
-                        schedule=args.schedule or "cost", cpu_dtype=args.cpu_dtype or "bf16",
-                        cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None))
+                        schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
+                        cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
+                        plan=plan, replace=getattr(args, "replace", None) or "off")
 
 
 def scheduler_profile(name: str | None):
@@ -141,6 +164,13 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
                        expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
                        experts_factory=lambda i, g, u, d: HybridExperts(i, g, u, d, offload), progress=progress)
     offload.profile_name = hw.name
+    if hcfg.replace == "online":
+        from dataclasses import replace as _replace
+
+        from hybrid.offload.replace import OnlineReplacer
+
+        gpu_shape = _replace(shape, bytes_per_weight=float(torch.empty((), dtype=dtype).element_size()))
+        offload.replacer = OnlineReplacer(offload, shape, gpu_shape, hw)
     return model, offload
 
 
@@ -189,17 +219,38 @@ def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
     from hybrid.runtime.engine import Stats
 
     model = engine.model
-    tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
-    slot = engine.allocate_slot()
-    try:
-        n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens,
-                           fixed_vram(model, engine.cache.nbytes, offload))
-    finally:
-        engine.free_slot(slot)
-    engine.stats = Stats()  # the calibration run is not part of the user's numbers
+    if hcfg.plan is not None:
+        n = place_from_plan(engine, offload, hcfg.plan, log)
+    else:
+        tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
+        slot = engine.allocate_slot()
+        try:
+            n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens,
+                               fixed_vram(model, engine.cache.nbytes, offload))
+        finally:
+            engine.free_slot(slot)
+        engine.stats = Stats()  # the calibration run is not part of the user's numbers
     mem = offload.memory()
     log(f"hybrid: {n} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
         f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
         f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
         f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
     return n
+
+
+def place_from_plan(engine, offload, plan, log=print) -> str:
+    """Make each layer's planned experts resident; warn when the engine holds more KV than was planned.
+    Returns a short description of the counts (they differ per layer)."""
+    model = engine.model
+    plan.check_model(model.cfg)
+    planned = plan.settings
+    if engine.max_context * engine.max_batch > planned.get("max_context", 0) * planned.get("max_batch", 0):
+        log(f"hybrid: warning: the KV cache ({engine.max_batch} x {engine.max_context}) is larger than the plan's "
+            f"({planned.get('max_batch')} x {planned.get('max_context')}); VRAM may exceed the planned "
+            f"{plan.gpu_bytes / 2**30:.2f} GiB")
+    counts = []
+    for layer in offload.layers:
+        ids = plan.resident_of(layer.layer)
+        layer.set_resident(ids)
+        counts.append(len(ids))
+    return f"{min(counts)}..{max(counts)} (plan)" if counts and min(counts) != max(counts) else f"{counts[0] if counts else 0} (plan)"

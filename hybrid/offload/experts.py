@@ -124,6 +124,28 @@ class HybridExperts(nn.Module):
         self.rank_dev = torch.from_numpy(rank).to(dev)  # [E]: resident slot, or R for cold
         self.captured = False
 
+    def swap_resident(self, evict: int, add: int, weights) -> None:
+        """Replace resident expert `evict` by cold expert `add` in evict's VRAM slot (online re-placement,
+        hybrid.offload.replace). `weights` = add's (gate [F, D], up [F, D], down [D, F]) on the device.
+        The slot copy is stream-ordered after every kernel that still reads the old expert."""
+        if getattr(self, "captured", False):
+            raise RuntimeError("decode graphs hold this layer's placement; re-placement runs in eager mode only")
+        if not self.is_resident[evict] or self.is_resident[add]:
+            raise ValueError(f"swap needs {evict} resident and {add} cold")
+        r = self._slot_of.pop(int(evict))
+        g, u, d = weights
+        self.w_gate[r].copy_(g)
+        self.w_up[r].copy_(u)
+        self.w_down[r].copy_(d)
+        self._slot_of[int(add)] = r
+        self.resident_ids[r] = add  # slot order, not sorted: the GPU lane pairs resident_ids[r] with slot r
+        self.is_resident[evict], self.is_resident[add] = False, True
+        self.cold_ids = np.nonzero(~self.is_resident)[0]
+        self.cold_mask = torch.from_numpy(~self.is_resident)
+        rank = np.full(self.num_experts, len(self.resident_ids), dtype=np.int64)
+        rank[self.resident_ids] = np.arange(len(self.resident_ids))
+        self.rank_dev = torch.from_numpy(rank).to(self.offload.device)
+
     @property
     def capturable(self) -> bool:
         """Decode steps can be graph-captured (CUDA, bf16 grouped GEMMs, graphs not turned off)."""
@@ -151,6 +173,9 @@ class HybridExperts(nn.Module):
         if self.capturable and T <= off.graph_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
             off.graph_lane.buffers(T, self.D, K, off.dtype)
         flat = topk_ids.reshape(-1).to(dev)  # [T*K]
+        replacer = getattr(off, "replacer", None)
+        if replacer is not None:  # a finished re-placement copy lands before this batch reads the map
+            replacer.before_batch(self)
         hist = torch.bincount(flat, minlength=self.num_experts).cpu().numpy()  # host sync: the split needs it
         t0 = time.perf_counter()
         sched = off.scheduler
@@ -172,6 +197,8 @@ class HybridExperts(nn.Module):
             self._gpu_lane(x, flat, topk_weights.reshape(-1).to(dev), hist, ship_ids, K, out)
         if future is not None:
             out += off.cpu_lane.collect(future).float()
+        if replacer is not None:  # this batch's results are combined: its routing map is no longer needed
+            replacer.after_batch(self, hist)
         return out.to(x.dtype)
 
     def _forward_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:

@@ -74,17 +74,47 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
 
     hcfg = hybrid_config_from_args(args)
     offload = None
+    eager = args.eager or device.type != "cuda"
+    if hcfg is not None:
+        check_before_load(model_dir, hcfg, args.max_context, max_batch, dtype)
+        if hcfg.replace == "online" and not eager:
+            log("hybrid: --replace online changes residency between calls, which decode graphs cannot: "
+                "decoding eagerly")
+            eager = True
     if hcfg is None:
         model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
     else:
         model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
     tokenizer = Tokenizer(model_dir)
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context,
-                    eager=args.eager or device.type != "cuda")
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context, eager=eager)
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
     engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
     return Session(engine, tokenizer, model_dir, demo, device, dtype, offload)
+
+
+def check_before_load(model_dir, hcfg, max_context: int, max_batch: int, dtype) -> None:
+    """Fail before any weight is read: a plan made for another model, or a --gpu-budget below the
+    non-expert weights + KV cache (placement.memory computes both from config.json alone)."""
+    from hybrid.models import ModelLoadError
+    from hybrid.models.loader import read_config
+
+    try:
+        _, cfg, _ = read_config(model_dir)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+    if hcfg.plan is not None:
+        hcfg.plan.check_model(cfg, origin="--plan")
+    if hcfg.gpu_budget is not None:
+        from placement.memory import MemorySettings, breakdown, gib
+
+        mem = breakdown(cfg, MemorySettings(max_context=max_context, max_batch=max_batch, cpu_dtype=hcfg.cpu_dtype,
+                                            gpu_dtype_bytes=torch.empty((), dtype=dtype).element_size(), reserve=0))
+        need = mem.non_expert + mem.kv_cache
+        if need > hcfg.gpu_budget:
+            raise UsageError(f"--gpu-budget {gib(hcfg.gpu_budget)} is below the non-expert weights and KV cache alone "
+                             f"({gib(need)}: weights {gib(mem.non_expert)}, KV {gib(mem.kv_cache)} for --max-context "
+                             f"{max_context} x {max_batch}); raise --gpu-budget or lower --max-context")
 
 
 def sampling_from_args(args):

@@ -98,11 +98,6 @@ def load_runtime(opts, log=lambda m: print(m, file=sys.stderr, flush=True)) -> t
     those last-bit differences into different experts at near-ties, so only in fp64 is greedy output
     reliably identical batched and alone. It loads the plain model (no hybrid layer, no CUDA graphs).
     """
-    from hybrid.errors import UsageError
-
-    if getattr(opts, "plan", None) is not None:
-        raise UsageError(f"--plan {opts.plan}: placement plans are not supported yet (the planner has not "
-                         "landed); use --gpu-experts N or --gpu-budget SIZE for the hybrid layer instead")
     if opts.dtype == EXACT_DTYPE:
         engine, tokenizer, model_dir = _open_exact(opts, log)
     else:

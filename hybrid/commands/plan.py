@@ -1,0 +1,122 @@
+"""`hybrid plan`: which experts live in VRAM under a GPU and a DRAM budget, and what that buys.
+
+Reads only the checkpoint's config.json (no weight is loaded), the routing statistics of
+`hybrid profile-routing` (uniform without them) and a hardware profile; prints the memory breakdown,
+the resident experts per layer, the NUMA split of the experts and predicted tokens/s, and writes the
+plan file that `generate`, `chat` and `serve` take with --plan. See placement/planner.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hybrid.errors import UsageError
+
+
+def register(subparsers) -> None:
+    from placement.memory import DEFAULT_RESERVE, MemorySettings
+    from placement.planner import DEFAULT_PREFILL_TOKENS
+
+    d = MemorySettings()
+    p = subparsers.add_parser("plan", help="plan expert placement for VRAM/DRAM budgets",
+                              description="Choose the resident (VRAM) experts per layer for the given budgets, "
+                              "by predicted decode time saved per byte across layers; report memory, NUMA split "
+                              "and predicted tokens/s. Fails before loading anything if the budgets cannot work.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
+    p.add_argument("--gpu-budget", required=True, metavar="SIZE", help="VRAM for everything (24GiB, 24000MB, bytes)")
+    p.add_argument("--cpu-budget", required=True, metavar="SIZE", help="DRAM for the experts and pinned buffers")
+    p.add_argument("--stats", metavar="FILE", help="routing statistics from `hybrid profile-routing` (default: uniform)")
+    p.add_argument("--profile", help="hardware profile (built-in name or JSON from `hybrid calibrate`; default: this "
+                   "machine's calibrated one, else the built-in ktransformers-paper-amx)")
+    p.add_argument("--max-context", type=int, default=d.max_context, help="KV positions per sequence (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=("bf16", "int8", "int4"),
+                   help="dtype of the experts in DRAM (default %(default)s)")
+    p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
+    p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
+                   help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")
+    p.add_argument("--numa-threads", metavar="N,N,...", help="threads per NUMA node of the CPU executor (default: this "
+                   "machine's topology; give it to plan for another box)")
+    p.add_argument("--cpu-threads", type=int, help="CPU executor threads on this machine (default: all)")
+    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
+                   help="prompt length the prefill prediction is priced at (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", metavar="FILE", help="write the plan file (for --plan)")
+    p.set_defaults(func=run)
+
+
+def node_threads(args) -> tuple[int, ...]:
+    if args.numa_threads:
+        try:
+            out = tuple(int(x) for x in args.numa_threads.split(","))
+        except ValueError:
+            raise UsageError(f"--numa-threads: expected e.g. 8,8, got {args.numa_threads!r}") from None
+        return out
+    from cpu_kernels.topology import Topology
+
+    try:
+        topo = Topology.discover().limit(args.cpu_threads)
+    except ValueError as exc:
+        raise UsageError(f"--cpu-threads: {exc}") from None
+    return tuple(len(n) for n in topo.nodes)
+
+
+def build_plan(args):
+    from hybrid.models.loader import read_config
+    from hybrid.offload.build import parse_bytes, scheduler_profile
+    from placement.memory import MemorySettings
+    from placement.planner import PlanSettings, plan
+    from placement.routing_stats import load_stats
+
+    # settings and budgets first: a bad value fails before the checkpoint is even opened
+    mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype,
+                         staging_slots=args.staging_slots, reserve=parse_bytes(args.reserve),
+                         node_threads=node_threads(args))
+    settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
+                            memory=mem, prefill_tokens=args.prefill_tokens)
+    model_dir = args.model
+    if not model_dir:
+        from hybrid.runtime.demo import ensure_demo_checkpoint
+
+        model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
+    _, cfg, _ = read_config(model_dir)
+    stats = load_stats(args.stats) if args.stats else None
+    hw = scheduler_profile(args.profile)
+    return plan(cfg, stats, hw, settings), model_dir
+
+
+def run(args) -> int:
+    p, model_dir = build_plan(args)
+    if args.out:
+        p.save(args.out)
+    if args.json:
+        print(json.dumps(p.to_json()))
+        return 0
+    print(describe(p, model_dir))
+    if args.out:
+        print(f"plan written to {args.out} (use: hybrid generate --model {model_dir} --plan {args.out})")
+    return 0
+
+
+def describe(p, model_dir: str) -> str:
+    from placement.memory import gib
+
+    g, c = p.memory["gpu"], p.memory["cpu"]
+    counts = [len(lp.resident_experts) for lp in p.layers]
+    lines = [
+        f"model {model_dir}: {len(p.layers)} MoE layers x {p.model['num_experts']} experts, profile "
+        f"{p.settings['profile']}, CPU dtype {p.settings['cpu_dtype']}, stats {p.settings['stats'].get('kind', 'file')}",
+        f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
+        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}), staging {gib(g['staging'])}, "
+        f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
+        f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
+        f"DRAM {gib(p.cpu_bytes)} of {gib(p.cpu_budget_bytes)}: experts {gib(c['experts'])} (cold "
+        f"{gib(c['cold_experts'])}), pinned buffers {gib(c['pinned_buffers'])}",
+        "resident experts per layer: " + " ".join(f"{lp.layer}:{len(lp.resident_experts)}" for lp in p.layers),
+        "NUMA: " + "; ".join(f"node {n['node']} ({n['threads']} threads) F[{n['f_start']}:{n['f_end']}] "
+                             f"{gib(n['bytes'])}" for n in p.numa),
+        f"predicted: decode {p.predicted_decode_tokens_per_s:.1f} tokens/s at batch {p.settings['max_batch']}, "
+        f"prefill {p.predicted_prefill_tokens_per_s:.0f} tokens/s ({p.settings['prefill_tokens']}-token prompt)",
+    ]
+    return "\n".join(lines)
