@@ -67,9 +67,9 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     finally:
         sched.stop()
     calls = rt.engine.calls
-    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[2] > 3]
-    assert [calls[i][2] for i in chunks] == [128] * 7 + [104]  # fixed boundaries: multiples of 128
-    short_slot = calls[0][1]  # the first prefill was the short prompt's
+    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[2][0] > 3]
+    assert [calls[i][2] for i in chunks] == [(128,)] * 7 + [(104,)]  # fixed boundaries: multiples of 128
+    short_slot = calls[0][1][0]  # the first prefill was the short prompt's
     for a, b in zip(chunks, chunks[1:]):  # the short sequence decodes between every two chunks
         assert any(c[0] == "decode" and short_slot in c[1] for c in calls[a + 1 : b]), calls[a : b + 1]
     # chunking does not change the result: same output as the long prompt alone
@@ -173,3 +173,73 @@ def test_leaked_slots_are_reported_not_spun_on(caplog):
             time.sleep(0.01)
     finally:
         sched.stop()
+
+
+def _solo_texts(prompts, max_tokens):
+    out = []
+    for ids in prompts:
+        s, c = _seq(ids, max_tokens)
+        _run(fake_runtime(max_batch=4, max_context=256), [(s, c)])
+        out.append(c.text)
+    return out
+
+
+def test_burst_of_short_prompts_is_prefilled_in_one_padded_pass():
+    rt = fake_runtime(max_batch=4, max_context=256)
+    prompts = [[20 + i] * (5 + 3 * i) for i in range(6)]  # 5, 8, 11, ... tokens
+    seqs = [_seq(ids, 6) for ids in prompts]
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    for s, _ in seqs:  # all six queued before the engine thread looks
+        sched.submit([s])
+    sched.start()
+    try:
+        for _, c in seqs:
+            assert c.done.wait(10)
+    finally:
+        sched.stop()
+    prefills = [c for c in rt.engine.calls if c[0] == "prefill"]
+    # one pass for the four that get slots (padded 4 x 14 <= 64), the other two as slots free up
+    assert prefills[0] == ("prefill", (0, 1, 2, 3), (5, 8, 11, 14))
+    assert rt.engine.calls[1][0] == "decode"  # then decode, before the next admissions
+    assert [c.text for _, c in seqs] == _solo_texts(prompts, 6)
+
+
+def test_padded_size_of_a_prefill_pass_stays_within_the_chunk():
+    rt = fake_runtime(max_batch=4, max_context=256)
+    seqs = [_seq([30 + i] * 40, 3) for i in range(4)]
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=100)
+    for s, _ in seqs:
+        sched.submit([s])
+    sched.start()
+    try:
+        for _, c in seqs:
+            assert c.done.wait(10)
+    finally:
+        sched.stop()
+    prefills = [c[2] for c in rt.engine.calls if c[0] == "prefill"]
+    assert prefills == [(40, 40), (40, 40)]  # 2 x 40 fits in 100, 3 x 40 does not
+
+
+def test_a_prompt_that_breaks_a_batched_prefill_fails_alone():
+    rt = fake_runtime(max_batch=4, max_context=256)
+    prompts = [[40, 41, 42], [50, 8, 51], [60, 61]]  # token 8 = BEL: the fake engine raises on it
+    seqs = [_seq(ids, 4) for ids in prompts]
+    rt.engine.gate.clear()
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    sched.start()
+    try:
+        blocker, bc = _seq([70], 2)
+        sched.submit([blocker])
+        while rt.free_slots == 4:
+            time.sleep(0.001)
+        for s, _ in seqs:
+            sched.submit([s])
+        rt.engine.gate.set()
+        for _, c in seqs + [(blocker, bc)]:
+            assert c.done.wait(10)
+    finally:
+        sched.stop()
+    kinds = [c.terminal[0].kind for _, c in seqs]
+    assert kinds == ["done", "error", "done"]
+    assert any(len(c[1]) == 3 for c in rt.engine.calls if c[0] == "prefill")  # it was tried batched
+    assert rt.free_slots == 4

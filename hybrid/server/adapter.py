@@ -5,7 +5,7 @@
     max_batch, max_context, vocab_size, eos_token_ids
     encode(text) / encode_chat(messages) -> ids;  decode(ids) -> text
     allocate_slot() -> slot;  free_slot(slot);  free_slots (count)
-    prefill(slot, ids) -> logits [V];  decode_step(slots, tokens) -> logits [B, V]
+    prefill(slots, chunks) -> logits [B, V];  decode_step(slots, tokens) -> logits [B, V]
     sampler(SamplingParams) -> per-sequence sampling state;  sample(logits [B, V], samplers) -> ids
 
     expert_split() -> {layer: (cold experts run on the CPU, shipped)} for /metrics
@@ -58,8 +58,30 @@ class Runtime:
     def free_slots(self) -> int:
         return self.engine.free_slots
 
-    def prefill(self, slot: int, ids: list[int]):
-        return self.engine.prefill(slot, ids)  # [V] fp32
+    def prefill(self, slots: list[int], chunks: list[list[int]]):
+        """Append chunks[i] to slot i's cache, all in one forward -> logits [B, V] after each chunk."""
+        if len(slots) == 1:
+            return self.engine.prefill(slots[0], chunks[0])[None]  # the engine's own path (flash SDPA)
+        # Engine.prefill takes one slot; a burst of short prompts would cost one model pass each (and
+        # on a GPU one Python loop of small ops each). So: one right-padded forward over all of them
+        # (position -1 = padding, which writes nothing), more tokens per expert as well. Engine.forward
+        # does not advance the slots' lengths (tokens held per slot), so this does.
+        import torch
+
+        eng = self.engine
+        B, T = len(chunks), max(len(c) for c in chunks)
+        ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+        pos = torch.full((B, T), -1, dtype=torch.long)  # [B, T]
+        for i, (slot, chunk) in enumerate(zip(slots, chunks)):
+            start = eng.lengths[slot]
+            if start + len(chunk) > eng.max_context:
+                raise ValueError(f"{start + len(chunk)} tokens exceed max_context {eng.max_context}")
+            ids[i, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+            pos[i, : len(chunk)] = torch.arange(start, start + len(chunk))
+        logits = eng.forward(ids, pos, torch.tensor(slots, dtype=torch.long), last_only=True)  # [B, V]
+        for slot, chunk in zip(slots, chunks):
+            eng.lengths[slot] += len(chunk)
+        return logits
 
     def decode_step(self, slots: list[int], tokens: list[int]):
         return self.engine.decode_step(slots, tokens)  # [B, V] fp32, reused next step: sample at once

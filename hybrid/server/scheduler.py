@@ -1,13 +1,14 @@
 """The engine thread: continuous batching over a fixed set of KV cache slots.
 
 One thread owns the model. Each iteration it (1) drops sequences whose clients went away and frees their
-slots, (2) prefills prompts into free slots, at most `prefill_chunk` tokens per iteration (at least one
-chunk), and (3) runs one batched decode step over every sequence that has finished its prefill. So
-sequences join and leave the decode batch at step boundaries, and a long prompt is prefilled in chunks
-(the engine's prefill appends to what a slot holds) with decode steps in between: running sequences wait
-at most one chunk's worth of prefill per token, however long the new prompts are. Chunk boundaries fall
-at fixed multiples of `prefill_chunk` within each prompt, so how a prompt is split never depends on what
-else is running (same arithmetic alone or under load).
+slots, (2) runs one prefill pass: the next chunk of every prompt that fits, admitting waiting ones into
+free slots, padded size (rows x longest chunk) at most `prefill_chunk` tokens, at least one chunk, and
+(3) runs one batched decode step over every sequence that has finished its prefill. So sequences join
+and leave the decode batch at step boundaries, a burst of short prompts is prefilled in one pass, and a
+long prompt is prefilled in chunks (the engine's prefill appends to what a slot holds) with decode steps
+in between: running sequences wait at most one chunk's worth of prefill per token, however long the new
+prompts are. Chunk boundaries fall at fixed multiples of `prefill_chunk` within each prompt, so how a
+prompt is split never depends on what else is running.
 
 The event loop never waits on this thread: it submits sequences (non-blocking, or 429 when the queue
 is full), and the thread pushes events back through each sequence's `sink` (a thread-safe callback).
@@ -24,6 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from hybrid.server.detok import TextStream
 from hybrid.server.metrics import Metrics
@@ -78,7 +81,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()  # guarded by _cond
-        self._prefilling: Sequence | None = None  # engine thread only: holds a slot, prompt partly in
+        self._prefilling: list[Sequence] = []  # engine thread only: hold slots, prompts partly in
         self._running: list[Sequence] = []  # engine thread only: prefilled, decoding
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -118,7 +121,7 @@ class Scheduler:
             self._cond.notify()
 
     def stats(self) -> dict:
-        prefilling = int(self._prefilling is not None)
+        prefilling = len(self._prefilling)
         return {"running": len(self._running) + prefilling, "prefilling": prefilling,
                 "waiting": len(self._waiting), "free_slots": self.runtime.free_slots,
                 "max_batch": self.runtime.max_batch}
@@ -158,26 +161,27 @@ class Scheduler:
         seq.slot = None
 
     def _reap_cancelled(self) -> None:
-        for seq in self._running + ([self._prefilling] if self._prefilling else []):
+        for seq in self._running + self._prefilling:
             if seq.cancelled:
                 self.metrics.sequence_cancelled()
                 seq.finished = True
                 self._release(seq)
         self._running = [s for s in self._running if not s.finished]
-        if self._prefilling is not None and self._prefilling.finished:
-            self._prefilling = None
+        self._prefilling = [s for s in self._prefilling if not s.finished]
         with self._cond:
             if any(s.cancelled for s in self._waiting):
                 self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
-    def _start_next(self) -> bool:
-        """Move the oldest waiting sequence into a free slot; False when there is none or no slot."""
-        if not self.runtime.free_slots:
-            return False
+    def _peek_waiting(self) -> Sequence | None:
+        # Only this thread pops or filters _waiting, so the head seen here is the one popped next.
         with self._cond:
-            if not self._waiting:
-                return False
-            seq = self._prefilling = self._waiting.popleft()  # always in some list: _fail_all finds it
+            return self._waiting[0] if self._waiting else None
+
+    def _start_next(self) -> Sequence | None:
+        """Move the oldest waiting sequence into a free slot; None if it failed to start."""
+        with self._cond:
+            seq = self._waiting.popleft()
+            self._prefilling.append(seq)  # always in some list: _fail_all finds it
         self.metrics.observe_sequence(queue_wait_s=time.monotonic() - seq.t_submit)
         try:
             seq.slot = self.runtime.allocate_slot()
@@ -185,43 +189,91 @@ class Scheduler:
             seq.stream = TextStream(self.runtime.decode, seq.params.stop)
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
             log.exception("starting a sequence failed")
-            self._prefilling = None
+            self._prefilling.remove(seq)
             self._fail(seq, f"could not start the request: {exc}", 500)
-        return True
+            return None
+        return seq
+
+    def _next_chunk(self, seq: Sequence) -> int:
+        # Chunks start at multiples of prefill_chunk within each prompt, whatever else is batched.
+        return min(self.prefill_chunk, len(seq.prompt_ids) - seq.prefilled)
 
     def _prefill(self) -> bool:
-        """Prefill up to one chunk's worth of prompt tokens; True if any work was done."""
-        spent, progressed = 0, False
+        """One prefill pass over the next chunk of as many sequences as fit (rows x longest chunk <=
+        prefill_chunk, at least one row), admitting waiting ones into free slots; True if any work."""
+        batch: list[Sequence] = []
+        width, progressed = 0, False
         while True:
-            if self._prefilling is None:
-                if not self._start_next():
-                    return progressed
-                progressed = True  # started a sequence (or failed it: also progress)
-                continue
-            seq = self._prefilling
-            start = seq.prefilled
-            n = min(self.prefill_chunk, len(seq.prompt_ids) - start)
-            if spent and spent + n > self.prefill_chunk:
-                return progressed  # over this iteration's budget: decode first
-            try:
-                logits = self.runtime.prefill(seq.slot, seq.prompt_ids[start : start + n])  # [V]
-                seq.prefilled += n
-                spent += n
-                self.metrics.prefilled(n, done=seq.prefilled == len(seq.prompt_ids))
-                if seq.prefilled < len(seq.prompt_ids):
-                    continue
-                token = self.runtime.sample(logits[None], [seq.sampler])[0]
-                self._prefilling = None
-            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
-                log.exception("prefill failed")
-                self._prefilling = None
-                self._fail(seq, f"prefill failed: {exc}", 500)
-                continue
+            if len(batch) < len(self._prefilling):
+                seq, new = self._prefilling[len(batch)], False
+            else:
+                seq, new = (self._peek_waiting() if self.runtime.free_slots else None), True
+                if seq is None:
+                    break
+            w = max(width, self._next_chunk(seq))
+            if batch and w * (len(batch) + 1) > self.prefill_chunk:
+                break  # would pad past the budget: next iteration, after a decode step
+            if new:
+                progressed = True
+                if self._start_next() is None:
+                    continue  # failed and answered; try the next one
+            batch.append(seq)
+            width = w
+        if not batch:
+            return progressed
+        sizes = [self._next_chunk(s) for s in batch]
+        rows = self._forward_prefill(batch, sizes)  # [(seq, chunk size, logits [V])] that succeeded
+        done, done_logits = [], []  # sequences whose prompt is now complete sample their first token
+        for seq, n, logits in rows:
+            seq.prefilled += n
+            complete = seq.prefilled == len(seq.prompt_ids)
+            self.metrics.prefilled(n, done=complete)
+            if complete:
+                done.append(seq)
+                done_logits.append(logits)
+        if not done:
+            return True
+        try:
+            tokens = self.runtime.sample(torch.stack(done_logits), [s.sampler for s in done])  # [B, V] in
+        except Exception as exc:  # noqa: BLE001
+            log.exception("sampling after prefill failed")
+            for seq in done:
+                self._prefilling.remove(seq)
+                self._fail(seq, f"sampling failed: {exc}", 500)
+            return True
+        for seq, token in zip(done, tokens):
+            self._prefilling.remove(seq)
             self._running.append(seq)  # before _emit: a crash in between must not lose it
             self._emit(seq, token)
             if seq.finished:
                 self._running.remove(seq)
-            self.metrics.generated(1)
+        self.metrics.generated(len(done))
+        return True
+
+    def _forward_prefill(self, batch: list[Sequence], sizes: list[int]) -> list[tuple]:
+        """Prefill the batch in one pass; if that fails, one by one, so a request that breaks the
+        model (or a batch too big for memory) fails alone instead of taking its batch mates along.
+        (Retrying is safe: lengths only advance on success, so positions are simply rewritten.)"""
+        chunks = [s.prompt_ids[s.prefilled : s.prefilled + n] for s, n in zip(batch, sizes)]
+        try:
+            logits = self.runtime.prefill([s.slot for s in batch], chunks)  # [B, V]
+            return [(seq, n, logits[i]) for i, (seq, n) in enumerate(zip(batch, sizes))]
+        except Exception as exc:  # noqa: BLE001
+            if len(batch) == 1:
+                log.exception("prefill failed")
+                self._prefilling.remove(batch[0])
+                self._fail(batch[0], f"prefill failed: {exc}", 500)
+                return []
+            log.warning("batched prefill of %d sequences failed (%s); retrying one by one", len(batch), exc)
+        out = []
+        for seq, n, chunk in zip(batch, sizes, chunks):
+            try:
+                out.append((seq, n, self.runtime.prefill([seq.slot], [chunk])[0]))
+            except Exception as exc:  # noqa: BLE001
+                log.exception("prefill failed")
+                self._prefilling.remove(seq)
+                self._fail(seq, f"prefill failed: {exc}", 500)
+        return out
 
     def _decode(self) -> bool:
         """One decode step over all running sequences; False if there were none."""
@@ -287,9 +339,9 @@ class Scheduler:
     def _fail_all(self, message: str, status: int) -> None:
         with self._cond:
             self._stopping = True
-            pending = list(self._waiting) + self._running + ([self._prefilling] if self._prefilling else [])
+            pending = list(self._waiting) + self._running + self._prefilling
             self._waiting.clear()
-        self._running, self._prefilling = [], None
+        self._running, self._prefilling = [], []
         for seq in pending:
             if not seq.finished:
                 self._fail(seq, message, status)

@@ -48,9 +48,11 @@ class FakeEngine:
         self.gate = threading.Event()  # cleared = every model call blocks (to fill the queue on purpose)
         self.gate.set()
         self.history: dict[int, list[int]] = {}  # allocated slot -> token ids in its KV cache
+        self.lengths = [0] * max_batch  # as Engine.lengths: kept by prefill/decode_step, not by forward
         self._free = list(range(max_batch))[::-1]
         self.max_rows_seen = 0
-        self.calls: list[tuple] = []  # ("prefill", slot, n tokens) / ("decode", slots): the schedule
+        # the schedule: ("prefill", slots, chunk sizes) / ("decode", slots)
+        self.calls: list[tuple] = []
         self.fail_decode = False  # every decode step raises while set
         self.crash = False  # the next slot allocation kills the engine thread
 
@@ -62,6 +64,7 @@ class FakeEngine:
             raise EngineCrash("injected engine crash")
         slot = self._free.pop()  # IndexError when none is free: the scheduler must check first
         self.history[slot] = []
+        self.lengths[slot] = 0
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -85,16 +88,36 @@ class FakeEngine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
 
-    def prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
-        """Appends to what the slot holds (chunked prefill), like hybrid.runtime.Engine.prefill."""
+    def _append(self, slot: int, ids: list[int]) -> torch.Tensor:
         h = self.history[slot]  # KeyError = prefill into a free slot
         assert 0 < len(ids) and len(h) + len(ids) <= self.max_context
-        self._wait()
-        self.calls.append(("prefill", slot, len(ids)))
         if FAIL_BYTE + 1 in ids:
             raise RuntimeError("injected prefill failure")
         h.extend(ids)
         return self._logits(h)  # [V]
+
+    def prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
+        """Appends to what the slot holds (chunked prefill), like hybrid.runtime.Engine.prefill."""
+        self._wait()
+        self.calls.append(("prefill", (slot,), (len(ids),)))
+        out = self._append(slot, ids)
+        self.lengths[slot] += len(ids)
+        return out
+
+    def forward(self, input_ids, positions, slots, last_only: bool = False) -> torch.Tensor:
+        """Engine.forward: right-padded rows (position -1), lengths NOT advanced; last_only only."""
+        assert last_only
+        self._wait()
+        rows, sizes = [], []
+        for ids, pos, slot in zip(input_ids.tolist(), positions.tolist(), slots.tolist()):
+            n = sum(p >= 0 for p in pos)
+            start = len(self.history[slot])
+            assert self.lengths[slot] == start, "lengths not advanced after a batched prefill"
+            assert pos[:n] == list(range(start, start + n)) and all(p == -1 for p in pos[n:]), pos
+            sizes.append(n)
+            rows.append((slot, ids[:n]))
+        self.calls.append(("prefill", tuple(s for s, _ in rows), tuple(sizes)))
+        return torch.stack([self._append(slot, ids) for slot, ids in rows])  # [B, V]
 
     def decode_step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         assert len(set(slots)) == len(slots), "a slot twice in one batch"
@@ -108,6 +131,7 @@ class FakeEngine:
             h = self.history[slot]  # KeyError = decode of a freed slot
             assert len(h) < self.max_context, "KV cache overflow"
             h.append(tok)
+            self.lengths[slot] += 1
             rows.append(self._logits(h))
         return torch.stack(rows)  # [B, V]
 
