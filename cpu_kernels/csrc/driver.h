@@ -1,5 +1,5 @@
 // The fused-MoE driver shared by every ISA library: routing, activation preparation, the phases of one
-// layer call, NUMA slices and the C API. The including file first defines the ISA's kernels:
+// layer call and NUMA slices (the exported C API is api.h). The including file first defines the ISA kernels:
 //   vec_gemm(M, e, r0, nr, rows, m, C, ldc)   C[i*ldc + r] = sum_k act_i[k] * W_e[r0 + r][k]
 //   amx_gemm(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc)   same for nmat matrices at once,
 //                                             activations packed as AMX B tiles
@@ -384,68 +384,3 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
 }
 
 }  // namespace
-
-HY_API const char* hy_isa() { return HY_ISA_NAME; }
-
-HY_API void hy_profile_enable(int on) { g_prof_on = on != 0; }
-
-// AMX K-block length in 64-byte chunks (benchmarking knob; ignored by builds without AMX).
-HY_API void hy_set_amx_kblock(int kb) {
-#if HY_HAS_AMX
-  std::lock_guard<std::mutex> lk(g_job_mu);
-  if (kb >= 1 && kb <= 64) g_amx_kblock = kb;
-#endif
-}
-
-// Copies the accumulated phase times (seconds) and call count into out[8]; reset != 0 zeroes them.
-HY_API void hy_profile_read(double* out, int reset) {
-  std::lock_guard<std::mutex> lk(g_job_mu);
-  for (int i = 0; i < 8; ++i) { out[i] = g_prof[i]; if (reset) g_prof[i] = 0; }
-}
-
-HY_API void* hy_pool_get(const int* cpus, int n) { return n > 0 ? pool_get(cpus, n) : nullptr; }
-
-HY_API int hy_pool_threads(void* pool) { return pool ? ((Pool*)pool)->n : 0; }
-
-// Copy with the pool's threads so that, by first touch, dst's pages land on the pool's NUMA node.
-HY_API void hy_pool_copy(void* pool, void* dst, const void* src, int64_t nbytes) {
-  std::lock_guard<std::mutex> lk(g_job_mu);
-  const int64_t chunk = 1 << 21;
-  ((Pool*)pool)->run([&](int task, int) {
-    int64_t o = task * chunk;
-    std::memcpy((uint8_t*)dst + o, (const uint8_t*)src + o, std::min(chunk, nbytes - o));
-  }, (int)((nbytes + chunk - 1) / chunk), /*helps=*/false);
-}
-
-HY_API int hy_forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
-                      const float* wts, const int32_t* lmap, int n_global, void* out, int out_dtype) {
-  return forward(L, x, x_dtype, T, K, ids, wts, lmap, n_global, out, out_dtype);
-}
-
-// Multithreaded streaming read of buf with the pool's threads (the benchmark's DRAM-read ceiling, the
-// same way the kernels read weights: each thread takes 1 MiB chunks). Returns a checksum so the loads
-// cannot be optimised away.
-HY_API int64_t hy_stream_read(void* pool, const void* buf, int64_t nbytes) {
-  std::lock_guard<std::mutex> lk(g_job_mu);
-  Pool* p = (Pool*)pool;
-  const int64_t chunk = 1 << 20;
-  std::vector<int64_t> part(p->n * 8, 0);
-  p->run([&](int task, int tid) {
-    const uint8_t* b = (const uint8_t*)buf + task * chunk;
-    int64_t n = std::min(chunk, nbytes - task * chunk) / 128 * 128;
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t o = 0; o < n; o += 128) {
-      a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i*)(b + o)));
-      a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i*)(b + o + 32)));
-      a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i*)(b + o + 64)));
-      a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i*)(b + o + 96)));
-    }
-    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
-    int64_t s[4];
-    _mm256_storeu_si256((__m256i*)s, a0);
-    part[tid * 8] += s[0] + s[1] + s[2] + s[3];
-  }, (int)((nbytes + chunk - 1) / chunk));
-  int64_t s = 0;
-  for (int i = 0; i < p->n; ++i) s += part[i * 8];
-  return s;
-}

@@ -4,3 +4,4 @@
 #include "kern_avx512.h"
 #include "kern_amx.h"
 #include "driver.h"
+#include "api.h"

@@ -6,3 +6,4 @@
 #include "kern_avx2.h"
 #include "kern_amx.h"
 #include "driver.h"
+#include "api.h"

@@ -3,3 +3,4 @@
 #define HY_HAS_AMX 0
 #include "kern_avx2.h"
 #include "driver.h"
+#include "api.h"
