@@ -88,7 +88,8 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
 
     machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "gpu": raw.get("gpu"),
                "torch": torch.__version__, "calibrated_at": datetime.datetime.now(datetime.timezone.utc)
-               .isoformat(timespec="seconds"), "shape": shape.name, "dram_method": method}
+               .isoformat(timespec="seconds"), "shape": shape.name, "hidden": shape.hidden,
+               "intermediate": shape.intermediate, "dram_method": method}
     profile = HardwareProfile(name=f"calibrated-{platform.node() or 'this-machine'}", cpu_flops=peaks,
                               dram_bw=dram_bw, cpu_kernel=AUTO, cpu_curves=curves, machine=machine,
                               source="calibrated", **gpu)

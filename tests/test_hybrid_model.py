@@ -124,3 +124,17 @@ def test_generate_cli_hybrid_json(ckpt, capsys):
     assert len(out["generated_token_ids"]) == 4
     assert main(["generate", "--model", str(tok_dir), "--schedule", "sometimes"]) == 2
     assert "unknown schedule" in capsys.readouterr().err
+
+
+def test_profile_shape_mismatch_is_reported(caplog):
+    from dataclasses import replace
+
+    from hybrid.offload.build import warn_shape_mismatch
+    from placement.hardware import BUILTIN_PROFILES
+    from placement.cost_model import ExpertShape
+
+    hw = replace(BUILTIN_PROFILES["ktransformers-paper-amx"], cpu_curves={"amx": [[1, 1e11], [64, 1e13]]},
+                 machine={"hidden": 4096, "intermediate": 1536})
+    assert warn_shape_mismatch(hw, ExpertShape("m", hidden=2048, intermediate=768))
+    assert "hybrid calibrate --hidden 2048 --intermediate 768" in caplog.text
+    assert not warn_shape_mismatch(hw, ExpertShape("m", hidden=4096, intermediate=1536))

@@ -138,6 +138,17 @@ def scheduler_profile(name: str | None):
     return BUILTIN_PROFILES[FALLBACK_PROFILE]
 
 
+def warn_shape_mismatch(hw, shape: ExpertShape) -> bool:
+    """C_C(m) is measured at one expert shape; say so when the model's experts have another."""
+    d, f = hw.machine.get("hidden"), hw.machine.get("intermediate")
+    if hw.cpu_curves and d and f and (d, f) != (shape.hidden, shape.intermediate):
+        log.warning("profile %s measured the CPU kernels at D=%s F=%s; this model's experts are D=%d F=%d, so "
+                    "CPU-lane predictions may be off: `hybrid calibrate --hidden %d --intermediate %d` measures "
+                    "this shape", hw.name, d, f, shape.hidden, shape.intermediate, shape.hidden, shape.intermediate)
+        return True
+    return False
+
+
 def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
     """The cost model's view of one cold expert of this model (weights priced in the CPU dtype)."""
     bpw = {"bf16": 2.0, "int8": 1.0 + 4.0 / cfg.hidden_size, "int4": 0.5 + 4.0 / 128}[cpu_dtype]
@@ -157,6 +168,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     _, cfg, _ = read_config(model_dir)
     hw = scheduler_profile(hcfg.profile)
     shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
+    warn_shape_mismatch(hw, shape)
     sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
                       threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots)
