@@ -1,0 +1,212 @@
+"""The placement planner on synthetic statistics, checked by hand (placement.planner, memory, predict)."""
+
+import numpy as np
+import pytest
+
+from hybrid.errors import UsageError
+from hybrid.models.families import family_for
+from hybrid.models.presets import hf_config
+from placement.hardware import HardwareProfile
+from placement.memory import MemorySettings, breakdown, f_slices, packed_expert_bytes
+from placement.plan_file import Plan, load_plan
+from placement.planner import PlanSettings, check_budgets, choose_resident, expert_shapes, plan
+from placement.predict import binomial_pmf, decode_savings
+from placement.routing_stats import RoutingStats, load_stats
+
+# Round numbers so that savings are easy to write down: B_D 100 GB/s, B_H 1 TB/s, link 10 GB/s, alpha 0.
+HW = HardwareProfile(name="round", cpu_flops={"k": 1e12}, dram_bw=1e11, gpu_flops=1e14, hbm_bw=1e12,
+                     link_bw=1e10, alpha=0.0)
+
+
+def model_cfg(experts=4, topk=1, layers=2, **extra):
+    raw = hf_config("demo")  # D 256, F 128
+    raw.update(num_experts=experts, num_experts_per_tok=topk, num_hidden_layers=layers, **extra)
+    return family_for(raw).parse_config(raw)
+
+
+CFG = model_cfg()
+W = 3 * 256 * 128 * 2  # one bf16 expert, bytes (F 128 and D 256 need no padding)
+FLAT, SKEWED = [25, 25, 25, 25], [55, 35, 5, 5]
+STATS = RoutingStats(4, 1, (0, 1), np.array([FLAT, SKEWED]), tokens=100)
+MEM = MemorySettings(max_context=64, max_batch=1, reserve=0)
+
+
+def settings_for(n_experts: int, extra: int = 0, mem=MEM) -> PlanSettings:
+    fixed = breakdown(CFG, mem).gpu_fixed
+    return PlanSettings(gpu_budget=fixed + n_experts * W + extra, cpu_budget=2**30, memory=mem)
+
+
+def test_packed_bytes_by_hand():
+    assert packed_expert_bytes(256, 128, "bf16") == W
+    # int8: values + fp32 scale + int32 row sum per padded row; down [256, 128] rows align to 32
+    assert packed_expert_bytes(256, 128, "int8") == 2 * (128 * 256 + 128 * 8) + (256 * 128 + 256 * 8)
+    # int4 (group 128): nibbles + one fp32 scale per 128 values; K pads to 128
+    assert packed_expert_bytes(256, 128, "int4") == 2 * (128 * 128 + 128 * 2 * 4) + (256 * 64 + 256 * 1 * 4)
+
+
+def test_decode_saving_by_hand():
+    cpu, gpu = expert_shapes(CFG, MEM)
+    per_token = W / 1e11 - W / 1e12  # weight read from DRAM vs from HBM (both bandwidth-bound at m = 1, 2)
+    s1 = decode_savings(cpu, gpu, HW, [0.5, 0.1, 0.0], rows=1)
+    assert s1 == pytest.approx([0.5 * per_token, 0.1 * per_token, 0.0])
+    s2 = decode_savings(cpu, gpu, HW, [0.5], rows=2)  # used in 1 - (1 - q)^2 of the steps
+    assert s2 == pytest.approx([0.75 * per_token])
+    assert binomial_pmf([0.5], 2)[0] == pytest.approx([0.25, 0.5, 0.25])
+
+
+def test_skewed_layer_gets_more_than_flat():
+    p = plan(CFG, STATS, HW, settings_for(3))
+    # savings order: skewed .55, skewed .35, then flat .25 (x4, ties: lowest id first)
+    assert [lp.resident_experts for lp in p.layers] == [(0,), (0, 1)]
+    p = plan(CFG, STATS, HW, settings_for(5))
+    assert [lp.resident_experts for lp in p.layers] == [(0, 1, 2), (0, 1)]
+
+
+def test_uniform_statistics_spread_evenly():
+    p = plan(CFG, None, HW, settings_for(4))
+    assert [len(lp.resident_experts) for lp in p.layers] == [2, 2]
+    p = plan(CFG, None, HW, settings_for(3))
+    assert sorted(len(lp.resident_experts) for lp in p.layers) == [1, 2]
+
+
+def test_budget_exactly_at_a_boundary():
+    exact = plan(CFG, STATS, HW, settings_for(3))
+    assert exact.gpu_bytes == exact.gpu_budget_bytes  # fills the budget to the byte
+    assert sum(len(lp.resident_experts) for lp in exact.layers) == 3
+    short = plan(CFG, STATS, HW, settings_for(3, extra=-1))
+    assert sum(len(lp.resident_experts) for lp in short.layers) == 2
+    # exactly the fixed part: valid, no resident expert; one byte less: impossible
+    assert sum(len(lp.resident_experts) for lp in plan(CFG, STATS, HW, settings_for(0)).layers) == 0
+    with pytest.raises(UsageError):
+        plan(CFG, STATS, HW, settings_for(0, extra=-1))
+
+
+def test_budget_never_exceeded_and_no_byte_wasted():
+    rng = np.random.default_rng(0)
+    cfg = model_cfg(experts=16, topk=4, layers=4)
+    fixed = breakdown(cfg, MEM).gpu_fixed
+    for _ in range(40):
+        counts = rng.integers(0, 100, size=(4, 16)) ** 2
+        stats = RoutingStats(16, 4, (0, 1, 2, 3), counts, tokens=int(counts.sum(1).max()))
+        budget = fixed + int(rng.integers(0, 70 * W))
+        p = plan(cfg, stats, HW, PlanSettings(gpu_budget=budget, cpu_budget=2**30, memory=MEM))
+        n = sum(len(lp.resident_experts) for lp in p.layers)
+        assert p.gpu_bytes <= budget
+        assert p.gpu_bytes == fixed + n * W
+        used = (counts > 0).sum()  # experts that never saw a token save nothing and are not placed
+        assert n == min(used, (budget - fixed) // W)
+
+
+def test_choose_resident_ignores_experts_that_save_nothing():
+    sav = np.array([[3.0, 0.0, -1.0], [2.0, 1.0, 0.0]])
+    got = choose_resident(sav, expert_bytes=10, budget_bytes=100)
+    assert got.tolist() == [[True, False, False], [True, True, False]]
+    assert choose_resident(sav, 10, 29).sum() == 2
+
+
+def test_prediction_improves_with_residency():
+    few = plan(CFG, STATS, HW, settings_for(1))
+    more = plan(CFG, STATS, HW, settings_for(8))
+    assert more.predicted_decode_tokens_per_s > few.predicted_decode_tokens_per_s > 0
+    assert more.predicted_prefill_tokens_per_s >= few.predicted_prefill_tokens_per_s > 0
+
+
+def test_numa_split_balanced_on_two_fake_nodes():
+    assert f_slices(128, [2, 2]) == [(0, 64), (64, 128)]
+    mem = MemorySettings(max_context=64, reserve=0, node_threads=(2, 2))
+    p = plan(CFG, STATS, HW, settings_for(3, mem=mem))
+    a, b = p.numa
+    assert (a["f_start"], a["f_end"], b["f_start"], b["f_end"]) == (0, 64, 64, 128)
+    assert a["bytes"] == b["bytes"] and a["bytes"] + b["bytes"] == p.memory["cpu"]["experts"]
+    assert a["cold_bytes"] == b["cold_bytes"] == (8 - 3) * W // 2
+    # never a copy per node: two nodes hold exactly what one node holds (no padding at these shapes)
+    assert p.memory["cpu"]["experts"] == 8 * W
+
+
+def test_numa_bytes_match_the_cpu_executor():
+    import os
+
+    import torch
+
+    import cpu_kernels
+    from cpu_kernels.topology import Topology
+
+    isas = [i for i in cpu_kernels.available_isas() if i != "ref"]
+    cpus = sorted(os.sched_getaffinity(0))
+    if not isas or len(cpus) < 2:
+        pytest.skip("needs a compiled ISA and 2 cpus")
+    g = torch.randn(3, 192, 320) * 0.1  # F 192 and D 320: padding on both
+    u = torch.randn(3, 192, 320) * 0.1
+    d = torch.randn(3, 320, 192) * 0.1
+    for dtype in ("bf16", "int8", "int4"):
+        for nodes in (((cpus[0],),), ((cpus[0],), (cpus[1],))):
+            moe = cpu_kernels.CpuMoE(g, u, d, dtype=dtype, topology=Topology(nodes), isa=isas[0])
+            want = packed_expert_bytes(320, 192, dtype, [1] * len(nodes))
+            assert moe.nbytes == 3 * want, (dtype, len(nodes))
+            assert moe._slices == f_slices(192, [1] * len(nodes), dtype)
+
+
+def test_memory_matches_the_runtime(tmp_path):
+    import torch
+
+    from hybrid.models import build_empty
+    from hybrid.runtime.kv_cache import StaticKVCache
+
+    cfg = model_cfg(experts=8, topk=2, layers=2)
+    mem = breakdown(cfg, MemorySettings(max_context=32, max_batch=3, gpu_dtype_bytes=4, reserve=0))
+    model = build_empty(cfg, device="cpu", dtype=torch.float32)
+    params = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    assert mem.non_expert == params
+    assert mem.kv_cache == StaticKVCache(cfg.num_layers, 3, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu").nbytes
+
+
+def test_impossible_budgets_say_what_to_change():
+    fixed = breakdown(CFG, MEM)
+    with pytest.raises(UsageError) as e:
+        check_budgets(CFG, PlanSettings(gpu_budget=fixed.gpu_fixed - 1, cpu_budget=2**30, memory=MEM))
+    msg = str(e.value)
+    assert "--gpu-budget" in msg and "raise --gpu-budget to at least" in msg and "--max-context" in msg
+    assert "KV cache" in msg and "non-expert weights" in msg
+    need = fixed.cpu_total
+    with pytest.raises(UsageError) as e:
+        check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=need - 1, memory=MEM))
+    msg = str(e.value)
+    assert "--cpu-budget" in msg and "raise --cpu-budget to at least" in msg and "--cpu-dtype int8" in msg
+    with pytest.raises(UsageError) as e:  # nothing fits, not even int4: no dtype hint
+        check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=1000, memory=MEM))
+    assert "--cpu-dtype" not in str(e.value).split("too small")[1].split("raise")[1]
+    with pytest.raises(UsageError, match="no GPU"):
+        plan(CFG, STATS, HardwareProfile(name="cpu-only", cpu_flops={"k": 1e12}, dram_bw=1e11, gpu_flops=None,
+                                         hbm_bw=None, link_bw=None, alpha=None), settings_for(2))
+
+
+def test_plan_file_round_trip(tmp_path):
+    p = plan(CFG, STATS, HW, settings_for(3))
+    path = p.save(tmp_path / "p.json")
+    q = load_plan(path)
+    assert q == p
+    assert q.resident_of(1) == (0, 1)
+    data = p.to_json()
+    for broken, needle in [({**data, "kind": "x"}, "not a placement plan"),
+                           ({**data, "schema_version": 9}, "schema_version"),
+                           ({**data, "gpu_bytes": data["gpu_budget_bytes"] + 1}, "exceeds its own budgets"),
+                           ({**data, "layers": [{"layer": 0, "resident_experts": [9]}, data["layers"][1]]}, "out of range"),
+                           ({**data, "layers": [{"layer": 0, "resident_experts": [1, 1]}, data["layers"][1]]}, "distinct"),
+                           ({k: v for k, v in data.items() if k != "cpu_bytes"}, "malformed")]:
+        with pytest.raises(UsageError, match=needle):
+            Plan.from_json(broken)
+    with pytest.raises(UsageError, match="another model"):
+        q.check_model(model_cfg(experts=8))
+
+
+def test_routing_stats_round_trip(tmp_path):
+    s = RoutingStats(4, 1, (0, 1), np.array([FLAT, SKEWED]), tokens=100, window_tokens=50,
+                     series=((50, np.array([FLAT, SKEWED]) // 2), (50, np.array([FLAT, SKEWED]) // 2)))
+    got = load_stats(s.save(tmp_path / "s.json"))
+    assert got.tokens == 100 and got.layers == (0, 1) and np.array_equal(got.counts, s.counts)
+    assert len(got.series) == 2 and np.array_equal(got.series[1][1], s.series[1][1])
+    assert got.shares()[1].tolist() == [0.55, 0.35, 0.05, 0.05]
+    with pytest.raises(UsageError, match="another model shape"):
+        got.check_model(model_cfg(experts=8))
+    with pytest.raises(UsageError, match="counts have shape"):
+        RoutingStats(4, 1, (0,), np.zeros((2, 4)), 0)

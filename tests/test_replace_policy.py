@@ -1,0 +1,154 @@
+"""Online re-placement: the payback rule and the policy on hand-made count series (placement.replace),
+then the mechanism on a real hybrid layer on the CPU (hybrid.offload.replace)."""
+
+import numpy as np
+import pytest
+import torch
+
+from placement.replace import ReplaceConfig, ReplacePolicy, SlidingWindow, payback_batches
+
+
+def test_payback_arithmetic():
+    assert payback_batches(1.0, 0.3) == 4  # floor(3.33) + 1
+    assert payback_batches(1.0, 0.25) == 5  # exactly 4 batches only breaks even: the 5th pays
+    assert payback_batches(0.0, 0.1) == 1
+    assert payback_batches(12.5e-3, 1e-3) == 13
+    assert payback_batches(1.0, 0.0) is None and payback_batches(1.0, -2.0) is None
+    with pytest.raises(ValueError):
+        payback_batches(-1.0, 1.0)
+
+
+def policy(t_copy=10.0, window=8, slices=4):
+    return ReplacePolicy(lambda m: np.asarray(m, dtype=float), t_copy, ReplaceConfig(window=window, slices=slices))
+
+
+def feed(pol, series, resident):
+    """Push histograms one by one; return (batch number, swap) of the first proposal."""
+    w = SlidingWindow(len(resident), pol.cfg.window)
+    for i, h in enumerate(series, 1):
+        w.push(h)
+        swaps = pol.decide(w, np.array(resident))
+        if swaps:
+            return i, swaps[0]
+    return None, None
+
+
+def test_steady_hot_cold_expert_is_brought_in():
+    # saving(m) = m s: expert 1 saves 4 s per batch, resident expert 0 only 1: gain 3, N_min = 4.
+    # Expert 1 wins every 2-batch slice, so its predicted persistence is the batches seen so far
+    # rounded down to whole slices: 2 after batches 2 and 3 (< 4, wait), 4 after batch 4 (swap).
+    n, s = feed(policy(), [[1, 4, 0]] * 8, [True, False, False])
+    assert n == 4 and (s.add, s.evict, s.n_min, s.persistence) == (1, 0, 4, 4)
+    assert s.dt == pytest.approx(3.0)
+
+
+def test_routing_shift_waits_for_persistence():
+    # 6 batches with expert 0 hot (5 tokens), then expert 1 (20 tokens) from batch 7, copy 10 s:
+    #  batch 7: dt1 = 20/7 < dt0 = 30/7                     -> nothing saved
+    #  batch 8: gain 40/8 - 30/8 = 1.25, N_min = 9; won 1 slice = 2 batches  -> wait
+    #  batch 9: gain 60/8 - 25/8 = 4.375, N_min = 3; won 2 slices = 4 >= 3   -> swap
+    series = [[5, 0, 0]] * 6 + [[0, 20, 0]] * 6
+    n, s = feed(policy(), series, [True, False, False])
+    assert n == 9
+    assert (s.add, s.evict, s.n_min, s.persistence) == (1, 0, 3, 4)
+    assert s.dt == pytest.approx(4.375)
+
+
+def test_a_copy_that_cannot_pay_back_is_not_made():
+    n, _ = feed(policy(t_copy=1e9), [[1, 4, 0]] * 40, [True, False, False])
+    assert n is None
+
+
+def test_flapping_experts_are_left_alone():
+    # experts 0 and 1 alternate every batch: equal means, no gain
+    series = [[6, 0, 0], [0, 6, 0]] * 8
+    n, _ = feed(policy(t_copy=1.0), series, [True, False, False])
+    assert n is None
+
+
+def test_frozen_and_degenerate_cases():
+    pol = policy()
+    w = SlidingWindow(3, 8)
+    for _ in range(8):
+        w.push([1, 4, 9])
+    assert pol.decide(w, np.array([True, False, False]), frozen={2})[0].add == 1  # 2's copy is in flight
+    assert pol.decide(w, np.array([True, True, True])) == []  # nothing cold
+    assert pol.decide(w, np.array([False, False, False])) == []  # nothing resident to evict
+    two = ReplacePolicy(pol.saving, 0.0, ReplaceConfig(window=8, slices=4, max_swaps=2))
+    swaps = two.decide(w, np.array([True, True, False]))
+    assert [(s.add, s.evict) for s in swaps] == [(2, 0)]  # then 0 (cold now, frozen) cannot come back
+    with pytest.raises(ValueError):
+        w.push([1, 2])
+
+
+def test_config_validation():
+    from hybrid.errors import UsageError
+
+    with pytest.raises(UsageError):
+        ReplaceConfig(window=10, slices=4)
+    with pytest.raises(UsageError):
+        ReplaceConfig(window=0)
+
+
+# -- mechanism: a real hybrid layer on the CPU ------------------------------------------------------
+@pytest.fixture(scope="module")
+def hybrid_layer(tmp_path_factory):
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.offload.build import HybridConfig, load_hybrid
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=128, num_hidden_layers=1, eos_token_id=None, pad_token_id=None)
+    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("rp") / "ckpt", cfg, seed=5, std=0.1)
+    hcfg = HybridConfig(gpu_experts=2, cpu_isa="ref", profile="ktransformers-paper-amx", replace="online")
+    model, off = load_hybrid(ckpt, "cpu", torch.float32, hcfg, progress=False)
+    return off
+
+
+def test_online_swap_lands_between_batches_and_keeps_outputs(hybrid_layer):
+    from hybrid.offload.replace import OnlineReplacer
+
+    off = hybrid_layer
+    layer = off.layers[0]
+    layer.set_resident([0, 1])
+    rep = off.replacer
+    assert isinstance(rep, OnlineReplacer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, layer.D, generator=g)
+    probe_ids = torch.tensor([[0, 1, 5, 9]] * 8)
+    wts = torch.full((8, 4), 0.25)
+    before = layer(x, probe_ids, wts)
+    hot = torch.tensor([[5, 2, 3, 4]] * 8)  # expert 5 (cold) takes every token from now on
+    n_before = rep.stats.landed
+    proposed = landed = None
+    for step in range(200):
+        layer(x, hot, wts)
+        if proposed is None and layer.layer in rep.pending:
+            proposed = step
+            assert not layer.is_resident[5]  # the batch that chose the swap kept its routing map
+        if rep.stats.landed > n_before:
+            landed = step
+            break
+    assert proposed is not None and proposed > 0, "the policy should wait for evidence, then propose"
+    assert landed == proposed + 1  # landed at the start of the next call, never inside one
+    assert rep.stats.landed == n_before + 1
+    assert 5 in layer.resident_ids.tolist() and layer.is_resident[5]
+    assert sorted(layer.cold_ids.tolist()) == [e for e in range(16) if not layer.is_resident[e]]
+    slot = layer._slot_of[5]
+    torch.testing.assert_close(layer.w_gate[slot], layer.expert_weights(5)[0])
+    after = layer(x, probe_ids, wts)  # same function whichever lane runs each expert
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_no_replacement_while_graphs_hold_the_placement(hybrid_layer):
+    layer = hybrid_layer.layers[0]
+    rep = hybrid_layer.replacer
+    layer.captured = True
+    try:
+        skipped = rep.stats.skipped_captured
+        rep.after_batch(layer, np.ones(layer.num_experts, dtype=np.int64))
+        assert rep.stats.skipped_captured == skipped + 1
+        with pytest.raises(RuntimeError, match="eager"):
+            layer.swap_resident(int(layer.resident_ids[0]), int(layer.cold_ids[0]), layer.expert_weights(0))
+    finally:
+        layer.captured = False
