@@ -70,3 +70,31 @@ def layer_time(shape: ExpertShape, hw: HardwareProfile, tokens_per_expert, lanes
 def histogram(topk_ids, num_experts: int) -> np.ndarray:
     """Tokens per expert [E] from routing ids [T, K]."""
     return np.bincount(np.asarray(topk_ids).reshape(-1), minlength=num_experts)[:num_experts]
+
+
+def routing_probabilities(num_experts: int, skew: str) -> np.ndarray:
+    """Per-expert routing probability [E], hottest first: "uniform" or "zipfS" (p_e ~ 1 / rank^S)."""
+    if skew == "uniform":
+        return np.full(num_experts, 1.0 / num_experts)
+    if not skew.startswith("zipf"):
+        raise ValueError(f"skew must be 'uniform' or 'zipf<S>' (e.g. zipf1.0), got {skew!r}")
+    try:
+        s = float(skew[4:])
+    except ValueError:
+        raise ValueError(f"skew must be 'uniform' or 'zipf<S>' (e.g. zipf1.0), got {skew!r}") from None
+    p = 1.0 / np.arange(1, num_experts + 1) ** s
+    return p / p.sum()
+
+
+def expected_histogram(num_experts: int, topk: int, tokens: int, skew: str = "uniform") -> np.ndarray:
+    """Tokens per expert [E] for M tokens x top-K, the expected share of each expert rounded to integers
+    that sum to M*K (largest remainders), no expert above M (a token picks an expert at most once)."""
+    p = routing_probabilities(num_experts, skew)
+    total = tokens * topk
+    want = np.minimum(p * total, tokens)
+    base = np.floor(want).astype(np.int64)
+    short = total - int(base.sum())
+    room = np.where(base < tokens, want - base, -1.0)
+    for e in np.argsort(-room, kind="stable")[:max(short, 0)]:
+        base[e] += 1
+    return base

@@ -117,3 +117,27 @@ def test_bench_crossover_cpu_only(tmp_path, capsys):
     assert res["tokens"] == [1, 4] and all(t > 0 for t in res["measured_t_cpu_ms"])
     assert (tmp_path / "crossover_t.png").stat().st_size > 0
     assert res["predicted_crossover_tokens"] is not None  # the shape's own crossover on the paper box
+
+
+def test_cost_layer_json(capsys):
+    out = run_json(capsys, "cost", "layer", "--profile", "ktransformers-paper-amx", "--tokens", "1,512",
+                   "--skew", "zipf1.0", "--resident", "8", "--json")
+    assert [b["tokens"] for b in out["batches"]] == [1, 512]
+    big = out["batches"][1]
+    assert big["cpu"]["shipped"] == 0 and big["ship"]["cpu"] == 0
+    # cost never predicts worse than the fixed strategies it chooses among
+    assert big["cost"]["ms"] <= min(big[s]["ms"] for s in ("cpu", "ship", "threshold:32")) + 1e-9
+
+
+def test_cost_layer_bad_skew(capsys):
+    assert main(["cost", "layer", "--profile", "ktransformers-paper-amx", "--skew", "pareto"]) == 2
+    assert "skew" in capsys.readouterr().err
+
+
+def test_expected_histogram():
+    from placement.layer_model import expected_histogram
+
+    h = expected_histogram(128, 8, 3, "uniform")
+    assert h.sum() == 24 and h.max() == 1  # 24 distinct experts with one token each
+    z = expected_histogram(128, 8, 1000, "zipf1.5")
+    assert z.sum() == 8000 and z.max() <= 1000 and z[0] >= z[-1]

@@ -137,6 +137,44 @@ def run_active(args) -> int:
     return 0
 
 
+def run_layer(args) -> int:
+    """One MoE layer per batch size: predicted time of each strategy and the cost model's own split."""
+    from placement.layer_model import expected_histogram
+    from placement.schedule import LayerScheduler, parse_strategy
+
+    hw = profile_from_args(args).require_gpu()
+    shape = shape_from_args(args)
+    batches = parse_tokens(args.tokens)
+    strategies = [str(parse_strategy(s)) for s in args.strategies.split(",")]
+    if not 0 <= args.resident <= shape.num_experts:
+        raise UsageError(f"--resident must be in [0, {shape.num_experts}], got {args.resident}")
+    try:
+        hists = {m: expected_histogram(shape.num_experts, shape.topk, m, args.skew) for m in batches}
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    rows = []
+    for m, hist in hists.items():
+        res, cold = hist[: args.resident], hist[args.resident:]  # the hottest experts are the resident ones
+        row = {"tokens": m, "active_experts": int((hist > 0).sum())}
+        for strat in strategies:
+            sched = LayerScheduler(shape, hw, strat)
+            split = sched.decide(cold, batch_tokens=m, gpu_busy=sched.gpu_time(res), rows=m)
+            row[strat] = {"ms": split.total * 1e3, "shipped": int(split.ship.sum()),
+                          "cpu": int(((cold > 0) & ~split.ship).sum())}
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"profile": hw.name, "shape": shape.name, "skew": args.skew, "resident": args.resident,
+                          "experts": shape.num_experts, "topk": shape.topk, "batches": rows}, indent=2))
+        return 0
+    print(f"profile {hw.name}; {shape.name}: E={shape.num_experts} top-{shape.topk}, {args.resident} resident, "
+          f"routing {args.skew}; predicted layer time in ms (shipped/CPU experts)")
+    print(f"{'tokens':>7} {'active':>6} " + " ".join(f"{s:>18}" for s in strategies))
+    for r in rows:
+        cells = [f"{r[s]['ms']:9.3f} ({r[s]['shipped']:>3}/{r[s]['cpu']:<3})" for s in strategies]
+        print(f"{r['tokens']:>7} {r['active_experts']:>6} " + " ".join(f"{c:>18}" for c in cells))
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("cost", help="price an expert on the CPU vs ship-to-GPU path (DESIGN section 3)",
                        description="Per token count: T_C (ship activations, run on the CPU) and T_G (ship "
@@ -147,7 +185,7 @@ def register(sub) -> None:
     p.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma-separated tokens per expert; default %(default)s")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_cost)
-    inner = p.add_subparsers(dest="cost_mode", metavar="{active}", parser_class=type(p))
+    inner = p.add_subparsers(dest="cost_mode", metavar="{active,layer}", parser_class=type(p))
     a = inner.add_parser("active", help="expected active experts and weight bytes for a batch",
                          description="E*(1-(1-K/E)^M): distinct experts touched by M uniformly routed tokens.")
     a.add_argument("--experts", type=int, required=True, help="E, routed experts per layer")
@@ -156,6 +194,18 @@ def register(sub) -> None:
     a.add_argument("--expert-bytes", type=float, help="bytes of one expert's weights")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=run_active)
+    lay = inner.add_parser("layer", help="one MoE layer per batch size: each strategy's predicted time",
+                           description="For M tokens routed top-K over the shape's E experts (expected "
+                           "histogram, uniform or Zipf), the predicted layer time of each strategy and the "
+                           "cost model's split of the cold experts into shipped / CPU.")
+    add_profile_args(lay)
+    add_shape_args(lay)
+    lay.add_argument("--tokens", default="1,8,64,512,4096", help="batch sizes (tokens); default %(default)s")
+    lay.add_argument("--skew", default="uniform", help="uniform or zipfS, e.g. zipf1.0 (default uniform)")
+    lay.add_argument("--resident", type=int, default=0, help="hottest experts resident in VRAM (default 0)")
+    lay.add_argument("--strategies", default="cost,cpu,ship,threshold:32", help="default %(default)s")
+    lay.add_argument("--json", action="store_true", help="print one JSON object")
+    lay.set_defaults(func=run_layer)
 
 
 if __name__ == "__main__":  # pragma: no cover
