@@ -20,7 +20,7 @@ enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3 };
 typedef struct {
   const uint8_t* w;
   const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]
-  const int32_t* rsum;   // int8: [E, rows_p] sum of the row's int8 values (unused by current kernels)
+  const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   int64_t w_estride;     // bytes between experts
   int64_t s_estride;     // floats between experts in scale
   int64_t r_estride;     // int32s between experts in rsum
