@@ -91,10 +91,18 @@ def expected_histogram(num_experts: int, topk: int, tokens: int, skew: str = "un
     that sum to M*K (largest remainders), no expert above M (a token picks an expert at most once)."""
     p = routing_probabilities(num_experts, skew)
     total = tokens * topk
-    want = np.minimum(p * total, tokens)
-    base = np.floor(want).astype(np.int64)
+    want = p * total
+    for _ in range(num_experts):  # cap at M and hand the excess to the others, in proportion
+        over = want > tokens
+        if not over.any():
+            break
+        excess = float((want[over] - tokens).sum())
+        want[over] = tokens
+        free = want < tokens
+        want[free] += excess * p[free] / p[free].sum()
+    base = np.floor(want + 1e-9).astype(np.int64)
     short = total - int(base.sum())
-    room = np.where(base < tokens, want - base, -1.0)
+    room = np.where(base < tokens, want - base, -np.inf)
     for e in np.argsort(-room, kind="stable")[:max(short, 0)]:
         base[e] += 1
     return base
