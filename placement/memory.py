@@ -169,4 +169,5 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A size for messages: GiB from 1 GiB up, else MiB (enough digits to act on)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,144 @@
+"""`hybrid plan` and `generate --plan` on a tiny checkpoint (CPU)."""
+
+import json
+import shutil
+
+import pytest
+
+from hybrid.cli import build_parser, main
+
+PROFILE = "ktransformers-paper-amx"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import contextlib
+    import io
+
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.runtime.demo import build_tokenizer
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=2, eos_token_id=None, pad_token_id=None)
+    path = write_random_checkpoint(tmp_path_factory.mktemp("pc") / "ckpt", cfg, seed=4, std=0.1)
+    with contextlib.redirect_stdout(io.StringIO()):  # building the tokenizer prints the Zen of Python
+        build_tokenizer(path, vocab_size=256)
+    return path
+
+
+def plan_json(capsys, *argv):
+    assert main(["plan", "--profile", PROFILE, "--reserve", "0", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_schema(ckpt, capsys):
+    out = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", "16MiB", "--cpu-budget", "1GiB",
+                    "--max-context", "64", "--numa-threads", "2,2")
+    for key in ("gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes"):
+        assert isinstance(out[key], int) and out[key] > 0
+    assert out["gpu_budget_bytes"] == 16 * 2**20 and out["cpu_budget_bytes"] == 2**30
+    assert out["gpu_bytes"] <= out["gpu_budget_bytes"] and out["cpu_bytes"] <= out["cpu_budget_bytes"]
+    assert [x["layer"] for x in out["layers"]] == [0, 1]
+    assert all(isinstance(e, int) for x in out["layers"] for e in x["resident_experts"])
+    # two nodes: staging holds raw packed bytes besides the dense chunk, 4 slots x 8 experts x 2 x 192 KiB
+    g = out["memory"]["gpu"]
+    assert g["staging"] == 12 * 2**20
+    n = sum(len(x["resident_experts"]) for x in out["layers"])
+    assert 0 < n < 32 and n == (out["gpu_budget_bytes"] - out["gpu_bytes"] + n * g["per_resident_expert"]) // g["per_resident_expert"]
+    assert out["predicted_decode_tokens_per_s"] > 0 and out["predicted_prefill_tokens_per_s"] > 0
+    assert [n["threads"] for n in out["numa"]] == [2, 2]
+    assert out["gpu_bytes"] == sum(g[k] for k in ("non_expert", "kv_cache", "staging", "graph_buffers", "reserve",
+                                                  "resident_experts"))
+
+
+def test_budget_units(ckpt, capsys):
+    a = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", "1GiB", "--cpu-budget", "1000MB", "--max-context", "64")
+    b = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", str(2**30), "--cpu-budget", "1000000000",
+                  "--max-context", "64")
+    assert a == b and a["cpu_budget_bytes"] == 10**9
+
+
+def test_plan_reads_no_weights(ckpt, tmp_path, capsys):
+    only_config = tmp_path / "cfg_only"
+    only_config.mkdir()
+    shutil.copy(ckpt / "config.json", only_config / "config.json")
+    out = plan_json(capsys, "--model", str(only_config), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB")
+    assert out["model"]["num_experts"] == 16
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--gpu-budget", "1MiB", "--cpu-budget", "1GiB"], ["--gpu-budget 1.0 MiB is too small", "the GPU needs",
+                                                        "reserve 512.0 MiB", "raise --gpu-budget to at least"]),
+    (["--gpu-budget", "1GiB", "--cpu-budget", "1MB"], ["--cpu-budget", "DRAM needs", "raise --cpu-budget to at least"]),
+    (["--gpu-budget", "lots", "--cpu-budget", "1GiB"], ["cannot read 'lots' as a size"]),
+    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--max-context", "1"], ["--max-context must be at least 2"]),
+    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--stats", "/nonexistent.json"], ["--stats: no such file"]),
+    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--numa-threads", "2,x"], ["--numa-threads"]),
+])
+def test_impossible_or_bad_settings_exit_2(ckpt, capsys, argv, needles):
+    assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid plan: error:") and err.count("\n") == 1
+    for n in needles:
+        assert n in err
+
+
+def test_generate_fails_before_loading(ckpt, capsys, monkeypatch, tmp_path):
+    import hybrid.models
+    import hybrid.offload.build
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(hybrid.offload.build, "load_hybrid", boom)
+    monkeypatch.setattr(hybrid.models, "load_model", boom)
+    assert main(["generate", "--model", str(ckpt), "--gpu-budget", "1KiB", "-n", "2"]) == 2
+    assert "below the non-expert weights and KV cache" in capsys.readouterr().err
+    # a plan made for another model shape
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_experts"] = 8
+    (other / "config.json").write_text(json.dumps(cfg))
+    plan_file = tmp_path / "other.json"
+    assert main(["plan", "--model", str(other), "--profile", PROFILE, "--gpu-budget", "1GiB", "--cpu-budget", "1GiB",
+                 "--out", str(plan_file)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "-n", "2"]) == 2
+    assert "was made for another model" in capsys.readouterr().err
+    assert main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "--gpu-experts", "2"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_generate_with_a_plan(ckpt, tmp_path, capsys):
+    from hybrid.runtime.session import open_session
+    from placement.plan_file import load_plan
+
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, "--gpu-budget", "13MiB", "--cpu-budget", "1GiB",
+                 "--max-context", "64", "--cpu-dtype", "int8", "--reserve", "0", "--out", str(plan_file)]) == 0
+    capsys.readouterr()
+    p = load_plan(plan_file)
+    counts = [len(lp.resident_experts) for lp in p.layers]
+    assert sum(counts) == 15  # (13 - 10.1 MiB fixed: int8 staging also holds raw bytes) / 0.1875 MiB
+    args = build_parser().parse_args(["generate", "--model", str(ckpt), "--plan", str(plan_file),
+                                      "--max-context", "64", "--profile", PROFILE])
+    s = open_session(args, log=lambda m: None)
+    assert s.offload.cpu_dtype == "int8"  # from the plan
+    for layer in s.offload.layers:
+        assert sorted(layer.resident_ids.tolist()) == sorted(p.resident_of(layer.layer))
+    rc = main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "--max-context", "64", "-n", "3", "--json",
+               "--profile", PROFILE])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["generated_token_ids"]) == 3
+    assert main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "--cpu-dtype", "bf16"]) == 2
+    assert "differs from the plan" in capsys.readouterr().err
+
+
+def test_generate_replace_online_runs(ckpt, capsys):
+    rc = main(["generate", "--model", str(ckpt), "--gpu-experts", "2", "--replace", "online", "-n", "3", "--json",
+               "--max-context", "64", "--profile", PROFILE])
+    assert rc == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["generated_token_ids"]) == 3

@@ -1,0 +1,78 @@
+"""`hybrid profile-routing`: counts per layer and per window, in the documented file format."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.cli import main
+from placement.routing_stats import load_stats
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import contextlib
+    import io
+
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.runtime.demo import build_tokenizer
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=2, eos_token_id=None, pad_token_id=None)
+    path = write_random_checkpoint(tmp_path_factory.mktemp("pr") / "ckpt", cfg, seed=6, std=0.1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        build_tokenizer(path, vocab_size=256)
+    return path
+
+
+def test_counts_and_windows_are_exact(ckpt):
+    """The recorder's counts equal the router's own choices, and windows cut exactly every N tokens."""
+    from hybrid.commands.profile_routing import profile
+    from hybrid.models import load_model
+    from hybrid.runtime.engine import Engine
+
+    model = load_model(ckpt, device="cpu", dtype=torch.float32, progress=False)
+    eng = Engine(model, None, max_batch=1, max_context=64, eager=True)
+    prompts = [list(range(3, 40)), list(range(50, 60)), list(range(100, 121))]  # 37 + 10 + 21 = 68 tokens
+    layers, counts, tokens, series = profile(eng, prompts, window=16)
+    assert layers == [0, 1] and tokens == 68
+    assert [n for n, _ in series] == [16, 16, 16, 16, 4]
+    assert np.array_equal(sum(c for _, c in series), counts)
+    assert (counts.sum(axis=1) == 68 * model.cfg.experts_per_token).all()
+    # the same prompts routed by hand, layer 0: router top-k of the embedded, normed tokens
+    seen = []
+    h = model.layers[0].moe.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].reshape(-1)))
+    try:
+        for p in prompts:
+            s = eng.allocate_slot()
+            eng.prefill(s, p)
+            eng.free_slot(s)
+    finally:
+        h.remove()
+    assert np.array_equal(np.bincount(torch.cat(seen).numpy(), minlength=16), counts[0])
+
+
+def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('first prompt about printing presses\n\n{"prompt": "def f(x): return x * 2"}\nthird one\n')
+    out = tmp_path / "stats.json"
+    assert main(["profile-routing", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
+                 "--window", "8", "--max-context", "64"]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "hybrid-routing-stats" and data["schema_version"] == 1
+    assert data["num_experts"] == 16 and data["topk"] == 4 and data["window_tokens"] == 8
+    assert data["source"]["prompt_count"] == 3 and data["source"]["prompts"] == str(prompts)
+    assert [x["layer"] for x in data["layers"]] == [0, 1]
+    assert all(sum(x["counts"]) == data["tokens"] * 4 for x in data["layers"])
+    assert sum(w["tokens"] for w in data["series"]) == data["tokens"]
+    stats = load_stats(out)  # what `hybrid plan --stats` reads
+    assert stats.tokens == data["tokens"]
+    assert main(["plan", "--model", str(ckpt), "--stats", str(out), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB",
+                 "--profile", "ktransformers-paper-amx", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["stats"]["kind"] == "measured"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["profile-routing", "--model", str(ckpt), "--prompts", str(empty)]) == 2
+    assert "no prompts" in capsys.readouterr().err
