@@ -366,3 +366,21 @@ def test_forked_child_still_computes(isa):
         os.waitpid(pid, 0)
         pytest.fail("forked child did not finish within 60 s")
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("isa,knee", [c for c in CASES if c.values[0] != "ref"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_tile_multiple_width_bf16_rows_in_place(isa, knee, dtype):
+    """D a multiple of 64 with bf16 tokens: the kernels read the token rows in place (no copy), here
+    from a view that starts one row into a larger tensor; the input must come back unchanged."""
+    d, f = 128, 192
+    ws = weights(seed=28, f=f, d=d)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, amx_min_tokens=knee)
+    ids, w = ragged_routing(513, seed=29)
+    big = torch.randn(514, d, generator=torch.Generator().manual_seed(30)).bfloat16()
+    x = big[1:]
+    before = x.clone()
+    out = torch.full((513, d), float("nan"), dtype=torch.bfloat16)
+    y = moe.forward(x, ids, w, out=out)
+    assert torch.equal(x, before) and not torch.isnan(y).any()
+    assert rel_err(y, moe_forward(x, *dequantized(ws, dtype), ids, w)) < TOL[dtype]

@@ -11,7 +11,7 @@
 //   1  (expert, 64-row block of F_n): gate and up GEMMs, activation, h [m, F_n]      (every node)
 //   Q  int8/int4: quantize h rows; AMX experts: pack h into B tiles                 (every node)
 //   2  32/64-row block of D: down GEMM of every expert, weighted scatter into acc_n [T, D]
-//   3  out = sum over nodes of acc_n, converted to out's dtype                      (node 0's pool)
+//   3  out = sum over nodes of acc_n, converted to out's dtype (one node: done at the end of 2)
 #pragma once
 #include <algorithm>
 #include <chrono>
@@ -175,11 +175,12 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   const int m_max_pad = (int)align_up(std::max(m_max, 1), 32);
 
   clk.lap(0);
-  // Phase 0: token rows.
-  const int64_t xs = act_stride(dt, Dk, G0.group);
-  uint8_t* xrows = W.xrows.get<uint8_t>((size_t)T * xs);
+  // Phase 0: token rows. bf16 tokens whose width needs no padding are used in place (no copy).
+  const bool x_in_place = dt == HY_BF16 && x_dtype == HY_X_BF16 && D == Dk;
+  const int64_t xs = x_in_place ? (int64_t)D * 2 : act_stride(dt, Dk, G0.group);
+  uint8_t* xrows = x_in_place ? (uint8_t*)x : W.xrows.get<uint8_t>((size_t)T * xs);
   Pool* p0 = (Pool*)L->nodes[0].pool;
-  p0->run([&](int task, int) {
+  if (!x_in_place) p0->run([&](int task, int) {
     for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
       uint8_t* row = xrows + t * xs;
       if (dt == HY_BF16) {
@@ -324,6 +325,19 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     const int rows = L->nodes[n].down.rows_p, thr = ((Pool*)L->nodes[n].pool)->n;
     rbd[n] = !any_amx ? 32 : rows / 128 >= thr ? 128 : rows / 64 >= thr ? 64 : 32;
   }
+  // Final values of columns [d0, d0 + nd) for every token (src: [T, ld] fp32) -> out, in out's dtype.
+  auto write_out = [&](const float* src, int64_t ld, int d0, int nd) {
+    if (nd <= 0) return;
+    for (int t = 0; t < T; ++t) {
+      const float* s = src + (int64_t)t * ld;
+      if (out_dtype == HY_X_BF16) {
+        uint16_t* o = (uint16_t*)out + (int64_t)t * D + d0;
+        for (int d = 0; d < nd; ++d) o[d] = f32_to_bf16(s[d]);
+      } else {
+        std::memcpy((float*)out + (int64_t)t * D + d0, s, nd * 4);
+      }
+    }
+  };
   run_nodes(L, [&](int n) {
     return std::function<void(int, int)>([&, n](int task, int tid) {
       const HyNode& N = L->nodes[n];
@@ -353,28 +367,26 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
           for (int r = 0; r < nr; ++r) dst[r] += w * c[r];
         }
       }
+      if (nn == 1) write_out(acc[0] + r0, ldacc, r0, std::min(nr, D - r0));  // block still in cache
     });
   }, [&](int n) { return (L->nodes[n].down.rows_p + rbd[n] - 1) / rbd[n]; });
 
   clk.lap(5);
-  // Phase 3: sum node partials, convert.
-  p0->run([&](int task, int) {
+  // Phase 3 (several nodes only; one node wrote out in phase 2): sum node partials, convert.
+  if (nn > 1) p0->run([&](int task, int) {
     for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
-      const float* s = acc[0] + (int64_t)t * L->nodes[0].down.rows_p;
-      float sum[nn > 1 ? D : 1];
-      if (nn > 1) {
-        for (int d = 0; d < D; ++d) sum[d] = s[d];
-        for (int n = 1; n < nn; ++n) {
-          const float* sn = acc[n] + (int64_t)t * L->nodes[n].down.rows_p;
-          for (int d = 0; d < D; ++d) sum[d] += sn[d];
-        }
-        s = sum;
+      float sum[D];
+      const float* s0 = acc[0] + (int64_t)t * L->nodes[0].down.rows_p;
+      for (int d = 0; d < D; ++d) sum[d] = s0[d];
+      for (int n = 1; n < nn; ++n) {
+        const float* sn = acc[n] + (int64_t)t * L->nodes[n].down.rows_p;
+        for (int d = 0; d < D; ++d) sum[d] += sn[d];
       }
       if (out_dtype == HY_X_BF16) {
         uint16_t* o = (uint16_t*)out + (int64_t)t * D;
-        for (int d = 0; d < D; ++d) o[d] = f32_to_bf16(s[d]);
+        for (int d = 0; d < D; ++d) o[d] = f32_to_bf16(sum[d]);
       } else {
-        std::memcpy((float*)out + (int64_t)t * D, s, D * 4);
+        std::memcpy((float*)out + (int64_t)t * D, sum, D * 4);
       }
     }
   }, (T + 7) / 8);
