@@ -65,7 +65,8 @@ def _stop(proc, log_path):
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
     proc, port = _start(log, ["--max-batch", str(MAX_BATCH), "--max-context", str(MAX_CONTEXT),
-                              "--max-body-bytes", "65536", "--dtype", "float64"])
+                              "--max-body-bytes", "65536", "--dtype", "float64",
+                              "--batch-prefill", "on"])  # the padded multi-prompt path must be exact too
     try:
         yield Server(port, proc)
     finally:

@@ -243,3 +243,23 @@ def test_a_prompt_that_breaks_a_batched_prefill_fails_alone():
     assert kinds == ["done", "error", "done"]
     assert any(len(c[1]) == 3 for c in rt.engine.calls if c[0] == "prefill")  # it was tried batched
     assert rt.free_slots == 4
+
+
+def test_without_batch_prefill_each_prompt_gets_its_own_pass():
+    rt = fake_runtime(max_batch=4, max_context=256, batch_prefill="off")
+    prompts = [[20 + i] * (5 + i) for i in range(3)] + [[50, 8, 51]]  # the last one fails (BEL)
+    seqs = [_seq(ids, 4) for ids in prompts]
+    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
+    for s, _ in seqs:
+        sched.submit([s])
+    sched.start()
+    try:
+        for _, c in seqs:
+            assert c.done.wait(10)
+    finally:
+        sched.stop()
+    prefills = [c for c in rt.engine.calls if c[0] == "prefill"]
+    assert [c[2] for c in prefills] == [(5,), (6,), (7,), (3,)]
+    assert rt.engine.calls[len(prefills)][0] == "decode"  # all four in one pass, then decode
+    assert [c.terminal[0].kind for _, c in seqs] == ["done"] * 3 + ["error"]
+    assert [c.text for _, c in seqs[:3]] == _solo_texts(prompts[:3], 4)

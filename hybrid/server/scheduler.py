@@ -251,20 +251,17 @@ class Scheduler:
         return True
 
     def _forward_prefill(self, batch: list[Sequence], sizes: list[int]) -> list[tuple]:
-        """Prefill the batch in one pass; if that fails, one by one, so a request that breaks the
-        model (or a batch too big for memory) fails alone instead of taking its batch mates along.
-        (Retrying is safe: lengths only advance on success, so positions are simply rewritten.)"""
+        """Prefill the batch in one pass if the runtime batches prefill, else (or if that fails) one by
+        one, so a request that breaks the model (or a batch too big for memory) fails alone instead
+        of taking its batch mates along. (Retrying is safe: the runtime advances no slot's length on
+        failure, so the same positions are simply rewritten.)"""
         chunks = [s.prompt_ids[s.prefilled : s.prefilled + n] for s, n in zip(batch, sizes)]
-        try:
-            logits = self.runtime.prefill([s.slot for s in batch], chunks)  # [B, V]
-            return [(seq, n, logits[i]) for i, (seq, n) in enumerate(zip(batch, sizes))]
-        except Exception as exc:  # noqa: BLE001
-            if len(batch) == 1:
-                log.exception("prefill failed")
-                self._prefilling.remove(batch[0])
-                self._fail(batch[0], f"prefill failed: {exc}", 500)
-                return []
-            log.warning("batched prefill of %d sequences failed (%s); retrying one by one", len(batch), exc)
+        if len(batch) > 1 and self.runtime.batch_prefill:
+            try:
+                logits = self.runtime.prefill([s.slot for s in batch], chunks)  # [B, V]
+                return [(seq, n, logits[i]) for i, (seq, n) in enumerate(zip(batch, sizes))]
+            except Exception as exc:  # noqa: BLE001
+                log.warning("batched prefill of %d sequences failed (%s); retrying one by one", len(batch), exc)
         out = []
         for seq, n, chunk in zip(batch, sizes, chunks):
             try:

@@ -136,5 +136,6 @@ class FakeEngine:
         return torch.stack(rows)  # [B, V]
 
 
-def fake_runtime(max_batch: int = 4, max_context: int = 256, step_delay_s: float = 0.0) -> Runtime:
-    return Runtime(FakeEngine(max_batch, max_context, step_delay_s), FakeTokenizer())
+def fake_runtime(max_batch: int = 4, max_context: int = 256, step_delay_s: float = 0.0,
+                 batch_prefill: str = "on") -> Runtime:
+    return Runtime(FakeEngine(max_batch, max_context, step_delay_s), FakeTokenizer(), batch_prefill)
