@@ -136,10 +136,10 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     gpu_bytes = mem.gpu_fixed + n_res * mem.resident_expert
     assert gpu_bytes <= settings.gpu_budget, "planner exceeded the GPU budget"  # choose_resident's contract
 
-    # predictions: decode at B rows attending half the context on average; prefill of P tokens
+    # predictions: decode at B rows attending the whole cache (the decode graphs' shapes are fixed at
+    # capture, so they read all max_context positions whatever the sequence length); prefill of P tokens
     gb = s.gpu_dtype_bytes
-    ctx = max(1, s.max_context // 2)
-    decode_s = non_expert_step_time(cfg, hw, rows, ctx, gb)
+    decode_s = non_expert_step_time(cfg, hw, rows, s.max_context, gb)
     sched = LayerScheduler(cpu_shape, hw, "cost")
     gpu_sched = LayerScheduler(gpu_shape, hw, "cost")
     P = min(settings.prefill_tokens, s.max_context)
