@@ -72,6 +72,18 @@ def _submit_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class CpuMoE:
+    """The CPU experts of one MoE layer: packs (and quantizes) their weights once, then runs calls.
+
+    w_gate, w_up [E, F, D] and w_down [E, D, F] (fp32/bf16/fp16, contiguous) are the experts held here,
+    whose global ids are expert_ids (default 0..E-1) out of num_experts (default max id + 1); tokens
+    routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
+    32/64/128). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
+    isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
+    activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). amx_min_tokens: tokens per expert from
+    which the AMX path is used (default: the knee measured for dtype). Attributes: isa, nbytes (packed
+    weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
+    """
+
     def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
@@ -157,32 +169,41 @@ class CpuMoE:
         bounds.append(self.F)
         return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
-    def _node_local(self, pool: int, t: torch.Tensor) -> torch.Tensor:
-        dst = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)  # untouched pages
-        _native.load(self.isa).hy_pool_copy(pool, dst.data_ptr(), t.data_ptr(), dst.numel())
-        self._keep.append(dst)
-        return dst
-
     def _kpad(self) -> int:
         return max(64, self.group_size) if self.dtype == "int4" else 64
 
+    # Experts quantized per chunk, so packing a layer needs fp32 staging for 8 experts, not for all E.
+    _PACK_CHUNK = 8
+
     def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int = _ROW_ALIGN) -> _native.HyMat:
-        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk]."""
+        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk]. Each chunk of
+        experts is copied into untouched pages by the node's pinned threads (first touch = local)."""
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
-        wp = torch.nn.functional.pad(w.float(), (0, ldk - k, 0, rows_p - rows))
-        q, s, r = self._quantized(wp)
+        lib = _native.load(self.isa)
+        bufs, strides = None, None
+        for e0 in range(0, self.E, self._PACK_CHUNK):
+            wc = w[e0:e0 + self._PACK_CHUNK]
+            if self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
+                parts = [wc.to(torch.bfloat16).contiguous(), None, None]
+            else:
+                wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
+                parts = list(self._quantized(wp))  # q, scale or None, rsum or None
+            if bufs is None:
+                strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
+                bufs = [None if s is None else torch.empty(self.E * s, dtype=torch.uint8) for s in strides]
+                self._keep += [t for t in bufs if t is not None]
+            for t, buf, s in zip(parts, bufs, strides):
+                if t is not None:
+                    lib.hy_pool_copy(pool, buf.data_ptr() + e0 * s, t.data_ptr(), t.numel() * t.element_size())
         m = _native.HyMat()
-        m.w = self._node_local(pool, q).data_ptr()
-        m.w_estride = q[0].numel() * q.element_size()
-        if s is not None:
-            m.scale = self._node_local(pool, s).data_ptr()
-            m.s_estride = s[0].numel()
-        if r is not None:
-            m.rsum = self._node_local(pool, r).data_ptr()
-            m.r_estride = r[0].numel()
+        m.w, m.w_estride = bufs[0].data_ptr(), strides[0]
+        if bufs[1] is not None:
+            m.scale, m.s_estride = bufs[1].data_ptr(), strides[1] // 4
+        if bufs[2] is not None:
+            m.rsum, m.r_estride = bufs[2].data_ptr(), strides[2] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
         m.group, m.dtype = self.group_size, DTYPES[self.dtype]
-        self.nbytes += sum(t.numel() * t.element_size() for t in (q, s, r) if t is not None)
+        self.nbytes += sum(b.numel() for b in bufs if b is not None)
         return m
 
     def _pack_native(self, w_gate, w_up, w_down):
