@@ -64,7 +64,9 @@ def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, residen
         p_none = float(np.prod((1.0 - np.clip(shares[cold], 0, 1)) ** rows))
         link = 2.0 * hw.alpha + rows * 2.0 * cpu_shape.hidden * cpu_shape.act_bytes / hw.link_bw
         cpu = (1.0 - p_none) * (hw.cpu_lane_overhead + link) + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
-    return hw.layer_overhead + max(cpu, gpu)
+    # No hw.layer_overhead: it prices an eager call's routing histogram to the host and its bookkeeping,
+    # which a captured decode step does not do (the split is fixed inside the graph).
+    return max(cpu, gpu)
 
 
 def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, shares, resident, tokens: int) -> float:

@@ -222,7 +222,10 @@ def place_resident(model, offload, hcfg: HybridConfig, run_prompt: Callable[[lis
 def fixed_vram(model, cache_bytes: int, offload) -> int:
     """VRAM that is not resident experts: non-expert weights, KV cache, ship-lane staging slots."""
     params = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".moe.experts." not in name)
-    staging = offload.ship_lane.n_slots * expert_vram_bytes(model.cfg, torch.bfloat16)
+    # ShipLane holds n_slots chunks of `chunk` experts each (dense; + raw packed bytes when the packed
+    # layout is not the dense one, which placement.memory prices exactly for `hybrid plan`)
+    lane = offload.ship_lane
+    staging = lane.n_slots * lane.chunk * expert_vram_bytes(model.cfg, offload.dtype)
     return params + cache_bytes + staging
 
 
