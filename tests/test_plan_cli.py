@@ -142,3 +142,20 @@ def test_generate_replace_online_runs(ckpt, capsys):
                "--max-context", "64", "--profile", PROFILE])
     assert rc == 0
     assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["generated_token_ids"]) == 3
+
+
+def test_serve_and_chat_accept_a_plan(ckpt, tmp_path, capsys):
+    from hybrid.server.adapter import load_runtime
+    from placement.plan_file import load_plan
+
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, "--gpu-budget", "8MiB", "--cpu-budget", "1GiB",
+                 "--max-context", "64", "--reserve", "0", "--out", str(plan_file)]) == 0
+    capsys.readouterr()
+    p = load_plan(plan_file)
+    args = build_parser().parse_args(["serve", "--model", str(ckpt), "--plan", str(plan_file), "--max-context", "64",
+                                      "--max-batch", "1", "--profile", PROFILE])
+    runtime, _ = load_runtime(args, log=lambda m: None)
+    layers = [l.moe.experts for l in runtime.engine.model.layers]
+    assert [sorted(x.resident_ids.tolist()) for x in layers] == [sorted(p.resident_of(x.layer)) for x in layers]
+    assert build_parser().parse_args(["chat", "--plan", str(plan_file)]).plan == str(plan_file)

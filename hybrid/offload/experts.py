@@ -144,7 +144,10 @@ class HybridExperts(nn.Module):
         self.cold_mask = torch.from_numpy(~self.is_resident)
         rank = np.full(self.num_experts, len(self.resident_ids), dtype=np.int64)
         rank[self.resident_ids] = np.arange(len(self.resident_ids))
-        self.rank_dev = torch.from_numpy(rank).to(self.offload.device)
+        rank_t = torch.from_numpy(rank)
+        if self.offload.device.type == "cuda":  # a pageable copy would wait for the compute stream
+            rank_t = rank_t.pin_memory()
+        self.rank_dev = rank_t.to(self.offload.device, non_blocking=True)
 
     @property
     def capturable(self) -> bool:

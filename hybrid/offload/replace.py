@@ -96,7 +96,8 @@ class OnlineReplacer:
         if self.copy_stream is None:
             self.pending[layer.layer] = _Pending(swap, layer.expert_weights(swap.add), None)
             return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())  # after the batch that chose it
+        # no wait on the compute stream: the copy reads the never-written packed DRAM copy into fresh
+        # buffers, so it may overlap the steps that follow
         with torch.cuda.stream(self.copy_stream):
             weights = _upload(layer, swap.add, off.device, off.dtype)
             ev = torch.cuda.Event()
