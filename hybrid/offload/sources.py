@@ -17,9 +17,6 @@ import torch
 
 log = logging.getLogger("hybrid.offload")
 
-_KIND = {0: "bf16", 1: "int8", 2: "int4"}
-
-
 @dataclass
 class PackedMatrix:
     """One matrix kind (gate, up or down) of all E experts on one node: q [E, rows_p, cols] + scales."""
@@ -62,36 +59,13 @@ class NodeSlice:
         return (self.gate, self.up, self.down)
 
 
-def _typed(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    """The executor's node-local byte buffer reinterpreted as the packed matrix it holds."""
-    return buf.view(dtype).view(shape)
-
-
 def packed_sources(moe) -> list[NodeSlice]:
-    """The executor's packed weights as tensors (views, no copies), node by node."""
-    if moe.isa == "ref":
-        g, u, d = moe._ref
-        plain = [PackedMatrix(t, None, t.shape[1], t.shape[2], "plain") for t in (g, u, d)]
-        return [NodeSlice(0, moe.F, *plain)]
-    by_ptr = {t.data_ptr(): t for t in moe._keep}
-    E = moe.E
+    """The executor's packed weights as tensor views (no copies), node by node (CpuMoE.packed_weights)."""
     out = []
-    for n, (f0, f1) in enumerate(moe._slices):
-        node = moe._layer.nodes[n]
-        mats = []
-        for m in (node.gate, node.up, node.down):
-            kind = _KIND[m.dtype]
-            if kind == "bf16":
-                q = _typed(by_ptr[m.w], torch.bfloat16, (E, m.rows_p, m.ldk))
-                scale = None
-            elif kind == "int8":
-                q = _typed(by_ptr[m.w], torch.int8, (E, m.rows_p, m.ldk))
-                scale = _typed(by_ptr[m.scale], torch.float32, (E, m.rows_p))
-            else:
-                q = _typed(by_ptr[m.w], torch.uint8, (E, m.rows_p, m.ldk // 2))
-                scale = _typed(by_ptr[m.scale], torch.float32, (E, m.rows_p, m.ldk // m.group))
-            mats.append(PackedMatrix(q, scale, m.rows, m.k, kind, m.group))
-        out.append(NodeSlice(f0, f1, *mats))
+    for node in moe.packed_weights():
+        mats = [PackedMatrix(m["q"], m["scale"], m["rows"], m["k"], m["dtype"], m["group"])
+                for m in (node["gate"], node["up"], node["down"])]
+        out.append(NodeSlice(node["f0"], node["f1"], *mats))
     return out
 
 
