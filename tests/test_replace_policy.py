@@ -118,7 +118,7 @@ def test_online_swap_lands_between_batches_and_keeps_outputs(hybrid_layer):
     probe_ids = torch.tensor([[0, 1, 5, 9]] * 8)
     wts = torch.full((8, 4), 0.25)
     before = layer(x, probe_ids, wts)
-    hot = torch.tensor([[5, 2, 3, 4]] * 8)  # expert 5 (cold) takes every token from now on
+    hot = torch.tensor([[5, 2 + t % 3, 6 + t % 3, 9 + t % 3] for t in range(8)])  # cold expert 5: every token
     n_before = rep.stats.landed
     proposed = landed = None
     for step in range(200):
