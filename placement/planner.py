@@ -143,7 +143,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     sched = LayerScheduler(cpu_shape, hw, "cost")
     gpu_sched = LayerScheduler(gpu_shape, hw, "cost")
     P = min(settings.prefill_tokens, s.max_context)
-    prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb)
+    prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True)  # causal: P/2 keys on average
     layers = []
     for li, (layer, sh) in enumerate(zip(stats.layers, shares)):
         decode_s += decode_layer_time(cpu_shape, gpu_shape, hw, sh, resident[li], rows)

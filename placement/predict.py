@@ -77,14 +77,15 @@ def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, sha
     return scheduler.decide(hist[~resident], batch_tokens=tokens, gpu_busy=busy, rows=tokens).total
 
 
-def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int) -> float:
+def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int, prefill: bool = False) -> float:
     """GPU seconds of everything but the routed experts for `rows` tokens that each attend `context`
-    positions: the weight read or the FLOPs, whichever is larger, plus attention (each row reads its
-    K/V or, for a prompt, the FLOPs of the causal scores dominate). The embedding table is gathered,
-    not read whole."""
+    positions: the weight read or the FLOPs, whichever is larger, plus attention. Decode: every row reads
+    its own K/V (bandwidth-bound). Prefill: the rows share one pass over K/V (fused attention tiles the
+    queries), so the causal scores' FLOPs dominate. The embedding table is gathered, not read whole."""
     params = cfg.param_counts()["non_expert"] - cfg.vocab_size * cfg.hidden_size
     weights = max(2.0 * rows * params / hw.gpu_flops, params * gb / hw.hbm_bw)
-    kv_read = rows * 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * gb / hw.hbm_bw
+    kv_bytes = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * gb
+    kv_read = (1 if prefill else rows) * kv_bytes / hw.hbm_bw
     attn_flops = 4.0 * rows * context * cfg.num_heads * cfg.head_dim * cfg.num_layers / hw.gpu_flops
     return weights + max(kv_read, attn_flops)
 

@@ -23,7 +23,10 @@ def register(subparsers) -> None:
                               description="Choose the resident (VRAM) experts per layer for the given budgets, "
                               "by predicted decode time saved per byte across layers; report memory, NUMA split "
                               "and predicted tokens/s. Fails before loading anything if the budgets cannot work.")
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
+    src.add_argument("--preset", help="plan for a published model's config without its checkpoint "
+                     "(qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, qwen1.5-moe-a2.7b, olmoe-1b-7b)")
     p.add_argument("--gpu-budget", required=True, metavar="SIZE", help="VRAM for everything (24GiB, 24000MB, bytes)")
     p.add_argument("--cpu-budget", required=True, metavar="SIZE", help="DRAM for the experts and pinned buffers")
     p.add_argument("--stats", metavar="FILE", help="routing statistics from `hybrid profile-routing` (default: uniform)")
@@ -76,11 +79,21 @@ def build_plan(args):
     settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
                             memory=mem, prefill_tokens=args.prefill_tokens)
     model_dir = args.model
-    if not model_dir:
-        from hybrid.runtime.demo import ensure_demo_checkpoint
+    if args.preset:
+        from hybrid.models.families import family_for
+        from hybrid.models.presets import hf_config
 
-        model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
-    _, cfg, _ = read_config(model_dir)
+        try:
+            raw = hf_config(args.preset)
+        except KeyError as exc:
+            raise UsageError(str(exc.args[0])) from None
+        cfg, model_dir = family_for(raw).parse_config(raw), f"preset {args.preset}"
+    else:
+        if not model_dir:
+            from hybrid.runtime.demo import ensure_demo_checkpoint
+
+            model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
+        _, cfg, _ = read_config(model_dir)
     stats = load_stats(args.stats) if args.stats else None
     hw = scheduler_profile(args.profile)
     return plan(cfg, stats, hw, settings), model_dir
@@ -95,7 +108,8 @@ def run(args) -> int:
         return 0
     print(describe(p, model_dir))
     if args.out:
-        print(f"plan written to {args.out} (use: hybrid generate --model {model_dir} --plan {args.out})")
+        print(f"plan written to {args.out} (use: hybrid generate --model "
+              f"{'DIR' if args.preset else model_dir} --plan {args.out})")
     return 0
 
 
