@@ -111,9 +111,12 @@ def choose_resident(savings: np.ndarray, expert_bytes: int, budget_bytes: int) -
 def numa_split(cfg, s: MemorySettings, cold_experts: int) -> list[dict]:
     """Per node: its threads, its slice of F and the DRAM bytes of its slices of all experts / cold ones."""
     D, F = cfg.hidden_size, cfg.expert_intermediate_size
+    slices = f_slices(F, list(s.node_threads), s.cpu_dtype, s.group)
+    # a slice boundary rounded up to F leaves the trailing nodes without work (and the executor drops them)
+    slices += [(F, F)] * (len(s.node_threads) - len(slices))
     out = []
-    for node, (threads, (f0, f1)) in enumerate(zip(s.node_threads, f_slices(F, list(s.node_threads), s.cpu_dtype, s.group))):
-        per = packed_slice_bytes(D, f0, f1, s.cpu_dtype, s.group)
+    for node, (threads, (f0, f1)) in enumerate(zip(s.node_threads, slices)):
+        per = packed_slice_bytes(D, f0, f1, s.cpu_dtype, s.group) if f1 > f0 else 0
         out.append({"node": node, "threads": threads, "f_start": f0, "f_end": f1,
                     "bytes": per * cfg.num_moe_layers * cfg.num_experts, "cold_bytes": per * cold_experts})
     return out

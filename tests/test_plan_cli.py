@@ -59,6 +59,17 @@ def test_budget_units(ckpt, capsys):
     assert a == b and a["cpu_budget_bytes"] == 10**9
 
 
+def test_plan_for_a_preset_without_checkpoint(capsys):
+    out = plan_json(capsys, "--preset", "qwen3-235b-a22b", "--gpu-budget", "80GiB", "--cpu-budget", "500GiB",
+                    "--max-context", "8192", "--numa-threads", "16")
+    assert out["model"]["num_experts"] == 128 and len(out["layers"]) == 94
+    per = out["memory"]["gpu"]["per_resident_expert"]
+    assert per == 3 * 4096 * 1536 * 2  # 36 MiB
+    n = sum(len(x["resident_experts"]) for x in out["layers"])
+    assert out["gpu_budget_bytes"] - per < out["gpu_bytes"] <= out["gpu_budget_bytes"]  # no room for one more
+    assert {len(x["resident_experts"]) for x in out["layers"]} <= {n // 94, n // 94 + 1}  # uniform: even spread
+
+
 def test_plan_reads_no_weights(ckpt, tmp_path, capsys):
     only_config = tmp_path / "cfg_only"
     only_config.mkdir()

@@ -121,6 +121,9 @@ def test_numa_split_balanced_on_two_fake_nodes():
     assert a["cold_bytes"] == b["cold_bytes"] == (8 - 3) * W // 2
     # never a copy per node: two nodes hold exactly what one node holds (no padding at these shapes)
     assert p.memory["cpu"]["experts"] == 8 * W
+    # 3:1 threads: the first boundary (96) rounds up to the 64-element padding step = F, node 1 gets nothing
+    lopsided = plan(CFG, STATS, HW, settings_for(3, mem=MemorySettings(max_context=64, reserve=0, node_threads=(3, 1))))
+    assert [(n["f_start"], n["f_end"], n["bytes"] > 0) for n in lopsided.numa] == [(0, 128, True), (128, 128, False)]
 
 
 def test_numa_bytes_match_the_cpu_executor():
