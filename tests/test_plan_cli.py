@@ -127,16 +127,20 @@ def test_generate_with_a_plan(ckpt, tmp_path, capsys):
     from placement.plan_file import load_plan
 
     plan_file = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, "--gpu-budget", "13MiB", "--cpu-budget", "1GiB",
-                 "--max-context", "64", "--cpu-dtype", "int8", "--reserve", "0", "--out", str(plan_file)]) == 0
+    assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, "--gpu-budget", "8MiB", "--cpu-budget", "1GiB",
+                 "--max-context", "64", "--cpu-dtype", "int8", "--reserve", "0", "--staging-slots", "2",
+                 "--out", str(plan_file)]) == 0
     capsys.readouterr()
     p = load_plan(plan_file)
     counts = [len(lp.resident_experts) for lp in p.layers]
-    assert sum(counts) == 15  # (13 - 10.1 MiB fixed: int8 staging also holds raw bytes) / 0.1875 MiB
+    # staging: 2 slots x 8 experts x (192 KiB dense + 100 KiB raw int8 bytes) = 4.56 MiB; fixed 5.53 MiB;
+    # (8 MiB - 5.53 MiB) / 0.1875 MiB per resident expert = 13
+    assert sum(counts) == 13
     args = build_parser().parse_args(["generate", "--model", str(ckpt), "--plan", str(plan_file),
                                       "--max-context", "64", "--profile", PROFILE])
     s = open_session(args, log=lambda m: None)
     assert s.offload.cpu_dtype == "int8"  # from the plan
+    assert s.offload.ship_lane.n_slots == p.settings["staging_slots"] == 2  # from the plan
     for layer in s.offload.layers:
         assert sorted(layer.resident_ids.tolist()) == sorted(p.resident_of(layer.layer))
     rc = main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "--max-context", "64", "-n", "3", "--json",

@@ -120,7 +120,9 @@ def hybrid_config_from_args(args) -> HybridConfig | None:
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
-                        plan=plan, replace=getattr(args, "replace", None) or "off")
+                        plan=plan, replace=getattr(args, "replace", None) or "off",
+                        # the plan's VRAM includes its staging slots
+                        staging_slots=int(plan.settings.get("staging_slots", 4)) if plan is not None else 4)
 
 
 def scheduler_profile(name: str | None):
