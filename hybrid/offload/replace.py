@@ -11,7 +11,8 @@ The copy never stalls a step:
 - CPU (CI, "GPU" played by torch on the CPU): the copy runs inline and the swap lands at the next call.
 
 A batch in flight keeps its routing map: residency changes only between calls of a layer, never
-inside one. Decode CUDA graphs hold their placement (HybridExperts.set_resident refuses after capture),
+inside one. One copy is in flight at a time over all layers, so re-placement needs one expert of VRAM
+beyond the plan (the plan's --reserve must cover it: 36 MiB for a Qwen3-235B expert in bf16). Decode CUDA graphs hold their placement (HybridExperts.set_resident refuses after capture),
 so re-placement runs in eager mode only: the session turns decode graphs off with --replace online, and
 a layer found captured is left alone (logged once).
 """
@@ -55,6 +56,7 @@ class OnlineReplacer:
         self.batches: dict[int, int] = {}
         self.stats = ReplaceStats()
         self._warned = False
+        self.max_in_flight = 1  # VRAM beyond the plan: one expert (covered by the plan's --reserve)
 
     # -- hooks called by HybridExperts.forward (eager calls only) ----------------------------------
     def before_batch(self, layer) -> None:
@@ -83,8 +85,8 @@ class OnlineReplacer:
             w = self.windows[layer.layer] = SlidingWindow(layer.num_experts, self.cfg.window)
         w.push(hist)
         self.batches[layer.layer] = self.batches.get(layer.layer, 0) + 1
-        if layer.layer in self.pending:
-            return  # one copy in flight per layer
+        if len(self.pending) >= self.max_in_flight:
+            return  # the link moves one expert at a time anyway; each copy in flight holds one expert of VRAM
         swaps = self.policy.decide(w, layer.is_resident)
         if swaps:
             self.stats.proposed += 1
