@@ -152,3 +152,42 @@ def test_no_replacement_while_graphs_hold_the_placement(hybrid_layer):
             layer.swap_resident(int(layer.resident_ids[0]), int(layer.cold_ids[0]), layer.expert_weights(0))
     finally:
         layer.captured = False
+
+
+def test_one_copy_in_flight_over_all_layers():
+    from types import SimpleNamespace
+
+    from hybrid.offload.replace import OnlineReplacer
+    from placement.cost_model import ExpertShape
+    from placement.hardware import BUILTIN_PROFILES
+
+    landed = []
+
+    class FakeLayer:
+        def __init__(self, i):
+            self.layer, self.num_experts, self.captured = i, 3, False
+            self.is_resident = np.array([True, False, False])
+
+        def expert_weights(self, e):
+            return (e,)
+
+        def swap_resident(self, evict, add, weights):
+            landed.append((self.layer, evict, add))
+            self.is_resident[evict], self.is_resident[add] = False, True
+
+    shape = ExpertShape("t", hidden=4096, intermediate=1536, num_experts=3, topk=1)
+    rep = OnlineReplacer(SimpleNamespace(device=torch.device("cpu")), shape, shape,
+                         BUILTIN_PROFILES["ktransformers-paper-amx"], ReplaceConfig(window=4, slices=2))
+    rep.policy.t_copy = 0.0  # every gain pays at once: only the in-flight limit decides
+    a, b = FakeLayer(0), FakeLayer(1)
+    in_flight, when = [], {}
+    for step in range(5):
+        for layer in (a, b):
+            rep.before_batch(layer)
+            rep.after_batch(layer, np.array([0, 64, 0]))
+            in_flight.append(len(rep.pending))
+            when.update({x[0]: step for x in landed if x[0] not in when})
+    # step 1: layer 0 proposes (copy in flight) and layer 1 must wait; step 2: layer 0's copy lands, then
+    # layer 1 proposes; step 3: layer 1's lands
+    assert max(in_flight) == 1
+    assert landed == [(0, 0, 1), (1, 0, 1)] and when == {0: 2, 1: 3}
