@@ -52,6 +52,10 @@ def test_counts_and_windows_are_exact(ckpt):
     finally:
         h.remove()
     assert np.array_equal(np.bincount(torch.cat(seen).numpy(), minlength=16), counts[0])
+    # with 3 greedy decode tokens after each prompt: 9 more tokens, windows still exact
+    layers, counts, tokens, series = profile(eng, prompts, window=16, decode_tokens=3)
+    assert tokens == 77 and [n for n, _ in series] == [16, 16, 16, 16, 13]
+    assert (counts.sum(axis=1) == 77 * model.cfg.experts_per_token).all()
 
 
 def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
@@ -59,11 +63,12 @@ def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
     prompts.write_text('first prompt about printing presses\n\n{"prompt": "def f(x): return x * 2"}\nthird one\n')
     out = tmp_path / "stats.json"
     assert main(["profile-routing", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
-                 "--window", "8", "--max-context", "64"]) == 0
+                 "--window", "8", "--max-context", "64", "--decode-tokens", "2"]) == 0
     data = json.loads(out.read_text())
     assert data["kind"] == "hybrid-routing-stats" and data["schema_version"] == 1
     assert data["num_experts"] == 16 and data["topk"] == 4 and data["window_tokens"] == 8
     assert data["source"]["prompt_count"] == 3 and data["source"]["prompts"] == str(prompts)
+    assert data["source"]["decode_tokens_per_prompt"] == 2
     assert [x["layer"] for x in data["layers"]] == [0, 1]
     assert all(sum(x["counts"]) == data["tokens"] * 4 for x in data["layers"])
     assert sum(w["tokens"] for w in data["series"]) == data["tokens"]

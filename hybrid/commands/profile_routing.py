@@ -2,9 +2,12 @@
 
 Prompts: `--prompts FILE` (one prompt per line; a line that is a JSON object uses its "prompt" field;
 blank lines are skipped), else a built-in synthetic set (prose, code, numbers, other languages, chat).
-Each prompt is prefilled into a fresh KV slot, in chunks that end on window boundaries, so the series
-below is exact. Hooks on every MoE layer's expert executor read the routing ids [T, K] the router chose;
-any executor works (plain or hybrid: pass the hybrid flags to make a big model fit).
+Each prompt is prefilled into a fresh KV slot, in chunks that end on window boundaries, then
+`--decode-tokens` tokens are generated greedily one step at a time (decode routing can differ from
+prefill routing, and the planner optimises decode), so the series below is exact. Hooks on every MoE
+layer's expert executor read the routing ids [T, K] the router chose; any executor works (plain or
+hybrid: pass the hybrid flags, e.g. --gpu-experts 0, to make a big model fit). Decoding is eager here:
+hooks do not run inside replayed CUDA graphs.
 
 Output (`--out FILE`, else stdout), JSON, read back by placement.routing_stats.load_stats:
 
@@ -15,7 +18,8 @@ Output (`--out FILE`, else stdout), JSON, read back by placement.routing_stats.l
       "topk": K,                             # experts per token
       "tokens": N,                           # tokens run (each counted once per layer)
       "window_tokens": W,                    # tokens per entry of "series"
-      "source": {"model": DIR, "prompts": "builtin" | FILE, "prompt_count": n, "kind": "measured"},
+      "source": {"model": DIR, "prompts": "builtin" | FILE, "prompt_count": n, "kind": "measured",
+                 "decode_tokens_per_prompt": n},
       "layers": [{"layer": i,                # model layer index of each MoE layer, in order
                   "counts": [c_0, ..., c_{E-1}]}, ...],   # tokens routed to each expert; sums to N * K
       "series": [{"tokens": n_w,             # tokens in this window (W, the last may be fewer)
@@ -33,6 +37,7 @@ import sys
 from hybrid.errors import UsageError
 
 DEFAULT_WINDOW = 256
+DEFAULT_DECODE = 32
 BUILTIN_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when movable type changed how books were made.",
     "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))\n    return out + a + b",
@@ -59,6 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="N",
                    help="tokens per window of the series (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1, help="run the prompt set this many times (default 1)")
+    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE, metavar="N",
+                   help="greedy tokens generated after each prompt, counted too (default %(default)s)")
     add_model_arguments(p)
     p.set_defaults(func=run)
 
@@ -120,26 +127,35 @@ class RoutingRecorder:
             h.remove()
 
 
-def profile(engine, token_lists: list[list[int]], window: int):
-    """Prefill every prompt (fresh slot each) in chunks ending on window boundaries.
+def profile(engine, token_lists: list[list[int]], window: int, decode_tokens: int = 0):
+    """Prefill every prompt (fresh slot each) in chunks ending on window boundaries, then decode
+    `decode_tokens` greedy tokens one step at a time.
     -> (layers, total counts [L, E], tokens, series [(tokens, counts [L, E])])."""
     rec = RoutingRecorder(engine.model)
     series, in_window, tokens = [], 0, 0
+
+    def count(n):
+        nonlocal in_window, tokens
+        in_window += n
+        tokens += n
+        if in_window == window:
+            series.append((window, rec.cut()))
+            in_window = 0
+
     try:
         for ids in token_lists:
-            ids = ids[: engine.max_context]
+            ids = ids[: max(1, engine.max_context - decode_tokens)]
             slot = engine.allocate_slot()
             try:
                 pos = 0
                 while pos < len(ids):
                     n = min(window - in_window, len(ids) - pos)
-                    engine.prefill(slot, ids[pos:pos + n])
+                    logits = engine.prefill(slot, ids[pos:pos + n])
                     pos += n
-                    in_window += n
-                    tokens += n
-                    if in_window == window:
-                        series.append((window, rec.cut()))
-                        in_window = 0
+                    count(n)
+                for _ in range(min(decode_tokens, engine.max_context - len(ids))):
+                    logits = engine.decode_step([slot], [int(logits.reshape(-1, logits.shape[-1])[-1].argmax())])
+                    count(1)
             finally:
                 engine.free_slot(slot)
         if in_window:
@@ -157,16 +173,20 @@ def run(args) -> int:
         raise UsageError("--window must be >= 1")
     if args.repeat < 1:
         raise UsageError("--repeat must be >= 1")
+    if args.decode_tokens < 0:
+        raise UsageError("--decode-tokens must be >= 0")
     prompts = read_prompts(args.prompts) * args.repeat
+    args.eager = True  # the recorder's hooks do not run inside replayed CUDA graphs
     s = open_session(args)
     token_lists = [t for t in (s.tokenizer.encode(p) for p in prompts) if t]
     if not token_lists:
         raise UsageError("the prompts encode to no tokens")
-    layers, counts, tokens, series = profile(s.engine, token_lists, args.window)
+    layers, counts, tokens, series = profile(s.engine, token_lists, args.window, args.decode_tokens)
     cfg = s.engine.model.cfg
     stats = RoutingStats(cfg.num_experts, cfg.experts_per_token, tuple(layers), counts, tokens, args.window,
                          tuple(series), {"kind": "measured", "model": s.model_dir, "demo_random_weights": s.demo,
-                                         "prompts": args.prompts or "builtin", "prompt_count": len(token_lists)})
+                                         "prompts": args.prompts or "builtin", "prompt_count": len(token_lists),
+                                         "decode_tokens_per_prompt": args.decode_tokens})
     if args.out:
         stats.save(args.out)
         top = counts.max(axis=1) / max(tokens, 1)
