@@ -237,7 +237,8 @@ def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
 
     model = engine.model
     if hcfg.plan is not None:
-        n = place_from_plan(engine, offload, hcfg.plan, log)
+        counts = place_from_plan(engine, offload, hcfg.plan, log)
+        n, how = sum(counts), (f"{min(counts)}..{max(counts)}" if counts else "0") + " (from the plan)"
     else:
         tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
         slot = engine.allocate_slot()
@@ -247,17 +248,18 @@ def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
         finally:
             engine.free_slot(slot)
         engine.stats = Stats()  # the calibration run is not part of the user's numbers
+        how = str(n)
     mem = offload.memory()
-    log(f"hybrid: {n} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
+    log(f"hybrid: {how} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
         f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
         f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
         f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
-    return n
+    return n  # per layer (calibration) or in total (plan)
 
 
-def place_from_plan(engine, offload, plan, log=print) -> str:
+def place_from_plan(engine, offload, plan, log=print) -> list[int]:
     """Make each layer's planned experts resident; warn when the engine holds more KV than was planned.
-    Returns a short description of the counts (they differ per layer)."""
+    Returns the resident count of each MoE layer (they differ: skewed layers get more)."""
     model = engine.model
     plan.check_model(model.cfg)
     planned = plan.settings
@@ -270,4 +272,4 @@ def place_from_plan(engine, offload, plan, log=print) -> str:
         ids = plan.resident_of(layer.layer)
         layer.set_resident(ids)
         counts.append(len(ids))
-    return f"{min(counts)}..{max(counts)} (plan)" if counts and min(counts) != max(counts) else f"{counts[0] if counts else 0} (plan)"
+    return counts
