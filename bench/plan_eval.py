@@ -12,7 +12,8 @@ numbers only prove the harness works). Steps:
    token ids are prefilled and the router's choices counted (hybrid profile-routing's recorder).
 2. Per budget: `placement.planner.plan`, its residency set on the loaded layers, a fresh Engine (CUDA
    graphs on a GPU), a warm-up, then `--steps` decode steps at batch --max-batch after a short prompt.
-   Measured tokens/s vs the plan's predicted_decode_tokens_per_s (error = measured / predicted - 1);
+   Measured tokens/s vs the plan's predicted_decode_tokens_per_s (error = measured / predicted - 1), and
+   the same for a prefill of --prefill-tokens (best of 3);
    peak allocated VRAM (torch.cuda.max_memory_allocated, which leaves out the CUDA context the plan's
    --reserve stands for) vs the plan's gpu_bytes and the budget.
 3. Routing shift, at the middle budget, eager decode (re-placement needs it): `--steps` steps, then
@@ -75,6 +76,20 @@ def decode_run(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: i
     return total, per_window
 
 
+def measure_prefill(eng, tokens: int, vocab: int, seed: int, repeats: int = 3) -> float:
+    """Best of `repeats` prefills of a `tokens`-token random prompt into a fresh slot (tokens/s)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (tokens,), generator=g).tolist()
+    best = 0.0
+    for _ in range(repeats):
+        s = eng.allocate_slot()
+        t0 = time.perf_counter()
+        eng.prefill(s, ids)  # synchronises on a GPU
+        best = max(best, tokens / (time.perf_counter() - t0))
+        eng.free_slot(s)
+    return best
+
+
 def permute_routers(model, seed: int) -> None:
     """Synthetic routing shift: expert e's router row moves to pi(e), so the tokens that chose e now
     choose pi(e), with the same distribution over a different set of experts."""
@@ -98,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-context", type=int, default=256)
     p.add_argument("--max-batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--prefill-tokens", type=int, default=0, help="prompt length of the prefill measurement "
+                   "(default: max-context - 1)")
     p.add_argument("--steps", type=int, default=64, help="decode steps per measurement (each half of the shift run)")
     p.add_argument("--window", type=int, default=16, help="steps per window in the shift run")
     p.add_argument("--profile-tokens", type=int, default=2048, help="tokens for the routing statistics")
@@ -136,10 +153,11 @@ def main(argv=None) -> int:
                          gpu_dtype_bytes=torch.empty((), dtype=dtype).element_size(), reserve=parse_bytes(args.reserve),
                          node_threads=tuple(len(n) for n in off.layers[0].cpu_moe.topology.nodes))
     cpu_budget = parse_bytes(args.cpu_budget)
+    P = min(args.prefill_tokens or args.max_context - 1, args.max_context - 1)
     if args.budgets:
         budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     else:  # a quarter, half and three quarters of the experts' VRAM on top of the fixed part
-        probe = plan(cfg, stats, hw, PlanSettings(gpu_budget=2**62, cpu_budget=cpu_budget, memory=mem))
+        probe = plan(cfg, stats, hw, PlanSettings(gpu_budget=2**62, cpu_budget=cpu_budget, memory=mem, prefill_tokens=P))
         fixed = probe.gpu_bytes - probe.memory["gpu"]["resident_experts"]
         every = cfg.num_moe_layers * cfg.num_experts * probe.memory["gpu"]["per_resident_expert"]
         budgets = [fixed + every * f // 4 for f in (1, 2, 3)]
@@ -155,7 +173,7 @@ def main(argv=None) -> int:
     # 2. predicted vs measured per budget
     plans = []
     for budget in budgets:
-        pl = plan(cfg, stats, hw, PlanSettings(gpu_budget=budget, cpu_budget=cpu_budget, memory=mem))
+        pl = plan(cfg, stats, hw, PlanSettings(gpu_budget=budget, cpu_budget=cpu_budget, memory=mem, prefill_tokens=P))
         plans.append(pl)
         for layer in off.layers:
             layer.captured = False  # the previous engine's graphs are gone (bench only)
@@ -167,15 +185,21 @@ def main(argv=None) -> int:
         eng = Engine(model, None, max_batch=args.max_batch, max_context=args.max_context, eager=not cuda)
         decode_run(eng, args.max_batch, args.prompt, 4, cfg.vocab_size, seed=1)  # warm-up (+ graph capture)
         measured, _ = decode_run(eng, args.max_batch, args.prompt, args.steps, cfg.vocab_size, seed=2)
+        prefill = measure_prefill(eng, P, cfg.vocab_size, seed=4)
         peak = torch.cuda.max_memory_allocated() if cuda else None
         row = {"gpu_budget_bytes": budget, "plan_gpu_bytes": pl.gpu_bytes, "peak_allocated_bytes": peak,
                "resident_per_layer": [len(lp.resident_experts) for lp in pl.layers],
                "predicted_decode_tokens_per_s": pl.predicted_decode_tokens_per_s, "measured_decode_tokens_per_s": measured,
-               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": eng.graphs is not None}
+               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": eng.graphs is not None,
+               "prefill_tokens": P, "predicted_prefill_tokens_per_s": pl.predicted_prefill_tokens_per_s,
+               "measured_prefill_tokens_per_s": prefill,
+               "prefill_error": prefill / pl.predicted_prefill_tokens_per_s - 1.0}
         results["budgets"].append(row)
         print(f"budget {budget / 2**30:7.2f} GiB | resident {sum(row['resident_per_layer']):5d} | predicted "
               f"{pl.predicted_decode_tokens_per_s:9.1f} tok/s | measured {measured:9.1f} tok/s | error {row['error']:+.0%} | "
-              f"peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} (plan {pl.gpu_bytes / 2**30:.2f} GiB)", flush=True)
+              f"peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} (plan {pl.gpu_bytes / 2**30:.2f} GiB) | prefill "
+              f"{P} tok: predicted {pl.predicted_prefill_tokens_per_s:.0f}, measured {prefill:.0f} tok/s "
+              f"({row['prefill_error']:+.0%})", flush=True)
         del eng
 
     # 3. routing shift at the middle budget: static plan vs online re-placement (eager decode)

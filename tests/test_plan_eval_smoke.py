@@ -18,5 +18,6 @@ def test_plan_eval_smoke(tmp_path):
     assert len(budgets) == 3
     assert [sum(b["resident_per_layer"]) for b in budgets] == sorted(sum(b["resident_per_layer"]) for b in budgets)
     assert all(b["plan_gpu_bytes"] <= b["gpu_budget_bytes"] and b["measured_decode_tokens_per_s"] > 0 for b in budgets)
+    assert all(b["prefill_tokens"] == 47 and b["measured_prefill_tokens_per_s"] > 0 for b in budgets)
     assert set(res["shift"]) >= {"static", "online", "second_half_online_vs_static"}
     assert len(res["shift"]["static"]["per_window"]) == 8
