@@ -136,11 +136,14 @@ def _stop_on_signals(loop) -> asyncio.Event:
     sigs = (signal.SIGINT, signal.SIGTERM)
 
     def first(sig):
-        print(f"hybrid serve: {signal.Signals(sig).name}: finishing in-flight requests "
-              "(signal again to stop at once)", file=sys.stderr, flush=True)
+        stop.set()  # before anything that can fail (stderr may be a closed pipe)
         for s in sigs:
             loop.remove_signal_handler(s)
-        stop.set()
+        try:
+            print(f"hybrid serve: {signal.Signals(sig).name}: finishing in-flight requests "
+                  "(signal again to stop at once)", file=sys.stderr, flush=True)
+        except OSError:
+            pass
 
     for sig in sigs:
         loop.add_signal_handler(sig, first, sig)
