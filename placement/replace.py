@@ -4,8 +4,8 @@ weights is hybrid.offload.replace.
 Per MoE layer a sliding window holds the last `window` batches' histograms (tokens per expert [E]).
 An expert's saving per batch `dt_e` is the window's mean of saving(m): what a batch with m tokens for
 it would save if it were resident (the cheaper of its CPU and ship costs minus its GPU time; the cost
-model of DESIGN section 3). The policy proposes to bring in the coldest-resident-beating candidate c
-(largest dt among cold experts) and evict the resident v with the smallest dt; the swap gains
+model of DESIGN section 3). The policy proposes to bring in the cold expert c with the largest dt and
+evict the resident expert v with the smallest dt; the swap gains
 dt = dt_c - dt_v per batch and costs T_copy (one expert's packed weights over the link). It pays from
 batch
 
