@@ -39,9 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help="prompt tokens prefilled per scheduler step; running sequences wait at most this "
                    "much prefill per token (default %(default)s)")
-    p.add_argument("--batch-prefill", default="auto", choices=BATCH_PREFILL,
-                   help="prefill a burst of prompts in one padded forward (default auto: on a GPU only; "
-                   "on the CPU one prompt at a time measured faster)")
+    p.add_argument("--batch-prefill", default="on", choices=BATCH_PREFILL,
+                   help="prefill a burst of new prompts in one padded forward (default on; off = one "
+                   "prompt per model pass)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body cap; larger bodies get 413 (default %(default)s)")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
