@@ -45,6 +45,12 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "bench":
+        from hybrid.commands.bench import FORWARDED, run_module
+
+        if argv[1] in FORWARDED:
+            return run_module(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

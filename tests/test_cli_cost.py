@@ -141,3 +141,12 @@ def test_expected_histogram():
     assert h.sum() == 24 and h.max() == 1  # 24 distinct experts with one token each
     z = expected_histogram(128, 8, 1000, "zipf1.5")
     assert z.sum() == 8000 and z.max() <= 1000 and z[0] >= z[-1]
+
+
+def test_bench_forwards_to_the_bench_modules(tmp_path, capsys):
+    assert main(["bench", "layer", "--help"]) == 0
+    assert "--strategies" in capsys.readouterr().out
+    assert main(["bench", "layer", "--bogus"]) == 2
+    rc = main(["bench", "layer", "--profile", "ktransformers-paper-amx", "--tokens", "1,8", "--skews", "uniform",
+               "--strategies", "cost,cpu", "--reps", "1", "--out", str(tmp_path)])
+    assert rc == 0 and (tmp_path / "layer_sweep_qwen3-30b-a3b.json").exists()
