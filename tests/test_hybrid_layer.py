@@ -136,3 +136,31 @@ def test_unaligned_rows_take_the_expert_loop():
     x = torch.randn(50, d, generator=g).to(torch.bfloat16).float()
     ids, w = routing(50, seed=9)
     torch.testing.assert_close(layer(x, ids, w), moe_forward(x, wg, wu, wd, ids, w), atol=2e-5, rtol=1e-4)
+
+
+def test_core_split_between_executor_and_launcher():
+    """On CUDA the executor's pool gets all cores but one and the launching thread the rest (pinned at its
+    first layer call). The split itself is plain logic, checked here on a fake object."""
+    import os
+    import threading
+    import types
+
+    from hybrid.offload.shared import _PROCESS_CPUS
+
+    if len(_PROCESS_CPUS) < 2:
+        pytest.skip("needs two cpus")
+    fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
+    topo = Offload._split_cores(fake, None)
+    pool = {c for n in topo.nodes for c in n}
+    assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus
+    assert pool | fake._launcher_cpus == set(_PROCESS_CPUS) and fake.lane_cpus <= pool
+    seen = {}
+
+    def launcher():  # a thread of its own, so the test runner's affinity is untouched
+        Offload.pin_launcher(fake)
+        seen["cpus"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=launcher)
+    t.start()
+    t.join()
+    assert seen["cpus"] <= set(_PROCESS_CPUS) - pool and fake._launcher_cpus is None
