@@ -61,8 +61,8 @@ def measure_dram_read(nbytes: int = 1 << 30, reps: int = 5) -> tuple[float, str]
         import cpu_kernels
 
         probe = getattr(cpu_kernels, "measure_read_bandwidth", None)
-        if probe is not None:
-            return float(probe(nbytes)), "cpu_kernels stream read"
+        if probe is not None:  # returns decimal GB/s
+            return float(probe(nbytes)) * 1e9, f"cpu_kernels stream read, {nbytes / 2**20:.0f} MiB"
     except ImportError:
         pass
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
