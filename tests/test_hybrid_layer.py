@@ -164,3 +164,27 @@ def test_core_split_between_executor_and_launcher():
     t.start()
     t.join()
     assert seen["cpus"] <= set(_PROCESS_CPUS) - pool and fake._launcher_cpus is None
+
+
+def test_graph_lane_host_function_runs_the_cold_experts():
+    """The body of the captured CPU lane (what CUDA's host-callback thread runs), driven directly: the cold
+    experts only, into the static buffers; a failure poisons the output with NaN instead of raising."""
+    from hybrid.offload.graph_lane import GraphCpuLane
+
+    layer, (wg, wu, wd) = make_layer("cost", resident=(0, 3))
+    lane = GraphCpuLane(torch.device("cpu"))
+    T = 9
+    ids, w = routing(T, seed=11)
+    xh, ih, wh, oh, _ = lane.buffers(T, D, K, torch.float32)
+    xh.copy_(torch.randn(T, D).to(torch.bfloat16).float())
+    ih.copy_(ids)
+    wh.copy_(w)
+    lane._calls[1] = (layer, xh, ih, wh, oh)
+    lane._run(1)
+    mask = torch.ones(E, dtype=torch.bool)
+    mask[[0, 3]] = False
+    ref = moe_forward(xh, wg, wu, wd, ids, w, expert_mask=mask)
+    torch.testing.assert_close(oh, ref, atol=2e-5, rtol=1e-4)
+    lane._calls[2] = (layer, xh, ih[:, :1].contiguous(), wh, oh)  # shape mismatch: the executor refuses it
+    lane._run(2)
+    assert lane.failures == 1 and torch.isnan(oh).all()

@@ -49,7 +49,7 @@ class GraphCpuLane:
         self.device = device
         self.pin_cpus = pin_cpus
         self._pinned_thread = False
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
         self._bufs: dict = {}
         self._calls: dict[int, tuple] = {}  # key -> (layer, rows); read by the host function
         self._fn = _HOST_FN(self._run)  # one C callback for every layer; kept alive here
@@ -64,7 +64,7 @@ class GraphCpuLane:
                 # a graph captured earlier still points at the old buffer: keep it alive
                 self._bufs[(name, dtype, device, id(b))] = b
             if device is None:
-                b = torch.empty(max(rows, 64), cols, dtype=dtype, pin_memory=True)
+                b = torch.empty(max(rows, 64), cols, dtype=dtype, pin_memory=self.stream is not None)
                 self.pinned_bytes += b.numel() * b.element_size()
             else:
                 b = torch.empty(max(rows, 64), cols, dtype=dtype, device=device)
