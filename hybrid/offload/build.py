@@ -13,6 +13,7 @@ chosen per layer by routing counts from a short calibration run on a built-in te
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -174,9 +175,24 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
                       threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots)
-    model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
-                       expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
-                       experts_factory=lambda i, g, u, d: HybridExperts(i, g, u, d, offload), progress=progress)
+    from tqdm import tqdm
+
+    # Packing (and quantizing) every layer's experts for the CPU executor takes seconds per layer on big
+    # models, after the tensors are read: a bar of its own, so a long load never looks hung.
+    bar = tqdm(total=sum(cfg.moe_layers), unit="layer", desc=f"packing experts ({hcfg.cpu_dtype}) for the CPU",
+               disable=not progress or os.environ.get("HYBRID_NO_PROGRESS") == "1")
+
+    def make(i, g, u, d):
+        layer = HybridExperts(i, g, u, d, offload)
+        bar.update(1)
+        return layer
+
+    try:
+        model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
+                           expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
+                           experts_factory=make, progress=progress)
+    finally:
+        bar.close()
     offload.profile_name = hw.name
     if hcfg.replace == "online":
         from dataclasses import replace as _replace
