@@ -27,8 +27,11 @@ def run(args, input_fn=None) -> int:
     s = open_session(args)
     if s.tokenizer.chat_template is None:
         raise UsageError(f"{s.model_dir} has no chat template (tokenizer_config.json); use `hybrid generate`")
+    from hybrid.runtime.generation import Conversation
+
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)
+    conv = Conversation.open(s.engine)  # the KV slot this chat keeps: each turn prefills only what is new
     print("chat ready: /reset clears the history, /exit quits", file=sys.stderr)
     while True:
         try:
@@ -58,11 +61,14 @@ def run(args, input_fn=None) -> int:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
 
+        prefilled = s.engine.stats.prefill_tokens
         out = s.engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                stop_strings=args.stop, stream=stream)[0]
+                                stop_strings=args.stop, stream=stream, conversation=conv)[0]
+        prefilled = s.engine.stats.prefill_tokens - prefilled
         print()
         messages.append({"role": "assistant", "content": out.text})
         st = s.engine.stats
         n, dt = st.decode_tokens - before[0], st.decode_s - before[1]
-        print(f"[{len(out.token_ids)} tokens; prefill {st.prefill_tps:.1f} tok/s, decode "
+        print(f"[{len(out.token_ids)} tokens; prefilled {prefilled} of {len(ids)} prompt tokens "
+              f"({len(ids) - prefilled} reused from the last turn); prefill {st.prefill_tps:.1f} tok/s, decode "
               f"{(n / dt if dt else 0):.1f} tok/s]", file=sys.stderr)

@@ -193,10 +193,13 @@ class Engine:
     def generate(self, prompts: list, max_new_tokens: int = 64,
                  sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
                  stop_token_ids: list[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
-                 stream: StreamCallback | None = None) -> list[Completion]:
+                 stream: StreamCallback | None = None, conversation=None) -> list[Completion]:
+        """conversation: a hybrid.runtime.generation.Conversation whose slot this (single) prompt continues;
+        only the part of the prompt after what the slot already holds is prefilled."""
         from hybrid.runtime.generation import run_generation
 
-        return run_generation(self, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream)
+        return run_generation(self, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream,
+                              conversation)
 
     def default_stop_ids(self) -> list[int]:
         ids = list(self.model.cfg.eos_token_ids)

@@ -25,9 +25,37 @@ def _text_of(engine, ids: list[int]) -> str:
     return engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
 
 
-def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream):
+@dataclass
+class Conversation:
+    """A KV slot kept across `generate` calls (multi-turn chat): each turn prefills only what its prompt
+    adds after the longest prefix the slot already holds, instead of the whole conversation again."""
+
+    slot: int
+    held: list  # token ids whose K/V the slot holds, in order
+
+    @classmethod
+    def open(cls, engine) -> "Conversation":
+        return cls(engine.allocate_slot(), [])
+
+    def close(self, engine) -> None:
+        engine.free_slot(self.slot)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream,
+                   conversation: Conversation | None = None):
     from hybrid.runtime.engine import Completion
 
+    if conversation is not None and len(prompts) != 1:
+        raise ValueError("a conversation continues exactly one prompt")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
@@ -59,7 +87,11 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
             c.text = full[:cut] if cut >= 0 else full
             if stream and len(c.text) > r.emitted:
                 stream(r.index, -1, c.text[r.emitted:])  # flush what was held back
-        engine.free_slot(r.slot)
+        if conversation is not None and r.slot == conversation.slot:
+            # what the slot now holds: the prompt and every generated token fed back through the model
+            conversation.held = (c.prompt_token_ids + c.token_ids)[:engine.lengths[r.slot]]
+        else:
+            engine.free_slot(r.slot)
         active.remove(r)
 
     def accept(r: _Request, token: int):
@@ -90,11 +122,20 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
             finish(r, "length")
 
     while waiting or active:
-        while waiting and engine.free_slots:
+        while waiting and (engine.free_slots or conversation is not None):
             r = waiting.pop(0)
-            r.slot = engine.allocate_slot()
+            ids = r.completion.prompt_token_ids
+            if conversation is not None:
+                r.slot = conversation.slot
+                # keep the held prefix (at least one prompt token is prefilled, for its logits)
+                keep = min(_common_prefix(conversation.held, ids), len(ids) - 1)
+                engine.lengths[r.slot] = keep
+                conversation.held = ids[:keep]
+                ids = ids[keep:]
+            else:
+                r.slot = engine.allocate_slot()
             active.append(r)
-            logits = engine.prefill(r.slot, r.completion.prompt_token_ids)
+            logits = engine.prefill(r.slot, ids)
             accept(r, sample(logits[None], [r.params], [r.generator])[0])
         if not active:
             continue
