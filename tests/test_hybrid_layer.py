@@ -188,3 +188,12 @@ def test_graph_lane_host_function_runs_the_cold_experts():
     lane._calls[2] = (layer, xh, ih[:, :1].contiguous(), wh, oh)  # shape mismatch: the executor refuses it
     lane._run(2)
     assert lane.failures == 1 and torch.isnan(oh).all()
+
+
+def test_core_split_can_be_turned_off(monkeypatch):
+    import types
+
+    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "0")
+    fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
+    topo = Offload._split_cores(fake, None)
+    assert fake.lane_cpus is None and fake._launcher_cpus is None and topo.threads >= 1

@@ -54,6 +54,8 @@ class Offload:
         import cpu_kernels
 
         topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
+        if os.environ.get("HYBRID_PIN_LAUNCHER", "1") == "0":  # opt out: the pool as asked, nothing pinned
+            return topo
         pool = sorted(c for n in topo.nodes for c in n)
         rest = sorted(_PROCESS_CPUS - set(pool))
         if not rest:  # every core is in the pool: give up the last one
