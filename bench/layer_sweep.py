@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from placement.calibrate import cpu_name
+from placement.measure import ExpertWeights
 from placement.cost_model import get_shape
 from placement.hardware import resolve_profile
 from placement.schedule import LayerScheduler
@@ -47,15 +48,11 @@ def build_layer(shape, profile, device, resident: int, cpu_dtype: str, isa: str 
     from hybrid.offload import HybridExperts, Offload
 
     g = torch.Generator().manual_seed(seed)
-    E, F_, D = shape.num_experts, shape.intermediate, shape.hidden
-
-    def mk(*size):
-        return (torch.randn(*size, generator=g) / size[-1] ** 0.5).to(torch.bfloat16)
-
+    E = shape.num_experts
     sched = LayerScheduler(shape, profile, "cost")
     off = Offload(device, torch.bfloat16 if device.type == "cuda" else torch.float32, sched, cpu_dtype=cpu_dtype,
                   cpu_isa=isa)
-    layer = HybridExperts(0, mk(E, F_, D), mk(E, F_, D), mk(E, D, F_), off)
+    layer = HybridExperts(0, *ExpertWeights.random(shape, E, seed=seed).stacks(), off)
     if resident:
         layer.set_resident(torch.randperm(E, generator=g)[:resident].tolist())
     return layer, off

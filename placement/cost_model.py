@@ -175,7 +175,3 @@ def expected_weight_bytes(num_experts: int, topk: int, tokens: int, expert_bytes
     """Expected weight bytes a batch of M tokens must read: active experts x bytes per expert."""
     return expected_active_experts(num_experts, topk, tokens) * expert_bytes
 
-
-def with_cpu_kernel(hw: HardwareProfile, kernel: str) -> HardwareProfile:
-    """The same machine, pricing the CPU path with another kernel kind."""
-    return replace(hw, cpu_kernel=kernel)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.models.moe import grouped_mm_works
-from hybrid.offload.sources import packed_sources, pin, unpin
+from hybrid.offload.sources import expert_weights, packed_sources, pin, unpin
+from placement.measure import torch_expert
 
 if TYPE_CHECKING:
     from hybrid.offload.shared import Offload
@@ -85,15 +86,7 @@ class HybridExperts(nn.Module):
     # -- placement --------------------------------------------------------------------------------
     def expert_weights(self, e: int, device=None, dtype=None):
         """Expert e's (gate [F, D], up [F, D], down [D, F]), de-quantized from the one packed copy."""
-        device, dtype = device or self.offload.device, dtype or self.offload.dtype
-        parts = []
-        for ns in self.sources:
-            parts.append([m.decode(m.q[e].to(device), None if m.scale is None else m.scale[e].to(device), dtype)
-                          for m in ns.mats()])
-        if len(parts) == 1:
-            return tuple(p.contiguous() for p in parts[0])
-        return (torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0),
-                torch.cat([p[2] for p in parts], 1))
+        return expert_weights(self.sources, e, device or self.offload.device, dtype or self.offload.dtype)
 
     def set_resident(self, ids) -> None:
         """Make exactly `ids` resident in VRAM (uploaded from the packed copy); the rest are cold.
@@ -160,22 +153,19 @@ class HybridExperts(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
 
     # -- forward ----------------------------------------------------------------------------------
-    @staticmethod
-    def _expert(x, g, u, d):
-        return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
-
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         off = self.offload
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
+        topk_ids, topk_weights = topk_ids.to(dev), topk_weights.to(dev)
         if off._launcher_cpus:
             off.pin_launcher()
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._forward_captured(x, topk_ids, topk_weights)
         if self.capturable and T <= off.graph_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
             off.graph_lane.buffers(T, self.D, K, off.dtype)
-        flat = topk_ids.reshape(-1).to(dev)  # [T*K]
+        flat = topk_ids.reshape(-1)  # [T*K]
         replacer = getattr(off, "replacer", None)
         if replacer is not None:  # a finished re-placement copy lands before this batch reads the map
             replacer.before_batch(self)
@@ -194,10 +184,10 @@ class HybridExperts(nn.Module):
         if cpu_ids.size:  # start the CPU lane first: it runs while the GPU works
             mask = torch.zeros(self.num_experts, dtype=torch.bool)
             mask[torch.from_numpy(cpu_ids)] = True
-            future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids.to(dev), topk_weights.to(dev), mask)
+            future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids, topk_weights, mask)
 
         if int(hist[self.resident_ids].sum()) or ship_ids.size:
-            self._gpu_lane(x, flat, topk_weights.reshape(-1).to(dev), hist, ship_ids, K, out)
+            self._gpu_lane(x, flat, topk_weights.reshape(-1), hist, ship_ids, K, out)
         if future is not None:
             out += off.cpu_lane.collect(future).float()
         if replacer is not None:  # this batch's results are combined: its routing map is no longer needed
@@ -280,7 +270,7 @@ class HybridExperts(nn.Module):
         a = 0
         for i, n in enumerate(np.asarray(counts).tolist()):
             if n:
-                out[a:a + n] = HybridExperts._expert(rows[a:a + n], w_gate[i], w_up[i], w_down[i])
+                out[a:a + n] = torch_expert(rows[a:a + n], w_gate[i], w_up[i], w_down[i])
                 a += n
         return out
 

@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from hybrid.offload.lanes import HostBuffers
+
 log = logging.getLogger("hybrid.offload")
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -50,26 +52,11 @@ class GraphCpuLane:
         self.pin_cpus = pin_cpus
         self._pinned_thread = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
-        self._bufs: dict = {}
+        # graphs hold these buffers' addresses: a grown buffer keeps its predecessor alive
+        self.bufs = HostBuffers(pin=self.stream is not None, keep_old=True, min_rows=64)
         self._calls: dict[int, tuple] = {}  # key -> (layer, rows); read by the host function
         self._fn = _HOST_FN(self._run)  # one C callback for every layer; kept alive here
-        self.pinned_bytes = 0
         self.failures = 0
-
-    def _buf(self, name, rows, cols, dtype, device=None):
-        key = (name, dtype, device)
-        b = self._bufs.get(key)
-        if b is None or b.shape[0] < rows or b.shape[1] != cols:
-            if b is not None:
-                # a graph captured earlier still points at the old buffer: keep it alive
-                self._bufs[(name, dtype, device, id(b))] = b
-            if device is None:
-                b = torch.empty(max(rows, 64), cols, dtype=dtype, pin_memory=self.stream is not None)
-                self.pinned_bytes += b.numel() * b.element_size()
-            else:
-                b = torch.empty(max(rows, 64), cols, dtype=dtype, device=device)
-            self._bufs[key] = b
-        return b[:rows]
 
     MAX_ROWS = 512  # decode buckets; larger (prefill) batches never run captured
 
@@ -77,8 +64,13 @@ class GraphCpuLane:
         """One set shared by every layer: on the side stream each layer's output copy precedes the next
         layer's input copies, so a layer's host function never sees another's data. Allocate them
         before capture (an eager call of the same size), as pinned allocation may not run in capture."""
-        return (self._buf("x", T, D, dtype), self._buf("ids", T, K, torch.int64), self._buf("w", T, K, torch.float32),
-                self._buf("out", T, D, dtype), self._buf("outd", T, D, dtype, device=self.device))
+        b = self.bufs
+        return (b.get("x", T, D, dtype), b.get("ids", T, K, torch.int64), b.get("w", T, K, torch.float32),
+                b.get("out", T, D, dtype), b.get("outd", T, D, dtype, device=self.device))
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.bufs.pinned_bytes
 
     def _run(self, key) -> None:
         """Runs on CUDA's host-callback thread: the cold experts on the CPU, no CUDA calls."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +24,35 @@ import torch
 from hybrid.offload.sources import NodeSlice
 
 
-# While the CPU lane's worker thread is in flight, the main thread is busy launching the GPU lane in
-# Python and holds the GIL. The worker needs the GIL a few times (after its event wait, around the
-# ctypes call, to hand back the result), and by default CPython makes a waiting thread wait up to the
-# 5 ms switch interval each time: measured on the GPU box, a decode step mixing both lanes took
-# ~4x longer than either lane alone. The interval is lowered only while a CPU-lane call is in flight.
-_LANE_SWITCH_INTERVAL = 1e-4
+class HostBuffers:
+    """Named host buffers that grow to the largest batch seen (page-locked when `pin`), shared by the CPU
+    lane and the graph lane. keep_old: a replaced buffer stays alive (a captured graph may still point at it)."""
+
+    def __init__(self, pin: bool, keep_old: bool = False, min_rows: int = 1):
+        self.pin, self.keep_old, self.min_rows = pin, keep_old, min_rows
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self._old: list[torch.Tensor] = []
+        self.pinned_bytes = 0
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """[rows, cols] view of the buffer `name` (on `device` if given, else on the host)."""
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            on_host = device is None
+            if buf is not None:
+                if self.keep_old:
+                    self._old.append(buf)
+                elif on_host and self.pin:
+                    self.pinned_bytes -= buf.numel() * buf.element_size()
+            cap = max(rows, self.min_rows, 2 * (buf.shape[0] if buf is not None else 0))
+            if on_host:
+                buf = torch.empty(cap, cols, dtype=dtype, pin_memory=self.pin)
+                self.pinned_bytes += buf.numel() * buf.element_size() if self.pin else 0
+            else:
+                buf = torch.empty(cap, cols, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:rows]
 
 
 class CpuLane:
@@ -40,36 +62,24 @@ class CpuLane:
         init = (lambda: os.sched_setaffinity(0, pin_cpus)) if pin_cpus else None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-lane",
                                                            initializer=init)
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self.pinned_bytes = 0
+        self.bufs = HostBuffers(pin=self.cuda)  # bounded by the largest batch
 
-    def _buf(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer that grows to the largest batch seen (bounded by the batch size)."""
-        key = (name, dtype)
-        buf = self._bufs.get(key)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
-            if buf is not None and buf.is_pinned():
-                self.pinned_bytes -= buf.numel() * buf.element_size()
-            cap = max(rows, 2 * (buf.shape[0] if buf is not None else 0))
-            buf = torch.empty(cap, cols, dtype=dtype, pin_memory=self.cuda)
-            self.pinned_bytes += buf.numel() * buf.element_size() if self.cuda else 0
-            self._bufs[key] = buf
-        return buf[:rows]
+    @property
+    def pinned_bytes(self) -> int:
+        return self.bufs.pinned_bytes
 
     def submit(self, moe, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor):
         """Start the CPU experts of `mask` (bool [E], host) on x [T, D]; returns a future of out [T, D] (host)."""
         T, D = x.shape
         K = ids.shape[1]
-        self._saved_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._saved_interval, _LANE_SWITCH_INTERVAL))
         if not self.cuda:  # tensors already live on the host: hand them over as they are
             xh, ih, wh = x.contiguous(), ids.contiguous(), weights.float().contiguous()
             oh = torch.empty_like(xh)
             return self._pool.submit(moe.forward, xh, ih, wh, mask, oh)
-        xh = self._buf("x", T, D, x.dtype)
-        ih = self._buf("ids", T, K, torch.int64)
-        wh = self._buf("w", T, K, torch.float32)
-        oh = self._buf("out", T, D, x.dtype)
+        xh = self.bufs.get("x", T, D, x.dtype)
+        ih = self.bufs.get("ids", T, K, torch.int64)
+        wh = self.bufs.get("w", T, K, torch.float32)
+        oh = self.bufs.get("out", T, D, x.dtype)
         xh.copy_(x, non_blocking=True)
         ih.copy_(ids, non_blocking=True)
         wh.copy_(weights, non_blocking=True)
@@ -84,11 +94,7 @@ class CpuLane:
 
     def collect(self, future) -> torch.Tensor:
         """Wait for the CPU experts; their summed output [T, D] on the device (ordered on this stream)."""
-        try:
-            out = future.result()
-        finally:
-            sys.setswitchinterval(self._saved_interval)
-        return out.to(self.device, non_blocking=True)
+        return future.result().to(self.device, non_blocking=True)
 
 
 @dataclass

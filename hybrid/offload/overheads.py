@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from placement.cost_model import ExpertShape
+from placement.measure import ExpertWeights
 from placement.schedule import LayerScheduler
 
 TINY = ExpertShape("tiny", hidden=256, intermediate=256, num_experts=16, topk=1)
@@ -29,10 +30,8 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     hw0 = replace(hw, layer_overhead=0.0, cpu_lane_overhead=0.0, ship_chunk_overhead=0.0, ship_expert_overhead=0.0)
     off = Offload(dev, torch.bfloat16, LayerScheduler(TINY, hw0, "cpu"), cpu_isa=isa, staging_slots=2,
                   ship_chunk=chunk)
-    g = torch.Generator().manual_seed(0)
-    E, D, F_ = TINY.num_experts, TINY.hidden, TINY.intermediate
-    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)  # noqa: E731
-    layer = HybridExperts(0, mk(E, F_, D), mk(E, F_, D), mk(E, D, F_), off)
+    D = TINY.hidden
+    layer = HybridExperts(0, *ExpertWeights.random(TINY, TINY.num_experts).stacks(), off)
 
     def timed(strategy: str, n_active: int, resident) -> float:
         layer.set_resident(resident)

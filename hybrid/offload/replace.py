@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.offload.sources import expert_weights
 from placement.replace import ReplaceConfig, ReplacePolicy, SlidingWindow, Swap, copy_time, saving_fn
 
 log = logging.getLogger("hybrid.offload")
@@ -110,14 +111,4 @@ class OnlineReplacer:
 def _upload(layer, e: int, device, dtype):
     """Expert e's weights from the pinned packed copy to the device on the current (copy) stream:
     non_blocking copies, so the host does not wait for the link (HybridExperts.expert_weights would)."""
-    parts = []
-    for ns in layer.sources:
-        mats = []
-        for m in ns.mats():
-            q = m.q[e].to(device, non_blocking=True)
-            s = None if m.scale is None else m.scale[e].to(device, non_blocking=True)
-            mats.append(m.decode(q, s, dtype))
-        parts.append(mats)
-    if len(parts) == 1:
-        return tuple(p.contiguous() for p in parts[0])
-    return (torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0), torch.cat([p[2] for p in parts], 1))
+    return expert_weights(layer.sources, e, device, dtype, non_blocking=True)

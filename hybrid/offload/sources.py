@@ -69,6 +69,22 @@ def packed_sources(moe) -> list[NodeSlice]:
     return out
 
 
+def expert_weights(sources: list[NodeSlice], e: int, device, dtype: torch.dtype, non_blocking: bool = False):
+    """Expert e's (gate [F, D], up [F, D], down [D, F]) in dtype on `device`, de-quantized from the packed
+    copy; node slices of F are joined. non_blocking: the copies do not make the host wait (pinned source)."""
+    parts = []
+    for ns in sources:
+        mats = []
+        for m in ns.mats():
+            q = m.q[e].to(device, non_blocking=non_blocking)
+            s = None if m.scale is None else m.scale[e].to(device, non_blocking=non_blocking)
+            mats.append(m.decode(q, s, dtype))
+        parts.append(mats)
+    if len(parts) == 1:
+        return tuple(p.contiguous() for p in parts[0])
+    return (torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0), torch.cat([p[2] for p in parts], 1))
+
+
 def pin(tensors: list[torch.Tensor]) -> list[int]:
     """Page-lock host tensors in place (cudaHostRegister) so DMA reads them at full link speed.
 
