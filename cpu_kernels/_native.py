@@ -55,6 +55,16 @@ class HyLayer(ctypes.Structure):
                 ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("nodes", HyNode * 8)]
 
 
+class HyJob(ctypes.Structure):
+    """One layer call for a stream-ordered host function (api.h, hy_host_job)."""
+
+    _fields_ = [("L", ctypes.c_void_p), ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("wts", ctypes.c_void_p),
+                ("lmap", ctypes.c_void_p), ("out", ctypes.c_void_p), ("x_dtype", ctypes.c_int32),
+                ("T", ctypes.c_int32), ("K", ctypes.c_int32), ("n_global", ctypes.c_int32),
+                ("out_dtype", ctypes.c_int32), ("pin_cpu", ctypes.c_int32), ("rc", ctypes.c_int32),
+                ("pad_", ctypes.c_int32), ("runs", ctypes.c_int64), ("failures", ctypes.c_int64)]
+
+
 def _lib_path(name: str) -> str | None:
     hits = sorted(glob.glob(os.path.join(_HERE, f"_hy_{name}*.so")))
     return hits[0] if hits else None
@@ -139,6 +149,10 @@ def load(isa: str) -> ctypes.CDLL:
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_int]
     lib.hy_forward.restype = ctypes.c_int
+    lib.hy_host_job.argtypes = [ctypes.c_void_p]
+    lib.hy_host_job.restype = None
+    lib.hy_host_job_fn.argtypes = []
+    lib.hy_host_job_fn.restype = ctypes.c_void_p
     lib.hy_isa.restype = ctypes.c_char_p
     lib.hy_profile_enable.argtypes = [ctypes.c_int]
     lib.hy_profile_enable.restype = None

@@ -46,6 +46,35 @@ def _check_tensor(name, t, ndim, dtypes):
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
+class HostJob:
+    """A CpuMoE call as (fn, arg) for cuLaunchHostFunc; .run() calls it here (tests, CPU-only hosts)."""
+
+    def __init__(self, moe: "CpuMoE", x, ids, wts, lmap, out, pin_cpu: int = -1):
+        T, K = ids.shape
+        self._keep = (moe, x, ids, wts, lmap, out)  # the job points into these
+        self._lib = _native.load(moe.isa)
+        self.job = _native.HyJob(ctypes.addressof(moe._layer), x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+                                 lmap.data_ptr(), out.data_ptr(), _X_DTYPES[x.dtype], T, K, moe.num_experts,
+                                 _X_DTYPES[out.dtype], int(pin_cpu), 0, 0, 0, 0)
+        self.fn = self._lib.hy_host_job_fn()  # address of the C host function
+        self.arg = ctypes.addressof(self.job)
+
+    def run(self) -> None:
+        self._lib.hy_host_job(self.arg)
+
+    @property
+    def rc(self) -> int:
+        return self.job.rc
+
+    @property
+    def runs(self) -> int:
+        return self.job.runs
+
+    @property
+    def failures(self) -> int:
+        return self.job.failures
+
+
 class MoEHandle:
     """Result of CpuMoE.submit; .wait() returns the output tensor (or raises the call's error)."""
 
@@ -311,6 +340,21 @@ class CpuMoE:
         return out
 
     __call__ = forward
+
+    def host_job(self, x, topk_ids, topk_weights, out, expert_mask=None, pin_cpu: int = -1) -> "HostJob":
+        """forward(x, topk_ids, topk_weights, expert_mask, out) packaged for a CUDA stream-ordered host
+        function: the job reads its tensors when it runs (fill them first, e.g. by copies earlier on the
+        same stream), never takes the GIL and raises nothing (a failed call fills `out` with NaN and
+        counts in `.failures`). topk_ids must be int32 and topk_weights float32 (convert them on the GPU).
+        The tensors must stay alive and in place while the job may run. pin_cpu >= 0 pins the thread
+        that runs it to that cpu (the pool's first: see cpu_kernels/csrc/pool.h)."""
+        if self.isa == "ref":
+            raise ValueError("host jobs need a compiled ISA; the ref ISA runs in Python (use forward)")
+        self._validate(x, topk_ids, topk_weights, expert_mask, out)
+        if out is None or topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
+            raise ValueError("host_job needs out, int32 topk_ids and float32 topk_weights")
+        lmap = self._lmap if expert_mask is None else torch.where(expert_mask, self._lmap, -1).to(torch.int32)
+        return HostJob(self, x, topk_ids, topk_weights, lmap, out, pin_cpu)
 
     def submit(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> MoEHandle:
         """Run forward on a worker thread (the library releases the GIL); returns a handle with .wait()."""

@@ -30,7 +30,7 @@ CPU_DTYPES = ("bf16", "int8", "int4")
 ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
 INT4_GROUP = 128  # hybrid.offload.Offload default group size
 DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
-GRAPH_MAX_ROWS = 512  # hybrid.offload.graph_lane.GraphCpuLane.MAX_ROWS
+GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
 
 
 def _align(v: int, a: int) -> int:

@@ -5,7 +5,7 @@ shares sum to K). For a decode step of B rows, the tokens an expert receives are
 (rows route independently), and every time is an expectation over that distribution, so a rarely used
 expert is charged its weight read only in the steps where it is used, not a fraction of a token.
 
-Decode runs as CUDA graphs on the box (hybrid.offload.graph_lane): resident experts on the GPU, every
+Decode runs as CUDA graphs on the box (hybrid.offload.host_lane): resident experts on the GPU, every
 cold expert on the CPU lane, the two lanes concurrent, so a layer costs max(CPU lane, GPU lane). Prefill
 is eager: the cold experts are split per batch by the LayerScheduler, priced here on the expected
 histogram round(P * share).

@@ -166,6 +166,36 @@ def test_submit_from_threads(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_host_job_is_forward_without_python(isa):
+    """host_job: the C host function over the same buffers computes what forward does, bitwise, and a
+    call the kernel refuses (an id out of range, written after the job was made) poisons out with NaN."""
+    if isa == "ref":  # the reference runs in Python: there is no host function for it
+        x, ids, w = torch.zeros(1, D).bfloat16(), torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2)
+        with pytest.raises(ValueError):
+            CpuMoE(*weights(seed=13), isa=isa).host_job(x, ids, w, torch.empty_like(x))
+        return
+    ws = weights(seed=13)
+    moe = CpuMoE(*ws, isa=isa, dtype="int8")
+    T = 37
+    ids, w = ragged_routing(T, seed=4)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    mask = torch.rand(E, generator=torch.Generator().manual_seed(5)) < 0.6
+    out = torch.full_like(x, float("nan"))
+    ids32 = ids.to(torch.int32)
+    job = moe.host_job(x, ids32, w.float().contiguous(), out, expert_mask=mask)
+    job.run()
+    assert job.runs == 1 and job.rc == 0 and job.failures == 0
+    assert torch.equal(out, moe.forward(x, ids, w, expert_mask=mask))
+    ids32[T // 2, 0] = E
+    job.run()
+    assert job.rc != 0 and job.failures == 1 and torch.isnan(out.float()).all()
+    with pytest.raises(ValueError):
+        moe.host_job(x, ids, w.float(), out)  # int64 ids: convert them where they live (the GPU)
+    with pytest.raises(ValueError):
+        moe.host_job(x, ids32, w.float(), None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bad_input_raises(isa):
     ws = weights(seed=12)
     moe = CpuMoE(*ws, isa=isa)

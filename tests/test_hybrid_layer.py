@@ -138,9 +138,9 @@ def test_unaligned_rows_take_the_expert_loop():
     torch.testing.assert_close(layer(x, ids, w), moe_forward(x, wg, wu, wd, ids, w), atol=2e-5, rtol=1e-4)
 
 
-def test_core_split_between_executor_and_launcher():
+def test_core_split_between_executor_and_launcher(monkeypatch):
     """On CUDA the executor's pool gets all cores but one and the launching thread the rest (pinned at its
-    first layer call). The split itself is plain logic, checked here on a fake object."""
+    first layer call with HYBRID_PIN_LAUNCHER=1). The split itself is plain logic, checked on a fake object."""
     import os
     import threading
     import types
@@ -150,6 +150,9 @@ def test_core_split_between_executor_and_launcher():
     if len(_PROCESS_CPUS) < 2:
         pytest.skip("needs two cpus")
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
+    Offload._split_cores(fake, None)
+    assert fake.lane_cpus and fake._launcher_cpus is None  # by default the launcher is not pinned
+    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
     topo = Offload._split_cores(fake, None)
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus
@@ -166,34 +169,42 @@ def test_core_split_between_executor_and_launcher():
     assert seen["cpus"] <= set(_PROCESS_CPUS) - pool and fake._launcher_cpus is None
 
 
-def test_graph_lane_host_function_runs_the_cold_experts():
-    """The body of the captured CPU lane (what CUDA's host-callback thread runs), driven directly: the cold
-    experts only, into the static buffers; a failure poisons the output with NaN instead of raising."""
-    from hybrid.offload.graph_lane import GraphCpuLane
+@pytest.mark.parametrize("isa", cpu_kernels.available_isas())
+def test_host_function_runs_the_cpu_lane_experts(isa):
+    """The body of the host-function CPU lane (what CUDA's callback thread runs), called here through the
+    same (function pointer, argument) pair cuLaunchHostFunc gets: the masked experts only, into the pinned
+    buffers; a failure poisons the output with NaN and is counted instead of raising."""
+    import ctypes
 
-    layer, (wg, wu, wd) = make_layer("cost", resident=(0, 3))
-    lane = GraphCpuLane(torch.device("cpu"))
+    from hybrid.offload.host_lane import HostFnLane
+
+    layer, (wg, wu, wd) = make_layer("cost", resident=(0, 3), isa=isa)
+    lane = HostFnLane(torch.device("cpu"))
     T = 9
     ids, w = routing(T, seed=11)
     xh, ih, wh, oh, _ = lane.buffers(T, D, K, torch.float32)
     xh.copy_(torch.randn(T, D).to(torch.bfloat16).float())
     ih.copy_(ids)
     wh.copy_(w)
-    lane._calls[1] = (layer, xh, ih, wh, oh)
-    lane._run(1)
+    oh.fill_(float("nan"))
     mask = torch.ones(E, dtype=torch.bool)
     mask[[0, 3]] = False
+    fn, arg = lane.job(layer, xh, ih, wh, oh, mask, captured=True)
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)
+    call(arg)
     ref = moe_forward(xh, wg, wu, wd, ids, w, expert_mask=mask)
-    torch.testing.assert_close(oh, ref, atol=2e-5, rtol=1e-4)
-    lane._calls[2] = (layer, xh, ih[:, :1].contiguous(), wh, oh)  # shape mismatch: the executor refuses it
-    lane._run(2)
+    tol = dict(atol=2e-5, rtol=1e-4) if isa == "ref" else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(oh, ref, **tol)
+    assert lane.failures == 0
+    ih[4, 1] = E  # out of range: the executor refuses the call
+    call(arg)
     assert lane.failures == 1 and torch.isnan(oh).all()
 
 
 def test_core_split_can_be_turned_off(monkeypatch):
     import types
 
-    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "0")
+    monkeypatch.setenv("HYBRID_CORE_SPLIT", "0")
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
     topo = Offload._split_cores(fake, None)
     assert fake.lane_cpus is None and fake._launcher_cpus is None and topo.threads >= 1

@@ -40,6 +40,58 @@ HY_API int hy_forward(const HyLayer* L, const void* x, int x_dtype, int T, int K
   return forward(L, x, x_dtype, T, K, ids, wts, lmap, n_global, out, out_dtype);
 }
 
+// One layer call packaged for a CUDA stream-ordered host function (cuLaunchHostFunc(stream, hy_host_job,
+// job)): everything the call needs sits in pinned buffers the job points at, so the host function runs
+// without Python and without the GIL (DESIGN section 3b). A host function cannot report an error to the
+// stream: a failed call poisons `out` with NaN and counts itself in `failures`; rc keeps the last code.
+struct HyJob {
+  const HyLayer* L;
+  const void* x;
+  const int32_t* ids;
+  const float* wts;
+  const int32_t* lmap;
+  void* out;
+  int32_t x_dtype, T, K, n_global, out_dtype;
+  int32_t pin_cpu;  // >= 0: pin the calling thread (the driver's callback thread) to this cpu, once
+  int32_t rc;
+  int32_t pad_;
+  int64_t runs, failures;
+};
+
+HY_API void hy_host_job(void* p) {
+  HyJob* j = (HyJob*)p;
+  // The callback thread becomes participant 0 of node 0's pool, whose workers leave pin_cpu to it.
+  static thread_local int pinned = -1;
+  if (j->pin_cpu >= 0 && pinned != j->pin_cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(j->pin_cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+    pinned = j->pin_cpu;
+  }
+  int rc;
+  try {
+    rc = forward(j->L, j->x, j->x_dtype, j->T, j->K, j->ids, j->wts, j->lmap, j->n_global, j->out, j->out_dtype);
+  } catch (...) {  // nothing may unwind into the CUDA driver
+    rc = -4;  // an exception (e.g. bad_alloc)
+  }
+  j->rc = rc;
+  j->runs += 1;
+  if (rc != HY_OK && j->out && j->L) {
+    j->failures += 1;
+    int64_t n = (int64_t)j->T * j->L->D;
+    if (j->out_dtype == 1) {
+      uint16_t* o = (uint16_t*)j->out;
+      for (int64_t i = 0; i < n; ++i) o[i] = 0x7FC0;  // bf16 quiet NaN
+    } else {
+      float* o = (float*)j->out;
+      for (int64_t i = 0; i < n; ++i) o[i] = __builtin_nanf("");
+    }
+  }
+}
+
+HY_API void* hy_host_job_fn() { return (void*)&hy_host_job; }
+
 // Multithreaded streaming read of buf with the pool's threads (the benchmark's DRAM-read ceiling, the
 // same way the kernels read weights: each thread takes 1 MiB chunks). Returns a checksum so the loads
 // cannot be optimised away.

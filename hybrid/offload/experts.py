@@ -57,7 +57,7 @@ def _grouped_ok(rows: torch.Tensor) -> bool:
 
 class HybridExperts(nn.Module):
     """See the module docstring. Eager calls split per batch; captured calls (decode graphs) use the fixed
-    split of hybrid.offload.graph_lane."""
+    split of hybrid.offload.host_lane."""
 
     def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                  offload: "Offload"):
@@ -163,8 +163,8 @@ class HybridExperts(nn.Module):
             off.pin_launcher()
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._forward_captured(x, topk_ids, topk_weights)
-        if self.capturable and T <= off.graph_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
-            off.graph_lane.buffers(T, self.D, K, off.dtype)
+        if self.capturable and T <= off.host_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
+            off.host_lane.buffers(T, self.D, K, off.dtype)
         flat = topk_ids.reshape(-1)  # [T*K]
         replacer = getattr(off, "replacer", None)
         if replacer is not None:  # a finished re-placement copy lands before this batch reads the map
@@ -180,14 +180,20 @@ class HybridExperts(nn.Module):
         self._account(hist, T, len(cpu_ids), len(ship_ids), decide_s, split.total)
 
         out = torch.zeros(T, self.D, device=dev, dtype=torch.float32)  # fp32 merge of the lanes
-        future = None
+        future = cpu_out = None
         if cpu_ids.size:  # start the CPU lane first: it runs while the GPU works
             mask = torch.zeros(self.num_experts, dtype=torch.bool)
             mask[torch.from_numpy(cpu_ids)] = True
-            future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids, topk_weights, mask)
+            if off.uses_host_lane(self):
+                cpu_out = off.host_lane.enqueue(self, x, topk_ids, topk_weights, mask)
+            else:
+                future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids, topk_weights, mask)
 
         if int(hist[self.resident_ids].sum()) or ship_ids.size:
             self._gpu_lane(x, flat, topk_weights.reshape(-1), hist, ship_ids, K, out)
+        if cpu_out is not None:
+            off.host_lane.join()
+            out += cpu_out.float()
         if future is not None:
             out += off.cpu_lane.collect(future).float()
         if replacer is not None:  # this batch's results are combined: its routing map is no longer needed
@@ -197,9 +203,9 @@ class HybridExperts(nn.Module):
     def _forward_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """No host sync: resident experts on the GPU, all cold experts through the graph's CPU lane."""
         T, K = topk_ids.shape
-        lane = self.offload.graph_lane
+        lane = self.offload.host_lane
         self.captured = True
-        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights) if bool(self.cold_mask.any()) else None
+        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights, self.cold_mask) if bool(self.cold_mask.any()) else None
         out = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
         R = len(self.resident_ids)
         if R:

@@ -37,24 +37,26 @@ class Offload:
         self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
         self.cpu_lane = CpuLane(self.device, pin_cpus=self.lane_cpus)
         self.graphs = graphs and self.device.type == "cuda"
-        self._graph_lane = None
+        # HYBRID_CPU_LANE=worker: eager calls use the Python worker-thread lane (for comparison)
+        self.eager_host_lane = os.environ.get("HYBRID_CPU_LANE", "host") != "worker"
+        self._host_lane = None
         self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
         self.pinned_weight_bytes = 0
         self.layers: list["HybridExperts"] = []
 
     def _split_cores(self, threads: int | None):
-        """Give the CPU executor's pool all cores but one and this (GPU-launching) thread the last one.
+        """Give the CPU executor's pool all cores but one, leaving one for the GPU-launching thread.
 
-        The pool's workers are pinned and sleep between the short phases of a decode-sized call; the
-        kernel then sees their cores as idle and may run the launching thread there, and the woken
-        worker waits a scheduler slice (ms) for its core. Measured on the GPU box: a decode step that
-        used both lanes took ~4x longer than either lane alone. Pinning the launching thread to a core
-        the pool does not use removes that. The CPU lane's worker (which runs the pool's first share) is
-        pinned to the pool's first core. Returns the pool's topology."""
+        The launching thread spin-waits in CUDA syncs; on a core of the pool it would steal a pinned
+        worker's time slice (ms) in the middle of a layer call. The pool's first core is left by its pinned
+        workers to the thread that calls the executor (the CUDA host-callback thread, pinned there by its
+        first job). HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_PIN_LAUNCHER=1 also pins the
+        launching thread to the spare core at its first layer call (off by default: a pinned main thread
+        confines later torch CPU work, and its OpenMP teams, to one core). Returns the pool's topology."""
         import cpu_kernels
 
         topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
-        if os.environ.get("HYBRID_PIN_LAUNCHER", "1") == "0":  # opt out: the pool as asked, nothing pinned
+        if os.environ.get("HYBRID_CORE_SPLIT", "1") == "0":  # opt out: the pool as asked, nothing pinned
             return topo
         pool = sorted(c for n in topo.nodes for c in n)
         rest = sorted(_PROCESS_CPUS - set(pool))
@@ -66,13 +68,14 @@ class Offload:
             rest = [last]
             pool = [c for c in pool if c != last]
         self.lane_cpus = {pool[0]}
-        self._launcher_cpus = set(rest)
-        log.info("hybrid: CPU executor on %d cpus (%s..%s), GPU launches on cpus %s", len(pool), pool[0], pool[-1], rest)
+        if os.environ.get("HYBRID_PIN_LAUNCHER", "0") == "1":
+            self._launcher_cpus = set(rest)
+        log.info("hybrid: CPU executor on %d cpus (%s..%s), spare for GPU launches: %s", len(pool), pool[0], pool[-1], rest)
         return topo
 
     def pin_launcher(self) -> None:
-        """Pin the calling (GPU-launching) thread off the pool's cores; done at the first layer call, not
-        at construction, so that loading and packing in this thread still use every core."""
+        """HYBRID_PIN_LAUNCHER=1: pin the calling (GPU-launching) thread off the pool's cores; done at the
+        first layer call, not at construction, so that loading and packing still use every core."""
         cpus, self._launcher_cpus = self._launcher_cpus, None
         if cpus:
             try:
@@ -81,19 +84,25 @@ class Offload:
                 log.warning("could not pin the launching thread to cpus %s (%s)", sorted(cpus), exc)
 
     @property
-    def graph_lane(self):
-        if self._graph_lane is None:
-            from hybrid.offload.graph_lane import GraphCpuLane
+    def host_lane(self):
+        """The CPU lane as stream-ordered host functions (CUDA): captured steps, and eager ones with a
+        compiled ISA (hybrid.offload.host_lane)."""
+        if self._host_lane is None:
+            from hybrid.offload.host_lane import HostFnLane
 
-            self._graph_lane = GraphCpuLane(self.device, pin_cpus=self.lane_cpus)
-        return self._graph_lane
+            self._host_lane = HostFnLane(self.device, pin_cpus=self.lane_cpus)
+        return self._host_lane
+
+    def uses_host_lane(self, layer) -> bool:
+        """Eager calls: CUDA with a compiled CPU kernel use host functions; else the Python worker lane."""
+        return self.device.type == "cuda" and layer.cpu_moe.isa != "ref" and self.eager_host_lane
 
     def memory(self) -> dict:
         """Bytes: DRAM of the CPU executors, pinned host memory, VRAM of resident experts and staging."""
         return {
             "dram_expert_bytes": sum(layer.cpu_moe.nbytes for layer in self.layers),
             "pinned_bytes": self.pinned_weight_bytes + self.cpu_lane.pinned_bytes
-            + (self._graph_lane.pinned_bytes if self._graph_lane is not None else 0),
+            + (self._host_lane.pinned_bytes if self._host_lane is not None else 0),
             "vram_resident_bytes": sum(layer.resident_bytes for layer in self.layers),
             "vram_staging_bytes": self.ship_lane.vram_bytes,
         }

@@ -1,0 +1,138 @@
+"""The CPU lane as CUDA stream-ordered host functions (DESIGN section 3b), in eager and captured steps.
+
+On a side stream, per hybrid layer call:
+
+    D2H copies of x, routing ids (int32) and weights (fp32) into pinned buffers
+    -> host function: the CPU executor runs the CPU lane's experts (no CUDA call inside)
+    -> H2D copy of the summed output
+
+while the main stream computes the resident (and shipped) experts; the streams join before the merge.
+The host function is the compiled library's own C function (cpu_kernels HostJob): it runs on the CUDA
+driver's callback thread without Python and without the GIL. That matters twice: a Python host function
+has to win the GIL from the launching thread (up to a 5 ms switch interval whenever that thread is busy
+launching the ship lane), and a Python worker thread's torch calls start OpenMP teams. It is launched
+with the driver's cuLaunchHostFunc (libcuda, found at run time), so nothing CUDA-specific is compiled into
+the CPU kernels.
+
+Captured steps (decode graphs) cannot read a routing histogram on the host, so their split is fixed:
+resident experts on the GPU, every cold expert on this lane. Eager steps send the experts the scheduler
+chose. With the `ref` ISA (pure torch) the host function is a Python callback (tests); it takes the GIL,
+so after replaying such a graph synchronise with torch.cuda.synchronize (which releases the GIL) before a
+call that blocks on the GPU while holding it (.item(), .cpu()).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import logging
+
+import torch
+
+from hybrid.offload.lanes import HostBuffers
+
+log = logging.getLogger("hybrid.offload")
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_libcuda = None
+
+
+def _launch_host_func(stream: torch.cuda.Stream, fn: int, arg: int) -> None:
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _libcuda.cuLaunchHostFunc.restype = ctypes.c_int
+    rc = _libcuda.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn), ctypes.c_void_p(arg))
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {rc}")
+
+
+class HostFnLane:
+    """Pinned buffers, the side stream and the host jobs shared by the hybrid layers of one model."""
+
+    MAX_ROWS = 512  # decode buckets; larger (prefill) batches never run captured
+    _EAGER_JOBS = 64  # eager jobs kept alive until surely run (each layer call syncs the host once)
+
+    def __init__(self, device: torch.device, pin_cpus: set[int] | None = None):
+        self.device = device
+        self.pin_cpu = min(pin_cpus) if pin_cpus else -1
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
+        # graphs hold these buffers' addresses: a grown buffer keeps its predecessor alive
+        self.bufs = HostBuffers(pin=self.stream is not None, keep_old=True, min_rows=64)
+        self._graph_jobs: list = []  # jobs captured graphs point at: alive as long as the lane
+        self._eager_jobs: collections.deque = collections.deque()
+        self._calls: dict[int, tuple] = {}  # ref ISA: key -> (layer, xh, ih, wh, oh, mask), read by _run
+        self._keys = itertools.count(1)
+        self._py_fn = _HOST_FN(self._run)  # one Python callback for every ref-ISA layer; kept alive here
+        self._py_fn_ptr = ctypes.cast(self._py_fn, ctypes.c_void_p).value
+        self._failures = 0
+
+    def buffers(self, T: int, D: int, K: int, dtype):
+        """One set shared by every layer: on the side stream each layer's output copy precedes the next
+        layer's input copies, so a layer's host function never sees another's data. Allocate them
+        before capture (an eager call of the same size), as pinned allocation may not run in capture."""
+        b = self.bufs
+        return (b.get("x", T, D, dtype), b.get("ids", T, K, torch.int32), b.get("w", T, K, torch.float32),
+                b.get("out", T, D, dtype), b.get("outd", T, D, dtype, device=self.device))
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.bufs.pinned_bytes
+
+    @property
+    def failures(self) -> int:
+        """CPU-lane calls that failed inside a host function (their output was set to NaN)."""
+        return self._failures + sum(j.failures for j in itertools.chain(self._graph_jobs, self._eager_jobs))
+
+    def _run(self, key) -> None:
+        """ref ISA only: the Python host function (CUDA's callback thread; no CUDA calls)."""
+        layer, xh, ih, wh, oh, mask = self._calls[int(key or 0)]
+        try:
+            layer.cpu_moe.forward(xh, ih, wh, expert_mask=mask, out=oh)
+        except Exception:  # noqa: BLE001 - cannot raise through the driver: poison the output, loudly
+            self._failures += 1
+            log.exception("hybrid layer %d: CPU lane failed in a host function; output set to NaN", layer.layer)
+            oh.fill_(float("nan"))
+
+    def _retire_eager(self) -> None:
+        while len(self._eager_jobs) >= self._EAGER_JOBS:
+            job = self._eager_jobs.popleft()
+            if job.failures:
+                self._failures += job.failures
+                log.error("a CPU-lane host job failed with code %d; its layer output was set to NaN", job.rc)
+
+    def job(self, layer, xh, ih, wh, oh, mask: torch.Tensor, captured: bool) -> tuple[int, int]:
+        """(host function, argument) running layer's CPU experts of `mask` on the pinned buffers."""
+        if layer.cpu_moe.isa == "ref":
+            key = next(self._keys)
+            self._calls[key] = (layer, xh, ih, wh, oh, mask)
+            return self._py_fn_ptr, key
+        job = layer.cpu_moe.host_job(xh, ih, wh, oh, expert_mask=mask, pin_cpu=self.pin_cpu)
+        if captured:
+            self._graph_jobs.append(job)
+        else:
+            self._retire_eager()
+            self._eager_jobs.append(job)
+        return job.fn, job.arg
+
+    def enqueue(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Put the CPU lane of `layer` (experts in `mask`, bool [E] on the host) on the side stream; returns
+        its output [T, D] on the device, valid on the main stream after `join`."""
+        T, D = x.shape
+        K = ids.shape[1]
+        captured = torch.cuda.is_current_stream_capturing()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
+        fn, arg = self.job(layer, xh, ih, wh, oh, mask, captured)
+        with torch.cuda.stream(self.stream):
+            xh.copy_(x, non_blocking=True)
+            ih.copy_(ids.to(torch.int32), non_blocking=True)
+            wh.copy_(w.to(torch.float32), non_blocking=True)
+            _launch_host_func(self.stream, fn, arg)
+            od.copy_(oh, non_blocking=True)
+        return od
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
