@@ -32,6 +32,49 @@ def med(fn, reps=40):
     return statistics.median(ts) * 1e3
 
 
+def contention(layer, dev, shape):
+    """Do the two lanes share DRAM? The host->device rate of registered expert weights alone and while
+    the CPU executor streams other experts, and the executor's time alone and while copies run."""
+    import threading
+
+    q = layer.sources[0].mats()[0].q  # [E, F, D]
+    src = q[-16:]  # 16 experts' gate matrices, contiguous
+    dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
+    nb = src.numel() * src.element_size()
+    cold = torch.from_numpy(layer.cold_ids[:64].copy())
+    T = 64
+    ids = cold.view(T, 1).repeat(1, shape.topk)[:, :1].contiguous()  # one token per expert, 64 experts
+    x = torch.randn(T, shape.hidden).to(torch.bfloat16)
+    w = torch.ones(T, 1)
+    moe = layer.cpu_moe
+    cpu_alone = statistics.median([timeit(lambda: moe.forward(x, ids, w)) for _ in range(10)])
+    copy_alone = med(lambda: dst.copy_(src, non_blocking=True), 10)
+    stop = threading.Event()
+    cpu_busy = []
+
+    def hammer():
+        while not stop.is_set():
+            cpu_busy.append(timeit(lambda: moe.forward(x, ids, w)))
+
+    th = threading.Thread(target=hammer)
+    th.start()
+    time.sleep(0.05)
+    copy_busy = med(lambda: dst.copy_(src, non_blocking=True), 10)
+    stop.set()
+    th.join()
+    cpu_b = statistics.median(cpu_busy)
+    wb = 64 * 3 * shape.hidden * shape.intermediate * 2
+    print(f"contention: H2D {nb / 2**20:.0f} MiB alone {nb / copy_alone / 1e6:.1f} GB/s, while the executor runs "
+          f"{nb / copy_busy / 1e6:.1f} GB/s; executor 64x1 alone {cpu_alone * 1e3:.2f} ms ({wb / cpu_alone / 1e9:.1f} GB/s), "
+          f"during copies {cpu_b * 1e3:.2f} ms ({wb / cpu_b / 1e9:.1f} GB/s)", flush=True)
+
+
+def timeit(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main():
     hw = resolve_profile(sys.argv[1])
     Ts = [int(t) for t in sys.argv[2:]] or [1, 8]
@@ -46,6 +89,7 @@ def main():
     for name, src in (("registered packed", q[e]), ("torch pinned", pinned), ("pageable", q[e].clone())):
         ms = med(lambda: dst.copy_(src, non_blocking=True), 20)
         print(f"H2D {name:18s} {nb / 2**20:.1f} MiB: {ms:.3f} ms = {nb / ms / 1e6:.1f} GB/s", flush=True)
+    contention(layer, dev, shape)
     gen = torch.Generator().manual_seed(0)
     for T in Ts:
         x = torch.randn(T, shape.hidden, device=dev, dtype=torch.bfloat16)
