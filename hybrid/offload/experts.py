@@ -50,6 +50,15 @@ class LayerStats:
         return self.cpu_experts / n if n else 0.0
 
 
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor to the device without a pageable copy: a pageable host->device copy is staged
+    by the driver and can wait behind other work of the context (a running host function, say); a pinned
+    block from torch's caching host allocator is reused only after its copy has run."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _grouped_ok(rows: torch.Tensor) -> bool:
     # torch._grouped_mm wants 16-byte aligned rows; tiny test shapes take the loop.
     return rows.shape[1] * rows.element_size() % 16 == 0 and grouped_mm_works(rows.device, rows.dtype)
@@ -241,7 +250,7 @@ class HybridExperts(nn.Module):
         rank[res] = np.arange(res.size)
         rank[ship_ids] = res.size + np.arange(ship_ids.size)
         n_res, n_ship = int(hist[res].sum()), int(hist[ship_ids].sum())
-        order = torch.argsort(torch.from_numpy(rank).to(dev)[flat], stable=True)[: n_res + n_ship]
+        order = torch.argsort(_to_device(torch.from_numpy(rank), dev)[flat], stable=True)[: n_res + n_ship]
         token = order // K  # [n] token of each GPU assignment
         rows = x[token]  # [n, D]
         y = torch.empty_like(rows)
@@ -268,7 +277,7 @@ class HybridExperts(nn.Module):
     def _grouped(rows, counts, w_gate, w_up, w_down):
         """rows [n, D] grouped by expert (counts [G]) through G experts' weights [G, F, D] / [G, D, F]."""
         if _grouped_ok(rows):
-            offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(rows.device, non_blocking=True)
+            offs = _to_device(torch.from_numpy(np.cumsum(counts).astype(np.int32)), rows.device)
             g = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)  # [n, F]
             u = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
             return torch._grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [n, D]
