@@ -151,8 +151,9 @@ def test_core_split_between_executor_and_launcher(monkeypatch):
         pytest.skip("needs two cpus")
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
     Offload._split_cores(fake, None)
-    assert fake.lane_cpus and fake._launcher_cpus is None  # by default the launcher is not pinned
+    assert fake.lane_cpus is None and fake._launcher_cpus is None  # by default neither thread is pinned
     monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
+    monkeypatch.setenv("HYBRID_PIN_LANE", "1")
     topo = Offload._split_cores(fake, None)
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus

@@ -47,12 +47,16 @@ class Offload:
     def _split_cores(self, threads: int | None):
         """Give the CPU executor's pool all cores but one, leaving one for the GPU-launching thread.
 
-        The launching thread spin-waits in CUDA syncs; on a core of the pool it would steal a pinned
-        worker's time slice (ms) in the middle of a layer call. The pool's first core is left by its pinned
-        workers to the thread that calls the executor (the CUDA host-callback thread, pinned there by its
-        first job). HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_PIN_LAUNCHER=1 also pins the
-        launching thread to the spare core at its first layer call (off by default: a pinned main thread
-        confines later torch CPU work, and its OpenMP teams, to one core). Returns the pool's topology."""
+        The launching thread spin-waits in CUDA syncs and, while the ship lane runs, launches copies for a
+        millisecond or more; on a core of the pool it would steal a pinned worker's time slice (ms) in the
+        middle of a layer call. The pool's first core is left by its pinned workers to the thread that calls
+        the executor (participant 0: the CUDA host-callback thread). That thread is not pinned by default:
+        pinned to the pool's first core it stalls every phase of the call whenever the scheduler puts the
+        busy launching thread on that core, so the two float over the two cores no worker holds.
+        HYBRID_PIN_LANE=1 pins it there anyway; HYBRID_CORE_SPLIT=0 gives the pool every core;
+        HYBRID_PIN_LAUNCHER=1 pins the launching thread to the spare core at its first layer call (off by
+        default: a pinned main thread confines later torch CPU work, and its OpenMP teams, to one core).
+        Returns the pool's topology."""
         import cpu_kernels
 
         topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
@@ -67,7 +71,8 @@ class Offload:
             topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
             rest = [last]
             pool = [c for c in pool if c != last]
-        self.lane_cpus = {pool[0]}
+        if os.environ.get("HYBRID_PIN_LANE", "0") == "1":
+            self.lane_cpus = {pool[0]}
         if os.environ.get("HYBRID_PIN_LAUNCHER", "0") == "1":
             self._launcher_cpus = set(rest)
         log.info("hybrid: CPU executor on %d cpus (%s..%s), spare for GPU launches: %s", len(pool), pool[0], pool[-1], rest)
