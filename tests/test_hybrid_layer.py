@@ -150,10 +150,13 @@ def test_core_split_between_executor_and_launcher(monkeypatch):
     if len(_PROCESS_CPUS) < 2:
         pytest.skip("needs two cpus")
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
+    monkeypatch.setenv("HYBRID_PIN_LANE", "0")
     Offload._split_cores(fake, None)
-    assert fake.lane_cpus is None and fake._launcher_cpus is None  # by default neither thread is pinned
+    assert fake.lane_cpus is None and fake._launcher_cpus is None  # neither thread pinned
+    monkeypatch.delenv("HYBRID_PIN_LANE")
+    Offload._split_cores(fake, None)
+    assert fake.lane_cpus and fake._launcher_cpus is None  # by default only the CPU lane's thread
     monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
-    monkeypatch.setenv("HYBRID_PIN_LANE", "1")
     topo = Offload._split_cores(fake, None)
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus

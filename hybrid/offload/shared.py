@@ -50,10 +50,10 @@ class Offload:
         The launching thread spin-waits in CUDA syncs and, while the ship lane runs, launches copies for a
         millisecond or more; on a core of the pool it would steal a pinned worker's time slice (ms) in the
         middle of a layer call. The pool's first core is left by its pinned workers to the thread that calls
-        the executor (participant 0: the CUDA host-callback thread). That thread is not pinned by default:
-        pinned to the pool's first core it stalls every phase of the call whenever the scheduler puts the
-        busy launching thread on that core, so the two float over the two cores no worker holds.
-        HYBRID_PIN_LANE=1 pins it there anyway; HYBRID_CORE_SPLIT=0 gives the pool every core;
+        the executor (participant 0: the CUDA host-callback thread), which is pinned there at its first job.
+        HYBRID_PIN_LANE=0 leaves it floating (measured on the GPU box, 8-layer 30B model: graphs decode at
+        batch 1 +9%, but batch 8 -17% and eager CPU-lane decode -8% / -24%, so pinned is the default);
+        HYBRID_CORE_SPLIT=0 gives the pool every core;
         HYBRID_PIN_LAUNCHER=1 pins the launching thread to the spare core at its first layer call (off by
         default: a pinned main thread confines later torch CPU work, and its OpenMP teams, to one core).
         Returns the pool's topology."""
@@ -71,7 +71,7 @@ class Offload:
             topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
             rest = [last]
             pool = [c for c in pool if c != last]
-        if os.environ.get("HYBRID_PIN_LANE", "0") == "1":
+        if os.environ.get("HYBRID_PIN_LANE", "1") != "0":
             self.lane_cpus = {pool[0]}
         if os.environ.get("HYBRID_PIN_LAUNCHER", "0") == "1":
             self._launcher_cpus = set(rest)
