@@ -11,8 +11,8 @@ and KTransformers).
 
 The cost decision is exact over "ship the k experts with the largest CPU time" for every k: shipping
 costs every expert the same link time, so for a given number of shipped experts the CPU lane is
-shortest when they are the CPU lane's most expensive ones. All per-m times are tabulated once, so a
-decision is a few vectorised passes over at most E numbers (measured by the tests and the benchmark).
+shortest when they are the CPU lane's most expensive ones. All per-m times are tabulated once; the search
+over k is compiled (placement.split_search), a few microseconds for 128 experts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from hybrid.errors import UsageError
 from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time
 from placement.hardware import HardwareProfile
+from placement.split_search import best_split
 
 STRATEGIES = ("cost", "cpu", "ship", "threshold:N")
 
@@ -79,6 +80,8 @@ class LayerScheduler:
         self.cpu_fixed = hw.cpu_lane_overhead
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
         self._tables(max_m)
+        if self.strategy.kind == "cost":  # compile (or load from numba's cache) now, not in the first batch
+            self._decide_cost(np.ones(2, dtype=np.int64), 0.0, None)
 
     def _tables(self, max_m: int) -> None:
         m = np.arange(max_m + 1)
@@ -136,36 +139,10 @@ class LayerScheduler:
         return self._decide_cost(hist, gpu_busy, rows)
 
     def _decide_cost(self, hist: np.ndarray, gpu_busy: float, rows: int | None) -> Split:
-        # numpy picks the active experts and their table entries (C loops); the scan over k is scalar
-        # Python, which beats numpy's per-call overhead at E <= a few hundred.
-        active = np.flatnonzero(hist)
-        ship = np.zeros(hist.shape, dtype=bool)
-        if active.size == 0:
-            return Split(ship, 0.0, gpu_busy, self.hw.layer_overhead)
-        m_act = hist[active]
-        if int(m_act.max()) > self.max_m:
-            self._tables(max(int(m_act.max()), 2 * self.max_m))
-        c_act = self.cpu_t[m_act]
-        order = np.argsort(-c_act, kind="stable")  # most expensive on the CPU first
-        cs, gs, ms = c_act[order].tolist(), self.ship_g[m_act[order]].tolist(), m_act[order].tolist()
-        c_left = float(c_act.sum())
-        m_total = int(m_act.sum())
-        row_time = self.row_time * (rows / m_total if rows is not None else 1.0)
-        m_left = m_total
-        alpha2, tau = 2.0 * self.hw.alpha + self.cpu_fixed, self.tau
-        best_k, best_cpu, best_gpu = 0, alpha2 + m_left * row_time + c_left, gpu_busy
-        best = max(best_cpu, best_gpu)
-        t, link = gpu_busy, 0.0
-        for k in range(1, len(cs) + 1):
-            c_left -= cs[k - 1]
-            m_left -= ms[k - 1]
-            link += tau
-            t = max(t, link) + gs[k - 1]  # two-stage flow shop: transfer, then compute when the GPU is free
-            if t >= best:
-                break  # the GPU lane only grows from here
-            cpu = alpha2 + m_left * row_time + c_left if m_left > 0 else 0.0
-            if max(cpu, t) < best:
-                best_k, best_cpu, best_gpu, best = k, cpu, t, max(cpu, t)
-        active = active[order]
-        ship[active[:best_k]] = True
-        return Split(ship, best_cpu, best_gpu, self.hw.layer_overhead)
+        top = int(hist.max(initial=0))
+        if top > self.max_m:
+            self._tables(max(top, 2 * self.max_m))
+        ship = np.empty(hist.shape, dtype=np.bool_)
+        _, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, self.tau, 2.0 * self.hw.alpha + self.cpu_fixed,
+                                 self.row_time, -1 if rows is None else int(rows), float(gpu_busy), ship)
+        return Split(ship, cpu, gpu, self.hw.layer_overhead)
