@@ -184,21 +184,30 @@ def _sse_disconnect_after(port, body, events=2):
     return got
 
 
+def _runs_to_length(server, prompt, max_tokens=100):
+    """Greedy decoding of `prompt` does not end early (so a disconnect test cannot race a sampled EOS)."""
+    r = server.client().completions.create(model="fake", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].finish_reason == "length"
+
+
 def test_disconnect_mid_stream_frees_slot(server):
+    assert _runs_to_length(server, "long one 4")
+    before = int(server.get("/metrics").split("\nhybrid_generation_tokens_total ")[1].split()[0])
     server.runtime.engine.step_delay_s = 0.02
-    _sse_disconnect_after(server.port, {"prompt": "long one", "max_tokens": 100, "stream": True})
+    _sse_disconnect_after(server.port, {"prompt": "long one 4", "max_tokens": 100, "stream": True, "temperature": 0})
     h = server.wait_idle(timeout=5)
     assert h["free_slots"] == 4
     metrics = server.get("/metrics")
     assert "hybrid_sequences_cancelled_total 1" in metrics
-    generated = int(metrics.split("\nhybrid_generation_tokens_total ")[1].split()[0])
+    generated = int(metrics.split("\nhybrid_generation_tokens_total ")[1].split()[0]) - before
     assert generated < 50  # cancelled early, not run to max_tokens
 
 
 def test_disconnect_during_non_streaming_request_frees_slot(server):
+    assert _runs_to_length(server, "long one 6")
     server.runtime.engine.step_delay_s = 0.02
     s = socket.create_connection(("127.0.0.1", server.port))
-    payload = json.dumps({"prompt": "quiet", "max_tokens": 100}).encode()
+    payload = json.dumps({"prompt": "long one 6", "max_tokens": 100, "temperature": 0}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
     deadline = time.monotonic() + 5
     while server.health()["running"] == 0:
