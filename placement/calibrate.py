@@ -82,6 +82,16 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
                                         "ship_expert_overhead"))))
         except Exception as exc:  # noqa: BLE001 - the profile stays usable without them; say so loudly
             progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
+        progress("  latency floor of graph decode per layer (small hybrid model, batch 1)...")
+        try:
+            from hybrid.offload.overheads import measure_graph_layer_floor
+
+            fl = measure_graph_layer_floor(shape.hidden)
+            raw["graph_floor"] = fl
+            gpu["graph_layer_floor"] = fl["graph_layer_floor"]
+            progress(f"  {fl['graph_layer_floor'] * 1e6:.0f} us per decoder layer")
+        except Exception as exc:  # noqa: BLE001 - as above
+            progress(f"  WARNING: could not measure the graph decode floor ({exc}); left at 0")
     else:
         progress("no CUDA device: writing the CPU fields only (GPU and link figures left null)")
         gpu = dict(gpu_flops=None, hbm_bw=None, link_bw=None, alpha=None)
@@ -108,7 +118,8 @@ def summary(profile: HardwareProfile) -> str:
                  ("hybrid layer fixed cost", f"{profile.layer_overhead * 1e6:.0f} us"),
                  ("CPU lane fixed cost", f"{profile.cpu_lane_overhead * 1e6:.0f} us"),
                  ("ship: per chunk / per expert", f"{profile.ship_chunk_overhead * 1e6:.0f} / "
-                                                  f"{profile.ship_expert_overhead * 1e6:.0f} us")]
+                                                  f"{profile.ship_expert_overhead * 1e6:.0f} us"),
+                 ("graph decode floor per layer", f"{profile.graph_layer_floor * 1e6:.0f} us")]
     else:
         rows.append(("GPU, link", "not measured (no CUDA device)"))
     width = max(len(k) for k, _ in rows)

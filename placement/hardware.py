@@ -59,6 +59,10 @@ class HardwareProfile:
     cpu_lane_overhead: float = 0.0
     ship_chunk_overhead: float = 0.0
     ship_expert_overhead: float = 0.0
+    # Seconds per decoder layer of a captured decode step at batch 1 beyond its weight traffic (kernel
+    # launches inside the graph, the CPU lane's copies and host function): measured by `hybrid calibrate`
+    # on a small hybrid model with the expert shape's hidden size; 0 = not measured.
+    graph_layer_floor: float = 0.0
     machine: dict = field(default_factory=dict)
     source: str = "builtin"
 
@@ -87,7 +91,8 @@ class HardwareProfile:
         if self.cpu_kernel != AUTO and self.cpu_kernel not in flops:
             raise UsageError(f"profile {self.name!r}: cpu_kernel {self.cpu_kernel!r} not in cpu_flops "
                              f"({', '.join(flops)}) and not 'auto'")
-        for name in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead", "ship_expert_overhead"):
+        for name in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead", "ship_expert_overhead",
+                     "graph_layer_floor"):
             v = getattr(self, name)
             try:
                 v = float(v)

@@ -28,7 +28,7 @@ from placement.hardware import HardwareProfile
 from placement.memory import (MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, packed_expert_bytes,
                               packed_slice_bytes)
 from placement.plan_file import LayerPlan, Plan
-from placement.predict import (decode_layer_time, decode_savings, gpu_shape_of, non_expert_step_time,
+from placement.predict import (decode_floor, decode_layer_time, decode_savings, gpu_shape_of, non_expert_step_time,
                                prefill_layer_time)
 from placement.routing_stats import RoutingStats
 from placement.schedule import LayerScheduler
@@ -142,7 +142,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     # predictions: decode at B rows attending the whole cache (the decode graphs' shapes are fixed at
     # capture, so they read all max_context positions whatever the sequence length); prefill of P tokens
     gb = s.gpu_dtype_bytes
-    decode_s = non_expert_step_time(cfg, hw, rows, s.max_context, gb)
+    decode_s = non_expert_step_time(cfg, hw, rows, s.max_context, gb) + decode_floor(cfg, hw)
     sched = LayerScheduler(cpu_shape, hw, "cost")
     gpu_sched = LayerScheduler(gpu_shape, hw, "cost")
     P = min(settings.prefill_tokens, s.max_context)

@@ -62,12 +62,21 @@ def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, residen
     if cold.any():
         # A captured step runs the layer's CPU lane whenever the layer has cold experts, used or not: its
         # copies, host function and executor call are paid every step (measured on the GPU box: ~0.4 ms
-        # per layer of graph decode beyond the experts' weight reads, with the kernel idle or not).
-        link = 2.0 * hw.alpha + rows * 2.0 * cpu_shape.hidden * cpu_shape.act_bytes / hw.link_bw
-        cpu = hw.cpu_lane_overhead + link + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
+        # per layer of graph decode beyond the experts' weight reads, with the kernel idle or not). A
+        # measured graph_layer_floor already holds that fixed part (see decode_floor).
+        fixed = 0.0
+        if not hw.graph_layer_floor:
+            fixed = hw.cpu_lane_overhead + 2.0 * hw.alpha + rows * 2.0 * cpu_shape.hidden * cpu_shape.act_bytes / hw.link_bw
+        cpu = fixed + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
     # No hw.layer_overhead: it prices an eager call's routing histogram to the host and its bookkeeping,
     # which a captured decode step does not do (the split is fixed inside the graph).
     return max(cpu, gpu)
+
+
+def decode_floor(cfg, hw: HardwareProfile) -> float:
+    """Seconds per captured decode step that no weight traffic explains: the measured per-layer floor
+    (launch latency of the graph's kernels, the CPU lane's copies and host function) x decoder layers."""
+    return cfg.num_layers * hw.graph_layer_floor
 
 
 def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, shares, resident, tokens: int) -> float:

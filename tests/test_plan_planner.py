@@ -111,6 +111,40 @@ def test_prediction_improves_with_residency():
     assert more.predicted_prefill_tokens_per_s >= few.predicted_prefill_tokens_per_s > 0
 
 
+def test_graph_floor_enters_the_decode_prediction_by_hand():
+    """A measured per-layer graph floor adds layers x floor to a decode step and replaces the CPU lane's
+    separately priced fixed part (the floor model's lane already paid it)."""
+    from dataclasses import replace
+
+    from placement.predict import decode_floor, decode_layer_time
+
+    hw = replace(HW, cpu_lane_overhead=2e-4, alpha=1e-5)
+    cpu, gpu = expert_shapes(CFG, MEM)
+    shares, cold_only = [0.5, 0.3, 0.1, 0.1], [False] * 4
+    lane_fixed = 2e-4 + 2 * 1e-5 + 1 * 2 * 256 * 2 / 1e10  # overhead + 2 alpha + one row there and back
+    t0 = decode_layer_time(cpu, gpu, hw, shares, cold_only, rows=1)
+    t1 = decode_layer_time(cpu, gpu, replace(hw, graph_layer_floor=3e-4), shares, cold_only, rows=1)
+    assert t0 - t1 == pytest.approx(lane_fixed)
+    assert decode_floor(CFG, replace(hw, graph_layer_floor=3e-4)) == pytest.approx(CFG.num_layers * 3e-4)
+    base = plan(CFG, STATS, hw, settings_for(1))
+    floored = plan(CFG, STATS, replace(hw, graph_layer_floor=3e-4), settings_for(1))
+    step0, step1 = 1 / base.predicted_decode_tokens_per_s, 1 / floored.predicted_decode_tokens_per_s
+    # two layers, both with cold experts on the CPU lane (the longer lane at these shares)
+    assert step1 - step0 == pytest.approx(CFG.num_layers * 3e-4 - 2 * lane_fixed)
+    with pytest.raises(UsageError):
+        replace(HW, graph_layer_floor=-1.0)
+
+
+def test_graph_floor_model_builds_and_decodes_on_the_cpu():
+    """The calibration's floor model (CUDA on the box) built and decoded eagerly here: the code path runs
+    and the figure is the measured step split over the layers."""
+    from hybrid.offload.overheads import measure_graph_layer_floor
+
+    r = measure_graph_layer_floor(256, layers=2, steps=2, device="cpu")
+    assert r["graph_layer_floor"] > 0
+    assert r["graph_layer_floor"] * r["raw_s"]["layers"] == pytest.approx(r["raw_s"]["decode_step"])
+
+
 def test_numa_split_balanced_on_two_fake_nodes():
     assert f_slices(128, [2, 2]) == [(0, 64), (64, 128)]
     mem = MemorySettings(max_context=64, reserve=0, node_threads=(2, 2))

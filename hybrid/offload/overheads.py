@@ -63,3 +63,60 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
         "ship_chunk_overhead": max(0.0, t_ship1 - t_res - hw.alpha - tiny_link - per_expert),
         "raw_s": {"resident_only": t_res, "cpu_lane_1": t_cpu, "ship_1": t_ship1, f"ship_{chunk}": t_ship8},
     }
+
+
+def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
+                              device: str = "cuda") -> dict:
+    """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
+    hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 tiny experts, 8 of
+    them resident, so the CPU lane runs in every layer but its kernel has almost nothing to read). The
+    result is the per-layer latency floor of graph decode that weight traffic does not explain; the
+    planner's decode prediction adds it per layer (placement.predict.decode_floor). On a CPU device the
+    same model decodes eagerly (tests of this code; the figure then means nothing for a GPU)."""
+    import numpy as np
+
+    from hybrid.models import build_empty, init_random_
+    from hybrid.models.families import family_for
+    from hybrid.models.presets import hf_config
+    from hybrid.offload import HybridExperts, Offload
+    from hybrid.offload.build import expert_shape
+    from hybrid.runtime import Engine
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    raw = hf_config("qwen3-235b-a22b" if hidden >= 4096 else "qwen3-30b-a3b", layers=layers)
+    raw.update(hidden_size=hidden, num_experts=16, moe_intermediate_size=64, vocab_size=1024)
+    cfg = family_for(raw).parse_config(raw)
+    model = build_empty(cfg, dev, dtype, build_experts=False)
+    init_random_(model, seed=0)
+    hw = _probe_profile()
+    off = Offload(dev, dtype, LayerScheduler(expert_shape(cfg, "bf16", dtype), hw, "cpu"), cpu_isa=isa)
+    gen = torch.Generator().manual_seed(0)
+    E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    for i, layer in enumerate(model.layers):
+        if layer.moe is not None:
+            stacks = [(torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16) for s in ((E, F_, D), (E, F_, D), (E, D, F_))]
+            layer.moe.experts = HybridExperts(i, *stacks, off)
+            layer.moe.experts.set_resident(list(range(0, E, 2)))
+    eng = Engine(model, None, max_batch=1, max_context=256, eager=dev.type != "cuda")
+    if dev.type == "cuda" and eng.graphs is None:
+        raise RuntimeError("decode graphs are off for this model; no graph floor to measure")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    slot = eng.allocate_slot()
+    eng.prefill(slot, list(range(1, 17)))
+    times = []
+    for i in range(steps + 3):
+        sync()
+        t0 = time.perf_counter()
+        eng.decode_step([slot], [1 + i % 100])
+        sync()
+        times.append(time.perf_counter() - t0)
+    step = float(np.median(times[3:]))
+    return {"graph_layer_floor": step / cfg.num_layers, "raw_s": {"decode_step": step, "layers": cfg.num_layers}}
+
+
+def _probe_profile():
+    """Any valid profile: the floor model runs the `cpu` strategy, whose decisions need no figures."""
+    from placement.hardware import BUILTIN_PROFILES
+
+    return BUILTIN_PROFILES["ktransformers-paper-amx"]
