@@ -1,18 +1,23 @@
 """Where an eager hybrid layer call spends its time at decode sizes, per strategy (diagnostic).
 
-    python -m bench.lane_probe PROFILE.json [T ...]
+    python -m bench.lane_probe --profile PROFILE.json [--tokens 1,8] [--layers 8]
 
 One Qwen3-30B-A3B-shaped layer (a quarter resident): the median synchronised call time per strategy and
 CPU-lane kind, the host->device rate of one expert's packed weights against a torch-pinned copy of the
-same size, and a torch.profiler table of the cost strategy's calls.
+same size, DRAM contention between the lanes, and a torch.profiler table of the cost strategy's calls.
+With --layers N: a stack of N such layers (own weights, one shared Offload, each layer's output feeding
+the next, one sync per step, as in a model's eager decode) per strategy, plus `mix` = every other active
+cold expert shipped: the eager mixed-lane slowdown of BENCHMARKS.md (issue 5) is ~6 ms per layer in such a
+stack and ~1 ms on one layer. --variants repeats the stack under each thread-placement setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
+import numpy as np
 import torch
 
 from bench.layer_sweep import build_layer, routing
@@ -21,13 +26,18 @@ from placement.hardware import resolve_profile
 from placement.schedule import LayerScheduler
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def med(fn, reps=40):
     ts = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
 
@@ -75,11 +85,84 @@ def timeit(fn) -> float:
     return time.perf_counter() - t0
 
 
+class EveryOtherShipped(LayerScheduler):
+    """Diagnostic split: ship every other active cold expert, the rest on the CPU lane."""
+
+    def decide(self, hist, batch_tokens, gpu_busy=0.0, rows=None):
+        hist = np.asarray(hist, dtype=np.int64)
+        ship = np.zeros(hist.shape, dtype=bool)
+        ship[np.flatnonzero(hist)[::2]] = True
+        return self.predict(hist, ship, gpu_busy, rows)
+
+
+def stack(hw, shape, dev, n_layers: int, Ts) -> None:
+    from hybrid.offload import HybridExperts, Offload
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    off = Offload(dev, dtype, LayerScheduler(shape, hw, "cost"))
+    E, F_, D = shape.num_experts, shape.intermediate, shape.hidden
+    gen = torch.Generator(device=dev).manual_seed(3)
+    layers = []
+    for i in range(n_layers):
+        stacks = [(torch.randn(*sz, device=dev, generator=gen) * 0.02).to(torch.bfloat16).cpu()
+                  for sz in ((E, F_, D), (E, F_, D), (E, D, F_))]
+        layer = HybridExperts(i, *stacks, off)
+        layer.set_resident(list(range(i % 4, E, 4)))  # a quarter, different per layer
+        layers.append(layer)
+    g = torch.Generator().manual_seed(4)
+    for T in Ts:
+        routes = [routing(T, E, shape.topk, "uniform", g, dev) for _ in layers]
+        x0 = torch.randn(T, D, device=dev, dtype=dtype)
+
+        def step():
+            x = x0
+            for layer, (ids, w) in zip(layers, routes):
+                x = layer(x, ids, w) * 0.5 + x0  # the next layer depends on this one, as in a model
+            return x
+
+        for lane in ("host", "worker"):
+            off.eager_host_lane = lane == "host"
+            for strat in ("cost", "cpu", "ship", "mix"):
+                off.scheduler = EveryOtherShipped(shape, hw, "cpu") if strat == "mix" else LayerScheduler(shape, hw, strat)
+                step()
+                s0 = sum(l.stats.cpu_experts for l in layers), sum(l.stats.shipped_experts for l in layers)
+                ms = med(step, 20)
+                s1 = sum(l.stats.cpu_experts for l in layers), sum(l.stats.shipped_experts for l in layers)
+                n = 20 * len(layers)  # med's calls
+                print(f"stack of {n_layers}: T={T} lane={lane:6s} {strat:5s} {ms:8.3f} ms per step "
+                      f"({ms / n_layers:.3f} per layer)  cpu {(s1[0] - s0[0]) / n:.1f} ship {(s1[1] - s0[1]) / n:.1f} "
+                      "experts per layer", flush=True)
+
+
 def main():
-    hw = resolve_profile(sys.argv[1])
-    Ts = [int(t) for t in sys.argv[2:]] or [1, 8]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--tokens", default="1,8", help="batch sizes (comma list)")
+    ap.add_argument("--layers", type=int, default=0, help="also time a stack of this many layers")
+    ap.add_argument("--stack-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variants", action="store_true",
+                    help="run the stack only, once per thread-placement setting (a child process each): default, "
+                         "HYBRID_PIN_LAUNCHER=1, HYBRID_PIN_LANE=0, both, HYBRID_CORE_SPLIT=0")
+    a = ap.parse_args()
+    if a.variants:
+        import os
+        import subprocess
+        import sys
+
+        for env in ({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_PIN_LANE": "0"},
+                    {"HYBRID_PIN_LAUNCHER": "1", "HYBRID_PIN_LANE": "0"}, {"HYBRID_CORE_SPLIT": "0"}):
+            print(f"# variant: {env or 'default'}", flush=True)
+            subprocess.run([sys.executable, "-m", "bench.lane_probe", "--profile", a.profile, "--tokens", a.tokens,
+                            "--layers", str(a.layers or 8), "--stack-only"], env={**os.environ, **env}, check=False)
+        return
+    hw = resolve_profile(a.profile)
+    Ts = [int(t) for t in a.tokens.split(",") if t]
     shape = get_shape("qwen3-30b-a3b")
     dev = torch.device("cuda")
+    if a.layers:
+        stack(hw, shape, dev, a.layers, Ts)
+    if a.stack_only:
+        return
     layer, off = build_layer(shape, hw, dev, 32, "bf16", None)
     q = layer.sources[0].mats()[0].q  # [E, F, D] packed gate, registered in place
     e = int(layer.cold_ids[0])
