@@ -7,8 +7,8 @@ CPU-lane kind, the host->device rate of one expert's packed weights against a to
 same size, DRAM contention between the lanes, and a torch.profiler table of the cost strategy's calls.
 With --layers N: a stack of N such layers (own weights, one shared Offload, each layer's output feeding
 the next, one sync per step, as in a model's eager decode) per strategy, plus `mix` = every other active
-cold expert shipped: the eager mixed-lane slowdown of BENCHMARKS.md (issue 5) is ~6 ms per layer in such a
-stack and ~1 ms on one layer. --variants repeats the stack under each thread-placement setting.
+cold expert shipped: the eager mixed-lane slowdown of BENCHMARKS.md (issue 5) was ~6 ms per layer in the 8-layer
+model of bench.hybrid_e2e and ~1 ms on one layer. --variants repeats the stack under each thread-placement setting.
 """
 
 from __future__ import annotations
