@@ -156,12 +156,14 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # logits [B, V] twice (head output + the copy returned), and the graph CPU lane's output [>=64, D].
     B = s.max_batch
     width = max(D, cfg.num_heads * cfg.head_dim)
+    rows = s.max_context * s.max_batch  # the largest batch a call sees: a whole prompt of C tokens
+    # CPU lane (hybrid.offload.host_lane): pinned x and out [T, D], ids [T, K] int32, weights [T, K] fp32,
+    # and the device copy of out [T, D]; decode-sized buffers kept across growth (graphs point at them:
+    # at most 2 x GRAPH_MAX_ROWS rows in all), larger ones grown by doubling (at most 2 x rows).
+    lane_rows = 2 * rows + 2 * GRAPH_MAX_ROWS
     graph = (16 * B * width * gb + 2 * B * cfg.num_heads * (s.max_context + 1) * 4 + 2 * B * cfg.vocab_size * 4
-             + max(B, 64) * D * gb)
-    # CPU lanes: pinned x and out [T, D], ids [T, K] int64, weights [T, K] fp32 for the largest batch a
-    # call sees (a whole prompt of C tokens), eager lane + graph lane.
-    rows = s.max_context * s.max_batch
-    pinned = rows * (2 * D * gb + K * 12) + GRAPH_MAX_ROWS * (2 * D * gb + K * 12)
+             + lane_rows * D * gb)
+    pinned = lane_rows * (2 * D * gb + K * 8)
     n_experts = cfg.num_moe_layers * cfg.num_experts
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
                            resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed,

@@ -59,8 +59,11 @@ class HostFnLane:
         self.device = device
         self.pin_cpu = min(pin_cpus) if pin_cpus else -1
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
-        # graphs hold these buffers' addresses: a grown buffer keeps its predecessor alive
+        # Decode-sized calls (<= MAX_ROWS rows; what graphs capture): graphs hold these buffers' addresses,
+        # so a grown buffer keeps its predecessor alive. Larger (eager prefill) calls: their own buffers,
+        # replaced when they grow (a job still queued holds its tensors through its HostJob).
         self.bufs = HostBuffers(pin=self.stream is not None, keep_old=True, min_rows=64)
+        self.big = HostBuffers(pin=self.stream is not None)
         self._graph_jobs: list = []  # jobs captured graphs point at: alive as long as the lane
         self._eager_jobs: collections.deque = collections.deque()
         self._calls: dict[int, tuple] = {}  # ref ISA: key -> (layer, xh, ih, wh, oh, mask), read by _run
@@ -73,13 +76,13 @@ class HostFnLane:
         """One set shared by every layer: on the side stream each layer's output copy precedes the next
         layer's input copies, so a layer's host function never sees another's data. Allocate them
         before capture (an eager call of the same size), as pinned allocation may not run in capture."""
-        b = self.bufs
+        b = self.bufs if T <= self.MAX_ROWS else self.big
         return (b.get("x", T, D, dtype), b.get("ids", T, K, torch.int32), b.get("w", T, K, torch.float32),
                 b.get("out", T, D, dtype), b.get("outd", T, D, dtype, device=self.device))
 
     @property
     def pinned_bytes(self) -> int:
-        return self.bufs.pinned_bytes
+        return self.bufs.pinned_bytes + self.big.pinned_bytes
 
     @property
     def failures(self) -> int:
