@@ -205,6 +205,23 @@ def test_host_function_runs_the_cpu_lane_experts(isa):
     assert lane.failures == 1 and torch.isnan(oh).all()
 
 
+def test_host_lane_buffers_keep_what_graphs_hold_and_replace_the_rest():
+    """Decode-sized buffers (what a graph captures) survive growth; prefill-sized ones are replaced."""
+    from hybrid.offload.host_lane import HostFnLane
+
+    lane = HostFnLane(torch.device("cpu"))
+    small = lane.buffers(8, D, K, torch.float32)
+    assert [tuple(t.shape) for t in small] == [(8, D), (8, K), (8, K), (8, D), (8, D)]
+    assert small[1].dtype == torch.int32 and small[2].dtype == torch.float32
+    grown = lane.buffers(lane.MAX_ROWS, D, K, torch.float32)[0]
+    assert grown.data_ptr() != small[0].data_ptr() and lane.bufs._old  # the old one is kept alive
+    big = lane.buffers(lane.MAX_ROWS + 1, D, K, torch.float32)
+    assert big[0].shape == (lane.MAX_ROWS + 1, D)
+    assert lane.buffers(8, D, K, torch.float32)[0].data_ptr() == grown.data_ptr()  # small calls: graph buffers
+    lane.buffers(4 * lane.MAX_ROWS, D, K, torch.float32)
+    assert not lane.big._old  # replaced, not kept
+
+
 def test_core_split_can_be_turned_off(monkeypatch):
     import types
 
