@@ -142,15 +142,17 @@ def main():
     ap.add_argument("--stack-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", action="store_true",
                     help="run the stack only, once per thread-placement setting (a child process each): default, "
-                         "HYBRID_PIN_LAUNCHER=1, HYBRID_PIN_LANE=0, both, HYBRID_CORE_SPLIT=0")
+                         "HYBRID_PIN_LAUNCHER=1, HYBRID_SPARE_CORE=physical (with and without the launcher "
+                         "pinned), HYBRID_PIN_LANE=0, HYBRID_CORE_SPLIT=0")
     a = ap.parse_args()
     if a.variants:
         import os
         import subprocess
         import sys
 
-        for env in ({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_PIN_LANE": "0"},
-                    {"HYBRID_PIN_LAUNCHER": "1", "HYBRID_PIN_LANE": "0"}, {"HYBRID_CORE_SPLIT": "0"}):
+        for env in ({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_SPARE_CORE": "physical"},
+                    {"HYBRID_SPARE_CORE": "physical", "HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_PIN_LANE": "0"},
+                    {"HYBRID_CORE_SPLIT": "0"}):
             print(f"# variant: {env or 'default'}", flush=True)
             subprocess.run([sys.executable, "-m", "bench.lane_probe", "--profile", a.profile, "--tokens", a.tokens,
                             "--layers", str(a.layers or 8), "--stack-only"], env={**os.environ, **env}, check=False)

@@ -222,6 +222,31 @@ def test_host_lane_buffers_keep_what_graphs_hold_and_replace_the_rest():
     assert not lane.big._old  # replaced, not kept
 
 
+def test_spare_physical_core_leaves_its_smt_siblings_out_of_the_pool(monkeypatch, tmp_path):
+    """HYBRID_SPARE_CORE=physical: on a fake 4-core / 8-thread machine (siblings n and n + 4) the pool
+    gives up the last cpu and its sibling."""
+    import types
+
+    import cpu_kernels.topology as topo_mod
+    from hybrid.offload import shared
+
+    for c in range(8):
+        d = tmp_path / f"cpu{c}" / "topology"
+        d.mkdir(parents=True)
+        d.joinpath("thread_siblings_list").write_text(f"{c % 4},{c % 4 + 4}\n")
+    assert topo_mod.smt_siblings(7, tmp_path) == {3, 7} and topo_mod.smt_siblings(9, tmp_path) == {9}
+    monkeypatch.setattr(topo_mod, "SYSFS_CPUS", str(tmp_path))
+    monkeypatch.setattr(shared, "_PROCESS_CPUS", frozenset(range(8)))
+    monkeypatch.setattr(topo_mod.Topology, "discover", classmethod(lambda cls, *a, **k: cls(((0, 1, 2, 3, 4, 5, 6, 7),))))
+    fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
+    pool = {c for n in Offload._split_cores(fake, None).nodes for c in n}
+    assert pool == set(range(7))  # default: one hardware thread
+    monkeypatch.setenv("HYBRID_SPARE_CORE", "physical")
+    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
+    pool = {c for n in Offload._split_cores(fake, None).nodes for c in n}
+    assert pool == {0, 1, 2, 4, 5, 6} and fake._launcher_cpus == {3, 7}
+
+
 def test_core_split_can_be_turned_off(monkeypatch):
     import types
 

@@ -53,7 +53,8 @@ class Offload:
         the executor (participant 0: the CUDA host-callback thread), which is pinned there at its first job.
         HYBRID_PIN_LANE=0 leaves it floating (measured on the GPU box, 8-layer 30B model: graphs decode at
         batch 1 +9%, but batch 8 -17% and eager CPU-lane decode -8% / -24%, so pinned is the default);
-        HYBRID_CORE_SPLIT=0 gives the pool every core;
+        HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_SPARE_CORE=physical leaves the spare cpu's
+        SMT siblings out of the pool too;
         HYBRID_PIN_LAUNCHER=1 pins the launching thread to the spare core at its first layer call (off by
         default: a pinned main thread confines later torch CPU work, and its OpenMP teams, to one core).
         Returns the pool's topology."""
@@ -67,10 +68,16 @@ class Offload:
         if not rest:  # every core is in the pool: give up the last one
             if len(pool) < 2:
                 return topo
-            last = topo.nodes[-1][-1]
-            topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c != last) for n in topo.nodes) if t))
-            rest = [last]
-            pool = [c for c in pool if c != last]
+            give = {topo.nodes[-1][-1]}
+            if os.environ.get("HYBRID_SPARE_CORE", "thread") == "physical":
+                # the whole physical core: an SMT sibling running the executor's AMX/AVX-512 loops would
+                # slow the launching thread (measurement pending: bench/lane_probe.py --variants)
+                give = cpu_kernels.topology.smt_siblings(topo.nodes[-1][-1]) & set(pool)
+                if len(give) >= len(pool):
+                    give = {topo.nodes[-1][-1]}
+            topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c not in give) for n in topo.nodes) if t))
+            rest = sorted(give)
+            pool = [c for c in pool if c not in give]
         if os.environ.get("HYBRID_PIN_LANE", "1") != "0":
             self.lane_cpus = {pool[0]}
         if os.environ.get("HYBRID_PIN_LAUNCHER", "0") == "1":
