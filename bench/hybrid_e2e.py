@@ -187,6 +187,27 @@ def run(args) -> dict:
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "results": results}
 
 
+def run_isolated(args, argv) -> dict:
+    """One child process per strategy; their results merged in order (header, memory from the first)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    merged = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, strat in enumerate(args.strategies):
+            out = Path(tmp) / str(i)
+            child = [a for a in argv if a != "--isolate"] + ["--strategies", strat, "--out", str(out)]
+            subprocess.run([sys.executable, "-m", "bench.hybrid_e2e", *child], check=True)
+            res = json.loads((out / f"hybrid_e2e_{args.preset}.json").read_text())
+            if merged is None:
+                merged = dict(res, isolated=True)
+            else:
+                merged["results"] += res["results"]
+    return merged
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -202,9 +223,12 @@ def main(argv=None) -> int:
     p.add_argument("--decode-batch", type=ints, default=[1, 8])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--strategies", type=lambda s: s.split(","), default=["cost", "cpu", "ship", "threshold:32"])
+    p.add_argument("--isolate", action="store_true",
+                   help="measure each strategy in a fresh process (same weights and placement): strategies run "
+                        "one after another in one process can change each other's timings (seen on the GPU box)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    res = run(args)
+    res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"hybrid_e2e_{args.preset}.json").write_text(json.dumps(res, indent=1) + "\n")
