@@ -65,7 +65,7 @@ def routing(n_active: int, m: int, pool_experts: int, it: int):
 _TORCH_W: dict = {}
 
 
-def torch_loop_tflops(D, F, n_active, m, threads, pool_experts) -> float:
+def torch_loop_tflops(D, F, n_active, m, threads) -> float:
     """torch's bf16 per-expert loop: the baseline a Python implementation reaches for."""
     torch.set_num_threads(threads)
     key = (D, F, n_active)
@@ -95,7 +95,8 @@ def pool_size(D, F, dtype, target_bytes=0.75e9) -> int:
 def build(D, F, pool_experts, dtype, isa, threads, knee):
     g = torch.Generator().manual_seed(0)
     uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
-    ws = [((torch.rand(uniq, r, c, generator=g) - 0.5) * 0.05).repeat(pool_experts // uniq, 1, 1).bfloat16()
+    reps = -(-pool_experts // uniq)  # exactly pool_experts experts: routing uses ids up to pool_experts - 1
+    ws = [((torch.rand(uniq, r, c, generator=g) - 0.5) * 0.05).repeat(reps, 1, 1)[:pool_experts].bfloat16()
           for r, c in ((F, D), (F, D), (D, F))]
     return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     for shape in a.shapes.split(","):
         D, F = SHAPES[shape]
         for th in threads_list:
-            torch_tf = {(n, m): torch_loop_tflops(D, F, n, m, th, a.pool_experts) for n, m in pre}
+            torch_tf = {(n, m): torch_loop_tflops(D, F, n, m, th) for n, m in pre}
             for ii, isa in enumerate(isas):
                 second = ii > 0 and a.second_isa == "decode"
                 if second and shape != a.shapes.split(",")[0]:
@@ -181,13 +182,14 @@ def main(argv=None) -> int:
                                   f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} " + (f"{tt:6.2f} {r['x_torch']:6.2f}x" if tt else ""),
                                   flush=True)
                     if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
+                        knee0 = moe.amx_min_tokens
                         for m in sweep:  # the knee: same call on the vector path, then on AMX
                             t_vec = run_case_knee(moe, D, 8, m, pool_e, isa, 1 << 30)
                             t_amx = run_case_knee(moe, D, 8, m, pool_e, isa, 1)
                             knee_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m,
                                                   vector_ms=t_vec * 1e3, amx_ms=t_amx * 1e3))
                             print(f"# knee {shape} {dtype} m={m}: vector {t_vec * 1e3:.3f} ms, AMX {t_amx * 1e3:.3f} ms")
-                        moe.set_amx_min_tokens(a.knee or cpu_kernels.moe.AMX_KNEE[dtype])
+                        moe.set_amx_min_tokens(knee0)
                         for m in (1024,) if kblocks else ():  # AMX K-block length (L1/L2 reuse trade-off)
                             for kb in kblocks:
                                 _native.load(isa).hy_set_amx_kblock(kb)
@@ -207,9 +209,9 @@ def main(argv=None) -> int:
     for th in [int(v) for v in a.scaling.split(",") if v]:
         pool_e = a.pool_experts or pool_size(D, F, "bf16")
         moe = build(D, F, pool_e, "bf16", isas[0], th, a.knee)
+        gb = dram_read_gbps(isas[0], th, 1 << 30)  # the ceiling at this thread count, once
         for n, m in (dec[1 % len(dec)], pre[-1]) if pre and dec else ():
             t = run_case(moe, D, n, m, pool_e, isas[0])[0]
-            gb = dram_read_gbps(isas[0], th, 1 << 30)
             scale_rows.append(dict(shape=shape0, isa=isas[0], dtype="bf16", threads=th, experts=n, tokens_per_expert=m,
                                    ms=t * 1e3, weight_gbps=n * moe.nbytes / pool_e / t / 1e9, dram_gbps=gb,
                                    tflops=2 * 3 * D * F * m * n / t / 1e12))

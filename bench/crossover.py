@@ -18,11 +18,11 @@ import torch
 
 from placement import cost_model as cm
 from placement import measure
-from placement.calibrate import cpu_name
+from placement.calibrate import FULL_M, cpu_name
 from placement.cost_model import ExpertShape
 from placement.hardware import HardwareProfile
 
-DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+DEFAULT_SWEEP = FULL_M
 
 
 class CrossoverRig:
@@ -46,10 +46,6 @@ class CrossoverRig:
         if self.cuda:  # one staging slot: an expert's three matrices, shipped in one transfer
             self.stage = torch.empty(self.weights.packed.shape[1], dtype=torch.bfloat16, device="cuda")
 
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
     def t_cpu(self, m: int) -> float:
         n = m * self.experts
         idx = self.perm[:n]
@@ -64,7 +60,7 @@ class CrossoverRig:
             self.runner.run(hx, ids, w, ho)
             self.out_dev[:n].copy_(ho, non_blocking=True)
 
-        return measure.median_time(step, reps=self.reps, sync=self._sync)
+        return measure.median_time(step, reps=self.reps, sync=measure.cuda_sync)
 
     def t_gpu(self, m: int) -> float:
         x = self.x_all[: m * self.experts]
@@ -76,7 +72,7 @@ class CrossoverRig:
                 rows = slice(e * m, (e + 1) * m)
                 self.out_dev[rows] = measure.torch_expert(x[rows], *wt.matrices(e, self.stage))
 
-        return measure.median_time(step, reps=self.reps, sync=self._sync)
+        return measure.median_time(step, reps=self.reps, sync=measure.cuda_sync)
 
 
 def refine_crossover(rig: CrossoverRig, lo: int, hi: int, points: dict) -> int:

@@ -40,7 +40,7 @@ from hybrid.runtime.engine import Engine
 from hybrid.runtime.session import resolve_device
 from placement.calibrate import cpu_name
 from placement.hardware import resolve_profile
-from placement.memory import MemorySettings
+from placement.memory import MemorySettings, breakdown
 from placement.planner import PlanSettings, expert_shapes, plan
 from placement.replace import ReplaceConfig
 from placement.routing_stats import RoutingStats
@@ -157,9 +157,9 @@ def main(argv=None) -> int:
     if args.budgets:
         budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     else:  # a quarter, half and three quarters of the experts' VRAM on top of the fixed part
-        probe = plan(cfg, stats, hw, PlanSettings(gpu_budget=2**62, cpu_budget=cpu_budget, memory=mem, prefill_tokens=P))
-        fixed = probe.gpu_bytes - probe.memory["gpu"]["resident_experts"]
-        every = cfg.num_moe_layers * cfg.num_experts * probe.memory["gpu"]["per_resident_expert"]
+        b = breakdown(cfg, mem)  # what plan() prices: the fixed VRAM part and one resident expert
+        fixed = b.gpu_fixed
+        every = cfg.num_moe_layers * cfg.num_experts * b.resident_expert
         budgets = [fixed + every * f // 4 for f in (1, 2, 3)]
 
     header = (f"# plan_eval | {cpu_name()} ({platform.node()}), GPU {torch.cuda.get_device_name() if cuda else 'none'} | "

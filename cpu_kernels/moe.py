@@ -24,9 +24,10 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROW_ALIGN = 32
 # Tokens per expert from which AMX beats the AVX-512 vector path (Xeon EMR host, Qwen3-235B expert,
-# 8 experts): bf16 AMX was faster from 8 tokens (4.5 vs 4.9 ms), int8 from 16 (2.8 vs 3.0 ms).
-# int4 always runs on the vector path.
-AMX_KNEE = {"bf16": 8, "int8": 16}  # AMX tiles have 16 rows and the kernels block 2 of them (Intel SDM: TMUL, M <= 16)
+# 8 experts; bench.cpu_moe knee sweep, bench/results/h200-cpu_moe/cpu_moe_run2_5d75ab6.json): bf16 AMX was
+# faster from 8 tokens (4.5 vs 4.9 ms), int8 from 16 (2.8 vs 3.0 ms). A later run (run4) put both knees one
+# step higher (bf16: vector 6.0 vs AMX 6.6 ms at 8). int4 always runs on the vector path.
+AMX_KNEE = {"bf16": 8, "int8": 16}
 
 
 def _align(v: int, a: int) -> int:
@@ -131,7 +132,7 @@ class CpuMoE:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if amx_min_tokens is None:  # the measured knee on the GPU box host (bench.cpu_moe, knee sweep)
+        if amx_min_tokens is None:
             amx_min_tokens = AMX_KNEE.get(dtype, 16)
         if amx_min_tokens < 1:
             raise ValueError("amx_min_tokens must be >= 1")
@@ -178,7 +179,7 @@ class CpuMoE:
         if self.dtype == "int8":
             return quant.dequantize_int8(*quant.quantize_int8(w))
         K = w.shape[-1]
-        Kp = _align(K, max(64, self.group_size))
+        Kp = _align(K, self._kpad())
         wp = torch.nn.functional.pad(w.float(), (0, Kp - K))
         return quant.dequantize_int4(*quant.quantize_int4(wp, self.group_size), self.group_size)[..., :K]
 
@@ -190,7 +191,7 @@ class CpuMoE:
         """Split F over the nodes in proportion to their threads, in multiples of the K padding."""
         step = self._kpad()
         nodes = self.topology.nodes
-        total = sum(len(n) for n in nodes)
+        total = self.topology.threads
         bounds, acc = [0], 0
         for n in nodes[:-1]:
             acc += len(n)
@@ -304,11 +305,15 @@ class CpuMoE:
             if out.shape != x.shape:
                 raise ValueError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
 
+    def _local_map(self, expert_mask) -> torch.Tensor:
+        """int32 [num_experts]: local index of each global expert held here (and in expert_mask), else -1."""
+        return self._lmap if expert_mask is None else torch.where(expert_mask, self._lmap, -1).to(torch.int32)
+
     def forward(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> torch.Tensor:
         """out [T, D] (x's dtype) = sum over each token's chosen experts held here (and in expert_mask)
         of topk_weight * expert(x)."""
         self._validate(x, topk_ids, topk_weights, expert_mask, out)
-        lmap = self._lmap if expert_mask is None else torch.where(expert_mask, self._lmap, -1).to(torch.int32)
+        lmap = self._local_map(expert_mask)
         if out is None:
             out = torch.empty_like(x)
         if self.isa == "ref":
@@ -353,7 +358,7 @@ class CpuMoE:
         self._validate(x, topk_ids, topk_weights, expert_mask, out)
         if out is None or topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
             raise ValueError("host_job needs out, int32 topk_ids and float32 topk_weights")
-        lmap = self._lmap if expert_mask is None else torch.where(expert_mask, self._lmap, -1).to(torch.int32)
+        lmap = self._local_map(expert_mask)
         return HostJob(self, x, topk_ids, topk_weights, lmap, out, pin_cpu)
 
     def submit(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> MoEHandle:

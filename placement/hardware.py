@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid.errors import UsageError
+from placement.json_file import write_json
 
 SCHEMA_VERSION = 1
 AUTO = "auto"  # cpu_kernel value: per m, the fastest kernel kind the profile knows
@@ -28,6 +29,17 @@ def _positive(name: str, value) -> float:
         raise UsageError(f"{name} must be a number, got {value!r}") from None
     if not math.isfinite(v) or v <= 0:
         raise UsageError(f"{name} must be a positive finite number, got {value!r}")
+    return v
+
+
+def _seconds(name: str, value) -> float:
+    """A non-negative finite number of seconds."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise UsageError(f"{name} must be a non-negative number of seconds, got {value!r}")
     return v
 
 
@@ -81,26 +93,13 @@ class HardwareProfile:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _positive(name, getattr(self, name)))
         if self.alpha is not None:
-            try:
-                alpha = float(self.alpha)
-            except (TypeError, ValueError):
-                raise UsageError(f"alpha must be a number of seconds, got {self.alpha!r}") from None
-            if not math.isfinite(alpha) or alpha < 0:
-                raise UsageError(f"alpha must be a non-negative number of seconds, got {self.alpha!r}")
-            object.__setattr__(self, "alpha", alpha)
+            object.__setattr__(self, "alpha", _seconds("alpha", self.alpha))
         if self.cpu_kernel != AUTO and self.cpu_kernel not in flops:
             raise UsageError(f"profile {self.name!r}: cpu_kernel {self.cpu_kernel!r} not in cpu_flops "
                              f"({', '.join(flops)}) and not 'auto'")
         for name in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead", "ship_expert_overhead",
                      "graph_layer_floor"):
-            v = getattr(self, name)
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise UsageError(f"{name} must be a number of seconds, got {v!r}") from None
-            if not math.isfinite(v) or v < 0:
-                raise UsageError(f"{name} must be a non-negative number of seconds, got {v!r}")
-            object.__setattr__(self, name, v)
+            object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         curves = {}
         for kind, points in (self.cpu_curves or {}).items():
             try:
@@ -154,10 +153,7 @@ class HardwareProfile:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        return path
+        return write_json(path, self.to_json(), indent=2)
 
     @classmethod
     def from_json(cls, data: dict, origin: str = "profile") -> "HardwareProfile":

@@ -7,7 +7,6 @@ warms up, synchronises before reading the clock, repeats and keeps the median.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,32 +21,24 @@ from placement.cost_model import ExpertShape
 log = logging.getLogger("hybrid.measure")
 
 
-def median_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
-                min_time: float = 0.0) -> float:
-    """Median wall seconds of fn() over `reps` runs (at least `min_time` seconds of runs in all)."""
+def median_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+    """Median wall seconds of fn() over `reps` runs."""
     sync = sync or (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start) < min_time:
+    for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-        if len(times) >= 1000:
-            break
     return statistics.median(times)
 
 
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def cpu_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # -- DRAM -------------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid.errors import UsageError
+from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1
 KIND = "hybrid-plan"
@@ -103,10 +103,7 @@ class Plan:
                 "predicted_prefill_tokens_per_s": float(self.predicted_prefill_tokens_per_s)}
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return path
+        return write_json(path, self.to_json(), indent=1)
 
     @classmethod
     def from_json(cls, data, origin: str = "plan") -> "Plan":
@@ -129,11 +126,4 @@ class Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    path = Path(path).expanduser()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--plan: no such file: {path}") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--plan {path}: cannot read it as JSON ({exc})") from None
-    return Plan.from_json(data, origin=f"plan {str(path)!r}")
+    return Plan.from_json(read_json(path, "--plan"), origin=f"plan {str(Path(path).expanduser())!r}")

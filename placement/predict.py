@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time
+from placement.cost_model import ExpertShape, activation_transfer_time, cpu_compute_time, gpu_compute_time
 from placement.hardware import HardwareProfile
 from placement.schedule import LayerScheduler
 
@@ -61,12 +61,12 @@ def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, residen
     cpu = 0.0
     if cold.any():
         # A captured step runs the layer's CPU lane whenever the layer has cold experts, used or not: its
-        # copies, host function and executor call are paid every step (measured on the GPU box: ~0.4 ms
-        # per layer of graph decode beyond the experts' weight reads, with the kernel idle or not). A
-        # measured graph_layer_floor already holds that fixed part (see decode_floor).
+        # copies, host function and executor call are paid every step (BENCHMARKS.md, issue 5: graph decode
+        # took 1.09 ms per layer at batch 1 against ~0.8 ms of kernel time). A measured graph_layer_floor
+        # already holds that fixed part (see decode_floor).
         fixed = 0.0
         if not hw.graph_layer_floor:
-            fixed = hw.cpu_lane_overhead + 2.0 * hw.alpha + rows * 2.0 * cpu_shape.hidden * cpu_shape.act_bytes / hw.link_bw
+            fixed = hw.cpu_lane_overhead + float(activation_transfer_time(cpu_shape, hw, rows))
         cpu = fixed + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
     # No hw.layer_overhead: it prices an eager call's routing histogram to the host and its bookkeeping,
     # which a captured decode step does not do (the split is fixed inside the graph).

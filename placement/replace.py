@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from hybrid.errors import UsageError
-from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time
+from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time, weight_transfer_time
 from placement.hardware import HardwareProfile
 
 REPLACE_MODES = ("off", "online")
@@ -64,20 +64,19 @@ def payback_batches(t_copy: float, dt: float) -> int | None:
 def saving_fn(cpu_shape: ExpertShape, gpu_shape: ExpertShape, hw: HardwareProfile) -> Callable[[np.ndarray], np.ndarray]:
     """saving(m) [...] seconds per batch: min(T_cpu_kernel(m), T_ship(m)) - T_resident(m) (0 at m = 0)."""
     hw.require_gpu()
-    tau = hw.alpha + cpu_shape.weight_bytes / hw.link_bw + hw.ship_expert_overhead
+    tau = copy_time(cpu_shape, hw) + hw.ship_expert_overhead  # as LayerScheduler.tau
 
     def saving(m):
         m = np.asarray(m)
-        cold = np.minimum(cpu_compute_time(cpu_shape, hw, m), np.where(m > 0, tau, 0.0) + gpu_compute_time(gpu_shape, hw, m))
-        return cold - gpu_compute_time(gpu_shape, hw, m)
+        g = gpu_compute_time(gpu_shape, hw, m)
+        return np.minimum(cpu_compute_time(cpu_shape, hw, m), np.where(m > 0, tau, 0.0) + g) - g
 
     return saving
 
 
 def copy_time(cpu_shape: ExpertShape, hw: HardwareProfile) -> float:
     """T_copy: one expert's packed weights host -> GPU."""
-    hw.require_gpu()
-    return hw.alpha + cpu_shape.weight_bytes / hw.link_bw
+    return float(weight_transfer_time(cpu_shape, hw))
 
 
 class SlidingWindow:

@@ -9,7 +9,6 @@ order, for judging how long a hot set persists.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid.errors import UsageError
+from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1
 KIND = "hybrid-routing-stats"
@@ -86,10 +86,7 @@ class RoutingStats:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json()) + "\n")
-        return path
+        return write_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data, origin: str = "routing stats") -> "RoutingStats":
@@ -111,11 +108,4 @@ class RoutingStats:
 
 
 def load_stats(path: str | os.PathLike) -> RoutingStats:
-    path = Path(path).expanduser()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--stats: no such file: {path}") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--stats {path}: cannot read it as JSON ({exc})") from None
-    return RoutingStats.from_json(data, origin=f"routing stats {str(path)!r}")
+    return RoutingStats.from_json(read_json(path, "--stats"), origin=f"routing stats {str(Path(path).expanduser())!r}")

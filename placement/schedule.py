@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybrid.errors import UsageError
-from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time
+from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time, weight_transfer_time
 from placement.hardware import HardwareProfile
 from placement.split_search import best_split
 
@@ -75,7 +75,7 @@ class LayerScheduler:
         hw.require_gpu()
         # one expert's weights over the link (+ its copy launches); each shipped expert's share of its
         # chunk's grouped-GEMM launches is added to its GPU compute
-        self.tau = hw.alpha + shape.weight_bytes / hw.link_bw + hw.ship_expert_overhead
+        self.tau = float(weight_transfer_time(shape, hw)) + hw.ship_expert_overhead
         self.chunk_share = hw.ship_chunk_overhead / max(chunk, 1)
         self.cpu_fixed = hw.cpu_lane_overhead
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
@@ -88,14 +88,16 @@ class LayerScheduler:
         self.cpu_t = cpu_compute_time(self.shape, self.hw, m, self.cpu_kernel)  # [max_m+1] seconds
         self.gpu_t = gpu_compute_time(self.shape, self.hw, m)
         self.ship_g = self.gpu_t + self.chunk_share  # a shipped expert's GPU stage
-        self._ship_list = self.ship_g.tolist()
-        self._cpu_list, self._gpu_list = self.cpu_t.tolist(), self.gpu_t.tolist()
         self.max_m = max_m
 
-    def _lookup(self, hist: np.ndarray):
+    def _grow(self, hist: np.ndarray) -> None:
+        """Extend the tables to the largest token count in hist."""
         top = int(hist.max(initial=0))
         if top > self.max_m:
             self._tables(max(top, 2 * self.max_m))
+
+    def _lookup(self, hist: np.ndarray):
+        self._grow(hist)
         return self.cpu_t[hist], self.gpu_t[hist]
 
     def gpu_time(self, hist) -> float:
@@ -139,9 +141,7 @@ class LayerScheduler:
         return self._decide_cost(hist, gpu_busy, rows)
 
     def _decide_cost(self, hist: np.ndarray, gpu_busy: float, rows: int | None) -> Split:
-        top = int(hist.max(initial=0))
-        if top > self.max_m:
-            self._tables(max(top, 2 * self.max_m))
+        self._grow(hist)
         ship = np.empty(hist.shape, dtype=np.bool_)
         _, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, self.tau, 2.0 * self.hw.alpha + self.cpu_fixed,
                                  self.row_time, -1 if rows is None else int(rows), float(gpu_busy), ship)

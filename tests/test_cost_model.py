@@ -129,6 +129,13 @@ def test_layer_time_lanes_overlap():
     lt = layer_time(QWEN, AVX, [4, 200, 2], [CPU, SHIP, RESIDENT])
     assert lt.total == pytest.approx(max(lt.cpu_lane, lt.gpu_lane))
     assert lt.cpu_lane > 0 and lt.gpu_lane > 0
+    # by hand: the resident expert (2 tokens) runs while the shipped one's weights cross the link; the
+    # CPU lane moves 4 rows each way and runs its expert
+    tr = AVX.alpha + QWEN.weight_bytes / AVX.link_bw
+    gpu = lambda m: float(cm.gpu_compute_time(QWEN, AVX, m))  # noqa: E731
+    assert lt.gpu_lane == pytest.approx(max(gpu(2), tr) + gpu(200))
+    rows = 2 * AVX.alpha + 2 * 4 * QWEN.hidden * QWEN.act_bytes / AVX.link_bw
+    assert lt.cpu_lane == pytest.approx(rows + float(cm.cpu_compute_time(QWEN, AVX, 4)))
 
 
 def test_layer_time_rejects_bad_lanes():

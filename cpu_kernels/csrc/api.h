@@ -73,14 +73,14 @@ HY_API void hy_host_job(void* p) {
   try {
     rc = forward(j->L, j->x, j->x_dtype, j->T, j->K, j->ids, j->wts, j->lmap, j->n_global, j->out, j->out_dtype);
   } catch (...) {  // nothing may unwind into the CUDA driver
-    rc = -4;  // an exception (e.g. bad_alloc)
+    rc = HY_EEXC;  // e.g. bad_alloc
   }
   j->rc = rc;
   j->runs += 1;
   if (rc != HY_OK && j->out && j->L) {
     j->failures += 1;
     int64_t n = (int64_t)j->T * j->L->D;
-    if (j->out_dtype == 1) {
+    if (j->out_dtype == HY_X_BF16) {
       uint16_t* o = (uint16_t*)j->out;
       for (int64_t i = 0; i < n; ++i) o[i] = 0x7FC0;  // bf16 quiet NaN
     } else {

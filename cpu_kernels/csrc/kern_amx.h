@@ -4,8 +4,9 @@
 // product is C^T = W . X^T, transposed back when written out. Tile shapes: Intel SDM vol. 1 ch. 18
 // (palette 1: 8 tiles of at most 16 rows x 64 bytes; TMUL M, N <= 16, K <= 64 bytes).
 // Blocking: tiles 0-3 accumulate a 32-row x 32-token block (2 A tiles x 2 B tiles, 4 TDPs per 4 tile
-// loads); K is walked in blocks of 8 chunks (256 bf16 / 512 int8) so the A panel (16 KiB) stays in
-// L1 across the token blocks and the B panels of one K block (m_pad x 512 B) stay in L2; partial
+// loads); K is walked in blocks of g_amx_kblock chunks (default 16: 512 bf16 / 1024 int8) so the A panel
+// (32 KiB) stays near L1 across the token blocks and the B panels of one K block (m_pad x 1 KiB) stay in
+// L2; partial
 // C blocks wait in a per-thread buffer between K blocks; the last K block writes C through L1 tiles.
 // Layout choice (DESIGN 3b): W as the A operand keeps the one row-major copy the GPU lane ships; a
 // pre-packed tile layout was not measured against it. On the EMR host (bench.cpu_moe, 8 experts x
@@ -62,7 +63,8 @@ inline void emu_dpbssd(int c, int a, int b) {
 #endif
 
 // K chunks (of 64 bytes) per K block; 16 = 32 KiB A panel for 32 rows. Settable for benchmarking.
-int g_amx_kblock = 16;  // measured on the GPU box host: 16 beat 8 and 4 at 8x1024 (bf16 and int8)
+int g_amx_kblock = 16;  // GPU box host, 8x1024 (run2): 16 beat 8 and 4 for bf16 and int8; run3 had int8 at 32
+                        // slightly ahead (39.1 vs 41.5 ms), bf16 at 16
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];

@@ -88,7 +88,7 @@ struct Pool {
 
   // Take the caller's share (if it helps), then wait for the workers.
   void finish() {
-    if (caller_helps || solo) work(0);
+    if (caller_helps) work(0);  // start() made it true for a solo phase
     if (solo) return;
     for (int spins = 0; spins < kSpin * 4; ++spins)
       if (done.load(std::memory_order_acquire) == n - 1) return; else _mm_pause();

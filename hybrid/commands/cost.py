@@ -152,12 +152,12 @@ def run_layer(args) -> int:
         hists = {m: expected_histogram(shape.num_experts, shape.topk, m, args.skew) for m in batches}
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    scheds = {strat: LayerScheduler(shape, hw, strat) for strat in strategies}
     rows = []
     for m, hist in hists.items():
         res, cold = hist[: args.resident], hist[args.resident:]  # the hottest experts are the resident ones
         row = {"tokens": m, "active_experts": int((hist > 0).sum())}
-        for strat in strategies:
-            sched = LayerScheduler(shape, hw, strat)
+        for strat, sched in scheds.items():
             split = sched.decide(cold, batch_tokens=m, gpu_busy=sched.gpu_time(res), rows=m)
             row[strat] = {"ms": split.total * 1e3, "shipped": int(split.ship.sum()),
                           "cpu": int(((cold > 0) & ~split.ship).sum())}

@@ -109,11 +109,11 @@ class RoutingRecorder:
             self._handles.append(model.layers[i].moe.experts.register_forward_pre_hook(self._hook(row)))
 
     def _hook(self, row):
-        import numpy as np
+        from placement.layer_model import histogram
 
         def hook(_module, args):
             ids = args[1]  # topk_ids [T, K]
-            self.window[row] += np.bincount(ids.reshape(-1).cpu().numpy(), minlength=self.E)[: self.E]
+            self.window[row] += histogram(ids.cpu().numpy(), self.E)
         return hook
 
     def cut(self):

@@ -51,8 +51,9 @@ class Offload:
         millisecond or more; on a core of the pool it would steal a pinned worker's time slice (ms) in the
         middle of a layer call. The pool's first core is left by its pinned workers to the thread that calls
         the executor (participant 0: the CUDA host-callback thread), which is pinned there at its first job.
-        HYBRID_PIN_LANE=0 leaves it floating (measured on the GPU box, 8-layer 30B model: graphs decode at
-        batch 1 +9%, but batch 8 -17% and eager CPU-lane decode -8% / -24%, so pinned is the default);
+        HYBRID_PIN_LANE=0 leaves it floating (measured on the GPU box, 8-layer 30B model, bench/results/h200/
+        hostlane/*_lane_unpinned.json against the pinned runs beside them: graphs decode at batch 1 +9%, but
+        batch 8 -17% and eager CPU-lane decode at batch 1 / 8 -8% / -24%, so pinned is the default);
         HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_SPARE_CORE=physical leaves the spare cpu's
         SMT siblings out of the pool too;
         HYBRID_PIN_LAUNCHER=1 pins the launching thread to the spare core at its first layer call (off by

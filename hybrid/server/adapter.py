@@ -40,8 +40,9 @@ class Runtime:
         self._EngineSampling, self._sample = EngineSampling, sample
         # One padded forward for several prompts instead of one pass each (on a GPU: one Python loop of
         # small ops and one read of each expert's weights instead of B). Measured on the 2-core dev box,
-        # demo model, 16 clients, paired runs: 14.1-16.4 vs 11.1-14.2 req/s, TTFT p50 0.21 vs 0.34-0.41 s
-        # (under heavy outside load one run went the other way). "off" = one prompt per pass.
+        # demo model, 16 streaming clients, two alternating pairs of `bench.serve_load` runs: 11.9-12.5 vs
+        # 8.2-10.2 req/s, TTFT p50 0.21-0.25 vs 0.42-0.47 s (the second pair in
+        # bench/results/dev/serve_load_c16_stream_prefill_{on,off}.json). "off" = one prompt per pass.
         if batch_prefill not in BATCH_PREFILL:
             raise ValueError(f"batch_prefill must be one of {BATCH_PREFILL}, got {batch_prefill!r}")
         self.batch_prefill = batch_prefill == "on"

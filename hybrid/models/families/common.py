@@ -63,6 +63,21 @@ def moe_layer_pattern(f: Fields, num_layers: int, num_experts: int) -> tuple[boo
     return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
+def qwen_moe_fields(f: Fields, num_layers: int) -> dict:
+    """What Qwen2-MoE and Qwen3-MoE read the same way: expert count and sizes, the sparse-layer pattern,
+    top-k renormalisation and the optional sliding window."""
+    # Real checkpoints say num_experts; transformers 5's save_pretrained writes num_local_experts.
+    E = int(f.req("num_experts", "num_local_experts"))
+    return dict(
+        num_experts=E,
+        expert_intermediate_size=int(f.req("moe_intermediate_size")),
+        dense_intermediate_size=int(f.get("intermediate_size", 0)),
+        moe_layers=moe_layer_pattern(f, num_layers, E),
+        norm_topk_prob=bool(f.get("norm_topk_prob", False)),
+        sliding_window=f.get("sliding_window") if f.get("use_sliding_window", False) else None,
+    )
+
+
 def base_fields(f: Fields) -> dict:
     """Fields every family reads the same way."""
     if f.get("hidden_act", "silu") != "silu":

@@ -2,7 +2,7 @@
 routed output through a sigmoid gate."""
 
 from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_fields, make_config, \
-    mlp_experts, moe_layer_pattern
+    mlp_experts, qwen_moe_fields
 
 EXPERTS, FUSED = mlp_experts()
 
@@ -10,17 +10,11 @@ EXPERTS, FUSED = mlp_experts()
 def parse_config(raw: dict):
     f = Fields(raw, "qwen2_moe")
     base = base_fields(f)
-    E = int(f.req("num_experts", "num_local_experts"))
     return make_config(dict(
         base,
-        num_experts=E,
-        expert_intermediate_size=int(f.req("moe_intermediate_size")),
-        dense_intermediate_size=int(f.get("intermediate_size", 0)),
+        **qwen_moe_fields(f, base["num_layers"]),
         shared_expert_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
-        moe_layers=moe_layer_pattern(f, base["num_layers"], E),
-        norm_topk_prob=bool(f.get("norm_topk_prob", False)),
         qkv_bias=bool(f.get("qkv_bias", True)),  # Qwen2 has always had q/k/v biases; v5 names the flag
-        sliding_window=f.get("sliding_window") if f.get("use_sliding_window", False) else None,
     ))
 
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): QK-norm per head, no biases, optional dense layers."""
 
 from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_fields, make_config, \
-    mlp_experts, moe_layer_pattern
+    mlp_experts, qwen_moe_fields
 
 EXPERTS, FUSED = mlp_experts()
 
@@ -9,19 +9,12 @@ EXPERTS, FUSED = mlp_experts()
 def parse_config(raw: dict):
     f = Fields(raw, "qwen3_moe")
     base = base_fields(f)
-    # Real checkpoints say num_experts; transformers 5's save_pretrained writes num_local_experts.
-    E = int(f.req("num_experts", "num_local_experts"))
     return make_config(dict(
         base,
-        num_experts=E,
-        expert_intermediate_size=int(f.req("moe_intermediate_size")),
-        dense_intermediate_size=int(f.get("intermediate_size", 0)),
-        moe_layers=moe_layer_pattern(f, base["num_layers"], E),
-        norm_topk_prob=bool(f.get("norm_topk_prob", False)),
+        **qwen_moe_fields(f, base["num_layers"]),
         qk_norm="head",
         qkv_bias=bool(f.get("attention_bias", False)),
         o_bias=bool(f.get("attention_bias", False)),
-        sliding_window=f.get("sliding_window") if f.get("use_sliding_window", False) else None,
     ))
 
 
