@@ -29,7 +29,7 @@ import torch
 from hybrid.models import build_empty, init_random_
 from hybrid.models.families import family_for
 from hybrid.models.presets import hf_config
-from hybrid.offload.build import expert_shape
+from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_stacks
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
 from placement.calibrate import cpu_name
@@ -55,10 +55,7 @@ def build(args, hw, device, dtype):
         if layer.moe is None:
             continue
         # drawn on the GPU (fast), then kept only in the CPU executor
-        stacks = [(torch.randn(*s, device=device, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
-                  for s in ((E, F_, D), (E, F_, D), (E, D, F_))]
-        layer.moe.experts = HybridExperts(i, *stacks, off)
-        del stacks
+        layer.moe.experts = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
     return model, cfg, shape, off
 
 
@@ -86,7 +83,7 @@ def decode_roofline(off, cfg, hw, dtype, routed_delta: list[np.ndarray], steps: 
     """Seconds per decode step implied by the placement and the routing seen in `steps` steps."""
     esize = torch.empty((), dtype=dtype).element_size()
     w_cold = off.scheduler.shape.weight_bytes
-    w_gpu = 3 * cfg.hidden_size * cfg.expert_intermediate_size * esize
+    w_gpu = expert_vram_bytes(cfg, dtype)
     total = 0.0
     for layer, delta in zip(off.layers, routed_delta):
         # expected distinct experts per step from the per-step average load (uniform within the step)

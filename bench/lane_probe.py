@@ -97,6 +97,7 @@ class EveryOtherShipped(LayerScheduler):
 
 def stack(hw, shape, dev, n_layers: int, Ts) -> None:
     from hybrid.offload import HybridExperts, Offload
+    from hybrid.offload.build import random_expert_stacks
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     off = Offload(dev, dtype, LayerScheduler(shape, hw, "cost"))
@@ -104,9 +105,7 @@ def stack(hw, shape, dev, n_layers: int, Ts) -> None:
     gen = torch.Generator(device=dev).manual_seed(3)
     layers = []
     for i in range(n_layers):
-        stacks = [(torch.randn(*sz, device=dev, generator=gen) * 0.02).to(torch.bfloat16).cpu()
-                  for sz in ((E, F_, D), (E, F_, D), (E, D, F_))]
-        layer = HybridExperts(i, *stacks, off)
+        layer = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
         layer.set_resident(list(range(i % 4, E, 4)))  # a quarter, different per layer
         layers.append(layer)
     g = torch.Generator().manual_seed(4)

@@ -21,7 +21,7 @@ def reference(x, wg, wu, wd, ids, wts):
     return out
 
 
-@pytest.mark.parametrize("mode", ["auto", "grouped", "dense"])
+@pytest.mark.parametrize("mode", ["auto", "dense"])  # "grouped" is what "auto" runs
 def test_stacked_experts_ragged(mode):
     E, D, F = 8, 48, 24
     g = torch.Generator().manual_seed(0)

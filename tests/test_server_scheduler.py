@@ -37,12 +37,16 @@ def _seq(ids, max_tokens, params=GREEDY):
     return Sequence(list(ids), max_tokens, params, c), c
 
 
-def _run(rt, seqs, chunk=64, max_queue=64):
+def _run(rt, seqs, chunk=64, max_queue=64, queued_first=False):
+    """Run seqs to the end; queued_first: all are queued before the engine thread starts looking."""
     sched = Scheduler(rt, Metrics(), max_queue=max_queue, prefill_chunk=chunk)
-    sched.start()
+    if not queued_first:
+        sched.start()
     try:
         for s, _ in seqs:
             sched.submit([s])
+        if queued_first:
+            sched.start()
         for _, c in seqs:
             assert c.done.wait(20)
     finally:
@@ -188,15 +192,7 @@ def test_burst_of_short_prompts_is_prefilled_in_one_padded_pass():
     rt = fake_runtime(max_batch=4, max_context=256)
     prompts = [[20 + i] * (5 + 3 * i) for i in range(6)]  # 5, 8, 11, ... tokens
     seqs = [_seq(ids, 6) for ids in prompts]
-    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
-    for s, _ in seqs:  # all six queued before the engine thread looks
-        sched.submit([s])
-    sched.start()
-    try:
-        for _, c in seqs:
-            assert c.done.wait(10)
-    finally:
-        sched.stop()
+    _run(rt, seqs, chunk=64, max_queue=8, queued_first=True)  # all queued before the engine thread looks
     prefills = [c for c in rt.engine.calls if c[0] == "prefill"]
     # one pass for the four that get slots (padded 4 x 14 <= 64), the other two as slots free up
     assert prefills[0] == ("prefill", (0, 1, 2, 3), (5, 8, 11, 14))
@@ -207,15 +203,7 @@ def test_burst_of_short_prompts_is_prefilled_in_one_padded_pass():
 def test_padded_size_of_a_prefill_pass_stays_within_the_chunk():
     rt = fake_runtime(max_batch=4, max_context=256)
     seqs = [_seq([30 + i] * 40, 3) for i in range(4)]
-    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=100)
-    for s, _ in seqs:
-        sched.submit([s])
-    sched.start()
-    try:
-        for _, c in seqs:
-            assert c.done.wait(10)
-    finally:
-        sched.stop()
+    _run(rt, seqs, chunk=100, max_queue=8, queued_first=True)
     prefills = [c[2] for c in rt.engine.calls if c[0] == "prefill"]
     assert prefills == [(40, 40), (40, 40)]  # 2 x 40 fits in 100, 3 x 40 does not
 
@@ -249,15 +237,7 @@ def test_without_batch_prefill_each_prompt_gets_its_own_pass():
     rt = fake_runtime(max_batch=4, max_context=256, batch_prefill="off")
     prompts = [[20 + i] * (5 + i) for i in range(3)] + [[50, 8, 51]]  # the last one fails (BEL)
     seqs = [_seq(ids, 4) for ids in prompts]
-    sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
-    for s, _ in seqs:
-        sched.submit([s])
-    sched.start()
-    try:
-        for _, c in seqs:
-            assert c.done.wait(10)
-    finally:
-        sched.stop()
+    _run(rt, seqs, chunk=64, max_queue=8, queued_first=True)
     prefills = [c for c in rt.engine.calls if c[0] == "prefill"]
     assert [c[2] for c in prefills] == [(5,), (6,), (7,), (3,)]
     assert rt.engine.calls[len(prefills)][0] == "decode"  # all four in one pass, then decode

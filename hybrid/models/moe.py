@@ -48,6 +48,15 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+def grouped_swiglu(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    """rows [n, D] grouped by expert (offs [G] int32: end row of each group) through G experts'
+    down(silu(gate(x)) * up(x)); w_gate, w_up [G, F, D], w_down [G, D, F] -> [n, D]. Three grouped GEMMs."""
+    g = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)  # [n, F]
+    u = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)
+
+
 class StackedExperts(nn.Module):
     """All E experts of one layer on one device; see the module docstring for the contract.
 
@@ -115,9 +124,7 @@ class StackedExperts(nn.Module):
             counts = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's block
-            g = torch._grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offs)  # [T*K, F]
-            u = torch._grouped_mm(rows, self.w_up.transpose(1, 2), offs=offs)  # [T*K, F]
-            y = torch._grouped_mm(F.silu(g) * u, self.w_down.transpose(1, 2), offs=offs)  # [T*K, D]
+            y = grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs)  # [T*K, D]
         else:
             y = torch.empty(T * K, D, dtype=xin.dtype, device=dev)
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync

@@ -204,6 +204,14 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     return model, offload
 
 
+def random_expert_stacks(E: int, F: int, D: int, generator: torch.Generator, scale: float = 0.02):
+    """Random bf16 expert weights on the host: gate [E, F, D], up [E, F, D], down [E, D, F], drawn on the
+    generator's device (a GPU draws 30B/235B-sized stacks far faster than the CPU) with N(0, scale^2)."""
+    dev = generator.device
+    return [(torch.randn(*s, device=dev, generator=generator, dtype=torch.float32) * scale).to(torch.bfloat16).cpu()
+            for s in ((E, F, D), (E, F, D), (E, D, F))]
+
+
 def expert_vram_bytes(cfg, dtype: torch.dtype) -> int:
     return 3 * cfg.hidden_size * cfg.expert_intermediate_size * torch.empty((), dtype=dtype).element_size()
 

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybrid.models.moe import grouped_mm_works
+from hybrid.models.moe import grouped_mm_works, grouped_swiglu
 from hybrid.offload.sources import expert_weights, packed_sources, pin, unpin
 from placement.measure import torch_expert
 
@@ -89,6 +88,7 @@ class HybridExperts(nn.Module):
             # unregister before the executor's buffers go back to the allocator
             weakref.finalize(self, unpin, self._pinned)
         self.stats = LayerStats(routed=np.zeros(E, dtype=np.int64))
+        self.captured = False  # set by a graph capture; the placement is then fixed
         self.set_resident([])
         offload.layers.append(self)
 
@@ -101,7 +101,7 @@ class HybridExperts(nn.Module):
         """Make exactly `ids` resident in VRAM (uploaded from the packed copy); the rest are cold.
 
         Decode graphs captured before hold the old placement: capture them again afterwards."""
-        if getattr(self, "captured", False):
+        if self.captured:
             raise RuntimeError("decode graphs hold this layer's placement; change it before capturing them")
         ids = sorted(int(i) for i in ids)
         if any(i < 0 or i >= self.num_experts for i in ids):
@@ -109,10 +109,8 @@ class HybridExperts(nn.Module):
         dev, dt = self.offload.device, self.offload.dtype
         R = len(ids)
         self.resident_ids = np.array(ids, dtype=np.int64)
-        is_res = np.zeros(self.num_experts, dtype=bool)
-        is_res[ids] = True
-        self.is_resident = is_res
-        self.cold_ids = np.nonzero(~is_res)[0]
+        self.is_resident = np.zeros(self.num_experts, dtype=bool)
+        self.is_resident[ids] = True
         self.w_gate = torch.empty(R, self.F, self.D, device=dev, dtype=dt)  # [R, F, D]
         self.w_up = torch.empty(R, self.F, self.D, device=dev, dtype=dt)
         self.w_down = torch.empty(R, self.D, self.F, device=dev, dtype=dt)  # [R, D, F]
@@ -120,17 +118,25 @@ class HybridExperts(nn.Module):
             g, u, d = self.expert_weights(e)
             self.w_gate[r], self.w_up[r], self.w_down[r] = g, u, d
         self._slot_of = {e: r for r, e in enumerate(ids)}
-        self.cold_mask = torch.from_numpy(~is_res)  # bool [E], host: the CPU lane's experts in graphs
-        rank = np.full(self.num_experts, R, dtype=np.int64)
-        rank[ids] = np.arange(R)
-        self.rank_dev = torch.from_numpy(rank).to(dev)  # [E]: resident slot, or R for cold
+        self._refresh_maps()
         self.captured = False
+
+    def _refresh_maps(self) -> None:
+        """cold_ids, cold_mask (bool [E], host: the CPU lane's experts in graphs) and rank_dev ([E] on the
+        device: resident slot, or R for cold), derived from resident_ids (slot order) and is_resident."""
+        self.cold_ids = np.nonzero(~self.is_resident)[0]
+        self.cold_mask = torch.from_numpy(~self.is_resident)
+        R = len(self.resident_ids)
+        rank = np.full(self.num_experts, R, dtype=np.int64)
+        rank[self.resident_ids] = np.arange(R)
+        # a pageable host->device copy could wait behind the compute stream
+        self.rank_dev = _to_device(torch.from_numpy(rank), self.offload.device)
 
     def swap_resident(self, evict: int, add: int, weights) -> None:
         """Replace resident expert `evict` by cold expert `add` in evict's VRAM slot (online re-placement,
         hybrid.offload.replace). `weights` = add's (gate [F, D], up [F, D], down [D, F]) on the device.
         The slot copy is stream-ordered after every kernel that still reads the old expert."""
-        if getattr(self, "captured", False):
+        if self.captured:
             raise RuntimeError("decode graphs hold this layer's placement; re-placement runs in eager mode only")
         if not self.is_resident[evict] or self.is_resident[add]:
             raise ValueError(f"swap needs {evict} resident and {add} cold")
@@ -142,14 +148,7 @@ class HybridExperts(nn.Module):
         self._slot_of[int(add)] = r
         self.resident_ids[r] = add  # slot order, not sorted: the GPU lane pairs resident_ids[r] with slot r
         self.is_resident[evict], self.is_resident[add] = False, True
-        self.cold_ids = np.nonzero(~self.is_resident)[0]
-        self.cold_mask = torch.from_numpy(~self.is_resident)
-        rank = np.full(self.num_experts, len(self.resident_ids), dtype=np.int64)
-        rank[self.resident_ids] = np.arange(len(self.resident_ids))
-        rank_t = torch.from_numpy(rank)
-        if self.offload.device.type == "cuda":  # a pageable copy would wait for the compute stream
-            rank_t = rank_t.pin_memory()
-        self.rank_dev = rank_t.to(self.offload.device, non_blocking=True)
+        self._refresh_maps()
 
     @property
     def capturable(self) -> bool:
@@ -172,21 +171,19 @@ class HybridExperts(nn.Module):
             off.pin_launcher()
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._forward_captured(x, topk_ids, topk_weights)
-        if self.capturable and T <= off.host_lane.MAX_ROWS:  # the decode graphs' warm-up: buffers now
-            off.host_lane.buffers(T, self.D, K, off.dtype)
         flat = topk_ids.reshape(-1)  # [T*K]
-        replacer = getattr(off, "replacer", None)
+        replacer = off.replacer
         if replacer is not None:  # a finished re-placement copy lands before this batch reads the map
             replacer.before_batch(self)
         hist = torch.bincount(flat, minlength=self.num_experts).cpu().numpy()  # host sync: the split needs it
         t0 = time.perf_counter()
         sched = off.scheduler
-        busy = sched.gpu_time(hist[self.resident_ids]) if self.resident_ids.size else 0.0
-        split = sched.decide(hist[self.cold_ids], batch_tokens=T, gpu_busy=busy, rows=T)
+        h_res, h_cold = hist[self.resident_ids], hist[self.cold_ids]
+        split = sched.decide(h_cold, batch_tokens=T, gpu_busy=sched.gpu_time(h_res), rows=T)
         decide_s = time.perf_counter() - t0
         ship_ids = self.cold_ids[split.ship]
-        cpu_ids = self.cold_ids[~split.ship & (hist[self.cold_ids] > 0)]
-        self._account(hist, T, len(cpu_ids), len(ship_ids), decide_s, split.total)
+        cpu_ids = self.cold_ids[~split.ship & (h_cold > 0)]
+        self._account(hist, h_res, T, len(cpu_ids), len(ship_ids), decide_s, split.total)
 
         out = torch.zeros(T, self.D, device=dev, dtype=torch.float32)  # fp32 merge of the lanes
         future = cpu_out = None
@@ -198,7 +195,9 @@ class HybridExperts(nn.Module):
             else:
                 future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids, topk_weights, mask)
 
-        if int(hist[self.resident_ids].sum()) or ship_ids.size:
+        if cpu_out is None and self.capturable and T <= off.host_lane.MAX_ROWS:
+            off.host_lane.buffers(T, self.D, K, off.dtype)  # the decode graphs' warm-up: buffers before capture
+        if int(h_res.sum()) or ship_ids.size:
             self._gpu_lane(x, flat, topk_weights.reshape(-1), hist, ship_ids, K, out)
         if cpu_out is not None:
             off.host_lane.join()
@@ -226,9 +225,7 @@ class HybridExperts(nn.Module):
             offs = counts[:R].cumsum(0, dtype=torch.int32)  # rows past offs[-1] (cold) are not computed
             token = order // K
             rows = x[token]
-            g = torch._grouped_mm(rows, self.w_gate.transpose(1, 2), offs=offs)
-            u = torch._grouped_mm(rows, self.w_up.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(F.silu(g) * u, self.w_down.transpose(1, 2), offs=offs)  # [T*K, D]
+            y = grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs)  # [T*K, D]
             keep = (r[order] < R)[:, None]
             wts = topk_weights.reshape(-1)[order].float()[:, None]
             out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
@@ -278,9 +275,7 @@ class HybridExperts(nn.Module):
         """rows [n, D] grouped by expert (counts [G]) through G experts' weights [G, F, D] / [G, D, F]."""
         if _grouped_ok(rows):
             offs = _to_device(torch.from_numpy(np.cumsum(counts).astype(np.int32)), rows.device)
-            g = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)  # [n, F]
-            u = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
-            return torch._grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [n, D]
+            return grouped_swiglu(rows, w_gate, w_up, w_down, offs)  # [n, D]
         out = torch.empty_like(rows)
         a = 0
         for i, n in enumerate(np.asarray(counts).tolist()):
@@ -289,13 +284,13 @@ class HybridExperts(nn.Module):
                 a += n
         return out
 
-    def _account(self, hist, tokens, n_cpu, n_ship, decide_s, predicted_s):
+    def _account(self, hist, h_res, tokens, n_cpu, n_ship, decide_s, predicted_s):
         s = self.stats
         s.batches += 1
         s.tokens += tokens
         s.cpu_experts += n_cpu
         s.shipped_experts += n_ship
-        s.resident_experts += int((hist[self.resident_ids] > 0).sum()) if self.resident_ids.size else 0
+        s.resident_experts += int((h_res > 0).sum())
         s.decide_s += decide_s
         s.predicted_s += predicted_s
         s.routed += hist

@@ -79,7 +79,7 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     from hybrid.models.families import family_for
     from hybrid.models.presets import hf_config
     from hybrid.offload import HybridExperts, Offload
-    from hybrid.offload.build import expert_shape
+    from hybrid.offload.build import expert_shape, random_expert_stacks
     from hybrid.runtime import Engine
 
     dev = torch.device(device)
@@ -95,8 +95,7 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     for i, layer in enumerate(model.layers):
         if layer.moe is not None:
-            stacks = [(torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16) for s in ((E, F_, D), (E, F_, D), (E, D, F_))]
-            layer.moe.experts = HybridExperts(i, *stacks, off)
+            layer.moe.experts = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
             layer.moe.experts.set_resident(list(range(0, E, 2)))
     eng = Engine(model, None, max_batch=1, max_context=256, eager=dev.type != "cuda")
     if dev.type == "cuda" and eng.graphs is None:

@@ -75,7 +75,7 @@ class OnlineReplacer:
 
     def after_batch(self, layer, hist) -> None:
         """Record the batch's histogram [E]; maybe start one copy (after the batch's results are combined)."""
-        if getattr(layer, "captured", False):
+        if layer.captured:
             if not self._warned:
                 log.warning("online re-placement skipped: decode graphs hold the placement (run with --eager)")
                 self._warned = True

@@ -41,6 +41,7 @@ class Offload:
         self.eager_host_lane = os.environ.get("HYBRID_CPU_LANE", "host") != "worker"
         self._host_lane = None
         self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
+        self.replacer = None  # hybrid.offload.replace.OnlineReplacer when --replace online
         self.pinned_weight_bytes = 0
         self.layers: list["HybridExperts"] = []
 

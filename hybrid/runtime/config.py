@@ -16,7 +16,3 @@ class RuntimeConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
-
-    def kv_cache_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of the static cache (K and V, one spare column per slot)."""
-        return 2 * num_layers * self.max_batch * (self.max_context + 1) * num_kv_heads * head_dim * dtype_bytes

@@ -156,7 +156,7 @@ def _retry_after(state: ServerState) -> int:
 async def _collect(state: ServerState, req: GenerationRequest, seqs, events) -> web.Response:
     k = len(seqs)
     texts, reasons = [[] for _ in range(k)], [None] * k
-    prompt_tokens = completion_tokens = 0
+    completion_tokens = 0
     left = k
     while left:
         i, ev = await events.get()
@@ -168,11 +168,15 @@ async def _collect(state: ServerState, req: GenerationRequest, seqs, events) -> 
             left -= 1
         else:
             raise ApiError(ev.status, ev.error, type="server_error")
-    # Prompt tokens count once per prompt, not once per choice (as OpenAI bills them).
-    prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: req.n])
+    prompt_tokens = _prompt_tokens(req, seqs)
     body = fmt.full_response(req.chat, fmt.new_id(req.chat), state.model_name, fmt.now(),
                              ["".join(t) for t in texts], reasons, fmt.usage(prompt_tokens, completion_tokens))
     return web.json_response(body)
+
+
+def _prompt_tokens(req: GenerationRequest, seqs) -> int:
+    """Prompt tokens count once per prompt, not once per choice (as OpenAI bills them)."""
+    return sum(len(s.prompt_ids) for s in seqs[:: req.n])
 
 
 async def _stream(request: web.Request, state: ServerState, req: GenerationRequest, seqs, events):
@@ -208,7 +212,7 @@ async def _stream(request: web.Request, state: ServerState, req: GenerationReque
                     break
             await resp.write(b"".join(out))
         if uf and not failed:
-            prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: req.n])
+            prompt_tokens = _prompt_tokens(req, seqs)
             await resp.write(fmt.sse(fmt.usage_chunk(chat, rid, model, created,
                                                      fmt.usage(prompt_tokens, completion_tokens))))
         await resp.write(fmt.sse("[DONE]"))

@@ -151,6 +151,10 @@ class Scheduler:
             raise
         self._fail_all("the server is shutting down", 503)
 
+    def _fail_prefilling(self, seq: Sequence, message: str) -> None:
+        self._prefilling.remove(seq)
+        self._fail(seq, message, 500)
+
     def _release(self, seq: Sequence) -> None:
         if seq.slot is None:
             return
@@ -189,8 +193,7 @@ class Scheduler:
             seq.stream = TextStream(self.runtime.decode, seq.params.stop)
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
             log.exception("starting a sequence failed")
-            self._prefilling.remove(seq)
-            self._fail(seq, f"could not start the request: {exc}", 500)
+            self._fail_prefilling(seq, f"could not start the request: {exc}")
             return None
         return seq
 
@@ -238,8 +241,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001
             log.exception("sampling after prefill failed")
             for seq in done:
-                self._prefilling.remove(seq)
-                self._fail(seq, f"sampling failed: {exc}", 500)
+                self._fail_prefilling(seq, f"sampling failed: {exc}")
             return True
         for seq, token in zip(done, tokens):
             self._prefilling.remove(seq)
@@ -268,8 +270,7 @@ class Scheduler:
                 out.append((seq, n, self.runtime.prefill([seq.slot], [chunk])[0]))
             except Exception as exc:  # noqa: BLE001
                 log.exception("prefill failed")
-                self._prefilling.remove(seq)
-                self._fail(seq, f"prefill failed: {exc}", 500)
+                self._fail_prefilling(seq, f"prefill failed: {exc}")
         return out
 
     def _decode(self) -> bool:
