@@ -57,6 +57,17 @@ void pack_b_block(const uint8_t* const* rows, int m, int tb, int kbytes, uint8_t
   }
 }
 
+// Where the fp32 per-token activation scales of an expert's packed B tiles start: after its tiles.
+inline int64_t packed_scales_offset(int m, int kbytes) { return align_up(m, 32) * (int64_t)kbytes; }
+
+// One 16-token block of an AMX expert's rows: B tiles (pack_b_block), then each padded token's activation
+// scale (int8/int4 rows carry one after their ldk values; bf16 and padding get 0).
+void pack_token_block(const uint8_t* const* rows, int m, int tb, int kbytes, int ldk, bool quantized, uint8_t* dst) {
+  pack_b_block(rows, m, tb, kbytes, dst);
+  float* sc = (float*)(dst + packed_scales_offset(m, kbytes));
+  for (int n = tb * 16; n < tb * 16 + 16; ++n) sc[n] = (quantized && n < m) ? act_scale(rows[n], ldk) : 0.f;
+}
+
 struct Buf {
   uint8_t* p = nullptr;
   size_t cap = 0;
@@ -210,11 +221,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   p0->run([&](int task, int) {
     int j = find_j(task), tb = task - ptask[j];
     const Active& a = act[j];
-    int mp = (int)align_up(a.m, 32);
-    uint8_t* dst = xpack + a.pack_rows * (kb_x + 4);
-    pack_b_block(xptr + a.off, a.m, tb, kb_x, dst);
-    float* sc = (float*)(dst + (int64_t)mp / 16 * kb_x * 16);
-    for (int n = tb * 16; n < tb * 16 + 16; ++n) sc[n] = (dt != HY_BF16 && n < a.m) ? act_scale(xptr[a.off + n], Dk) : 0.f;
+    pack_token_block(xptr + a.off, a.m, tb, kb_x, Dk, dt != HY_BF16, xpack + a.pack_rows * (kb_x + 4));
   }, np);
 
   clk.lap(2);
@@ -227,6 +234,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   uint8_t* hpack[HY_MAX_NODES];
   float* acc[HY_MAX_NODES];
   float* scratch[HY_MAX_NODES];
+  int kb_h[HY_MAX_NODES];  // bytes of one packed h row (down's K) per node
   int64_t scr_per = (int64_t)m_max_pad * 64 * 2;
   for (int n = 0; n < nn; ++n) {
     const HyNode& N = L->nodes[n];
@@ -235,16 +243,12 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     hf[n] = dt == HY_BF16 ? nullptr : W.hf[n].get<float>((size_t)A * N.gate.rows_p);
     hptr[n] = W.hptr[n].get<const uint8_t*>(A);
     for (int i = 0; i < A; ++i) hptr[n][i] = hrows[n] + i * hs[n];
-    int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
-    hpack[n] = W.hpack[n].get<uint8_t>(pad_rows * (kb_h + 4));
+    kb_h[n] = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
+    hpack[n] = W.hpack[n].get<uint8_t>(pad_rows * (kb_h[n] + 4));
     acc[n] = W.acc[n].get<float>((size_t)T * N.down.rows_p);
     scratch[n] = W.scratch[n].get<float>((size_t)((Pool*)N.pool)->n * scr_per);
   }
-  auto hpack_off = [&](int n, const Active& a) {
-    const HyNode& N = L->nodes[n];
-    int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
-    return a.pack_rows * (kb_h + 4);
-  };
+  auto hpack_off = [&](int n, const Active& a) { return a.pack_rows * (kb_h[n] + 4); };
 
   // Phase 1: gate, up, activation.
   run_nodes(L, [&](int n) {
@@ -258,7 +262,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       if (a.amx) {
 #if HY_HAS_AMX
         const uint8_t* bp = xpack + a.pack_rows * (kb_x + 4);
-        const float* bs = (const float*)(bp + align_up(a.m, 32) / 16 * (int64_t)kb_x * 16);
+        const float* bs = (const float*)(bp + packed_scales_offset(a.m, kb_x));
         const HyMat* ms[2] = {&N.gate, &N.up};
         float* cs[2] = {Cg, Cu};
         amx_gemm(ms, cs, 2, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), 64);
@@ -301,14 +305,8 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         for (int i = tb * 16; i < std::min(a.m, tb * 16 + 16); ++i)
           quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down.ldk, N.down.group,
                        hrows[n] + (a.off + i) * hs[n]);
-      if (a.amx) {
-        int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
-        int mp = (int)align_up(a.m, 32);
-        uint8_t* dst = hpack[n] + hpack_off(n, a);
-        pack_b_block(hptr[n] + a.off, a.m, tb, kb_h, dst);
-        float* sc = (float*)(dst + (int64_t)mp / 16 * kb_h * 16);
-        for (int t = tb * 16; t < tb * 16 + 16; ++t) sc[t] = (dt != HY_BF16 && t < a.m) ? act_scale(hptr[n][a.off + t], N.down.ldk) : 0.f;
-      }
+      if (a.amx)
+        pack_token_block(hptr[n] + a.off, a.m, tb, kb_h[n], N.down.ldk, dt != HY_BF16, hpack[n] + hpack_off(n, a));
     });
   }, [&](int) { return qt; });
 
@@ -326,17 +324,18 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     rbd[n] = !any_amx ? 32 : rows / 128 >= thr ? 128 : rows / 64 >= thr ? 64 : 32;
   }
   // Final values of columns [d0, d0 + nd) for every token (src: [T, ld] fp32) -> out, in out's dtype.
+  // Token t's final values of columns [d0, d0 + nd) (s: fp32) -> out, in out's dtype.
+  auto store_row = [&](const float* s, int t, int d0, int nd) {
+    if (out_dtype == HY_X_BF16) {
+      uint16_t* o = (uint16_t*)out + (int64_t)t * D + d0;
+      for (int d = 0; d < nd; ++d) o[d] = f32_to_bf16(s[d]);
+    } else {
+      std::memcpy((float*)out + (int64_t)t * D + d0, s, nd * 4);
+    }
+  };
   auto write_out = [&](const float* src, int64_t ld, int d0, int nd) {
     if (nd <= 0) return;
-    for (int t = 0; t < T; ++t) {
-      const float* s = src + (int64_t)t * ld;
-      if (out_dtype == HY_X_BF16) {
-        uint16_t* o = (uint16_t*)out + (int64_t)t * D + d0;
-        for (int d = 0; d < nd; ++d) o[d] = f32_to_bf16(s[d]);
-      } else {
-        std::memcpy((float*)out + (int64_t)t * D + d0, s, nd * 4);
-      }
-    }
+    for (int t = 0; t < T; ++t) store_row(src + (int64_t)t * ld, t, d0, nd);
   };
   run_nodes(L, [&](int n) {
     return std::function<void(int, int)>([&, n](int task, int tid) {
@@ -350,12 +349,11 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         const Active& a = act[j];
         if (a.amx) {
 #if HY_HAS_AMX
-          int kb_h = dt == HY_BF16 ? N.down.ldk * 2 : N.down.ldk;
-          int mp = (int)align_up(a.m, 32);
           const uint8_t* bp = hpack[n] + hpack_off(n, a);
           const HyMat* ms[1] = {&N.down};
           float* cs[1] = {C};
-          amx_gemm(ms, cs, 1, a.e, r0, nr, bp, (const float*)(bp + (int64_t)mp / 16 * kb_h * 16), mp, ldc);
+          amx_gemm(ms, cs, 1, a.e, r0, nr, bp, (const float*)(bp + packed_scales_offset(a.m, kb_h[n])),
+                   (int)align_up(a.m, 32), ldc);
 #endif
         } else {
           vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, ldc);
@@ -382,12 +380,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         const float* sn = acc[n] + (int64_t)t * L->nodes[n].down.rows_p;
         for (int d = 0; d < D; ++d) sum[d] += sn[d];
       }
-      if (out_dtype == HY_X_BF16) {
-        uint16_t* o = (uint16_t*)out + (int64_t)t * D;
-        for (int d = 0; d < D; ++d) o[d] = f32_to_bf16(sum[d]);
-      } else {
-        std::memcpy((float*)out + (int64_t)t * D, sum, D * 4);
-      }
+      store_row(sum, t, 0, D);
     }
   }, (T + 7) / 8);
   clk.lap(6);
