@@ -96,7 +96,7 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 def _submit_executor() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     with _executor_lock:
-        if _executor is None:  # calls queue in the library anyway; a few threads overlap validation
+        if _executor is None:  # calls queue in the library anyway; a few threads overlap their Python parts
             _executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="cpu-moe")
         return _executor
 
@@ -313,6 +313,10 @@ class CpuMoE:
         """out [T, D] (x's dtype) = sum over each token's chosen experts held here (and in expert_mask)
         of topk_weight * expert(x)."""
         self._validate(x, topk_ids, topk_weights, expert_mask, out)
+        return self._forward_valid(x, topk_ids, topk_weights, expert_mask, out)
+
+    def _forward_valid(self, x, topk_ids, topk_weights, expert_mask, out) -> torch.Tensor:
+        """forward after _validate (submit validates on the caller's thread, this runs on the worker)."""
         lmap = self._local_map(expert_mask)
         if out is None:
             out = torch.empty_like(x)
@@ -364,4 +368,4 @@ class CpuMoE:
     def submit(self, x, topk_ids, topk_weights, expert_mask=None, out=None) -> MoEHandle:
         """Run forward on a worker thread (the library releases the GIL); returns a handle with .wait()."""
         self._validate(x, topk_ids, topk_weights, expert_mask, out)
-        return MoEHandle(_submit_executor().submit(self.forward, x, topk_ids, topk_weights, expert_mask, out))
+        return MoEHandle(_submit_executor().submit(self._forward_valid, x, topk_ids, topk_weights, expert_mask, out))

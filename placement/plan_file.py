@@ -82,7 +82,7 @@ class Plan:
 
     def check_model(self, cfg, origin: str = "plan") -> None:
         """The plan was made for this model's shape (layers, experts, widths)."""
-        moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+        moe = list(cfg.moe_layer_indices)
         want = {"num_layers": cfg.num_layers, "num_experts": cfg.num_experts, "topk": cfg.experts_per_token,
                 "hidden": cfg.hidden_size, "intermediate": cfg.expert_intermediate_size, "moe_layers": moe}
         diff = [k for k, v in want.items() if self.model.get(k) != v]

@@ -64,12 +64,12 @@ class RoutingStats:
     @classmethod
     def uniform(cls, cfg) -> "RoutingStats":
         """No measurement: every expert equally likely (the planner then spreads residency evenly)."""
-        layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
-        return cls(cfg.num_experts, cfg.experts_per_token, tuple(layers),
+        layers = cfg.moe_layer_indices
+        return cls(cfg.num_experts, cfg.experts_per_token, layers,
                    np.zeros((len(layers), cfg.num_experts), dtype=np.int64), 0, source={"kind": "uniform"})
 
     def check_model(self, cfg, origin: str = "routing stats") -> None:
-        layers = tuple(i for i, moe in enumerate(cfg.moe_layers) if moe)
+        layers = cfg.moe_layer_indices
         if (self.num_experts, self.topk, self.layers) != (cfg.num_experts, cfg.experts_per_token, layers):
             raise UsageError(f"{origin} were recorded on another model shape (E={self.num_experts}, K={self.topk}, "
                              f"{len(self.layers)} MoE layers) than this one (E={cfg.num_experts}, "

@@ -97,6 +97,11 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Indices of the decoder layers with routed experts."""
+        return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
     def param_counts(self) -> dict[str, int]:
         """Parameter counts split into routed experts and everything else (attention, norms, router,
         shared experts, dense MLPs, embeddings, head)."""
