@@ -96,6 +96,17 @@ def decode_roofline(off, cfg, hw, dtype, routed_delta: list[np.ndarray], steps: 
     return total + attn / hw.hbm_bw
 
 
+def trace(eng, slots, last, path: str) -> None:
+    """torch.profiler over 3 decode steps (host launches, copies and kernels per stream) as a chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.decode_step(slots, last)
+    prof.export_chrome_trace(path)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -166,6 +177,8 @@ def run(args) -> dict:
                     eng.decode_step(slots, last)
                 eng.graphs = graphs
             delta = [layer.stats.routed - bb for layer, bb in zip(off.layers, before)]
+            if args.trace:
+                trace(eng, slots, last, f"{args.trace}_{strat.replace(':', '')}_b{b}.json")
             for s in slots:
                 eng.free_slot(s)
             step = statistics.median(times)
@@ -223,6 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", action="store_true",
                    help="measure each strategy in a fresh process (same weights and placement): strategies run "
                         "one after another in one process can change each other's timings (seen on the GPU box)")
+    p.add_argument("--trace", help="also profile 3 decode steps per strategy and batch: chrome traces "
+                   "TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)

@@ -14,6 +14,8 @@ model of bench.hybrid_e2e and ~1 ms on one layer. --variants repeats the stack u
 from __future__ import annotations
 
 import argparse
+import collections
+import logging
 import statistics
 import time
 
@@ -79,6 +81,11 @@ def contention(layer, dev, shape):
           f"during copies {cpu_b * 1e3:.2f} ms ({wb / cpu_b / 1e9:.1f} GB/s)", flush=True)
 
 
+def _current_cpu() -> int:
+    with open("/proc/thread-self/stat") as f:  # field 39: the cpu the thread last ran on
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
 def timeit(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -95,7 +102,7 @@ class EveryOtherShipped(LayerScheduler):
         return self.predict(hist, ship, gpu_busy, rows)
 
 
-def stack(hw, shape, dev, n_layers: int, Ts) -> None:
+def stack(hw, shape, dev, n_layers: int, Ts, trace: str | None = None) -> None:
     from hybrid.offload import HybridExperts, Offload
     from hybrid.offload.build import random_expert_stacks
 
@@ -113,10 +120,13 @@ def stack(hw, shape, dev, n_layers: int, Ts) -> None:
         routes = [routing(T, E, shape.topk, "uniform", g, dev) for _ in layers]
         x0 = torch.randn(T, D, device=dev, dtype=dtype)
 
+        cpus_seen = collections.Counter()  # where the launching thread ran after each layer call
+
         def step():
             x = x0
             for layer, (ids, w) in zip(layers, routes):
                 x = layer(x, ids, w) * 0.5 + x0  # the next layer depends on this one, as in a model
+                cpus_seen[_current_cpu()] += 1
             return x
 
         for lane in ("host", "worker"):
@@ -125,12 +135,24 @@ def stack(hw, shape, dev, n_layers: int, Ts) -> None:
                 off.scheduler = EveryOtherShipped(shape, hw, "cpu") if strat == "mix" else LayerScheduler(shape, hw, strat)
                 step()
                 s0 = sum(l.stats.cpu_experts for l in layers), sum(l.stats.shipped_experts for l in layers)
+                cpus_seen.clear()
                 ms = med(step, 20)
                 s1 = sum(l.stats.cpu_experts for l in layers), sum(l.stats.shipped_experts for l in layers)
                 n = 20 * len(layers)  # med's calls
                 print(f"stack of {n_layers}: T={T} lane={lane:6s} {strat:5s} {ms:8.3f} ms per step "
                       f"({ms / n_layers:.3f} per layer)  cpu {(s1[0] - s0[0]) / n:.1f} ship {(s1[1] - s0[1]) / n:.1f} "
-                      "experts per layer", flush=True)
+                      f"experts per layer; launcher on cpus {dict(sorted(cpus_seen.items()))}", flush=True)
+        if trace:  # where a mixed step's time goes: launches on the host, copies and the lane's gap on streams
+            from torch.profiler import ProfilerActivity, profile
+
+            off.eager_host_lane = True
+            off.scheduler = EveryOtherShipped(shape, hw, "cpu")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                    _sync()
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
+            prof.export_chrome_trace(f"{trace}_T{T}.json")
 
 
 def main():
@@ -139,6 +161,8 @@ def main():
     ap.add_argument("--tokens", default="1,8", help="batch sizes (comma list)")
     ap.add_argument("--layers", type=int, default=0, help="also time a stack of this many layers")
     ap.add_argument("--stack-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", default=None,
+                    help="with --layers: profile 3 mixed stack steps per batch size, chrome traces to TRACE_T<T>.json")
     ap.add_argument("--variants", action="store_true",
                     help="run the stack only, once per thread-placement setting (a child process each): default, "
                          "HYBRID_PIN_LAUNCHER=1, HYBRID_SPARE_CORE=physical (with and without the launcher "
@@ -149,19 +173,22 @@ def main():
         import subprocess
         import sys
 
-        for env in ({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_SPARE_CORE": "physical"},
+        for i, env in enumerate(({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_SPARE_CORE": "physical"},
                     {"HYBRID_SPARE_CORE": "physical", "HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_PIN_LANE": "0"},
-                    {"HYBRID_CORE_SPLIT": "0"}):
+                    {"HYBRID_CORE_SPLIT": "0"})):
             print(f"# variant: {env or 'default'}", flush=True)
+            extra = ["--trace", f"{a.trace}_v{i}"] if a.trace and i < 2 else []  # default and pinned launcher
             subprocess.run([sys.executable, "-m", "bench.lane_probe", "--profile", a.profile, "--tokens", a.tokens,
-                            "--layers", str(a.layers or 8), "--stack-only"], env={**os.environ, **env}, check=False)
+                            "--layers", str(a.layers or 8), "--stack-only", *extra], env={**os.environ, **env},
+                           check=False)
         return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the executor / launcher core split
     hw = resolve_profile(a.profile)
     Ts = [int(t) for t in a.tokens.split(",") if t]
     shape = get_shape("qwen3-30b-a3b")
     dev = torch.device("cuda")
     if a.layers:
-        stack(hw, shape, dev, a.layers, Ts)
+        stack(hw, shape, dev, a.layers, Ts, a.trace)
     if a.stack_only:
         return
     layer, off = build_layer(shape, hw, dev, 32, "bf16", None)

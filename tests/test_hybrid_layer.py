@@ -139,8 +139,9 @@ def test_unaligned_rows_take_the_expert_loop():
 
 
 def test_core_split_between_executor_and_launcher(monkeypatch):
-    """On CUDA the executor's pool gets all cores but one and the launching thread the rest (pinned at its
-    first layer call with HYBRID_PIN_LAUNCHER=1). The split itself is plain logic, checked on a fake object."""
+    """On CUDA the executor's pool gets all cores but one and the launching thread the rest: pinned there
+    during each layer call (launcher_pinned), its own affinity back afterwards. The split itself is plain
+    logic, checked on a fake object."""
     import os
     import threading
     import types
@@ -151,26 +152,28 @@ def test_core_split_between_executor_and_launcher(monkeypatch):
         pytest.skip("needs two cpus")
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
     monkeypatch.setenv("HYBRID_PIN_LANE", "0")
+    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "0")
     Offload._split_cores(fake, None)
     assert fake.lane_cpus is None and fake._launcher_cpus is None  # neither thread pinned
     monkeypatch.delenv("HYBRID_PIN_LANE")
-    Offload._split_cores(fake, None)
-    assert fake.lane_cpus and fake._launcher_cpus is None  # by default only the CPU lane's thread
-    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
-    topo = Offload._split_cores(fake, None)
+    monkeypatch.delenv("HYBRID_PIN_LAUNCHER")
+    topo = Offload._split_cores(fake, None)  # the default: both pinned
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus
     assert pool | fake._launcher_cpus == set(_PROCESS_CPUS) and fake.lane_cpus <= pool
     seen = {}
 
     def launcher():  # a thread of its own, so the test runner's affinity is untouched
-        Offload.pin_launcher(fake)
-        seen["cpus"] = os.sched_getaffinity(0)
+        seen["before"] = os.sched_getaffinity(0)
+        with Offload.launcher_pinned(fake):
+            seen["inside"] = os.sched_getaffinity(0)
+        seen["after"] = os.sched_getaffinity(0)
 
     t = threading.Thread(target=launcher)
     t.start()
     t.join()
-    assert seen["cpus"] <= set(_PROCESS_CPUS) - pool and fake._launcher_cpus is None
+    assert seen["inside"] == fake._launcher_cpus and not seen["inside"] & pool
+    assert seen["after"] == seen["before"] == set(_PROCESS_CPUS)
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.available_isas())

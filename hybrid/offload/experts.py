@@ -150,6 +150,11 @@ class HybridExperts(nn.Module):
         self.is_resident[evict], self.is_resident[add] = False, True
         self._refresh_maps()
 
+    def launcher_pinned(self):
+        """Context: the calling thread off the CPU executor's cores (Offload.launcher_pinned); the engine
+        wraps whole steps in it, graph replays included."""
+        return self.offload.launcher_pinned()
+
     @property
     def capturable(self) -> bool:
         """Decode steps can be graph-captured (CUDA, bf16 grouped GEMMs, graphs not turned off)."""
@@ -162,15 +167,20 @@ class HybridExperts(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        T, K = topk_ids.shape
         off = self.offload
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
         topk_ids, topk_weights = topk_ids.to(dev), topk_weights.to(dev)
-        if off._launcher_cpus:
-            off.pin_launcher()
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._forward_captured(x, topk_ids, topk_weights)
+        with off.launcher_pinned():
+            return self._forward_eager(x, topk_ids, topk_weights)
+
+    def _forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The per-batch split: histogram on the host, scheduler, both lanes and the GPU's experts."""
+        T, K = topk_ids.shape
+        off = self.offload
+        dev = off.device
         flat = topk_ids.reshape(-1)  # [T*K]
         replacer = off.replacer
         if replacer is not None:  # a finished re-placement copy lands before this batch reads the map

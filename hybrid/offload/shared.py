@@ -3,6 +3,7 @@ and the split of the host's cores between the CPU executor and the thread that l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -57,9 +58,11 @@ class Offload:
         batch 8 -17% and eager CPU-lane decode at batch 1 / 8 -8% / -24%, so pinned is the default);
         HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_SPARE_CORE=physical leaves the spare cpu's
         SMT siblings out of the pool too;
-        HYBRID_PIN_LAUNCHER=1 pins the launching thread to the spare core at its first layer call (off by
-        default: a pinned main thread confines later torch CPU work, and its OpenMP teams, to one core).
-        Returns the pool's topology."""
+        The launching thread is pinned to the spare cpu(s) while it runs a hybrid layer call (launcher_pinned)
+        and gets its own affinity back after it, so torch CPU work outside the layers keeps every core.
+        Measured on the GPU box (bench.lane_probe --layers 8 --variants, bench/results/h200/lane_probe/): with the
+        launcher floating, eager CPU-lane decode of an 8-layer 30B stack took 17-27 ms per step at batch 1,
+        pinned 13-15 ms. HYBRID_PIN_LAUNCHER=0 leaves it floating. Returns the pool's topology."""
         import cpu_kernels
 
         topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
@@ -82,20 +85,36 @@ class Offload:
             pool = [c for c in pool if c not in give]
         if os.environ.get("HYBRID_PIN_LANE", "1") != "0":
             self.lane_cpus = {pool[0]}
-        if os.environ.get("HYBRID_PIN_LAUNCHER", "0") == "1":
+        if os.environ.get("HYBRID_PIN_LAUNCHER", "1") != "0":
             self._launcher_cpus = set(rest)
         log.info("hybrid: CPU executor on %d cpus (%s..%s), spare for GPU launches: %s", len(pool), pool[0], pool[-1], rest)
         return topo
 
-    def pin_launcher(self) -> None:
-        """HYBRID_PIN_LAUNCHER=1: pin the calling (GPU-launching) thread off the pool's cores; done at the
-        first layer call, not at construction, so that loading and packing still use every core."""
-        cpus, self._launcher_cpus = self._launcher_cpus, None
-        if cpus:
-            try:
-                os.sched_setaffinity(0, cpus)  # this thread only (Linux: pid 0 = the calling thread)
-            except OSError as exc:
-                log.warning("could not pin the launching thread to cpus %s (%s)", sorted(cpus), exc)
+    @contextlib.contextmanager
+    def launcher_pinned(self):
+        """Run the block with the calling (GPU-launching) thread pinned off the executor's cores, its own
+        affinity restored after. While a layer's CPU lane runs, a launching thread that the kernel scheduler
+        puts on a pool core takes a pinned worker's time slice (ms) and stalls the executor's phase barrier.
+        Scoped to layer calls, not set once, so that loading, packing and torch CPU work elsewhere keep every
+        core. Two syscalls per layer call (~us); captured steps do not call layers at all."""
+        cpus = self._launcher_cpus
+        if not cpus:
+            yield
+            return
+        try:
+            before = os.sched_getaffinity(0)  # this thread only (Linux: pid 0 = the calling thread)
+            if before != cpus:
+                os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            log.warning("could not pin the launching thread to cpus %s (%s); leaving it floating", sorted(cpus), exc)
+            self._launcher_cpus = None
+            yield
+            return
+        try:
+            yield
+        finally:
+            if before != cpus:
+                os.sched_setaffinity(0, before)
 
     @property
     def host_lane(self):

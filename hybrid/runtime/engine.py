@@ -32,6 +32,7 @@ Shapes: B rows, T tokens, V vocab. The stop token itself is not part of token_id
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -100,6 +101,10 @@ class Engine:
         if not eager:
             from hybrid.runtime.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.cache)
+        # Hybrid executors pin the GPU-launching thread off the CPU executor's cores while a step runs
+        # (hybrid.offload.shared.Offload.launcher_pinned); a graph replay's CPU lane runs inside the step.
+        self._step_context = next((layer.moe.experts.launcher_pinned for layer in model.layers if layer.moe is not None
+                                   and hasattr(layer.moe.experts, "launcher_pinned")), contextlib.nullcontext)
         self.stats = Stats()
 
     def warmup(self) -> None:
@@ -157,9 +162,10 @@ class Engine:
         t0 = time.perf_counter()
         ids = torch.tensor([token_ids], dtype=torch.long, device=dev)  # [1, T]
         pos = torch.arange(start, start + n, device=dev)[None]  # [1, T]
-        logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
-                            kv_len=start + n, fresh=start == 0)  # [1, V]
-        self._sync()
+        with self._step_context():
+            logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
+                                kv_len=start + n, fresh=start == 0)  # [1, V]
+            self._sync()
         self.lengths[slot] += n
         self.stats.prefill_tokens += n
         self.stats.prefill_s += time.perf_counter() - t0
@@ -171,17 +177,18 @@ class Engine:
         if max(positions) >= self.max_context:
             raise ValueError(f"a slot reached max_context {self.max_context}")
         t0 = time.perf_counter()
-        if self.graphs is not None:
-            if not self.graphs.graphs:  # capture outside the timed region
-                self.graphs.capture()
-                t0 = time.perf_counter()
-            logits = self.graphs.step(list(last_tokens), positions, list(slots))
-        else:
-            dev = self.device
-            logits = self.model(torch.tensor(last_tokens, device=dev)[:, None], torch.tensor(positions, device=dev)[:, None],
-                                torch.tensor(slots, device=dev), self.cache, last_only=True,
-                                kv_len=max(positions) + 1)
-        self._sync()
+        if self.graphs is not None and not self.graphs.graphs:  # capture outside the timed region
+            self.graphs.capture()
+            t0 = time.perf_counter()
+        with self._step_context():
+            if self.graphs is not None:
+                logits = self.graphs.step(list(last_tokens), positions, list(slots))
+            else:
+                dev = self.device
+                logits = self.model(torch.tensor(last_tokens, device=dev)[:, None],
+                                    torch.tensor(positions, device=dev)[:, None], torch.tensor(slots, device=dev),
+                                    self.cache, last_only=True, kv_len=max(positions) + 1)
+            self._sync()
         for s in slots:
             self.lengths[s] += 1
         self.stats.decode_tokens += len(slots)
