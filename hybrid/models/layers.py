@@ -8,9 +8,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybrid.models.config import ModelConfig
 from hybrid.models.rope import apply_rotary
+
+
+# SDPA backends in priority order, cuDNN last: on the GPU box (torch 2.11, H200) SDPA picked cuDNN attention
+# for the masked decode path and spent ~5.3 ms of host time per call building a plan for each new KV length
+# (torch.profiler of eager decode, bench.hybrid_e2e --trace): 42 ms per step of an 8-layer model. Flash and
+# memory-efficient kernels have no per-shape plans; at decode sizes attention's GPU time is microseconds.
+_SDPA_CAUSAL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+_SDPA_MASKED = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # flash takes no mask; cuDNN: see above
 
 
 def param(*shape: int) -> nn.Parameter:
@@ -99,6 +108,13 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer, slots, positions, k, v)
 
+        with sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True):
+            out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh)
+        return self.o_proj(out)
+
+    def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh):
+        """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""
+        B, T = q.shape[:2]
         if fresh:
             # Whole prompts starting at position 0 with no padding: the new K/V are all there is to
             # see, so causal attention over them (flash kernels) replaces reading the cache back.
@@ -109,7 +125,7 @@ class Attention(nn.Module):
             kc, vc = cache.read(self.layer, slots, kv_len)  # [B, Hkv, L, hd] each
             L = kc.shape[2]
             qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
-            kpos = torch.arange(L, device=x.device)[None, None, None, :]  # [1, 1, 1, L]
+            kpos = torch.arange(L, device=q.device)[None, None, None, :]  # [1, 1, 1, L]
             mask = kpos <= qpos  # [B, 1, T, L]
             if self.window is not None:
                 mask = mask & (kpos > qpos - self.window)
@@ -121,6 +137,5 @@ class Attention(nn.Module):
             qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
             mask = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
-            out = out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
-            return self.o_proj(out)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+            return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
+        return out.transpose(1, 2).reshape(B, T, self.H * self.hd)
