@@ -18,6 +18,8 @@ from hybrid.models.rope import apply_rotary
 # for the masked decode path and spent ~5.3 ms of host time per call building a plan for each new KV length
 # (torch.profiler of eager decode, bench.hybrid_e2e --trace): 42 ms per step of an 8-layer model. Flash and
 # memory-efficient kernels have no per-shape plans; at decode sizes attention's GPU time is microseconds.
+# Captured decode keeps torch's own choice (its plan is built once, at capture; graph decode of the same
+# model was ~20% slower with the memory-efficient kernel: 87 vs 109 tok/s at batch 1 in one session).
 _SDPA_CAUSAL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 _SDPA_MASKED = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # flash takes no mask; cuDNN: see above
 
@@ -108,8 +110,11 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer, slots, positions, k, v)
 
-        with sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # one plan, built at capture: torch's choice
             out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh)
+        else:
+            with sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True):
+                out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh)
         return self.o_proj(out)
 
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh):
