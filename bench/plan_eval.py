@@ -13,7 +13,9 @@ numbers only prove the harness works). Steps:
 2. Per budget: `placement.planner.plan`, its residency set on the loaded layers, a fresh Engine (CUDA
    graphs on a GPU), a warm-up, then `--steps` decode steps at batch --max-batch after a short prompt.
    Measured tokens/s vs the plan's predicted_decode_tokens_per_s (error = measured / predicted - 1), and
-   the same for a prefill of --prefill-tokens (best of 3);
+   the same for a prefill of --prefill-tokens (best of 3); the same decode again, eager, to count the
+   routing those steps saw, and the plan's placement priced on that routing (the cost model's own error,
+   apart from the profiled statistics' mismatch with the measured tokens);
    peak allocated VRAM (torch.cuda.max_memory_allocated, which leaves out the CUDA context the plan's
    --reserve stands for) vs the plan's gpu_bytes and the budget.
 3. Routing shift, at the middle budget, eager decode (re-placement needs it): `--steps` steps, then
@@ -41,7 +43,7 @@ from hybrid.runtime.session import resolve_device
 from placement.calibrate import cpu_name
 from placement.hardware import resolve_profile
 from placement.memory import MemorySettings, breakdown
-from placement.planner import PlanSettings, expert_shapes, plan
+from placement.planner import PlanSettings, decode_step_time, expert_shapes, plan
 from placement.replace import ReplaceConfig
 from placement.routing_stats import RoutingStats
 
@@ -74,6 +76,20 @@ def decode_run(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: i
     for s in slots:
         eng.free_slot(s)
     return total, per_window
+
+
+def decode_routing(model, off, args, seed: int) -> np.ndarray:
+    """[L, E] routing shares of the decode steps decode_run(seed) makes, counted by an eager engine."""
+    eng = Engine(model, None, max_batch=args.max_batch, max_context=args.max_context, eager=True)
+    snap = {}
+
+    def mark(i):
+        if i == 0:  # after the prompts' prefill: count the decode steps only
+            snap["before"] = np.stack([layer.stats.routed.copy() for layer in off.layers])
+
+    decode_run(eng, args.max_batch, args.prompt, args.steps, model.cfg.vocab_size, seed=seed, on_step=mark)
+    counts = np.stack([layer.stats.routed for layer in off.layers]) - snap["before"]
+    return counts / float(args.steps * args.max_batch)
 
 
 def measure_prefill(eng, tokens: int, vocab: int, seed: int, repeats: int = 3) -> float:
@@ -187,10 +203,22 @@ def main(argv=None) -> int:
         measured, _ = decode_run(eng, args.max_batch, args.prompt, args.steps, cfg.vocab_size, seed=2)
         prefill = measure_prefill(eng, P, cfg.vocab_size, seed=4)
         peak = torch.cuda.max_memory_allocated() if cuda else None
+        del eng
+        # The plan predicts from the profiled routing; the measured steps routed their own tokens. The same
+        # decode again, eager (which counts routing on the host), prices the plan's placement on the routing
+        # the measured steps saw: the cost model's own error, without the statistics' mismatch.
+        seen = decode_routing(model, off, args, seed=2)
+        res_mask = np.zeros((len(off.layers), cfg.num_experts), dtype=bool)
+        for i, layer in enumerate(off.layers):
+            res_mask[i, list(pl.resident_of(layer.layer))] = True
+        matched = args.max_batch / decode_step_time(cfg, hw, mem, seen, res_mask, args.max_batch)
         row = {"gpu_budget_bytes": budget, "plan_gpu_bytes": pl.gpu_bytes, "peak_allocated_bytes": peak,
                "resident_per_layer": [len(lp.resident_experts) for lp in pl.layers],
                "predicted_decode_tokens_per_s": pl.predicted_decode_tokens_per_s, "measured_decode_tokens_per_s": measured,
-               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": eng.graphs is not None,
+               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": cuda,
+               "predicted_on_seen_routing_tokens_per_s": matched, "error_on_seen_routing": measured / matched - 1.0,
+               "cold_share_profiled": float((stats.shares() * ~res_mask).sum() / stats.shares().sum()),
+               "cold_share_seen": float((seen * ~res_mask).sum() / max(seen.sum(), 1e-12)),
                "prefill_tokens": P, "predicted_prefill_tokens_per_s": pl.predicted_prefill_tokens_per_s,
                "measured_prefill_tokens_per_s": prefill,
                "prefill_error": prefill / pl.predicted_prefill_tokens_per_s - 1.0}
@@ -200,7 +228,9 @@ def main(argv=None) -> int:
               f"peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} (plan {pl.gpu_bytes / 2**30:.2f} GiB) | prefill "
               f"{P} tok: predicted {pl.predicted_prefill_tokens_per_s:.0f}, measured {prefill:.0f} tok/s "
               f"({row['prefill_error']:+.0%})", flush=True)
-        del eng
+        print(f"    on the routing the measured steps saw: predicted {matched:.1f} tok/s, error "
+              f"{row['error_on_seen_routing']:+.0%}; routed to cold experts: {row['cold_share_seen']:.0%} seen, "
+              f"{row['cold_share_profiled']:.0%} in the profiled statistics", flush=True)
 
     # 3. routing shift at the middle budget: static plan vs online re-placement (eager decode)
     mid = plans[len(plans) // 2]

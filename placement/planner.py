@@ -122,6 +122,15 @@ def numa_split(cfg, s: MemorySettings, cold_experts: int) -> list[dict]:
     return out
 
 
+def decode_step_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, rows: int) -> float:
+    """Predicted seconds of one decode step of `rows` rows: routing shares [L, E], resident bool [L, E].
+    The step attends the whole cache (decode graphs' shapes are fixed at capture, so they read all
+    max_context positions whatever the sequence length), plus the measured per-layer graph floor."""
+    cpu_shape, gpu_shape = expert_shapes(cfg, s)
+    t = non_expert_step_time(cfg, hw, rows, s.max_context, s.gpu_dtype_bytes) + decode_floor(cfg, hw)
+    return t + sum(decode_layer_time(cpu_shape, gpu_shape, hw, sh, res, rows) for sh, res in zip(shares, resident))
+
+
 def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSettings) -> Plan:
     """The placement for model `cfg` (ModelConfig) on machine `hw` (needs GPU figures) under `settings`."""
     hw.require_gpu()
@@ -139,17 +148,14 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     gpu_bytes = mem.gpu_fixed + n_res * mem.resident_expert
     assert gpu_bytes <= settings.gpu_budget, "planner exceeded the GPU budget"  # choose_resident's contract
 
-    # predictions: decode at B rows attending the whole cache (the decode graphs' shapes are fixed at
-    # capture, so they read all max_context positions whatever the sequence length); prefill of P tokens
     gb = s.gpu_dtype_bytes
-    decode_s = non_expert_step_time(cfg, hw, rows, s.max_context, gb) + decode_floor(cfg, hw)
+    decode_s = decode_step_time(cfg, hw, s, shares, resident, rows)
     sched = LayerScheduler(cpu_shape, hw, "cost")
     gpu_sched = LayerScheduler(gpu_shape, hw, "cost")
     P = min(settings.prefill_tokens, s.max_context)
     prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True)  # causal: P/2 keys on average
     layers = []
     for li, (layer, sh) in enumerate(zip(stats.layers, shares)):
-        decode_s += decode_layer_time(cpu_shape, gpu_shape, hw, sh, resident[li], rows)
         prefill_s += prefill_layer_time(sched, gpu_sched, sh, resident[li], P)
         ids = np.nonzero(resident[li])[0]
         layers.append(LayerPlan(layer, tuple(int(e) for e in ids), float(savings[li, ids].sum())))

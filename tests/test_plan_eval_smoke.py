@@ -18,6 +18,10 @@ def test_plan_eval_smoke(tmp_path):
     assert len(budgets) == 3
     assert [sum(b["resident_per_layer"]) for b in budgets] == sorted(sum(b["resident_per_layer"]) for b in budgets)
     assert all(b["plan_gpu_bytes"] <= b["gpu_budget_bytes"] and b["measured_decode_tokens_per_s"] > 0 for b in budgets)
+    assert all(b["predicted_on_seen_routing_tokens_per_s"] > 0 and 0.0 <= b["cold_share_seen"] <= 1.0
+               and 0.0 <= b["cold_share_profiled"] <= 1.0 for b in budgets)
+    # more resident experts leave less of the profiled routing to the cold ones
+    assert [b["cold_share_profiled"] for b in budgets] == sorted((b["cold_share_profiled"] for b in budgets), reverse=True)
     assert all(b["prefill_tokens"] == 47 and b["measured_prefill_tokens_per_s"] > 0 for b in budgets)
     assert set(res["shift"]) >= {"static", "online", "second_half_online_vs_static"}
     assert len(res["shift"]["static"]["per_window"]) == 8
