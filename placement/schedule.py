@@ -25,7 +25,7 @@ import numpy as np
 from hybrid.errors import UsageError
 from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time, weight_transfer_time
 from placement.hardware import HardwareProfile
-from placement.split_search import best_split
+from placement.split_search import best_split, lane_times, table_sum
 
 STRATEGIES = ("cost", "cpu", "ship", "threshold:N")
 
@@ -80,8 +80,11 @@ class LayerScheduler:
         self.cpu_fixed = hw.cpu_lane_overhead
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
         self._tables(max_m)
-        if self.strategy.kind == "cost":  # compile (or load from numba's cache) now, not in the first batch
-            self._decide_cost(np.ones(2, dtype=np.int64), 0.0, None)
+        # compile (or load from numba's cache) now, not in the first batch
+        one = np.ones(2, dtype=np.int64)
+        self.predict(one, np.zeros(2, dtype=bool), self.gpu_time(one))
+        if self.strategy.kind == "cost":
+            self._decide_cost(one, 0.0, None)
 
     def _tables(self, max_m: int) -> None:
         m = np.arange(max_m + 1)
@@ -96,36 +99,20 @@ class LayerScheduler:
         if top > self.max_m:
             self._tables(max(top, 2 * self.max_m))
 
-    def _lookup(self, hist: np.ndarray):
-        self._grow(hist)
-        return self.cpu_t[hist], self.gpu_t[hist]
-
     def gpu_time(self, hist) -> float:
         """GPU compute of experts already in VRAM for this histogram (resident work)."""
         hist = np.asarray(hist, dtype=np.int64)
-        return float(self._lookup(hist)[1].sum())
-
-    def cpu_lane_time(self, hist, ship, rows: int | None = None) -> float:
-        """Activations of the CPU experts' rows over the link (both ways) + the CPU kernels."""
-        hist = np.asarray(hist, dtype=np.int64)
-        c, _ = self._lookup(hist)
-        on_cpu = ~ship & (hist > 0)
-        if not on_cpu.any():
-            return 0.0
-        n_rows = int(hist[on_cpu].sum()) if rows is None else rows
-        return self.cpu_fixed + 2.0 * self.hw.alpha + n_rows * self.row_time + float(c[on_cpu].sum())
+        self._grow(hist)
+        return float(table_sum(self.gpu_t, hist))
 
     def predict(self, hist, ship, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """Lane times for a given split: ship experts in index order behind `gpu_busy` of resident work."""
         hist = np.asarray(hist, dtype=np.int64)
         ship = np.asarray(ship, dtype=bool) & (hist > 0)
-        self._lookup(hist)
-        g = self.ship_g[hist]
-        t, link = gpu_busy, 0.0
-        for e in np.nonzero(ship)[0]:
-            link += self.tau
-            t = max(t, link) + float(g[e])
-        return Split(ship, self.cpu_lane_time(hist, ship, rows), t, self.hw.layer_overhead)
+        self._grow(hist)
+        cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, self.tau, self.cpu_fixed + 2.0 * self.hw.alpha,
+                              self.row_time, -1 if rows is None else int(rows), float(gpu_busy))
+        return Split(ship, cpu, gpu, self.hw.layer_overhead)
 
     def decide(self, hist, batch_tokens: int, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """The split of the cold experts for this batch. hist [n_cold] tokens per cold expert."""

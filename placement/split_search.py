@@ -83,3 +83,38 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, sh
     for k in range(best_k):
         ship[idx[order[k]]] = True
     return best_k, best_cpu, best_gpu
+
+
+@_jit
+def lane_times(hist, ship, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy):
+    """(CPU lane, GPU lane) seconds of a given split, in the terms of best_split: the CPU lane moves `rows`
+    rows (< 0: its experts' tokens) if any expert with tokens stays on it; shipped experts (with tokens)
+    go in index order behind gpu_busy. Compiled for the same reason: the fixed strategies call it per layer."""
+    c = 0.0
+    m_cpu = 0
+    on_cpu = False
+    t = gpu_busy
+    link = 0.0
+    for i in range(hist.shape[0]):
+        m = hist[i]
+        if m <= 0:
+            continue
+        if ship[i]:
+            link += tau
+            t = max(t, link) + ship_g[m]
+        else:
+            on_cpu = True
+            c += cpu_t[m]
+            m_cpu += m
+    if not on_cpu:
+        return 0.0, t
+    return cpu_fixed + (m_cpu if rows < 0 else rows) * row_time + c, t
+
+
+@_jit
+def table_sum(table, hist):
+    """sum(table[hist]) without the temporary array."""
+    s = 0.0
+    for i in range(hist.shape[0]):
+        s += table[hist[i]]
+    return s
