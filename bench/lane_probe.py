@@ -49,8 +49,7 @@ def contention(layer, dev, shape):
     the CPU executor streams other experts, and the executor's time alone and while copies run."""
     import threading
 
-    q = layer.sources[0].mats()[0].q  # [E, F, D]
-    src = q[-16:]  # 16 experts' gate matrices, contiguous
+    src = layer.sources[0].block[-16:]  # 16 experts' packed blocks (gate | up | down), contiguous
     dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
     nb = src.numel() * src.element_size()
     cold = torch.from_numpy(layer.cold_ids[:64].copy())
@@ -194,12 +193,14 @@ def main():
     layer, off = build_layer(shape, hw, dev, 32, "bf16", None)
     q = layer.sources[0].mats()[0].q  # [E, F, D] packed gate, registered in place
     e = int(layer.cold_ids[0])
-    dst = torch.empty(q[e].shape, dtype=q.dtype, device=dev)
-    pinned = torch.empty(q[e].shape, dtype=q.dtype).pin_memory()
-    nb = q[e].numel() * q[e].element_size()
-    for name, src in (("registered packed", q[e]), ("torch pinned", pinned), ("pageable", q[e].clone())):
+    block = layer.sources[0].block[e]  # the whole expert: what the ship lane copies at once
+    for name, src in (("registered expert", block), ("registered matrix", q[e]),
+                      ("torch pinned matrix", torch.empty(q[e].shape, dtype=q.dtype).pin_memory()),
+                      ("pageable matrix", q[e].clone())):
+        dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
+        nb = src.numel() * src.element_size()
         ms = med(lambda: dst.copy_(src, non_blocking=True), 20)
-        print(f"H2D {name:18s} {nb / 2**20:.1f} MiB: {ms:.3f} ms = {nb / ms / 1e6:.1f} GB/s", flush=True)
+        print(f"H2D {name:19s} {nb / 2**20:.1f} MiB: {ms:.3f} ms = {nb / ms / 1e6:.1f} GB/s", flush=True)
     contention(layer, dev, shape)
     gen = torch.Generator().manual_seed(0)
     for T in Ts:

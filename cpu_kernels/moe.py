@@ -5,6 +5,9 @@ Weights are packed once per NUMA node: each node holds a slice of F (gate/up row
 its own memory (first touch by its pinned threads), runs it with its own pool, and the partial outputs
 are summed; no weight is stored twice. Packed layout: row-major [E, rows_p, ldk], zero padded, so
 the first rows x k of each expert are the plain weight matrix the GPU lane can ship as a strided view.
+On each node an expert's gate, up and down bytes lie back to back in one block (expert-major): the
+ship lane moves an expert in one copy instead of three (a 3 MiB host->device copy ran at 35-38 GB/s
+on the GPU box against 52.6 GB/s for large ones, bench/results/h200/hostlane/lane_probe.txt).
 """
 
 from __future__ import annotations
@@ -205,11 +208,19 @@ class CpuMoE:
     # Experts quantized per chunk, so packing a layer needs fp32 staging for 8 experts, not for all E.
     _PACK_CHUNK = 8
 
-    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int = _ROW_ALIGN) -> _native.HyMat:
-        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk]. Each chunk of
-        experts is copied into untouched pages by the node's pinned threads (first touch = local)."""
+    def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
+        """Bytes of one expert's packed matrix [rows_p, ldk] (int4: two values per byte)."""
+        n = _align(rows, row_align) * _align(k, self._kpad())
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2}[self.dtype]
+
+    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple) -> _native.HyMat:
+        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk], its bytes for
+        expert e at block = (buffer, offset, stride): buffer + offset + e * stride. Each chunk of experts is
+        copied into untouched pages by the node's pinned threads (first touch = local)."""
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
         lib = _native.load(self.isa)
+        q_buf, q_off, q_stride = block
+        q_bytes = self._q_bytes(rows, k, row_align)
         bufs, strides = None, None
         for e0 in range(0, self.E, self._PACK_CHUNK):
             wc = w[e0:e0 + self._PACK_CHUNK]
@@ -220,20 +231,24 @@ class CpuMoE:
                 parts = list(self._quantized(wp))  # q, scale or None, rsum or None
             if bufs is None:
                 strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
-                bufs = [None if s is None else torch.empty(self.E * s, dtype=torch.uint8) for s in strides]
+                if strides[0] != q_bytes:
+                    raise AssertionError(f"packed expert is {strides[0]} bytes, its block slot {q_bytes}")
+                bufs = [None] + [None if s is None else torch.empty(self.E * s, dtype=torch.uint8) for s in strides[1:]]
                 self._keep += [t for t in bufs if t is not None]
-            for t, buf, s in zip(parts, bufs, strides):
+            for j in range(parts[0].shape[0]):  # q: one expert at a time into its block
+                lib.hy_pool_copy(pool, q_buf.data_ptr() + q_off + (e0 + j) * q_stride, parts[0][j].data_ptr(), q_bytes)
+            for t, buf, s in zip(parts[1:], bufs[1:], strides[1:]):
                 if t is not None:
                     lib.hy_pool_copy(pool, buf.data_ptr() + e0 * s, t.data_ptr(), t.numel() * t.element_size())
         m = _native.HyMat()
-        m.w, m.w_estride = bufs[0].data_ptr(), strides[0]
+        m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
         if bufs[1] is not None:
             m.scale, m.s_estride = bufs[1].data_ptr(), strides[1] // 4
         if bufs[2] is not None:
             m.rsum, m.r_estride = bufs[2].data_ptr(), strides[2] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
         m.group, m.dtype = self.group_size, DTYPES[self.dtype]
-        self.nbytes += sum(b.numel() for b in bufs if b is not None)
+        self.nbytes += self.E * q_bytes + sum(b.numel() for b in bufs if b is not None)
         return m
 
     def _pack_native(self, w_gate, w_up, w_down):
@@ -243,39 +258,50 @@ class CpuMoE:
         layer.knee, layer.alpha, layer.limit = self.amx_min_tokens, self.alpha, self.limit
         slices = self._f_slices()
         layer.n_nodes = len(slices)
+        self._blocks = []  # per node: [E, block bytes] uint8, expert e's gate | up | down packed bytes
         for n, (f0, f1) in enumerate(slices):
             node = layer.nodes[n]
             node.pool = _native.pool(self.isa, self.topology.nodes[n])
             # gate/up rows padded like down's reduction length, so h [m, F_n] rows need no tail fix-up.
-            node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], f1 - f0, self.D, self._kpad())
-            node.up = self._mat(node.pool, w_up[:, f0:f1, :], f1 - f0, self.D, self._kpad())
-            node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, f1 - f0)
+            Fn, kp = f1 - f0, self._kpad()
+            sizes = [self._q_bytes(Fn, self.D, kp), self._q_bytes(Fn, self.D, kp), self._q_bytes(self.D, Fn, _ROW_ALIGN)]
+            stride = sum(sizes)  # every size is a multiple of 64 bytes: rows stay cache-line aligned
+            block = torch.empty(self.E * stride, dtype=torch.uint8)
+            self._keep.append(block)
+            self._blocks.append(block.view(self.E, stride))
+            node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], Fn, self.D, kp, (block, 0, stride))
+            node.up = self._mat(node.pool, w_up[:, f0:f1, :], Fn, self.D, kp, (block, sizes[0], stride))
+            node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, Fn, _ROW_ALIGN, (block, sizes[0] + sizes[1], stride))
         self._layer = layer
         self._slices = slices
 
     def packed_weights(self) -> list[dict]:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:
-        {f0, f1, gate, up, down}, each {q, scale, rows, k, dtype, group}; q is [E, rows_p, ldk] (bf16,
-        int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in cpu_kernels.quant), zero padded, so
-        q[:, :rows, :k] is the plain matrix. With the `ref` ISA: one slice of plain de-quantized tensors."""
+        {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
+        bytes back to back (None with `ref`); gate/up/down are {q, scale, rows, k, dtype, group}, q a view
+        into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
+        cpu_kernels.quant), zero padded, so q[:, :rows, :k] is the plain matrix. With the `ref` ISA: one
+        slice of plain de-quantized tensors."""
         if self.isa == "ref":
             g, u, d = self._ref
             plain = [dict(q=t, scale=None, rows=t.shape[1], k=t.shape[2], dtype="plain", group=0) for t in (g, u, d)]
-            return [dict(f0=0, f1=self.F, gate=plain[0], up=plain[1], down=plain[2])]
+            return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
+        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.dtype]
         out = []
         for n, (f0, f1) in enumerate(self._slices):
-            node, mats = self._layer.nodes[n], {}
+            node, mats, blk = self._layer.nodes[n], {}, self._blocks[n]
             for name in ("gate", "up", "down"):
                 mm = getattr(node, name)
+                cols = mm.ldk // 2 if self.dtype == "int4" else mm.ldk
+                off = mm.w - blk.data_ptr()
+                q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1)].view(qdtype).view(self.E, mm.rows_p, cols)
                 if self.dtype == "int4":
-                    q = by_ptr[mm.w].view(self.E, mm.rows_p, mm.ldk // 2)
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 else:
-                    q = by_ptr[mm.w].view(torch.bfloat16 if self.dtype == "bf16" else torch.int8).view(self.E, mm.rows_p, mm.ldk)
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
                 mats[name] = dict(q=q, scale=s, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group)
-            out.append(dict(f0=f0, f1=f1, **mats))
+            out.append(dict(f0=f0, f1=f1, block=blk, **mats))
         return out
 
     def set_amx_min_tokens(self, knee: int) -> None:

@@ -257,3 +257,39 @@ def test_core_split_can_be_turned_off(monkeypatch):
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
     topo = Offload._split_cores(fake, None)
     assert fake.lane_cpus is None and fake._launcher_cpus is None and topo.threads >= 1
+
+
+@pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])
+def test_ship_lane_moves_an_expert_in_one_copy(isa):
+    """bf16 packed weights without padding on one node: each shipped expert is one copy of its gate | up |
+    down block, and the chunk's dense weights are strided views of the staging block, bitwise the
+    executor's packed bytes; the layer on the ship lane computes what the CPU lane does."""
+    from hybrid.offload.lanes import ShipLane
+    from hybrid.offload.sources import expert_weights, packed_sources
+
+    e, d, f = 8, 128, 64  # multiples of the packing tiles: no padding
+    g = torch.Generator().manual_seed(11)
+    wg, wu, wd = (torch.randn(*s, generator=g).to(torch.bfloat16) / 8 for s in ((e, f, d), (e, f, d), (e, d, f)))
+    moe = cpu_kernels.CpuMoE(wg, wu, wd, isa=isa)
+    sources = packed_sources(moe)
+    assert len(sources) == 1 and sources[0].whole_block()
+    lane = ShipLane(torch.device("cpu"), n_slots=2, chunk=3)
+    slot = lane.fetch(sources, [5, 1, 6], (f, d), torch.bfloat16)
+    assert lane.one_copy and lane.vram_bytes == 2 * 3 * 3 * f * d * 2  # dense chunks only, no raw staging
+    got = lane.weights(sources, slot, torch.bfloat16)
+    for j, ex in enumerate([5, 1, 6]):
+        for mat, want in zip(got, (wg[ex], wu[ex], wd[ex])):
+            assert torch.equal(mat[j], want)
+    shape = ExpertShape("test", hidden=4096, intermediate=1536, num_experts=e, topk=K)
+    x = torch.randn(40, d, generator=g).to(torch.bfloat16)
+    w, ids = torch.softmax(torch.randn(40, e, generator=g), -1).topk(K, -1)
+    outs = {}
+    for strategy in ("cpu", "ship"):
+        off = Offload("cpu", torch.bfloat16, LayerScheduler(shape, AMX_BOX, strategy), cpu_isa=isa, staging_slots=2,
+                      ship_chunk=3)
+        layer = HybridExperts(0, wg, wu, wd, off)
+        assert torch.equal(layer.expert_weights(3)[2], expert_weights(sources, 3, "cpu", torch.bfloat16)[2])
+        outs[strategy] = layer(x, ids, w).float()
+        assert (layer.stats.shipped_experts > 0) == (strategy == "ship")
+    rel = ((outs["ship"] - outs["cpu"]).norm() / outs["cpu"].norm()).item()
+    assert rel < 2e-2, rel  # bf16 activations on both lanes, different accumulation orders

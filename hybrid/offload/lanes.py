@@ -104,6 +104,7 @@ class _Slot:
     ready: object  # torch.cuda.Event | None
     free: object
     experts: list  # experts held, in sub-slot order
+    block: torch.Tensor | None = None  # one-copy layout: [c, 3 F D], dense are views of it
 
 
 class ShipLane:
@@ -143,10 +144,19 @@ class ShipLane:
         # bf16 packed weights without padding on one node are the dense weights: decode is a view.
         self.direct = (len(sources) == 1 and all(m.kind in ("bf16", "plain") and m.q.dtype == dtype
                                                  and tuple(m.q.shape[1:]) == (m.rows, m.k) for m in sources[0].mats()))
+        # ...and when the executor keeps an expert's three matrices back to back, one copy moves the expert
+        # into a staging block whose slices are the dense chunk (the grouped GEMM reads strided views)
+        self.one_copy = self.direct and sources[0].whole_block()
         slots = []
         for _ in range(self.n_slots):
-            dense = [self._alloc((self.chunk, F_, D), dtype), self._alloc((self.chunk, F_, D), dtype),
-                     self._alloc((self.chunk, D, F_), dtype)]
+            block = None
+            if self.one_copy:
+                block = self._alloc((self.chunk, 3 * F_ * D), dtype)  # [c, gate | up | down]
+                dense = [block[:, :F_ * D].view(self.chunk, F_, D), block[:, F_ * D:2 * F_ * D].view(self.chunk, F_, D),
+                         block[:, 2 * F_ * D:].view(self.chunk, D, F_)]
+            else:
+                dense = [self._alloc((self.chunk, F_, D), dtype), self._alloc((self.chunk, F_, D), dtype),
+                         self._alloc((self.chunk, D, F_), dtype)]
             raw = []
             if not self.direct:
                 for _ in range(self.chunk):
@@ -154,7 +164,7 @@ class ShipLane:
                                   None if m.scale is None else self._alloc(m.scale.shape[1:], m.scale.dtype))
                                  for m in ns.mats()] for ns in sources])
             ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
-            slots.append(_Slot(raw, dense, *ev, []))
+            slots.append(_Slot(raw, dense, *ev, [], block))
         self._slots = slots
 
     def fetch(self, sources: list[NodeSlice], experts: list[int], dims, dtype):
@@ -172,6 +182,9 @@ class ShipLane:
             ctx = contextlib.nullcontext()
         with ctx:
             for j, e in enumerate(experts):
+                if self.one_copy:
+                    slot.block[j].copy_(sources[0].block[e].view(slot.block.dtype), non_blocking=self.cuda)
+                    continue
                 if self.direct:
                     for m, dst in zip(sources[0].mats(), slot.dense):
                         dst[j].copy_(m.q[e], non_blocking=self.cuda)

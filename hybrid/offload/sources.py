@@ -54,9 +54,21 @@ class NodeSlice:
     gate: PackedMatrix  # [F_n, D]
     up: PackedMatrix  # [F_n, D]
     down: PackedMatrix  # [D, F_n]
+    block: torch.Tensor | None = None  # [E, bytes] uint8: expert e's gate | up | down q bytes (not `ref`)
 
     def mats(self):
         return (self.gate, self.up, self.down)
+
+    def whole_block(self) -> bool:
+        """Whether block[e] is exactly gate.q[e], up.q[e], down.q[e] back to back (one copy moves them)."""
+        if self.block is None:
+            return False
+        at = self.block.data_ptr()
+        for m in self.mats():
+            if m.q.data_ptr() != at:
+                return False
+            at += m.q[0].numel() * m.q.element_size()
+        return at - self.block.data_ptr() == self.block.shape[1]
 
 
 def packed_sources(moe) -> list[NodeSlice]:
@@ -65,7 +77,7 @@ def packed_sources(moe) -> list[NodeSlice]:
     for node in moe.packed_weights():
         mats = [PackedMatrix(m["q"], m["scale"], m["rows"], m["k"], m["dtype"], m["group"])
                 for m in (node["gate"], node["up"], node["down"])]
-        out.append(NodeSlice(node["f0"], node["f1"], *mats))
+        out.append(NodeSlice(node["f0"], node["f1"], *mats, block=node.get("block")))
     return out
 
 
@@ -95,17 +107,19 @@ def pin(tensors: list[torch.Tensor]) -> list[int]:
     if not torch.cuda.is_available():
         return []
     cudart = torch.cuda.cudart()
-    done = []
+    ranges = {}  # whole storages, once each: several views (gate, up, down of one block) share one
     for t in tensors:
-        if t is None or t.is_pinned():
-            continue
-        n = t.numel() * t.element_size()
-        rc = cudart.cudaHostRegister(t.data_ptr(), n, 0)
+        if t is not None and not t.is_pinned():
+            st = t.untyped_storage()
+            ranges[st.data_ptr()] = st.nbytes()
+    done = []
+    for ptr, n in ranges.items():
+        rc = cudart.cudaHostRegister(ptr, n, 0)
         if int(rc) != 0:
             cudart.cudaGetLastError()  # clear it, or the next unrelated CUDA call reports it
             log.warning("cudaHostRegister of %.1f MiB failed (error %s): shipping from pageable memory", n / 2**20, rc)
             continue
-        done.append((t.data_ptr(), n))
+        done.append((ptr, n))
     return done
 
 
