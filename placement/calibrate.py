@@ -75,11 +75,10 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
             probe = HardwareProfile(name="probe", cpu_flops=peaks, dram_bw=dram_bw, **gpu)
             ov = measure_overheads(probe)
             raw["overheads"] = ov
-            gpu.update({k: ov[k] for k in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead",
-                                           "ship_expert_overhead")})
-            progress("  per layer {:.0f} us, CPU lane +{:.0f} us, ship chunk +{:.0f} us, ship expert +{:.0f} us".format(
-                *(1e6 * ov[k] for k in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead",
-                                        "ship_expert_overhead"))))
+            keys = ("layer_overhead", "cpu_lane_overhead", "cpu_lane_start", "ship_chunk_overhead", "ship_expert_overhead")
+            gpu.update({k: ov[k] for k in keys})
+            progress("  per layer {:.0f} us, CPU lane +{:.0f} us (starts at {:.0f} us), ship chunk +{:.0f} us, "
+                     "ship expert +{:.0f} us".format(*(1e6 * ov[k] for k in keys)))
         except Exception as exc:  # noqa: BLE001 - the profile stays usable without them; say so loudly
             progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
         progress("  latency floor of graph decode per layer (small hybrid model, batch 1)...")
@@ -117,6 +116,8 @@ def summary(profile: HardwareProfile) -> str:
                  ("alpha per transfer", f"{profile.alpha * 1e6:.1f} us"),
                  ("hybrid layer fixed cost", f"{profile.layer_overhead * 1e6:.0f} us"),
                  ("CPU lane fixed cost", f"{profile.cpu_lane_overhead * 1e6:.0f} us"),
+                 ("CPU lane starts after", "not measured" if profile.cpu_lane_start is None
+                  else f"{profile.cpu_lane_start * 1e6:.0f} us"),
                  ("ship: per chunk / per expert", f"{profile.ship_chunk_overhead * 1e6:.0f} / "
                                                   f"{profile.ship_expert_overhead * 1e6:.0f} us"),
                  ("graph decode floor per layer", f"{profile.graph_layer_floor * 1e6:.0f} us")]

@@ -71,6 +71,11 @@ class HardwareProfile:
     cpu_lane_overhead: float = 0.0
     ship_chunk_overhead: float = 0.0
     ship_expert_overhead: float = 0.0
+    # Seconds from the start of an eager layer call to its CPU lane starting (routing histogram to the host,
+    # the decision, the lane's enqueue and input copy). The rest of layer_overhead (the GPU lane's launches,
+    # the merge) runs while the CPU lane works, so a layer costs max(layer_overhead + GPU lane, cpu_lane_start
+    # + CPU lane). None = not measured: taken as layer_overhead (no overlap).
+    cpu_lane_start: float | None = None
     # Seconds per decoder layer of a captured decode step at batch 1 beyond its weight traffic (kernel
     # launches inside the graph, the CPU lane's copies and host function): measured by `hybrid calibrate`
     # on a small hybrid model with the expert shape's hidden size; 0 = not measured.
@@ -100,6 +105,16 @@ class HardwareProfile:
         for name in ("layer_overhead", "cpu_lane_overhead", "ship_chunk_overhead", "ship_expert_overhead",
                      "graph_layer_floor"):
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
+        if self.cpu_lane_start is not None:
+            object.__setattr__(self, "cpu_lane_start", _seconds("cpu_lane_start", self.cpu_lane_start))
+
+    @property
+    def cpu_lane_head(self) -> float:
+        """Seconds of the layer call's fixed cost that the CPU lane runs through (its head start over the
+        GPU lane): layer_overhead - cpu_lane_start, 0 when not measured."""
+        if self.cpu_lane_start is None:
+            return 0.0
+        return max(0.0, self.layer_overhead - self.cpu_lane_start)
         curves = {}
         for kind, points in (self.cpu_curves or {}).items():
             try:

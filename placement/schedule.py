@@ -57,10 +57,12 @@ class Split:
     cpu_lane: float
     gpu_lane: float
     fixed: float = 0.0  # the layer call's own overhead (profile.layer_overhead)
+    head: float = 0.0  # the part of it the CPU lane runs through (profile.cpu_lane_head)
 
     @property
     def total(self) -> float:
-        return self.fixed + max(self.cpu_lane, self.gpu_lane)
+        cpu = self.cpu_lane - self.head if self.cpu_lane > 0 else 0.0
+        return self.fixed + max(cpu, self.gpu_lane)
 
 
 class LayerScheduler:
@@ -78,6 +80,7 @@ class LayerScheduler:
         self.tau = float(weight_transfer_time(shape, hw)) + hw.ship_expert_overhead
         self.chunk_share = hw.ship_chunk_overhead / max(chunk, 1)
         self.cpu_fixed = hw.cpu_lane_overhead
+        self.head = hw.cpu_lane_head
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
         self._tables(max_m)
         # compile (or load from numba's cache) now, not in the first batch
@@ -112,7 +115,7 @@ class LayerScheduler:
         self._grow(hist)
         cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, self.tau, self.cpu_fixed + 2.0 * self.hw.alpha,
                               self.row_time, -1 if rows is None else int(rows), float(gpu_busy))
-        return Split(ship, cpu, gpu, self.hw.layer_overhead)
+        return Split(ship, cpu, gpu, self.hw.layer_overhead, self.head)
 
     def decide(self, hist, batch_tokens: int, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """The split of the cold experts for this batch. hist [n_cold] tokens per cold expert."""
@@ -131,5 +134,5 @@ class LayerScheduler:
         self._grow(hist)
         ship = np.empty(hist.shape, dtype=np.bool_)
         _, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, self.tau, 2.0 * self.hw.alpha + self.cpu_fixed,
-                                 self.row_time, -1 if rows is None else int(rows), float(gpu_busy), ship)
-        return Split(ship, cpu, gpu, self.hw.layer_overhead)
+                                 self.row_time, -1 if rows is None else int(rows), float(gpu_busy), self.head, ship)
+        return Split(ship, cpu, gpu, self.hw.layer_overhead, self.head)

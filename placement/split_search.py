@@ -29,12 +29,14 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps a br
 
 
 @_jit
-def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, ship):
+def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, head, ship):
     """hist [n] tokens per cold expert (all <= len(cpu_t) - 1); cpu_t / ship_g [max_m + 1] seconds per
     expert by tokens: CPU kernel, and GPU stage of a shipped expert; tau: one expert's transfer; cpu_fixed:
     the CPU lane's fixed cost (2 alpha + overhead); row_time: one row's activations there and back; rows:
     rows the CPU lane moves when it runs everything (< 0: the tokens of the histogram); gpu_busy: resident
-    GPU work ahead of the shipped experts. Sets ship [n] (bool) and returns (k, cpu lane, GPU lane).
+    GPU work ahead of the shipped experts; head: the CPU lane's head start over the GPU lane (the part of
+    the call's fixed cost it overlaps), so a split costs max(CPU lane - head, GPU lane). Sets ship [n]
+    (bool) and returns (k, cpu lane, GPU lane).
 
     Shipping the k experts with the largest CPU times (ties: lower index first) is best among all
     splits that ship k (the link costs each the same), so only k is searched. GPU lane: two-stage flow
@@ -64,7 +66,7 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, sh
     best_k = 0
     best_cpu = cpu_fixed + m_left * rt + c_left
     best_gpu = gpu_busy
-    best = max(best_cpu, best_gpu)
+    best = max(best_cpu - head, best_gpu)
     t = gpu_busy
     link = 0.0
     for k in range(1, n_act + 1):
@@ -77,7 +79,7 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, sh
         if t >= best:
             break  # the GPU lane only grows from here
         cpu = cpu_fixed + m_left * rt + c_left if m_left > 0 else 0.0
-        span = max(cpu, t)
+        span = max(cpu - head, t) if m_left > 0 else t
         if span < best:
             best_k, best_cpu, best_gpu, best = k, cpu, t, span
     for k in range(best_k):

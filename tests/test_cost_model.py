@@ -153,9 +153,10 @@ def test_histogram():
 def test_profile_json_round_trip(tmp_path):
     hw = HardwareProfile(name="rt", cpu_flops={"amx": 1.2e13, "torch": 3e12}, dram_bw=9.9e10, gpu_flops=7.9e14,
                          hbm_bw=4.3e12, link_bw=5.5e10, alpha=1.2e-5, cpu_curves={"amx": [[1, 1e11], [512, 1.2e13]]},
-                         machine={"cpu": "test"}, source="calibrated")
+                         machine={"cpu": "test"}, source="calibrated", layer_overhead=1e-3, cpu_lane_start=3e-4)
     path = hw.save(tmp_path / "p.json")
     assert load_profile(path) == hw
+    assert hw.cpu_lane_head == pytest.approx(7e-4)  # what the CPU lane overlaps of the call's fixed cost
 
 
 def test_cpu_only_profile_round_trip_and_gpu_refusal(tmp_path):
@@ -167,7 +168,7 @@ def test_cpu_only_profile_round_trip_and_gpu_refusal(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("dram_bw", 0), ("link_bw", -1), ("gpu_flops", float("nan")),
-                                          ("alpha", -1e-6), ("hbm_bw", "fast")])
+                                          ("alpha", -1e-6), ("hbm_bw", "fast"), ("cpu_lane_start", -1e-6)])
 def test_profile_rejects_bad_values(field, value):
     fields = dict(name="x", cpu_flops={"k": 1e12}, dram_bw=1e11, gpu_flops=1e14, hbm_bw=1e12, link_bw=5e10,
                   alpha=1e-5)

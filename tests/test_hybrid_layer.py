@@ -1,5 +1,7 @@
 """The hybrid MoE layer against the reference MoE: every strategy, resident sets, CPU dtypes, ISAs."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -62,10 +64,15 @@ def test_lanes_are_really_used():
     s = layer.stats
     assert s.shipped_experts == int((np.bincount(ids.flatten(), minlength=E) > 0).sum()) - 1
     assert s.cpu_experts == 0 and s.resident_experts == 1
+    assert s.cpu_lane_calls == 0 and s.cpu_lane_start_s == 0.0
     layer2, _ = make_layer("cpu")
+    t0 = time.perf_counter()
     layer2(torch.randn(64, D), ids, w)
+    took = time.perf_counter() - t0
     assert layer2.stats.shipped_experts == 0 and layer2.stats.cpu_experts > 0
     assert layer2.stats.cpu_share == 1.0
+    # when the CPU lane started, inside the call (what calibration reads as cpu_lane_start)
+    assert layer2.stats.cpu_lane_calls == 1 and 0.0 < layer2.stats.cpu_lane_start_s < took
 
 
 def test_cost_strategy_mixes_lanes_on_a_big_batch():

@@ -149,8 +149,32 @@ def test_compiled_search_equals_its_python_source(seed):
         hist = rng.choice([0, 0, 1, 1, 2, 5, 40, 300], size=n).astype(np.int64)
         rows = int(rng.integers(-1, 3 * int(hist.sum()) + 2))
         busy = float(rng.uniform(0, 5e-3))
-        args = (hist, sched.cpu_t, sched.ship_g, sched.tau, 2 * hw.alpha + sched.cpu_fixed, sched.row_time, rows, busy)
+        head = float(rng.choice([0.0, rng.uniform(0, 2e-3)]))
+        args = (hist, sched.cpu_t, sched.ship_g, sched.tau, 2 * hw.alpha + sched.cpu_fixed, sched.row_time, rows, busy,
+                head)
         a, b = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
         ra = best_split(*args, a)
         rb = best_split.py_func(*args, b)
         assert ra == rb and np.array_equal(a, b)
+
+
+def test_cpu_lane_head_start_is_priced():
+    """The CPU lane starts before the layer call's fixed cost is over (cpu_lane_start < layer_overhead)
+    and runs through the rest of it: a split costs fixed + max(CPU lane - head, GPU lane). Checked by hand
+    on a batch the AVX-512 box ships part of without a head start: with a head start longer than its whole
+    CPU lane, nothing is worth shipping and the layer costs just the fixed part plus the resident work."""
+    from dataclasses import replace
+
+    base = replace(BUILTIN_PROFILES["ktransformers-paper-avx512"], layer_overhead=0.5)
+    hist = np.array([300, 300, 200, 100, 50, 8, 1, 0])
+    no_head = LayerScheduler(QWEN, base).decide(hist, 600, gpu_busy=1e-4)
+    assert no_head.ship.any() and no_head.head == 0.0
+    assert no_head.total == pytest.approx(0.5 + max(no_head.cpu_lane, no_head.gpu_lane))
+    early = replace(base, cpu_lane_start=0.05)  # head start 0.45 s > the whole CPU lane (~20 ms here)
+    s = LayerScheduler(QWEN, early).decide(hist, 600, gpu_busy=1e-4)
+    assert not s.ship.any() and s.head == pytest.approx(0.45)
+    assert s.cpu_lane == pytest.approx(LayerScheduler(QWEN, base, "cpu").decide(hist, 600).cpu_lane)
+    assert s.total == pytest.approx(0.5 + 1e-4)  # the CPU lane ends inside the fixed part
+    partial = replace(base, cpu_lane_start=0.5 - 0.01)  # 10 ms head start: the split moves toward the CPU
+    p = LayerScheduler(QWEN, partial).decide(hist, 600, gpu_busy=1e-4)
+    assert p.ship.sum() <= no_head.ship.sum() and p.total <= no_head.total

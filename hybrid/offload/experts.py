@@ -41,6 +41,8 @@ class LayerStats:
     resident_experts: int = 0  # resident experts that received tokens
     decide_s: float = 0.0
     predicted_s: float = 0.0
+    cpu_lane_calls: int = 0  # eager calls that used the CPU lane
+    cpu_lane_start_s: float = 0.0  # summed seconds from their start to the CPU lane enqueued (calibration)
     routed: np.ndarray | None = field(default=None, repr=False)  # tokens per expert, cumulative [E]
 
     @property
@@ -178,6 +180,7 @@ class HybridExperts(nn.Module):
 
     def _forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The per-batch split: histogram on the host, scheduler, both lanes and the GPU's experts."""
+        t_call = time.perf_counter()
         T, K = topk_ids.shape
         off = self.offload
         dev = off.device
@@ -204,6 +207,8 @@ class HybridExperts(nn.Module):
                 cpu_out = off.host_lane.enqueue(self, x, topk_ids, topk_weights, mask)
             else:
                 future = off.cpu_lane.submit(self.cpu_moe, x, topk_ids, topk_weights, mask)
+            self.stats.cpu_lane_calls += 1
+            self.stats.cpu_lane_start_s += time.perf_counter() - t_call
 
         if cpu_out is None and self.capturable and T <= off.host_lane.MAX_ROWS:
             off.host_lane.buffers(T, self.D, K, off.dtype)  # the decode graphs' warm-up: buffers before capture

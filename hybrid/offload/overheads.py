@@ -22,12 +22,14 @@ TINY = ExpertShape("tiny", hidden=256, intermediate=256, num_experts=16, topk=1)
 
 
 def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
-    """Seconds: layer_overhead, cpu_lane_overhead, ship_chunk_overhead, ship_expert_overhead (CUDA only)."""
+    """Seconds: layer_overhead, cpu_lane_overhead, cpu_lane_start, ship_chunk_overhead, ship_expert_overhead
+    (CUDA only)."""
     from hybrid.offload import HybridExperts, Offload
 
     dev = torch.device("cuda")
     chunk = 8
-    hw0 = replace(hw, layer_overhead=0.0, cpu_lane_overhead=0.0, ship_chunk_overhead=0.0, ship_expert_overhead=0.0)
+    hw0 = replace(hw, layer_overhead=0.0, cpu_lane_overhead=0.0, ship_chunk_overhead=0.0, ship_expert_overhead=0.0,
+                  cpu_lane_start=None)
     off = Offload(dev, torch.bfloat16, LayerScheduler(TINY, hw0, "cpu"), cpu_isa=isa, staging_slots=2,
                   ship_chunk=chunk)
     D = TINY.hidden
@@ -51,7 +53,11 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
         return statistics.median(times)
 
     t_res = timed("cpu", 1, [0])  # one resident expert: the layer's own fixed cost
+    st = layer.stats
+    calls0, start0 = st.cpu_lane_calls, st.cpu_lane_start_s
     t_cpu = timed("cpu", 1, [])  # + the CPU lane
+    # when the CPU lane starts: its enqueue (host side), then the rows' device->host copy (alpha)
+    lane_start = (st.cpu_lane_start_s - start0) / max(st.cpu_lane_calls - calls0, 1) + hw.alpha
     t_ship1 = timed("ship", 1, [])  # + one chunk of one shipped expert
     t_ship8 = timed("ship", chunk, [])  # + seven more experts in the same chunk
     tiny_link = TINY.weight_bytes / hw.link_bw
@@ -59,6 +65,7 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     return {
         "layer_overhead": t_res,
         "cpu_lane_overhead": max(0.0, t_cpu - t_res),
+        "cpu_lane_start": min(lane_start, t_res),
         "ship_expert_overhead": per_expert,
         "ship_chunk_overhead": max(0.0, t_ship1 - t_res - hw.alpha - tiny_link - per_expert),
         "raw_s": {"resident_only": t_res, "cpu_lane_1": t_cpu, "ship_1": t_ship1, f"ship_{chunk}": t_ship8},
