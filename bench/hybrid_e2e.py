@@ -96,13 +96,14 @@ def decode_roofline(off, cfg, hw, dtype, routed_delta: list[np.ndarray], steps: 
     return total + attn / hw.hbm_bw
 
 
-def trace(eng, slots, last, path: str) -> None:
-    """torch.profiler over 3 decode steps (host launches, copies and kernels per stream) as a chrome trace."""
+def trace(step, path: str, repeats: int = 3) -> None:
+    """torch.profiler over `repeats` calls of step() (host launches, copies and kernels per stream) as a
+    chrome trace, and the top of its table."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            eng.decode_step(slots, last)
+        for _ in range(repeats):
+            step()
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
 
@@ -161,6 +162,14 @@ def run(args) -> dict:
             row[f"prefill_{n}_tok_s"] = n / dt
             row[f"prefill_{n}_ms"] = dt * 1e3
             row[f"prefill_{n}_sched"] = describe(snapshot(off) - snap, 1)
+            if args.trace:  # one prefill: where the time goes beside the link's share
+
+                def prefill_once():
+                    s = eng.allocate_slot()
+                    eng.prefill(s, ids)
+                    eng.free_slot(s)
+
+                trace(prefill_once, f"{args.trace}_{strat.replace(':', '')}_prefill{n}.json", repeats=1)
         for b in args.decode_batch:
             slots = [eng.allocate_slot() for _ in range(b)]
             for s in slots:
@@ -178,7 +187,7 @@ def run(args) -> dict:
                 eng.graphs = graphs
             delta = [layer.stats.routed - bb for layer, bb in zip(off.layers, before)]
             if args.trace:
-                trace(eng, slots, last, f"{args.trace}_{strat.replace(':', '')}_b{b}.json")
+                trace(lambda: eng.decode_step(slots, last), f"{args.trace}_{strat.replace(':', '')}_b{b}.json")
             for s in slots:
                 eng.free_slot(s)
             step = statistics.median(times)
@@ -236,8 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", action="store_true",
                    help="measure each strategy in a fresh process (same weights and placement): strategies run "
                         "one after another in one process can change each other's timings (seen on the GPU box)")
-    p.add_argument("--trace", help="also profile 3 decode steps per strategy and batch: chrome traces "
-                   "TRACE_<strategy>_b<batch>.json")
+    p.add_argument("--trace", help="also profile one prefill per length and 3 decode steps per batch, per "
+                   "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
