@@ -96,24 +96,23 @@ class Offload:
         affinity restored after. While a layer's CPU lane runs, a launching thread that the kernel scheduler
         puts on a pool core takes a pinned worker's time slice (ms) and stalls the executor's phase barrier.
         Scoped to layer calls, not set once, so that loading, packing and torch CPU work elsewhere keep every
-        core. Two syscalls per layer call (~us); captured steps do not call layers at all."""
-        cpus = self._launcher_cpus
-        if not cpus:
-            yield
-            return
-        try:
-            before = os.sched_getaffinity(0)  # this thread only (Linux: pid 0 = the calling thread)
-            if before != cpus:
-                os.sched_setaffinity(0, cpus)
-        except OSError as exc:
-            log.warning("could not pin the launching thread to cpus %s (%s); leaving it floating", sorted(cpus), exc)
-            self._launcher_cpus = None
-            yield
-            return
+        core. A few syscalls per step (~us); the engine wraps whole steps, graph replays included."""
+        cpus, before = self._launcher_cpus, None
+        if cpus:
+            try:
+                before = os.sched_getaffinity(0)  # this thread only (Linux: pid 0 = the calling thread)
+                if before == cpus:
+                    before = None  # already pinned (an enclosing step): nothing to undo here
+                else:
+                    os.sched_setaffinity(0, cpus)
+            except OSError as exc:
+                log.warning("could not pin the launching thread to cpus %s (%s); leaving it floating",
+                            sorted(cpus), exc)
+                self._launcher_cpus, before = None, None
         try:
             yield
         finally:
-            if before != cpus:
+            if before is not None:
                 os.sched_setaffinity(0, before)
 
     @property
