@@ -3,12 +3,14 @@
     python -m bench.lane_probe --profile PROFILE.json [--tokens 1,8] [--layers 8]
 
 One Qwen3-30B-A3B-shaped layer (a quarter resident): the median synchronised call time per strategy and
-CPU-lane kind, the host->device rate of one expert's packed weights against a torch-pinned copy of the
-same size, DRAM contention between the lanes, and a torch.profiler table of the cost strategy's calls.
-With --layers N: a stack of N such layers (own weights, one shared Offload, each layer's output feeding
-the next, one sync per step, as in a model's eager decode) per strategy, plus `mix` = every other active
-cold expert shipped: the eager mixed-lane slowdown of BENCHMARKS.md (issue 5) was ~6 ms per layer in the 8-layer
-model of bench.hybrid_e2e and ~1 ms on one layer. --variants repeats the stack under each thread-placement setting.
+CPU-lane kind, the host->device rate of one expert's packed block and of one of its matrices against a
+torch-pinned copy, DRAM contention between the lanes, and a torch.profiler table of the cost strategy's
+calls. With --layers N: a stack of N such layers (own weights, one shared Offload, each layer's output
+feeding the next, one sync per step, as in a model's eager decode, without attention) per strategy, plus
+`mix` = every other active cold expert shipped, and the cpus the launching thread ran on; --trace adds a
+chrome trace of mixed steps; --variants repeats the stack under each thread-placement setting. (This is
+how the "eager mixed-lane slowdown" of issue 5 was shown not to be the lanes: the stack mixed fine, and
+the e2e trace found cuDNN attention plans instead; BENCHMARKS.md.)
 """
 
 from __future__ import annotations
