@@ -168,10 +168,11 @@ def main(argv=None) -> int:
     plen = args.prompt if n_dec else args.max_context - 1
     n_prompts = max(1, args.profile_tokens // (plen + n_dec))
     prompts = [torch.randint(0, cfg.vocab_size, (plen,), generator=g).tolist() for _ in range(n_prompts)]
-    layers, counts, tokens, series = profile(eng, prompts, window=args.max_context, decode_tokens=n_dec)
+    layers, counts, tokens, series, dec_counts, dec_tokens = profile(eng, prompts, window=args.max_context,
+                                                                     decode_tokens=n_dec)
     stats = RoutingStats(cfg.num_experts, cfg.experts_per_token, tuple(layers), counts, tokens, args.max_context,
                          tuple(series), {"kind": "measured", "prompts": "random token ids",
-                                         "decode_tokens_per_prompt": n_dec})
+                                         "decode_tokens_per_prompt": n_dec}, dec_counts, dec_tokens)
     del eng
 
     mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype,
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
                "predicted_decode_tokens_per_s": pl.predicted_decode_tokens_per_s, "measured_decode_tokens_per_s": measured,
                "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": cuda,
                "predicted_on_seen_routing_tokens_per_s": matched, "error_on_seen_routing": measured / matched - 1.0,
-               "cold_share_profiled": float((stats.shares() * ~res_mask).sum() / stats.shares().sum()),
+               "cold_share_profiled": float((stats.decode_shares() * ~res_mask).sum() / stats.decode_shares().sum()),
                "cold_share_seen": float((seen * ~res_mask).sum() / max(seen.sum(), 1e-12)),
                "prefill_tokens": P, "predicted_prefill_tokens_per_s": pl.predicted_prefill_tokens_per_s,
                "measured_prefill_tokens_per_s": prefill,

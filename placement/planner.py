@@ -139,7 +139,8 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     stats.check_model(cfg)
     s = settings.memory
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
-    shares = stats.shares()  # [L, E]
+    shares = stats.decode_shares()  # [L, E] decode: what residency is for
+    pre_shares = stats.prefill_shares()  # [L, E] prompts (the same when decode was not recorded apart)
     rows = settings.decode_rows
     savings = np.stack([decode_savings(cpu_shape, gpu_shape, hw, sh, rows) for sh in shares])  # [L, E]
     resident = choose_resident(savings, mem.resident_expert, settings.gpu_budget - mem.gpu_fixed)  # [L, E]
@@ -155,7 +156,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     P = min(settings.prefill_tokens, s.max_context)
     prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True)  # causal: P/2 keys on average
     layers = []
-    for li, (layer, sh) in enumerate(zip(stats.layers, shares)):
+    for li, (layer, sh) in enumerate(zip(stats.layers, pre_shares)):
         prefill_s += prefill_layer_time(sched, gpu_sched, sh, resident[li], P)
         ids = np.nonzero(resident[li])[0]
         layers.append(LayerPlan(layer, tuple(int(e) for e in ids), float(savings[li, ids].sum())))

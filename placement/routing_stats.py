@@ -4,7 +4,9 @@
 `counts[l, e]` is the number of tokens of the run that layer `layers[l]` routed to expert `e`, so each
 row sums to `tokens * topk`; `share = counts / tokens` is the probability that a token uses the expert
 (a row of shares sums to K). `series` holds the same counts per window of `window_tokens` tokens, in
-order, for judging how long a hot set persists.
+order, for judging how long a hot set persists. `decode_counts` / `decode_tokens` are the part of them
+that generated tokens routed (decode steps): decode can route very differently from prompts, so the
+planner places and predicts decode by them and prefill by the rest, when they are recorded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class RoutingStats:
     window_tokens: int = 0
     series: tuple = ()  # ((tokens, counts [L, E]), ...) per window, in run order
     source: dict = field(default_factory=dict)
+    decode_counts: np.ndarray | None = None  # int64 [L, E], the decode steps' part of counts; None: not split
+    decode_tokens: int = 0
 
     def __post_init__(self):
         counts = np.asarray(self.counts, dtype=np.int64)
@@ -46,6 +50,16 @@ class RoutingStats:
             raise UsageError("routing stats: counts, tokens and window must be non-negative")
         if len(set(self.layers)) != len(self.layers):
             raise UsageError("routing stats: a layer is listed twice")
+        if self.decode_counts is not None:
+            dc = np.asarray(self.decode_counts, dtype=np.int64)
+            object.__setattr__(self, "decode_counts", dc)
+            if dc.shape != counts.shape or (dc < 0).any() or (dc > counts).any():
+                raise UsageError(f"routing stats: decode counts (shape {dc.shape}) must be a part of the counts "
+                                 f"(shape {counts.shape}): non-negative and no larger")
+            if not 0 <= self.decode_tokens <= self.tokens:
+                raise UsageError(f"routing stats: {self.decode_tokens} decode tokens of {self.tokens} in all")
+        elif self.decode_tokens:
+            raise UsageError("routing stats: decode_tokens without decode counts")
         series = []
         for i, (n, c) in enumerate(self.series):
             c = np.asarray(c, dtype=np.int64)
@@ -57,9 +71,24 @@ class RoutingStats:
     # -- views ------------------------------------------------------------------------------------
     def shares(self) -> np.ndarray:
         """[L, E] probability that a token routes to each expert (rows sum to K); uniform without data."""
-        if self.tokens == 0:
+        return self._shares(self.counts, self.tokens)
+
+    def decode_shares(self) -> np.ndarray:
+        """[L, E] the same for generated tokens (decode steps); all tokens' when decode was not recorded."""
+        if self.decode_counts is None or self.decode_tokens == 0:
+            return self.shares()
+        return self._shares(self.decode_counts, self.decode_tokens)
+
+    def prefill_shares(self) -> np.ndarray:
+        """[L, E] the same for prompt tokens; all tokens' when there were no others."""
+        if self.decode_counts is None or self.decode_tokens == self.tokens:
+            return self.shares()
+        return self._shares(self.counts - self.decode_counts, self.tokens - self.decode_tokens)
+
+    def _shares(self, counts: np.ndarray, tokens: int) -> np.ndarray:
+        if tokens == 0:
             return np.full(self.counts.shape, self.topk / self.num_experts)
-        return self.counts / float(self.tokens)
+        return counts / float(tokens)
 
     @classmethod
     def uniform(cls, cfg) -> "RoutingStats":
@@ -81,8 +110,11 @@ class RoutingStats:
         return {
             "schema_version": SCHEMA_VERSION, "kind": KIND, "num_experts": self.num_experts, "topk": self.topk,
             "tokens": self.tokens, "window_tokens": self.window_tokens, "source": self.source,
-            "layers": [{"layer": l, "counts": c.tolist()} for l, c in zip(self.layers, self.counts)],
+            "layers": [{"layer": l, "counts": c.tolist(),
+                        **({} if self.decode_counts is None else {"decode_counts": self.decode_counts[i].tolist()})}
+                       for i, (l, c) in enumerate(zip(self.layers, self.counts))],
             "series": [{"tokens": n, "counts": c.tolist()} for n, c in self.series],
+            **({} if self.decode_counts is None else {"decode_tokens": self.decode_tokens}),
         }
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -98,11 +130,14 @@ class RoutingStats:
                              f"(this build reads {SCHEMA_VERSION})")
         try:
             layers = data["layers"]
+            split = "decode_tokens" in data
             return cls(int(data["num_experts"]), int(data["topk"]), tuple(int(x["layer"]) for x in layers),
                        np.array([x["counts"] for x in layers], dtype=np.int64).reshape(len(layers), -1),
                        int(data["tokens"]), int(data.get("window_tokens", 0)),
                        tuple((int(w["tokens"]), np.array(w["counts"], dtype=np.int64)) for w in data.get("series", [])),
-                       dict(data.get("source", {})))
+                       dict(data.get("source", {})),
+                       np.array([x["decode_counts"] for x in layers], dtype=np.int64).reshape(len(layers), -1)
+                       if split else None, int(data["decode_tokens"]) if split else 0)
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"{origin}: malformed ({type(exc).__name__}: {exc})") from None
 

@@ -247,3 +247,37 @@ def test_routing_stats_round_trip(tmp_path):
         got.check_model(model_cfg(experts=8))
     with pytest.raises(UsageError, match="counts have shape"):
         RoutingStats(4, 1, (0,), np.zeros((2, 4)), 0)
+
+
+def test_decode_routing_recorded_apart_places_decode_and_prices_prefill_by_prompts(tmp_path):
+    """Statistics with the decode steps' routing counted apart: residency and the decode prediction follow
+    what generated tokens route to, the prefill prediction what prompt tokens route to. By hand: layer 1's
+    prompts favour expert 0, its decode favours expert 3; one resident expert goes to layer 1's expert 3."""
+    prompts = np.array([FLAT, SKEWED]) * 0.8  # 80 prompt tokens (shares as before), 20 decode tokens
+    decode = np.array([[5, 5, 5, 5], [0, 2, 2, 16]])
+    s = RoutingStats(4, 1, (0, 1), (prompts + decode).astype(int), tokens=100, decode_counts=decode, decode_tokens=20)
+    assert s.decode_shares()[1].tolist() == [0.0, 0.1, 0.1, 0.8]
+    assert s.prefill_shares()[1].tolist() == pytest.approx([0.55, 0.35, 0.05, 0.05])
+    p = plan(CFG, s, HW, settings_for(1))
+    assert [lp.resident_experts for lp in p.layers] == [(), (3,)]  # 0.8 of decode beats every other share
+    merged = RoutingStats(4, 1, (0, 1), s.counts, tokens=100)  # the same counts, decode not apart
+    assert [lp.resident_experts for lp in plan(CFG, merged, HW, settings_for(1)).layers] == [(), (0,)]
+    # prefill is priced on the prompts' routing: the same as statistics of the prompts alone
+    prompts_only = RoutingStats(4, 1, (0, 1), prompts.astype(int), tokens=80)
+    same_place = plan(CFG, prompts_only, HW, settings_for(1))
+    assert [lp.resident_experts for lp in same_place.layers] == [(), (0,)]
+    # (placements differ, so compare the prefill prices on one placement: layer 1 expert 3 resident)
+    from placement.planner import expert_shapes as shapes
+    from placement.predict import prefill_layer_time
+    from placement.schedule import LayerScheduler
+    cpu, gpu = shapes(CFG, MEM)
+    res = np.array([False, False, False, True])
+    t = [prefill_layer_time(LayerScheduler(cpu, HW), LayerScheduler(gpu, HW), sh, res, 63)
+         for sh in (s.prefill_shares()[1], prompts_only.shares()[1])]
+    assert t[0] == pytest.approx(t[1])
+    got = load_stats(s.save(tmp_path / "d.json"))  # the split survives the file
+    assert got.decode_tokens == 20 and np.array_equal(got.decode_counts, decode)
+    with pytest.raises(UsageError, match="decode counts"):
+        RoutingStats(4, 1, (0, 1), s.counts, tokens=100, decode_counts=s.counts + 1, decode_tokens=20)
+    with pytest.raises(UsageError, match="decode tokens"):
+        RoutingStats(4, 1, (0, 1), s.counts, tokens=100, decode_counts=decode, decode_tokens=101)

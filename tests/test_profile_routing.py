@@ -36,8 +36,8 @@ def test_counts_and_windows_are_exact(ckpt):
     model = load_model(ckpt, device="cpu", dtype=torch.float32, progress=False)
     eng = Engine(model, None, max_batch=1, max_context=64, eager=True)
     prompts = [list(range(3, 40)), list(range(50, 60)), list(range(100, 121))]  # 37 + 10 + 21 = 68 tokens
-    layers, counts, tokens, series = profile(eng, prompts, window=16)
-    assert layers == [0, 1] and tokens == 68
+    layers, counts, tokens, series, dec, n_dec = profile(eng, prompts, window=16)
+    assert layers == [0, 1] and tokens == 68 and n_dec == 0 and not dec.any()
     assert [n for n, _ in series] == [16, 16, 16, 16, 4]
     assert np.array_equal(sum(c for _, c in series), counts)
     assert (counts.sum(axis=1) == 68 * model.cfg.experts_per_token).all()
@@ -53,9 +53,13 @@ def test_counts_and_windows_are_exact(ckpt):
         h.remove()
     assert np.array_equal(np.bincount(torch.cat(seen).numpy(), minlength=16), counts[0])
     # with 3 greedy decode tokens after each prompt: 9 more tokens, windows still exact
-    layers, counts, tokens, series = profile(eng, prompts, window=16, decode_tokens=3)
+    prefill_counts = counts
+    layers, counts, tokens, series, dec, n_dec = profile(eng, prompts, window=16, decode_tokens=3)
     assert tokens == 77 and [n for n, _ in series] == [16, 16, 16, 16, 13]
     assert (counts.sum(axis=1) == 77 * model.cfg.experts_per_token).all()
+    # the decode steps' part, counted apart: 9 tokens, and what is left is exactly the prompts' routing
+    assert n_dec == 9 and (dec.sum(axis=1) == 9 * model.cfg.experts_per_token).all()
+    assert np.array_equal(counts - dec, prefill_counts)
 
 
 def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
@@ -71,9 +75,12 @@ def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
     assert data["source"]["decode_tokens_per_prompt"] == 2
     assert [x["layer"] for x in data["layers"]] == [0, 1]
     assert all(sum(x["counts"]) == data["tokens"] * 4 for x in data["layers"])
+    assert data["decode_tokens"] == 3 * 2  # two per prompt, counted apart too
+    assert all(sum(x["decode_counts"]) == data["decode_tokens"] * 4 for x in data["layers"])
     assert sum(w["tokens"] for w in data["series"]) == data["tokens"]
     stats = load_stats(out)  # what `hybrid plan --stats` reads
-    assert stats.tokens == data["tokens"]
+    assert stats.tokens == data["tokens"] and stats.decode_tokens == 6
+    assert np.allclose(stats.decode_shares().sum(axis=1), 4) and np.allclose(stats.prefill_shares().sum(axis=1), 4)
     assert main(["plan", "--model", str(ckpt), "--stats", str(out), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB",
                  "--profile", "ktransformers-paper-amx", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["stats"]["kind"] == "measured"
