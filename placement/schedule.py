@@ -97,7 +97,8 @@ class LayerScheduler:
         self.max_m = max_m
 
     def _grow(self, hist: np.ndarray) -> None:
-        """Extend the tables to the largest token count in hist."""
+        """Extend the tables to the largest token count in hist (the compiled helpers say when: they
+        return a negative result instead of reading past a table)."""
         top = int(hist.max(initial=0))
         if top > self.max_m:
             self._tables(max(top, 2 * self.max_m))
@@ -105,34 +106,40 @@ class LayerScheduler:
     def gpu_time(self, hist) -> float:
         """GPU compute of experts already in VRAM for this histogram (resident work)."""
         hist = np.asarray(hist, dtype=np.int64)
-        self._grow(hist)
-        return float(table_sum(self.gpu_t, hist))
+        t = table_sum(self.gpu_t, hist)
+        if t < 0:
+            self._grow(hist)
+            t = table_sum(self.gpu_t, hist)
+        return float(t)
 
     def predict(self, hist, ship, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """Lane times for a given split: ship experts in index order behind `gpu_busy` of resident work."""
         hist = np.asarray(hist, dtype=np.int64)
         ship = np.asarray(ship, dtype=bool) & (hist > 0)
-        self._grow(hist)
-        cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, self.tau, self.cpu_fixed + 2.0 * self.hw.alpha,
-                              self.row_time, -1 if rows is None else int(rows), float(gpu_busy))
+        args = (self.tau, self.cpu_fixed + 2.0 * self.hw.alpha, self.row_time, -1 if rows is None else int(rows),
+                float(gpu_busy))
+        cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, *args)
+        if cpu < 0:
+            self._grow(hist)
+            cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, *args)
         return Split(ship, cpu, gpu, self.hw.layer_overhead, self.head)
 
     def decide(self, hist, batch_tokens: int, gpu_busy: float = 0.0, rows: int | None = None) -> Split:
         """The split of the cold experts for this batch. hist [n_cold] tokens per cold expert."""
         hist = np.asarray(hist, dtype=np.int64)
-        none = np.zeros(hist.shape, dtype=bool)
         kind = self.strategy.kind if self.can_ship else "cpu"
-        if kind == "cpu":
-            return self.predict(hist, none, gpu_busy, rows)
-        if kind == "ship":
-            return self.predict(hist, hist > 0, gpu_busy, rows)
+        if kind == "cost":
+            return self._decide_cost(hist, gpu_busy, rows)
         if kind == "threshold":
-            return self.predict(hist, (hist > 0) if batch_tokens >= self.strategy.threshold else none, gpu_busy, rows)
-        return self._decide_cost(hist, gpu_busy, rows)
+            kind = "ship" if batch_tokens >= self.strategy.threshold else "cpu"
+        return self.predict(hist, hist > 0 if kind == "ship" else np.zeros(hist.shape, dtype=bool), gpu_busy, rows)
 
     def _decide_cost(self, hist: np.ndarray, gpu_busy: float, rows: int | None) -> Split:
-        self._grow(hist)
         ship = np.empty(hist.shape, dtype=np.bool_)
-        _, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, self.tau, 2.0 * self.hw.alpha + self.cpu_fixed,
-                                 self.row_time, -1 if rows is None else int(rows), float(gpu_busy), self.head, ship)
+        args = (self.tau, 2.0 * self.hw.alpha + self.cpu_fixed, self.row_time, -1 if rows is None else int(rows),
+                float(gpu_busy), self.head, ship)
+        k, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, *args)
+        if k < 0:
+            self._grow(hist)
+            k, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, *args)
         return Split(ship, cpu, gpu, self.hw.layer_overhead, self.head)

@@ -36,7 +36,7 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, he
     rows the CPU lane moves when it runs everything (< 0: the tokens of the histogram); gpu_busy: resident
     GPU work ahead of the shipped experts; head: the CPU lane's head start over the GPU lane (the part of
     the call's fixed cost it overlaps), so a split costs max(CPU lane - head, GPU lane). Sets ship [n]
-    (bool) and returns (k, cpu lane, GPU lane).
+    (bool) and returns (k, cpu lane, GPU lane); k = -1 if a count is past the tables (grow them, call again).
 
     Shipping the k experts with the largest CPU times (ties: lower index first) is best among all
     splits that ship k (the link costs each the same), so only k is searched. GPU lane: two-stage flow
@@ -45,6 +45,8 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, he
     n_act = 0
     for i in range(n):
         ship[i] = False
+        if hist[i] >= cpu_t.shape[0]:
+            return -1, 0.0, 0.0
         if hist[i] > 0:
             n_act += 1
     if n_act == 0:
@@ -91,7 +93,8 @@ def best_split(hist, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy, he
 def lane_times(hist, ship, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_busy):
     """(CPU lane, GPU lane) seconds of a given split, in the terms of best_split: the CPU lane moves `rows`
     rows (< 0: its experts' tokens) if any expert with tokens stays on it; shipped experts (with tokens)
-    go in index order behind gpu_busy. Compiled for the same reason: the fixed strategies call it per layer."""
+    go in index order behind gpu_busy. Compiled for the same reason: the fixed strategies call it per layer.
+    (-1, -1) if a count is past the tables."""
     c = 0.0
     m_cpu = 0
     on_cpu = False
@@ -101,6 +104,8 @@ def lane_times(hist, ship, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_bu
         m = hist[i]
         if m <= 0:
             continue
+        if m >= cpu_t.shape[0]:
+            return -1.0, -1.0
         if ship[i]:
             link += tau
             t = max(t, link) + ship_g[m]
@@ -115,8 +120,10 @@ def lane_times(hist, ship, cpu_t, ship_g, tau, cpu_fixed, row_time, rows, gpu_bu
 
 @_jit
 def table_sum(table, hist):
-    """sum(table[hist]) without the temporary array."""
+    """sum(table[hist]) without the temporary array; -1 if a count is past the table."""
     s = 0.0
     for i in range(hist.shape[0]):
+        if hist[i] >= table.shape[0]:
+            return -1.0
         s += table[hist[i]]
     return s

@@ -99,6 +99,12 @@ def test_empty_histogram_and_growing_tables():
     assert not s.ship.any() and s.cpu_lane == 0.0 and s.gpu_lane == 1e-3
     s = sched.decide(np.array([5000]), batch_tokens=5000)  # beyond the first table
     assert s.ship.all() and sched.max_m >= 5000
+    for grow in (lambda sc: sc.decide(np.array([3, 40]), 40), lambda sc: sc.gpu_time(np.array([40]))):
+        small = LayerScheduler(QWEN, AVX, "cpu", max_m=16)  # the fixed strategies' path and resident time
+        grow(small)
+        assert small.max_m >= 40
+    cpu = LayerScheduler(QWEN, AVX, "cpu", max_m=16).decide(np.array([3, 40]), 40)
+    assert cpu.cpu_lane == pytest.approx(LayerScheduler(QWEN, AVX, "cpu").decide(np.array([3, 40]), 40).cpu_lane)
 
 
 def test_decision_time_reported(capsys):
