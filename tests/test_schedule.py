@@ -114,8 +114,21 @@ def test_decision_time_reported(capsys):
     t0 = time.perf_counter()
     splits = [sched.decide(h, batch_tokens=512) for h in hists]
     per = (time.perf_counter() - t0) / len(hists)
+    # what a layer call times as its decision (HybridExperts.stats.decide_s): resident GPU time + split,
+    # a Qwen3-30B-A3B layer at batch 8 with 32 of 128 experts resident
+    q30 = PRESETS["qwen3-30b-a3b"]
+    hist8 = rng.multinomial(8 * 8, np.ones(128) / 128)
+    res, cold = np.arange(0, 128, 4), np.setdiff1d(np.arange(128), np.arange(0, 128, 4))
+    layer_us = {}
+    for strategy in ("cost", "cpu"):
+        sc = LayerScheduler(q30, AMX, strategy)
+        t1 = time.perf_counter()
+        for _ in range(500):
+            sc.decide(hist8[cold], batch_tokens=8, gpu_busy=sc.gpu_time(hist8[res]), rows=8)
+        layer_us[strategy] = (time.perf_counter() - t1) / 500 * 1e6
     with capsys.disabled():
-        print(f"\n[scheduler] cost decision over 128 experts: {per * 1e6:.1f} us per layer (this machine)")
+        print(f"\n[scheduler] cost decision over 128 experts: {per * 1e6:.1f} us per layer (this machine); "
+              f"30B layer call at batch 8: cost {layer_us['cost']:.1f} us, cpu {layer_us['cpu']:.1f} us")
     # the timed decisions are real ones: only experts with tokens ship, and each split is no worse than
     # its two fixed neighbours (ship nothing / ship every active expert; the shipping order may move the
     # GPU lane by one expert's compute)
