@@ -95,7 +95,9 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.scale = hd ** -0.5
 
-    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool):
+    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict | None = None):
+        """masks: per forward step, shared by the layers: the attention mask built by the first layer that
+        needs it is reused by the others (the same positions and cache length; fewer kernels per layer)."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
         if self.qk_norm == "full":
@@ -110,14 +112,15 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer, slots, positions, k, v)
 
+        masks = {} if masks is None else masks
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # one plan, built at capture: torch's choice
-            out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh)
+            out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks)
         else:
             with sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True):
-                out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh)
+                out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks)
         return self.o_proj(out)
 
-    def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh):
+    def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""
         B, T = q.shape[:2]
         if fresh:
@@ -129,18 +132,21 @@ class Attention(nn.Module):
         else:
             kc, vc = cache.read(self.layer, slots, kv_len)  # [B, Hkv, L, hd] each
             L = kc.shape[2]
-            qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
-            kpos = torch.arange(L, device=q.device)[None, None, None, :]  # [1, 1, 1, L]
-            mask = kpos <= qpos  # [B, 1, T, L]
-            if self.window is not None:
-                mask = mask & (kpos > qpos - self.window)
             # Grouped-query attention without copying K/V per query head: the `rep` query heads that
             # share a K/V head are folded into the query-length axis, [B, Hkv, rep*T, hd]. (SDPA's
             # GQA flag rules out the masked memory-efficient kernel, and expanding K/V to H heads
             # would write rep times the cache on every step.)
             rep = self.H // self.Hkv
             qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
-            mask = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
+            key = (self.window, rep, L)
+            mask = masks.get(key)
+            if mask is None:
+                qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
+                kpos = torch.arange(L, device=q.device)[None, None, None, :]  # [1, 1, 1, L]
+                mask = kpos <= qpos  # [B, 1, T, L]
+                if self.window is not None:
+                    mask = mask & (kpos > qpos - self.window)
+                mask = masks[key] = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
             return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
         return out.transpose(1, 2).reshape(B, T, self.H * self.hd)

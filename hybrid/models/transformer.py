@@ -33,8 +33,8 @@ class DecoderLayer(nn.Module):
         self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
         self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh):
-        h = h + self.attn(self.attn_norm(h), cos, sin, positions, slots, cache, kv_len, fresh)
+    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh, masks=None):
+        h = h + self.attn(self.attn_norm(h), cos, sin, positions, slots, cache, kv_len, fresh, masks)
         B, T, D = h.shape
         x = self.mlp_norm(h).view(B * T, D)  # [T, D] for the MoE interface (T = all tokens of the batch)
         ffn = self.moe if self.moe is not None else self.mlp
@@ -77,8 +77,9 @@ class MoETransformer(nn.Module):
             fresh = False  # the fast path has no window; take the masked path
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
+        masks = {}  # attention masks of this step, built once and shared by the layers
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh)
+            h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         if last_only:
             last = ((positions >= 0).sum(1) - 1).clamp(min=0)  # [B]
             h = h[torch.arange(B, device=h.device), last]  # [B, D]
