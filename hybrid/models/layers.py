@@ -109,7 +109,9 @@ class Attention(nn.Module):
         v = v.view(B, T, self.Hkv, self.hd)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # one rotation over q and k together: 6 kernels instead of 10 (decode is kernel-count bound)
+        qk = apply_rotary(torch.cat((q, k), dim=2), cos, sin)  # [B, T, H + Hkv, hd]
+        q, k = qk[:, :, :self.H], qk[:, :, self.H:]
         cache.write(self.layer, slots, positions, k, v)
 
         masks = {} if masks is None else masks
