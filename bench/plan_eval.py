@@ -213,6 +213,7 @@ def main(argv=None) -> int:
         measured, _ = decode_run(eng, args.max_batch, args.prompt, args.steps, cfg.vocab_size, seed=2)
         prefill = measure_prefill(eng, P, cfg.vocab_size, seed=4)
         peak = torch.cuda.max_memory_allocated() if cuda else None
+        graphs = eng.graphs is not None
         del eng
         # The plan predicts from the profiled routing; the measured steps routed their own tokens. The same
         # decode again, eager (which counts routing on the host), prices the plan's placement on the routing
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
         row = {"gpu_budget_bytes": budget, "plan_gpu_bytes": pl.gpu_bytes, "peak_allocated_bytes": peak,
                "resident_per_layer": [len(lp.resident_experts) for lp in pl.layers],
                "predicted_decode_tokens_per_s": pl.predicted_decode_tokens_per_s, "measured_decode_tokens_per_s": measured,
-               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": cuda,
+               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": graphs,
                "predicted_on_seen_routing_tokens_per_s": matched, "error_on_seen_routing": measured / matched - 1.0,
                "cold_share_profiled": float((stats.decode_shares() * ~res_mask).sum() / stats.decode_shares().sum()),
                "cold_share_seen": float((seen * ~res_mask).sum() / max(seen.sum(), 1e-12)),
