@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU-box checks in stages that each fit one 10-minute device call, results under $OUT (default ./box_out).
+#
+#   bash bench/box_run.sh tests      # build + every GPU/AMX-marked test file, one process per file (~2 min)
+#   bash bench/box_run.sh layer      # hybrid calibrate --quick -> $OUT/profile.json, then the 30B layer sweep (~4 min)
+#   bash bench/box_run.sh e2e [P]    # 8-layer 30B model: every strategy in its own process, traces; graphs decode (~5 min)
+#   bash bench/box_run.sh plan [P]   # 8-layer 30B checkpoint + plan_eval at three budgets (~3 min)
+#
+# P: a profile JSON (default $OUT/profile.json if the layer stage made one, else the committed floor profile).
+# One file per pytest process: a single process running every GPU file once stopped silently on the box.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-box_out}
+mkdir -p "$OUT"
+stage=${1:-tests}
+P=${2:-}
+if [ -z "$P" ]; then
+  if [ -f "$OUT/profile.json" ]; then P=$OUT/profile.json; else P=bench/results/h200/profile_qwen3-30b-a3b_floor.json; fi
+fi
+python3 -m pip install -e . --no-build-isolation --no-deps -q > "$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+
+case "$stage" in
+  tests)
+    for f in tests/test_cpu_moe.py tests/test_hybrid_gpu.py tests/test_hybrid_layer.py tests/test_hybrid_model.py \
+             tests/test_generate_gpu.py tests/test_model_equality.py tests/test_replace_gpu.py; do
+      echo "$f $(timeout 150 python3 -m pytest -q -x "$f" 2>&1 | tail -1)"
+    done | tee "$OUT/gpu_tests.txt"
+    ;;
+  layer)
+    timeout 120 python3 -m hybrid calibrate --shape qwen3-30b-a3b --backends amx --quick --out "$OUT/profile.json" \
+      > "$OUT/calibrate.txt" 2>&1; tail -14 "$OUT/calibrate.txt"
+    timeout 330 python3 -m bench.layer_sweep --shape qwen3-30b-a3b --profile "$OUT/profile.json" --out "$OUT/sweep" \
+      > "$OUT/layer_sweep.txt" 2>&1; grep -E "cost/best=|median" "$OUT/layer_sweep.txt" | tail -12
+    ;;
+  e2e)
+    timeout 330 python3 -m bench.hybrid_e2e --profile "$P" --layers 8 --isolate --trace "$OUT/tr" --out "$OUT/eager" \
+      > "$OUT/e2e_eager.txt" 2>&1; grep -E "strategy=" "$OUT/e2e_eager.txt"
+    timeout 150 python3 -m bench.hybrid_e2e --profile "$P" --layers 8 --graphs --strategies cpu --out "$OUT/graphs" \
+      > "$OUT/e2e_graphs.txt" 2>&1; grep -E "strategy=" "$OUT/e2e_graphs.txt"
+    (cd "$OUT" && tar czf traces.tgz tr_* 2>/dev/null && rm -f tr_*)  # few files come back: one archive
+    ;;
+  plan)
+    timeout 90 python3 -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 8 --out /tmp/q3-8l --device cuda \
+      > /dev/null 2>&1
+    timeout 400 python3 -m bench.plan_eval --model /tmp/q3-8l --profile "$P" --max-context 1024 --steps 64 \
+      --out "$OUT/plan" > "$OUT/plan_eval.txt" 2>&1; grep -v Warn "$OUT/plan_eval.txt" | tail -12
+    ;;
+  *)
+    echo "unknown stage $stage (tests | layer | e2e | plan)" >&2; exit 2
+    ;;
+esac
