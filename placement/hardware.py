@@ -107,14 +107,6 @@ class HardwareProfile:
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         if self.cpu_lane_start is not None:
             object.__setattr__(self, "cpu_lane_start", _seconds("cpu_lane_start", self.cpu_lane_start))
-
-    @property
-    def cpu_lane_head(self) -> float:
-        """Seconds of the layer call's fixed cost that the CPU lane runs through (its head start over the
-        GPU lane): layer_overhead - cpu_lane_start, 0 when not measured."""
-        if self.cpu_lane_start is None:
-            return 0.0
-        return max(0.0, self.layer_overhead - self.cpu_lane_start)
         curves = {}
         for kind, points in (self.cpu_curves or {}).items():
             try:
@@ -125,6 +117,14 @@ class HardwareProfile:
                 raise UsageError(f"profile {self.name!r}: cpu_curves[{kind}] needs positive [m, flop/s] pairs")
             curves[str(kind)] = [list(p) for p in pts]
         object.__setattr__(self, "cpu_curves", curves)
+
+    @property
+    def cpu_lane_head(self) -> float:
+        """Seconds of the layer call's fixed cost that the CPU lane runs through (its head start over the
+        GPU lane): layer_overhead - cpu_lane_start, 0 when not measured."""
+        if self.cpu_lane_start is None:
+            return 0.0
+        return max(0.0, self.layer_overhead - self.cpu_lane_start)
 
     # -- pricing helpers -------------------------------------------------------------------------
     @property

@@ -177,6 +177,17 @@ def test_profile_rejects_bad_values(field, value):
         HardwareProfile(**fields)
 
 
+def test_profile_curves_are_checked_and_sorted():
+    """A measured curve's points are sorted by m (interpolation needs it) and a bad one is refused."""
+    fields = dict(name="x", cpu_flops={"k": 1e13}, dram_bw=1e11, gpu_flops=1e14, hbm_bw=1e12, link_bw=5e10,
+                  alpha=1e-5)
+    hw = HardwareProfile(**fields, cpu_curves={"k": [[64, 1e13], [1, 1e11]]})
+    assert hw.cpu_curves == {"k": [[1.0, 1e11], [64.0, 1e13]]}
+    assert HardwareProfile(**fields, cpu_curves=None).cpu_curves == {}
+    with pytest.raises(UsageError, match="cpu_curves"):
+        HardwareProfile(**fields, cpu_curves={"k": [[1, -5.0]]})
+
+
 def test_profile_load_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
