@@ -6,7 +6,8 @@
 #   bash bench/box_run.sh e2e [P]    # 8-layer 30B model: every strategy in its own process, traces; graphs decode (~5 min)
 #   bash bench/box_run.sh plan [P]   # 8-layer 30B checkpoint + plan_eval at three budgets (~3 min)
 #
-# P: a profile JSON (default $OUT/profile.json if the layer stage made one, else the committed floor profile).
+# P: a profile JSON (default $OUT/profile.json if the layer stage made one, else the profile BENCHMARKS.md
+# quotes for that stage: the host-lane profile for e2e, the one with the graph floor for plan).
 # One file per pytest process: a single process running every GPU file once stopped silently on the box.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,9 @@ mkdir -p "$OUT"
 stage=${1:-tests}
 P=${2:-}
 if [ -z "$P" ]; then
-  if [ -f "$OUT/profile.json" ]; then P=$OUT/profile.json; else P=bench/results/h200/profile_qwen3-30b-a3b_floor.json; fi
+  if [ -f "$OUT/profile.json" ]; then P=$OUT/profile.json
+  elif [ "$stage" = e2e ]; then P=bench/results/h200/profile_qwen3-30b-a3b_hostlane.json
+  else P=bench/results/h200/profile_qwen3-30b-a3b_floor.json; fi
 fi
 python3 -m pip install -e . --no-build-isolation --no-deps -q > "$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
 

@@ -27,23 +27,13 @@ import torch
 from bench.layer_sweep import build_layer, routing
 from placement.cost_model import get_shape
 from placement.hardware import resolve_profile
+from placement.measure import cuda_sync, median_time
 from placement.schedule import LayerScheduler
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def med(fn, reps=40):
-    ts = []
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    """Median milliseconds of fn(), synchronised."""
+    return 1e3 * median_time(fn, reps, warmup=0, sync=cuda_sync)
 
 
 def contention(layer, dev, shape):
@@ -56,7 +46,7 @@ def contention(layer, dev, shape):
     nb = src.numel() * src.element_size()
     cold = torch.from_numpy(layer.cold_ids[:64].copy())
     T = 64
-    ids = cold.view(T, 1).repeat(1, shape.topk)[:, :1].contiguous()  # one token per expert, 64 experts
+    ids = cold.view(T, 1)  # one token per expert, 64 experts
     x = torch.randn(T, shape.hidden).to(torch.bfloat16)
     w = torch.ones(T, 1)
     moe = layer.cpu_moe
@@ -151,7 +141,7 @@ def stack(hw, shape, dev, n_layers: int, Ts, trace: str | None = None) -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     step()
-                    _sync()
+                    cuda_sync()
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
             prof.export_chrome_trace(f"{trace}_T{T}.json")
 
@@ -165,20 +155,20 @@ def main():
     ap.add_argument("--trace", default=None,
                     help="with --layers: profile 3 mixed stack steps per batch size, chrome traces to TRACE_T<T>.json")
     ap.add_argument("--variants", action="store_true",
-                    help="run the stack only, once per thread-placement setting (a child process each): default, "
-                         "HYBRID_PIN_LAUNCHER=1, HYBRID_SPARE_CORE=physical (with and without the launcher "
-                         "pinned), HYBRID_PIN_LANE=0, HYBRID_CORE_SPLIT=0")
+                    help="run the stack only, once per thread-placement setting (a child process each): default "
+                         "(launcher pinned), HYBRID_PIN_LAUNCHER=0, HYBRID_SPARE_CORE=physical (with and without the "
+                         "launcher pinned), HYBRID_PIN_LANE=0, HYBRID_CORE_SPLIT=0")
     a = ap.parse_args()
     if a.variants:
         import os
         import subprocess
         import sys
 
-        for i, env in enumerate(({}, {"HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_SPARE_CORE": "physical"},
-                    {"HYBRID_SPARE_CORE": "physical", "HYBRID_PIN_LAUNCHER": "1"}, {"HYBRID_PIN_LANE": "0"},
+        for i, env in enumerate(({}, {"HYBRID_PIN_LAUNCHER": "0"}, {"HYBRID_SPARE_CORE": "physical"},
+                    {"HYBRID_SPARE_CORE": "physical", "HYBRID_PIN_LAUNCHER": "0"}, {"HYBRID_PIN_LANE": "0"},
                     {"HYBRID_CORE_SPLIT": "0"})):
             print(f"# variant: {env or 'default'}", flush=True)
-            extra = ["--trace", f"{a.trace}_v{i}"] if a.trace and i < 2 else []  # default and pinned launcher
+            extra = ["--trace", f"{a.trace}_v{i}"] if a.trace and i < 2 else []  # launcher pinned and floating
             subprocess.run([sys.executable, "-m", "bench.lane_probe", "--profile", a.profile, "--tokens", a.tokens,
                             "--layers", str(a.layers or 8), "--stack-only", *extra], env={**os.environ, **env},
                            check=False)

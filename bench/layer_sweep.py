@@ -84,7 +84,7 @@ def sweep(args) -> dict:
     gen = torch.Generator().manual_seed(1)
     rows = []
     header = (f"# layer sweep | {cpu_name()} ({platform.node()}), GPU {torch.cuda.get_device_name() if device.type == 'cuda' else 'none'}"
-              f" | CPU ISA {layer.cpu_moe.isa}, {torch.get_num_threads()} threads, CPU dtype {args.cpu_dtype}, GPU "
+              f" | CPU ISA {layer.cpu_moe.isa}, {layer.cpu_moe.topology.threads} threads, CPU dtype {args.cpu_dtype}, GPU "
               f"dtype {off.dtype} | {shape.name}: E={shape.num_experts} K={shape.topk} D={shape.hidden} "
               f"F={shape.intermediate}, {args.resident} resident | profile {profile.name}")
     print(header, flush=True)

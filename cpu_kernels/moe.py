@@ -265,10 +265,9 @@ class CpuMoE:
             # gate/up rows padded like down's reduction length, so h [m, F_n] rows need no tail fix-up.
             Fn, kp = f1 - f0, self._kpad()
             sizes = [self._q_bytes(Fn, self.D, kp), self._q_bytes(Fn, self.D, kp), self._q_bytes(self.D, Fn, _ROW_ALIGN)]
-            stride = sum(sizes)  # every size is a multiple of 64 bytes: rows stay cache-line aligned
+            stride = sum(sizes)  # every size is a multiple of 64 bytes: each matrix starts cache-line aligned
             block = torch.empty(self.E * stride, dtype=torch.uint8)
-            self._keep.append(block)
-            self._blocks.append(block.view(self.E, stride))
+            self._blocks.append(block.view(self.E, stride))  # holds the memory the kernels read
             node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], Fn, self.D, kp, (block, 0, stride))
             node.up = self._mat(node.pool, w_up[:, f0:f1, :], Fn, self.D, kp, (block, sizes[0], stride))
             node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, Fn, _ROW_ALIGN, (block, sizes[0] + sizes[1], stride))

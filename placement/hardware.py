@@ -74,7 +74,8 @@ class HardwareProfile:
     # Seconds from the start of an eager layer call to its CPU lane starting (routing histogram to the host,
     # the decision, the lane's enqueue and input copy). The rest of layer_overhead (the GPU lane's launches,
     # the merge) runs while the CPU lane works, so a layer costs max(layer_overhead + GPU lane, cpu_lane_start
-    # + CPU lane). None = not measured: taken as layer_overhead (no overlap).
+    # + CPU lane), cpu_lane_start capped at layer_overhead. None = not measured: taken as layer_overhead (no
+    # overlap).
     cpu_lane_start: float | None = None
     # Seconds per decoder layer of a captured decode step at batch 1 beyond its weight traffic (kernel
     # launches inside the graph, the CPU lane's copies and host function): measured by `hybrid calibrate`

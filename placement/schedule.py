@@ -2,7 +2,9 @@
 
 DESIGN section 3, "Two lanes, one makespan": the CPU lane (activations over the link + the CPU kernel)
 and the link/GPU lane (weight transfers pipelined with GPU compute, next to the resident and shared
-experts) run at the same time; the best split minimises the larger of the two, not each expert's time.
+experts) run at the same time; the best split minimises the larger of the two, not each expert's time
+(the CPU lane counted from its head start: an eager call's CPU lane starts before the call's fixed cost
+is over, profile.cpu_lane_head).
 
 Strategies (`parse_strategy`): "cost" (that minimisation, default), "cpu" (every cold expert on the CPU:
 llama.cpp's `-ot exps=CPU`), "ship" (always ship weights: accelerate / vLLM offload), "threshold:N" (ship

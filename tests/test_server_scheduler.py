@@ -231,6 +231,8 @@ def test_a_prompt_that_breaks_a_batched_prefill_fails_alone():
     assert kinds == ["done", "error", "done"]
     assert any(len(c[1]) == 3 for c in rt.engine.calls if c[0] == "prefill")  # it was tried batched
     assert rt.free_slots == 4
+    # the retried prompts generate what they generate alone (the failed batch left no history behind)
+    assert [seqs[0][1].text, seqs[2][1].text] == _solo_texts([prompts[0], prompts[2]], 4)
 
 
 def test_without_batch_prefill_each_prompt_gets_its_own_pass():

@@ -323,7 +323,6 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     const int rows = L->nodes[n].down.rows_p, thr = ((Pool*)L->nodes[n].pool)->n;
     rbd[n] = !any_amx ? 32 : rows / 128 >= thr ? 128 : rows / 64 >= thr ? 64 : 32;
   }
-  // Final values of columns [d0, d0 + nd) for every token (src: [T, ld] fp32) -> out, in out's dtype.
   // Token t's final values of columns [d0, d0 + nd) (s: fp32) -> out, in out's dtype.
   auto store_row = [&](const float* s, int t, int d0, int nd) {
     if (out_dtype == HY_X_BF16) {
@@ -333,6 +332,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       std::memcpy((float*)out + (int64_t)t * D + d0, s, nd * 4);
     }
   };
+  // Final values of columns [d0, d0 + nd) for every token (src: [T, ld] fp32) -> out, in out's dtype.
   auto write_out = [&](const float* src, int64_t ld, int d0, int nd) {
     if (nd <= 0) return;
     for (int t = 0; t < T; ++t) store_row(src + (int64_t)t * ld, t, d0, nd);

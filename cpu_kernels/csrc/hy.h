@@ -14,8 +14,8 @@ enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
 
-// One projection of every expert held by one NUMA node, row-major [E, rows_p, ldk] (int4: ldk/2 bytes a
-// row). Rows are the output channels, ldk the (padded) reduction length. Padding is zero, so padded
+// One projection of every expert held by one NUMA node: expert e's row-major [rows_p, ldk] (int4: ldk/2 bytes a
+// row) at w + e * w_estride (the node's experts are expert-major blocks: gate, up, down back to back). Rows are the output channels, ldk the (padded) reduction length. Padding is zero, so padded
 // rows and columns contribute nothing; the GPU lane can use w[:, :rows, :k] as a strided view.
 typedef struct {
   const uint8_t* w;

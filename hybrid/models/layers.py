@@ -5,6 +5,8 @@ not be initialised and then overwritten) and filled by the loader or `init_rando
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,15 @@ from hybrid.models.rope import apply_rotary
 # model was ~20% slower with the memory-efficient kernel: 87 vs 109 tok/s at batch 1 in one session).
 _SDPA_CAUSAL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 _SDPA_MASKED = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # flash takes no mask; cuDNN: see above
+
+
+def sdpa_backends(x: torch.Tensor, fresh: bool):
+    """The SDPA backend choice for one forward step (entered once per step, not per layer: entering costs
+    tens of microseconds of host time). CUDA only: on the CPU torch's own choice (its flash kernel takes
+    masks, the memory-efficient one does not exist there)."""
+    if not x.is_cuda or torch.cuda.is_current_stream_capturing():  # captured: one plan, built at capture
+        return contextlib.nullcontext()
+    return sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True)
 
 
 def param(*shape: int) -> nn.Parameter:
@@ -95,9 +106,10 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.scale = hd ** -0.5
 
-    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict | None = None):
+    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict):
         """masks: per forward step, shared by the layers: the attention mask built by the first layer that
-        needs it is reused by the others (the same positions and cache length; fewer kernels per layer)."""
+        needs it is reused by the others (the same positions and cache length; fewer kernels per layer).
+        The caller picks the SDPA backends for the step (sdpa_backends)."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
         if self.qk_norm == "full":
@@ -114,13 +126,7 @@ class Attention(nn.Module):
         q, k = qk[:, :, :self.H], qk[:, :, self.H:]
         cache.write(self.layer, slots, positions, k, v)
 
-        masks = {} if masks is None else masks
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # one plan, built at capture: torch's choice
-            out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks)
-        else:
-            with sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True):
-                out = self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks)
-        return self.o_proj(out)
+        return self.o_proj(self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks))
 
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.models.config import ModelConfig
-from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param
+from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param, sdpa_backends
 from hybrid.models.moe import MoEBlock, StackedExperts
 from hybrid.models.rope import Rotary
 
@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
         self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh, masks=None):
+    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh, masks):
         h = h + self.attn(self.attn_norm(h), cos, sin, positions, slots, cache, kv_len, fresh, masks)
         B, T, D = h.shape
         x = self.mlp_norm(h).view(B * T, D)  # [T, D] for the MoE interface (T = all tokens of the batch)
@@ -78,8 +78,9 @@ class MoETransformer(nn.Module):
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {}  # attention masks of this step, built once and shared by the layers
-        for layer in self.layers:
-            h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh, masks)
+        with sdpa_backends(h, fresh):
+            for layer in self.layers:
+                h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         if last_only:
             last = ((positions >= 0).sum(1) - 1).clamp(min=0)  # [B]
             h = h[torch.arange(B, device=h.device), last]  # [B, D]

@@ -76,7 +76,8 @@ class Offload:
             give = {topo.nodes[-1][-1]}
             if os.environ.get("HYBRID_SPARE_CORE", "thread") == "physical":
                 # the whole physical core: an SMT sibling running the executor's AMX/AVX-512 loops would
-                # slow the launching thread (measurement pending: bench/lane_probe.py --variants)
+                # slow the launching thread (not measured: the GPU box's VM shows no SMT siblings, so
+                # bench/lane_probe.py --variants ran this as the default there)
                 give = cpu_kernels.topology.smt_siblings(topo.nodes[-1][-1]) & set(pool)
                 if len(give) >= len(pool):
                     give = {topo.nodes[-1][-1]}

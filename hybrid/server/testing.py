@@ -117,6 +117,8 @@ class FakeEngine:
             sizes.append(n)
             rows.append((slot, ids[:n]))
         self.calls.append(("prefill", tuple(s for s, _ in rows), tuple(sizes)))
+        if any(FAIL_BYTE + 1 in ids for _, ids in rows):  # the whole batch fails, no row's history moves
+            raise RuntimeError("injected prefill failure")
         return torch.stack([self._append(slot, ids) for slot, ids in rows])  # [B, V]
 
     def decode_step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
