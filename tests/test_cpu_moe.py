@@ -365,6 +365,7 @@ def test_packed_weights_are_the_plain_matrices(isa, dtype):
             want = full[:, s["f0"]:s["f1"], :] if name != "down" else full[:, :, s["f0"]:s["f1"]]
             assert torch.equal(w[:, :p["rows"], :p["k"]], want.float())
             assert not w[:, p["rows"]:, :].any() and not w[:, :, p["k"]:].any()  # zero padding
+        assert (s["block"] is not None) == (isa != "ref")
         if s["block"] is not None:  # expert-major: each expert's gate | up | down bytes, back to back
             qs = [s[name]["q"] for name in ("gate", "up", "down")]
             for e in (0, E - 1):

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cpu_kernels
 from cpu_kernels.reference import moe_forward
@@ -167,7 +168,8 @@ def test_core_split_between_executor_and_launcher(monkeypatch):
     topo = Offload._split_cores(fake, None)  # the default: both pinned
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus
-    assert pool | fake._launcher_cpus == set(_PROCESS_CPUS) and fake.lane_cpus <= pool
+    assert pool | fake._launcher_cpus == set(_PROCESS_CPUS) and fake.lane_cpus == {min(pool)}
+    assert len(fake._launcher_cpus) == 1  # all cores but one to the executor
     seen = {}
 
     def launcher():  # a thread of its own, so the test runner's affinity is untouched
@@ -266,6 +268,17 @@ def test_core_split_can_be_turned_off(monkeypatch):
     assert fake.lane_cpus is None and fake._launcher_cpus is None and topo.threads >= 1
 
 
+class _CopyCount(TorchDispatchMode):
+    """Counts aten copy_ calls (the copies a lane issues)."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])
 def test_ship_lane_moves_an_expert_in_one_copy(isa):
     """bf16 packed weights without padding on one node: each shipped expert is one copy of its gate | up |
@@ -281,9 +294,13 @@ def test_ship_lane_moves_an_expert_in_one_copy(isa):
     sources = packed_sources(moe)
     assert len(sources) == 1 and sources[0].whole_block()
     lane = ShipLane(torch.device("cpu"), n_slots=2, chunk=3)
-    slot = lane.fetch(sources, [5, 1, 6], (f, d), torch.bfloat16)
+    lane.fetch(sources, [0], (f, d), torch.bfloat16)  # lays out the slots
+    with _CopyCount() as copies:
+        slot = lane.fetch(sources, [5, 1, 6], (f, d), torch.bfloat16)
+    assert copies.n == 3  # one per expert
     assert lane.one_copy and lane.vram_bytes == 2 * 3 * 3 * f * d * 2  # dense chunks only, no raw staging
     got = lane.weights(sources, slot, torch.bfloat16)
+    assert all(t.untyped_storage().data_ptr() == slot.block.untyped_storage().data_ptr() for t in got)  # views
     for j, ex in enumerate([5, 1, 6]):
         for mat, want in zip(got, (wg[ex], wu[ex], wd[ex])):
             assert torch.equal(mat[j], want)
@@ -295,8 +312,10 @@ def test_ship_lane_moves_an_expert_in_one_copy(isa):
         off = Offload("cpu", torch.bfloat16, LayerScheduler(shape, AMX_BOX, strategy), cpu_isa=isa, staging_slots=2,
                       ship_chunk=3)
         layer = HybridExperts(0, wg, wu, wd, off)
-        assert torch.equal(layer.expert_weights(3)[2], expert_weights(sources, 3, "cpu", torch.bfloat16)[2])
+        assert all(torch.equal(a, b[3]) for a, b in zip(expert_weights(sources, 3, "cpu", torch.bfloat16), (wg, wu, wd)))
         outs[strategy] = layer(x, ids, w).float()
         assert (layer.stats.shipped_experts > 0) == (strategy == "ship")
+        if strategy == "ship":
+            assert off.ship_lane.one_copy  # the layer's own lane took the one-copy path
     rel = ((outs["ship"] - outs["cpu"]).norm() / outs["cpu"].norm()).item()
     assert rel < 2e-2, rel  # bf16 activations on both lanes, different accumulation orders

@@ -262,19 +262,21 @@ def test_decode_routing_recorded_apart_places_decode_and_prices_prefill_by_promp
     assert [lp.resident_experts for lp in p.layers] == [(), (3,)]  # 0.8 of decode beats every other share
     merged = RoutingStats(4, 1, (0, 1), s.counts, tokens=100)  # the same counts, decode not apart
     assert [lp.resident_experts for lp in plan(CFG, merged, HW, settings_for(1)).layers] == [(), (0,)]
-    # prefill is priced on the prompts' routing: the same as statistics of the prompts alone
-    prompts_only = RoutingStats(4, 1, (0, 1), prompts.astype(int), tokens=80)
-    same_place = plan(CFG, prompts_only, HW, settings_for(1))
-    assert [lp.resident_experts for lp in same_place.layers] == [(), (0,)]
-    # (placements differ, so compare the prefill prices on one placement: layer 1 expert 3 resident)
-    from placement.planner import expert_shapes as shapes
-    from placement.predict import prefill_layer_time
+    # the plan's prefill price, by hand on its own placement: the prompts' routing, not all tokens' or decode's
+    from placement.predict import non_expert_step_time, prefill_layer_time
     from placement.schedule import LayerScheduler
-    cpu, gpu = shapes(CFG, MEM)
-    res = np.array([False, False, False, True])
-    t = [prefill_layer_time(LayerScheduler(cpu, HW), LayerScheduler(gpu, HW), sh, res, 63)
-         for sh in (s.prefill_shares()[1], prompts_only.shares()[1])]
-    assert t[0] == pytest.approx(t[1])
+    cpu, gpu = expert_shapes(CFG, MEM)
+    P = 64  # the prefill prices the whole context (64 < PlanSettings' 512 default)
+    res = [np.isin(np.arange(4), lp.resident_experts) for lp in p.layers]
+
+    def prefill_tps(shares):
+        t = non_expert_step_time(CFG, HW, P, P // 2, 2, prefill=True)
+        return P / (t + sum(prefill_layer_time(LayerScheduler(cpu, HW), LayerScheduler(gpu, HW), sh, r, P)
+                            for sh, r in zip(shares, res)))
+
+    assert p.predicted_prefill_tokens_per_s == pytest.approx(prefill_tps(s.prefill_shares()))
+    assert prefill_tps(s.prefill_shares()) != pytest.approx(prefill_tps(s.shares()))
+    assert prefill_tps(s.prefill_shares()) != pytest.approx(prefill_tps(s.decode_shares()))
     got = load_stats(s.save(tmp_path / "d.json"))  # the split survives the file
     assert got.decode_tokens == 20 and np.array_equal(got.decode_counts, decode)
     with pytest.raises(UsageError, match="decode counts"):

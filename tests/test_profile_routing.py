@@ -41,9 +41,13 @@ def test_counts_and_windows_are_exact(ckpt):
     assert [n for n, _ in series] == [16, 16, 16, 16, 4]
     assert np.array_equal(sum(c for _, c in series), counts)
     assert (counts.sum(axis=1) == 68 * model.cfg.experts_per_token).all()
-    # the same prompts routed by hand, layer 0: router top-k of the embedded, normed tokens
+    # the same prompts routed by hand, layer 0: top-k of the router's scores of the MoE block's input
     seen = []
-    h = model.layers[0].moe.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].reshape(-1)))
+
+    def route(m, a):
+        seen.append(torch.topk(torch.nn.functional.linear(a[0], m.router).float(), m.top_k, dim=-1).indices.reshape(-1))
+
+    h = model.layers[0].moe.register_forward_pre_hook(route)
     try:
         for p in prompts:
             s = eng.allocate_slot()

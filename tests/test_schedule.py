@@ -99,18 +99,21 @@ def test_empty_histogram_and_growing_tables():
     assert not s.ship.any() and s.cpu_lane == 0.0 and s.gpu_lane == 1e-3
     s = sched.decide(np.array([5000]), batch_tokens=5000)  # beyond the first table
     assert s.ship.all() and sched.max_m >= 5000
-    for grow in (lambda sc: sc.decide(np.array([3, 40]), 40), lambda sc: sc.gpu_time(np.array([40]))):
-        small = LayerScheduler(QWEN, AVX, "cpu", max_m=16)  # the fixed strategies' path and resident time
-        grow(small)
-        assert small.max_m >= 40
-    cpu = LayerScheduler(QWEN, AVX, "cpu", max_m=16).decide(np.array([3, 40]), 40)
-    assert cpu.cpu_lane == pytest.approx(LayerScheduler(QWEN, AVX, "cpu").decide(np.array([3, 40]), 40).cpu_lane)
+    # the fixed strategies' path and the resident GPU time grow their tables too, and price as a big table does
+    big = LayerScheduler(QWEN, AVX, "cpu")
+    small = LayerScheduler(QWEN, AVX, "cpu", max_m=16)
+    assert small.gpu_time(np.array([40])) == pytest.approx(big.gpu_time(np.array([40]))) and small.max_m >= 40
+    small = LayerScheduler(QWEN, AVX, "cpu", max_m=16)
+    cpu = small.decide(np.array([3, 40]), 40)
+    assert small.max_m >= 40 and cpu.cpu_lane == pytest.approx(big.decide(np.array([3, 40]), 40).cpu_lane)
 
 
 def test_decision_time_reported(capsys):
     sched = LayerScheduler(QWEN, AMX)
     rng = np.random.default_rng(0)
     hists = [rng.multinomial(512 * 8, np.ones(128) / 128) for _ in range(200)]
+    for h in hists:
+        h[::4] = 0  # experts without tokens, which must never ship
     t0 = time.perf_counter()
     splits = [sched.decide(h, batch_tokens=512) for h in hists]
     per = (time.perf_counter() - t0) / len(hists)
@@ -136,6 +139,12 @@ def test_decision_time_reported(capsys):
         assert not (s.ship & (h == 0)).any()
         fixed = min(sched.predict(h, np.zeros(h.shape, bool)).total, sched.predict(h, h > 0).total)
         assert s.total <= fixed + float(sched.ship_g[h].max())
+    assert all(s.ship.any() and not s.ship[h > 0].all() for h, s in zip(hists, splits))  # real mixed splits
+    # and no worse than any "ship the k most CPU-expensive" split, priced by predict (its own code path)
+    for h, s in zip(hists[:10], splits):
+        by_cpu = np.argsort(-sched.cpu_t[h], kind="stable")[: int((h > 0).sum())]
+        best = min(sched.predict(h, np.isin(np.arange(h.size), by_cpu[:k])).total for k in range(by_cpu.size + 1))
+        assert s.total <= best + float(sched.ship_g[h].max())
 
 
 def test_runtime_overheads_enter_the_decision():
@@ -196,4 +205,5 @@ def test_cpu_lane_head_start_is_priced():
     assert s.total == pytest.approx(0.5 + 1e-4)  # the CPU lane ends inside the fixed part
     partial = replace(base, cpu_lane_start=0.5 - 0.01)  # 10 ms head start: the split moves toward the CPU
     p = LayerScheduler(QWEN, partial).decide(hist, 600, gpu_busy=1e-4)
-    assert p.ship.sum() <= no_head.ship.sum() and p.total <= no_head.total
+    assert p.ship.sum() < no_head.ship.sum() and p.total < no_head.total
+    assert p.total == pytest.approx(0.5 + max(p.cpu_lane - 0.01, p.gpu_lane))
