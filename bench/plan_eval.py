@@ -45,6 +45,7 @@ from hybrid.runtime.engine import Engine
 from hybrid.runtime.session import resolve_device
 from placement.calibrate import cpu_name
 from placement.hardware import resolve_profile
+from placement.measure import cuda_sync
 from placement.memory import MemorySettings, breakdown
 from placement.planner import PlanSettings, decode_step_time, expert_shapes, plan
 from placement.replace import ReplaceConfig
@@ -60,8 +61,7 @@ def decode_run(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: i
         logits = eng.prefill(s, torch.randint(0, vocab, (prompt_len,), generator=g).tolist())
         slots.append(s)
         last.append(int(logits.argmax()))
-    sync = (lambda: torch.cuda.synchronize()) if eng.device.type == "cuda" else (lambda: None)
-    sync()
+    cuda_sync()
     t0 = tw = time.perf_counter()
     per_window = []
     for i in range(steps):
@@ -70,11 +70,11 @@ def decode_run(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: i
         logits = eng.decode_step(slots, last)
         last = logits.argmax(-1).tolist()
         if window and (i + 1) % window == 0:
-            sync()
+            cuda_sync()
             now = time.perf_counter()
             per_window.append(window * batch / (now - tw))
             tw = now
-    sync()
+    cuda_sync()
     total = steps * batch / (time.perf_counter() - t0)
     for s in slots:
         eng.free_slot(s)

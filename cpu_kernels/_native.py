@@ -137,7 +137,9 @@ def resolve_isa(isa: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def load(isa: str) -> ctypes.CDLL:
+    """The ISA's library with its prototypes, loaded once (every CPU-lane call and host job goes through it)."""
     resolve_isa(isa)
     lib = ctypes.CDLL(_lib_path(_LIB[isa]))
     lib.hy_pool_get.restype = ctypes.c_void_p
@@ -151,8 +153,6 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_forward.restype = ctypes.c_int
     lib.hy_host_job.argtypes = [ctypes.c_void_p]
     lib.hy_host_job.restype = None
-    lib.hy_host_job_fn.argtypes = []
-    lib.hy_host_job_fn.restype = ctypes.c_void_p
     lib.hy_isa.restype = ctypes.c_char_p
     lib.hy_profile_enable.argtypes = [ctypes.c_int]
     lib.hy_profile_enable.restype = None

@@ -60,7 +60,7 @@ class HostJob:
         self.job = _native.HyJob(ctypes.addressof(moe._layer), x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
                                  lmap.data_ptr(), out.data_ptr(), _X_DTYPES[x.dtype], T, K, moe.num_experts,
                                  _X_DTYPES[out.dtype], int(pin_cpu), 0, 0, 0, 0)
-        self.fn = self._lib.hy_host_job_fn()  # address of the C host function
+        self.fn = ctypes.cast(self._lib.hy_host_job, ctypes.c_void_p).value  # address of the C host function
         self.arg = ctypes.addressof(self.job)
 
     def run(self) -> None:

@@ -65,7 +65,7 @@ class HardwareProfile:
     cpu_curves: dict = field(default_factory=dict)
     # Fixed costs of our own runtime, measured by `hybrid calibrate` on a tiny hybrid layer (0 = ideal, as
     # in the paper's arithmetic): per layer call (routing histogram to the host, bookkeeping), per use of
-    # the CPU lane (pinned copies, worker hand-off, pool wake-up), per shipped chunk (grouped GEMM
+    # the CPU lane (pinned copies, host function, pool wake-up), per shipped chunk (grouped GEMM
     # launches) and per shipped expert beyond its transfer (copy launches).
     layer_overhead: float = 0.0
     cpu_lane_overhead: float = 0.0

@@ -94,7 +94,7 @@ class MemorySettings:
     cpu_dtype: str = "bf16"
     gpu_dtype_bytes: int = 2  # bf16 on the GPU
     staging_slots: int = 4  # hybrid.offload.build.HybridConfig.staging_slots
-    ship_chunk: int = 8  # hybrid.offload.experts.Offload ship_chunk
+    ship_chunk: int = 8  # hybrid.offload.shared.Offload ship_chunk
     reserve: int = DEFAULT_RESERVE
     node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor
     group: int = INT4_GROUP

@@ -82,6 +82,7 @@ class LayerScheduler:
         self.tau = float(weight_transfer_time(shape, hw)) + hw.ship_expert_overhead
         self.chunk_share = hw.ship_chunk_overhead / max(chunk, 1)
         self.cpu_fixed = hw.cpu_lane_overhead
+        self.lane_fixed = 2.0 * hw.alpha + self.cpu_fixed  # the CPU lane's fixed part: two transfers + overhead
         self.head = hw.cpu_lane_head
         self.row_time = 2.0 * shape.hidden * shape.act_bytes / hw.link_bw  # one token's row there and back
         self._tables(max_m)
@@ -118,8 +119,7 @@ class LayerScheduler:
         """Lane times for a given split: ship experts in index order behind `gpu_busy` of resident work."""
         hist = np.asarray(hist, dtype=np.int64)
         ship = np.asarray(ship, dtype=bool) & (hist > 0)
-        args = (self.tau, self.cpu_fixed + 2.0 * self.hw.alpha, self.row_time, -1 if rows is None else int(rows),
-                float(gpu_busy))
+        args = (self.tau, self.lane_fixed, self.row_time, -1 if rows is None else int(rows), float(gpu_busy))
         cpu, gpu = lane_times(hist, ship, self.cpu_t, self.ship_g, *args)
         if cpu < 0:
             self._grow(hist)
@@ -138,8 +138,8 @@ class LayerScheduler:
 
     def _decide_cost(self, hist: np.ndarray, gpu_busy: float, rows: int | None) -> Split:
         ship = np.empty(hist.shape, dtype=np.bool_)
-        args = (self.tau, 2.0 * self.hw.alpha + self.cpu_fixed, self.row_time, -1 if rows is None else int(rows),
-                float(gpu_busy), self.head, ship)
+        args = (self.tau, self.lane_fixed, self.row_time, -1 if rows is None else int(rows), float(gpu_busy),
+                self.head, ship)
         k, cpu, gpu = best_split(hist, self.cpu_t, self.ship_g, *args)
         if k < 0:
             self._grow(hist)

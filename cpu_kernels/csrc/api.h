@@ -90,8 +90,6 @@ HY_API void hy_host_job(void* p) {
   }
 }
 
-HY_API void* hy_host_job_fn() { return (void*)&hy_host_job; }
-
 // Multithreaded streaming read of buf with the pool's threads (the benchmark's DRAM-read ceiling, the
 // same way the kernels read weights: each thread takes 1 MiB chunks). Returns a checksum so the loads
 // cannot be optimised away.

@@ -3,7 +3,7 @@
     hcfg = HybridConfig(gpu_experts=32, schedule="cost", cpu_dtype="bf16")
     model, offload = load_hybrid(model_dir, device, dtype, hcfg)
     ... build the Engine (KV cache) ...
-    place_resident(model, offload, hcfg, run_prompt, fixed_vram_bytes)   # routing-count calibration
+    open_hybrid(engine, offload, hcfg)   # resident experts from the plan, or by a routing-count calibration
 
 The resident set is either a plan's (`--plan FILE` from `hybrid plan`: per layer, chosen across layers
 by predicted time saved per byte) or `--gpu-experts N` per layer (or the N a `--gpu-budget` allows),
@@ -255,14 +255,14 @@ def fixed_vram(model, cache_bytes: int, offload) -> int:
     return params + cache_bytes + staging
 
 
-def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
+def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> None:
     """Choose the resident experts with the engine's own prefill, then report placement and memory."""
     from hybrid.runtime.engine import Stats
 
     model = engine.model
     if hcfg.plan is not None:
         counts = place_from_plan(engine, offload, hcfg.plan, log)
-        n, how = sum(counts), (f"{min(counts)}..{max(counts)}" if counts else "0") + " (from the plan)"
+        how = (f"{min(counts)}..{max(counts)}" if counts else "0") + " (from the plan)"
     else:
         tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
         slot = engine.allocate_slot()
@@ -272,13 +272,12 @@ def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> int:
         finally:
             engine.free_slot(slot)
         engine.stats = Stats()  # the calibration run is not part of the user's numbers
-        how = str(n)
+        how = str(n)  # per layer
     mem = offload.memory()
     log(f"hybrid: {how} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
         f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
         f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
         f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
-    return n  # per layer (calibration) or in total (plan)
 
 
 def place_from_plan(engine, offload, plan, log=print) -> list[int]:

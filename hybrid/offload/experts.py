@@ -121,7 +121,6 @@ class HybridExperts(nn.Module):
             self.w_gate[r], self.w_up[r], self.w_down[r] = g, u, d
         self._slot_of = {e: r for r, e in enumerate(ids)}
         self._refresh_maps()
-        self.captured = False
 
     def _refresh_maps(self) -> None:
         """cold_ids, cold_mask (bool [E], host: the CPU lane's experts in graphs) and rank_dev ([E] on the

@@ -1,8 +1,10 @@
 """The two lanes that serve cold experts, shared by every hybrid MoE layer of a model.
 
-CpuLane: the batch's rows, routing ids and weights go device->host into pinned buffers, a worker thread
-waits for that copy and runs the CPU executor on the CPU-lane experts (an expert mask), and the summed
-outputs come back host->device. The GPU keeps working (resident and shipped experts) meanwhile.
+CpuLane (the worker-thread CPU lane: a CPU device, the `ref` ISA, or HYBRID_CPU_LANE=worker; on CUDA with a
+compiled kernel the CPU lane is hybrid.offload.host_lane.HostFnLane): the batch's rows, routing ids and weights
+go device->host into pinned buffers, a worker thread waits for that copy and runs the CPU executor on the
+CPU-lane experts (an expert mask), and the summed outputs come back host->device. The GPU keeps working
+(resident and shipped experts) meanwhile.
 
 ShipLane: a small pool of VRAM staging slots. An expert's packed weights are copied host->device on a
 copy stream into a free slot, de-quantized there, and computed on the compute stream; each slot is
@@ -25,8 +27,8 @@ from hybrid.offload.sources import NodeSlice
 
 
 class HostBuffers:
-    """Named host buffers that grow to the largest batch seen (page-locked when `pin`), shared by the CPU
-    lane and the graph lane. keep_old: a replaced buffer stays alive (a captured graph may still point at it)."""
+    """Named host buffers that grow to the largest batch seen (page-locked when `pin`), used by the worker
+    CPU lane and the host-function lane (hybrid.offload.host_lane). keep_old: a replaced buffer stays alive (a captured graph may still point at it)."""
 
     def __init__(self, pin: bool, keep_old: bool = False, min_rows: int = 1):
         self.pin, self.keep_old, self.min_rows = pin, keep_old, min_rows

@@ -1,7 +1,7 @@
 """Fixed costs of the hybrid layer itself, measured on a tiny layer (so bandwidth and FLOPs vanish).
 
 The cost model of DESIGN section 3 prices bytes and FLOPs; our runtime adds per-call costs that do not
-scale with them: reading the routing histogram on the host, pinned copies and the worker hand-off of
+scale with them: reading the routing histogram on the host, pinned copies and the host function of
 the CPU lane, copy and grouped-GEMM launches of the ship lane (~10-30 us per launch on the GPU box).
 `hybrid calibrate` stores these in the profile so that predictions and decisions include them.
 """
