@@ -345,11 +345,14 @@ class CpuMoE:
         lmap = self._local_map(expert_mask)
         if out is None:
             out = torch.empty_like(x)
+        # the reference indexes with the ids; the kernels check int32 ids themselves, so int64 ones are checked
+        # here, before the conversion could wrap them
+        if (self.isa == "ref" or topk_ids.dtype == torch.int64) and topk_ids.numel():
+            lo, hi = torch.aminmax(topk_ids)
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"topk_ids out of range [0, {self.num_experts})")
         if self.isa == "ref":
             return self._forward_ref(x, topk_ids, topk_weights, lmap, out)
-        if topk_ids.dtype == torch.int64 and topk_ids.numel() and bool(
-                (topk_ids.min() < 0) | (topk_ids.max() >= self.num_experts)):
-            raise ValueError(f"topk_ids out of range [0, {self.num_experts})")  # before int32 could wrap them
         ids = topk_ids.to(torch.int32).contiguous()
         wts = topk_weights.to(torch.float32).contiguous()
         T, K = ids.shape
@@ -363,10 +366,7 @@ class CpuMoE:
         return out
 
     def _forward_ref(self, x, topk_ids, topk_weights, lmap, out):
-        ids = topk_ids.long()
-        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_experts):
-            raise ValueError(f"topk_ids out of range [0, {self.num_experts})")
-        local = lmap[ids].long()
+        local = lmap[topk_ids.long()].long()
         held = local >= 0  # tokens routed to experts not held here (or masked) contribute nothing
         res = moe_forward(x, *self._ref, torch.where(held, local, 0), torch.where(held, topk_weights.float(), 0.0),
                           activation=self.activation, alpha=self.alpha, limit=self.limit)

@@ -152,7 +152,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     gb = s.gpu_dtype_bytes
     decode_s = decode_step_time(cfg, hw, s, shares, resident, rows)
     sched = LayerScheduler(cpu_shape, hw, "cost")
-    gpu_sched = LayerScheduler(gpu_shape, hw, "cost")
+    gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
     P = min(settings.prefill_tokens, s.max_context)
     prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True)  # causal: P/2 keys on average
     layers = []
