@@ -14,6 +14,7 @@ from placement import cost_model as cm
 from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
 
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
+DEFAULT_PROFILE = "ktransformers-paper-avx512"  # without --profile or a calibrated profile with GPU figures
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -59,8 +60,16 @@ def add_shape_args(p) -> None:
 
 def profile_from_args(args):
     if args.profile is None:
-        hw = (load_profile(default_profile_path()) if default_profile_path().exists()
-              else BUILTIN_PROFILES["ktransformers-paper-avx512"])
+        hw = BUILTIN_PROFILES[DEFAULT_PROFILE]
+        if default_profile_path().exists():
+            calibrated = load_profile(default_profile_path())
+            gpu_given = all(getattr(args, k) is not None for k in ("gpu_flops", "hbm_bw", "link_bw", "alpha"))
+            if calibrated.has_gpu or gpu_given:
+                hw = calibrated
+            else:  # as generate and plan do: a CPU-only calibration cannot price the ship lane
+                print(f"note: the calibrated profile {default_profile_path()} has no GPU figures (calibrated "
+                      f"without a GPU); pricing with the built-in {DEFAULT_PROFILE} (pass --profile to choose)",
+                      file=sys.stderr)
     else:
         hw = resolve_profile(args.profile)
     if args.cpu_flops is not None:
