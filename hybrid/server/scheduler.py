@@ -236,20 +236,16 @@ class Scheduler:
                 done_logits.append(logits)
         if not done:
             return True
-        try:
-            tokens = self.runtime.sample(torch.stack(done_logits), [s.sampler for s in done])  # [B, V] in
-        except Exception as exc:  # noqa: BLE001
-            log.exception("sampling after prefill failed")
-            for seq in done:
-                self._fail_prefilling(seq, f"sampling failed: {exc}")
-            return True
+        tokens = self._sample(torch.stack(done_logits), done)  # [B, V] in
         for seq, token in zip(done, tokens):
             self._prefilling.remove(seq)
+            if token is None:  # its sampling failed: answered, slot freed
+                continue
             self._running.append(seq)  # before _emit: a crash in between must not lose it
             self._emit(seq, token)
             if seq.finished:
                 self._running.remove(seq)
-        self.metrics.generated(len(done))
+        self.metrics.generated(sum(t is not None for t in tokens))
         return True
 
     def _forward_prefill(self, batch: list[Sequence], sizes: list[int]) -> list[tuple]:
@@ -280,18 +276,36 @@ class Scheduler:
         batch = self._running
         try:
             logits = self.runtime.decode_step([s.slot for s in batch], [s.last_token for s in batch])  # [B, V]
-            tokens = self.runtime.sample(logits, [s.sampler for s in batch])
         except Exception as exc:  # noqa: BLE001
             log.exception("decode step failed")
             for seq in batch:
                 self._fail(seq, f"decode step failed: {exc}", 500)
             self._running = []
             return True
-        for seq, token in zip(batch, tokens):
-            self._emit(seq, token)
+        for seq, token in zip(batch, self._sample(logits, batch)):
+            if token is not None:  # (None: its sampling failed, the sequence is answered and finished)
+                self._emit(seq, token)
         self._running = [s for s in batch if not s.finished]
         self.metrics.generated(len(batch), batch_size=len(batch))
         return True
+
+    def _sample(self, logits, seqs: list[Sequence]) -> list[int | None]:
+        """One token per row of logits [B, V]. If the batched call fails, each row is sampled alone so
+        only the sequences whose own sampling fails are answered with an error (None in their place):
+        one request's parameters must never fail its batch mates."""
+        try:
+            return self.runtime.sample(logits, [s.sampler for s in seqs])
+        except Exception as exc:  # noqa: BLE001
+            log.warning("batched sampling of %d rows failed (%s); sampling row by row", len(seqs), exc)
+        out: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                out.append(self.runtime.sample(logits[i : i + 1], [seq.sampler])[0])
+            except Exception as exc:  # noqa: BLE001
+                log.exception("sampling failed")
+                self._fail(seq, f"sampling failed: {exc}", 500)
+                out.append(None)
+        return out
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """Account one generated token: stream its text, or end the sequence."""
