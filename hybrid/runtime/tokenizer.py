@@ -23,9 +23,14 @@ class Tokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelLoadError(f"missing file: {tok_file}")
-        self.tok = HFTokenizer.from_file(str(tok_file))
+        try:
+            self.tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the tokenizers library raises bare Exceptions for a corrupt file
+            raise ModelLoadError(f"{tok_file}: not a readable tokenizer ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") from None
         cfg_file = path / "tokenizer_config.json"
-        self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        from hybrid.models.checks import read_json_object
+
+        self.config = read_json_object(cfg_file) if cfg_file.is_file() else {}
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
