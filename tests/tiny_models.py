@@ -25,6 +25,26 @@ FAMILIES = {
         num_local_experts=4, intermediate_size=32, sliding_window=8)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         num_experts=8, intermediate_size=32, clip_qkv=1.0, norm_topk_prob=False)),
+    # DeepSeek-V3: MLA with a q bottleneck, YaRN with mscale (softmax-scale correction), groups of experts
+    # (n_group 4, topk_group 2), one shared expert, a dense first layer; more variants in DEEPSEEK_VARIANTS.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_key_value_heads=4, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+}
+
+# DeepSeek-V3 family variants beyond FAMILIES["deepseek_v3"]: overrides of its kwargs.
+DEEPSEEK_VARIANTS = {
+    # no q bottleneck (V2-Lite style), all layers MoE, one group, no renormalisation, tied head, plain rope
+    "no_q_lora_tied": dict(q_lora_rank=None, first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
+                           tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           routed_scaling_factor=1.0),
+    # Kimi-K2's router shape (one group), two shared experts, rope not interleaved, 16 experts in 8 groups of 2
+    "groups_of_two": dict(n_routed_experts=16, n_group=8, topk_group=3, num_experts_per_tok=4, n_shared_experts=2,
+                          rope_interleave=False, first_k_dense_replace=2, num_hidden_layers=4),
 }
 
 
@@ -33,9 +53,10 @@ def hf_config(model_type: str, **overrides):
 
     cfg_cls, _, kw = FAMILIES[model_type]
     kw = dict(kw)
-    kw.update(dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
-                   bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = {**common, **kw} if model_type == "deepseek_v3" else {**kw, **common}  # MLA: kv heads = heads
     kw.update(overrides)
     cfg = getattr(transformers, cfg_cls)(**kw)
     cfg._attn_implementation = "eager"

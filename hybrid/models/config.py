@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 ROPE_KINDS = ("default", "linear", "yarn", "llama3")
 QK_NORMS = ("none", "head", "full")  # Qwen3: RMSNorm per head over hd; OLMoE: over all heads (H*hd)
+ROUTER_KINDS = ("softmax", "sigmoid")  # softmax over E (Qwen, Mixtral, OLMoE); sigmoid scores (DeepSeek-V3)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,57 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): queries through an optional low-rank bottleneck
+    (q_lora_rank; None = a plain projection), keys and values from one shared latent of kv_lora_rank values
+    plus a single rope key of qk_rope_head_dim, expanded per head by kv_b_proj."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True  # rope dims stored as (x0, x1), (x2, x3) pairs (DeepSeek's checkpoints)
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be positive or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How router logits become top-K experts. softmax: probabilities over all E. sigmoid (DeepSeek-V3,
+    GLM-4.5): independent scores; with score_bias a learned per-expert bias (e_score_correction_bias) is
+    added for choosing only; experts split into n_group groups of which the topk_group with the largest
+    top-2 score sums are eligible; the chosen (unbiased) scores are scaled by `scaling`."""
+
+    kind: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor
+    score_bias: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ROUTER_KINDS:
+            raise ValueError(f"router kind must be one of {ROUTER_KINDS}, got {self.kind!r}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"need 1 <= topk_group <= n_group, got n_group {self.n_group}, topk_group {self.topk_group}")
+        if self.kind == "softmax" and (self.n_group > 1 or self.score_bias):
+            raise ValueError("expert groups and a score bias need the sigmoid router")
+        if not self.scaling > 0:
+            raise ValueError(f"routed scaling factor must be positive, got {self.scaling}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # Hugging Face model_type, e.g. "qwen3_moe"
     vocab_size: int
@@ -54,7 +106,8 @@ class ModelConfig:
     expert_intermediate_size: int  # F
     moe_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP (False)
     dense_intermediate_size: int = 0  # dense-MLP layers only (Qwen2/3-MoE mlp_only_layers)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (0 = none)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE / DeepSeek shared expert (0 = none)
+    shared_expert_gate: bool = True  # Qwen2-MoE scales it by sigmoid(gate . x); DeepSeek adds it as is
     norm_topk_prob: bool = True
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -67,6 +120,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+    mla: MLAConfig | None = None  # Multi-head Latent Attention instead of grouped-query attention
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -86,6 +141,57 @@ class ModelConfig:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        r = self.router
+        if r.n_group > 1:
+            if self.num_experts % r.n_group:
+                raise ValueError(f"num_experts {self.num_experts} is not a multiple of n_group {r.n_group}")
+            if self.num_experts // r.n_group < 2:  # groups are ranked by their two best scores
+                raise ValueError(f"expert groups need >= 2 experts each ({self.num_experts} experts, {r.n_group} groups)")
+            if r.topk_group * (self.num_experts // r.n_group) < self.experts_per_token:
+                raise ValueError(f"topk_group {r.topk_group} groups of {self.num_experts // r.n_group} experts "
+                                 f"cannot hold {self.experts_per_token} experts per token")
+        if self.mla is not None:
+            if self.head_dim != self.mla.qk_rope_head_dim:  # the rotary tables cover the rope part only
+                raise ValueError(f"MLA: head_dim {self.head_dim} must equal qk_rope_head_dim {self.mla.qk_rope_head_dim}")
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError("MLA expands keys and values for every query head: num_kv_heads must equal num_heads")
+
+    @property
+    def attention_kind(self) -> str:
+        return "gqa" if self.mla is None else "mla"
+
+    @property
+    def kv_layout(self) -> dict[str, tuple[int, ...]]:
+        """What the KV cache stores per token and layer: buffer name -> shape. Grouped-query attention:
+        K and V per key/value head. MLA: the normalised latent and the rotated rope key side by side in
+        one row (kv_lora_rank + qk_rope_head_dim values), read back whole as the key of the absorbed
+        attention and as its first kv_lora_rank values as the value."""
+        if self.mla is None:
+            return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+        return {"latent": (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim,)}
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Cache values one token holds across all layers."""
+        per_layer = 0
+        for shape in self.kv_layout.values():
+            n = 1
+            for d in shape:
+                n *= d
+            per_layer += n
+        return self.num_layers * per_layer
+
+    def attention_flops_per_key(self, prefill: bool) -> float:
+        """FLOPs one query token spends per attended key position in one layer (scores + weighted sum).
+        MLA decode attends in latent space (absorbed: H x (latent + rope) for scores, H x latent for
+        values); MLA prefill expands keys and values per head."""
+        H = self.num_heads
+        if self.mla is None:
+            return 4.0 * H * self.head_dim
+        m = self.mla
+        if prefill:
+            return 2.0 * H * (m.qk_head_dim + m.v_head_dim)
+        return 2.0 * H * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
 
     # Sizes the benchmarks and the placement planner use.
     @property
@@ -106,21 +212,24 @@ class ModelConfig:
         """Parameter counts split into routed experts and everything else (attention, norms, router,
         shared experts, dense MLPs, embeddings, head)."""
         D, hd = self.hidden_size, self.head_dim
-        attn = D * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.qkv_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        if self.qk_norm == "head":
-            attn += 2 * hd
-        elif self.qk_norm == "full":
-            attn += hd * (self.num_heads + self.num_kv_heads)
+        if self.mla is not None:
+            attn = self._mla_params()
+        else:
+            attn = D * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+            if self.qkv_bias:
+                attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+            if self.qk_norm == "head":
+                attn += 2 * hd
+            elif self.qk_norm == "full":
+                attn += hd * (self.num_heads + self.num_kv_heads)
         per_layer = attn + 2 * D
         other = 0
         for moe in self.moe_layers:
             other += per_layer
             if moe:
-                other += self.num_experts * D
+                other += self.num_experts * (D + int(self.router.score_bias))
                 if self.shared_expert_intermediate_size:
-                    other += 3 * D * self.shared_expert_intermediate_size + D
+                    other += 3 * D * self.shared_expert_intermediate_size + D * int(self.shared_expert_gate)
             else:
                 other += 3 * D * self.dense_intermediate_size
         embed = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
@@ -128,3 +237,18 @@ class ModelConfig:
             "experts": self.num_moe_layers * self.num_experts * self.expert_params,
             "non_expert": other + embed + D,
         }
+
+    def _mla_params(self) -> int:
+        """hybrid.models.mla.MLAttention's weights: q (direct, or down + norm + up), kv down (latent + rope
+        key) + latent norm, kv up (nope keys and values per head), output; biases with attention_bias."""
+        m, D, H = self.mla, self.hidden_size, self.num_heads
+        if m.q_lora_rank is None:
+            q = D * H * m.qk_head_dim
+        else:
+            q = D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim
+            q += m.q_lora_rank if self.qkv_bias else 0
+        kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        kv += (m.kv_lora_rank + m.qk_rope_head_dim) if self.qkv_bias else 0
+        o = H * m.v_head_dim * D + (D if self.o_bias else 0)
+        return q + kv + o

@@ -81,6 +81,22 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def folded_causal_mask(positions: torch.Tensor, L: int, rep: int, window: int | None, masks: dict) -> torch.Tensor:
+    """[B, 1, rep*T, L] bool: query t (its `rep` heads folded into the query axis, head-major) sees cache
+    positions <= its own (and inside the sliding window). Built once per step and shape, kept in `masks`."""
+    key = (window, rep, L)
+    mask = masks.get(key)
+    if mask is None:
+        B, T = positions.shape
+        qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
+        kpos = torch.arange(L, device=positions.device)[None, None, None, :]  # [1, 1, 1, L]
+        mask = kpos <= qpos  # [B, 1, T, L]
+        if window is not None:
+            mask = mask & (kpos > qpos - window)
+        mask = masks[key] = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
+    return mask
+
+
 class Attention(nn.Module):
     """Grouped-query attention that writes K/V into a static cache and reads it back.
 
@@ -138,7 +154,7 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 scale=self.scale, enable_gqa=self.H != self.Hkv)
         else:
-            kc, vc = cache.read(self.layer, slots, kv_len)  # [B, Hkv, L, hd] each
+            kc, vc = (t.transpose(1, 2) for t in cache.read(self.layer, slots, kv_len))  # [B, Hkv, L, hd] each
             L = kc.shape[2]
             # Grouped-query attention without copying K/V per query head: the `rep` query heads that
             # share a K/V head are folded into the query-length axis, [B, Hkv, rep*T, hd]. (SDPA's
@@ -146,15 +162,7 @@ class Attention(nn.Module):
             # would write rep times the cache on every step.)
             rep = self.H // self.Hkv
             qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
-            key = (self.window, rep, L)
-            mask = masks.get(key)
-            if mask is None:
-                qpos = positions.clamp(min=0)[:, None, :, None]  # [B, 1, T, 1]; padding attends key 0
-                kpos = torch.arange(L, device=q.device)[None, None, None, :]  # [1, 1, 1, L]
-                mask = kpos <= qpos  # [B, 1, T, L]
-                if self.window is not None:
-                    mask = mask & (kpos > qpos - self.window)
-                mask = masks[key] = mask[:, :, None].expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
+            mask = folded_causal_mask(positions, L, rep, self.window, masks)
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
             return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
         return out.transpose(1, 2).reshape(B, T, self.H * self.hd)

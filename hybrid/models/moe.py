@@ -1,8 +1,8 @@
 """The MoE block and its swappable expert executor.
 
-MoEBlock.forward(hidden [T, D]) -> [T, D] routes (softmax over E router logits in fp32, top-K, optional
-renormalisation of the K weights), hands the routed work to `self.experts`, and adds the shared expert
-(Qwen2-MoE, scaled by a sigmoid gate) itself.
+MoEBlock.forward(hidden [T, D]) -> [T, D] routes (select_experts: the config's router kind over the E router
+logits in fp32, top-K, optional renormalisation of the K weights), hands the routed work to `self.experts`,
+and adds the shared expert (Qwen2-MoE: scaled by a sigmoid gate; DeepSeek-V3: as is) itself.
 
 Expert executor interface (what the hybrid layer implements and swaps in per layer, e.g.
 `model.layers[i].moe.experts = HybridExperts(...)`):
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.models.config import ModelConfig
+from hybrid.models.config import ModelConfig, RouterConfig
 from hybrid.models.layers import GatedMLP, param
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -142,6 +142,38 @@ class StackedExperts(nn.Module):
         return unsorted.view(T, K, D).sum(1).to(device=x.device, dtype=x.dtype)
 
 
+def select_experts(logits: torch.Tensor, router: RouterConfig, top_k: int, norm_topk_prob: bool,
+                   score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (topk_ids [T, K] int64, topk_weights [T, K] fp32), the executor's input.
+
+    softmax: top-K of the probabilities. sigmoid (DeepSeek-V3 "noaux_tc"; transformers'
+    DeepseekV3TopkRouter): independent scores; `score_bias` [E] shifts them for the choice only; with
+    n_group > 1 only the topk_group groups whose two best (biased) scores sum highest are eligible; the
+    weights are the unbiased scores of the chosen experts. Then optional renormalisation, and the
+    routed scaling factor."""
+    if router.kind == "softmax":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)  # [T, K]
+        if norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+    else:
+        scores = torch.sigmoid(logits)  # [T, E]
+        choice = scores if score_bias is None else scores + score_bias
+        if router.n_group > 1:
+            T, E = choice.shape
+            grouped = choice.view(T, router.n_group, E // router.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, torch.topk(group_score, router.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        ids = torch.topk(choice, top_k, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # the reference's epsilon
+    if router.scaling != 1.0:
+        weights = weights * router.scaling
+    return ids, weights
+
+
 class MoEBlock(nn.Module):
     """Router + expert executor (+ shared expert). forward(hidden [T, D]) -> [T, D]."""
 
@@ -149,25 +181,32 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.top_k = cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.router_cfg = cfg.router
         self.router = param(cfg.num_experts, cfg.hidden_size)  # [E, D]
+        self.score_bias = param(cfg.num_experts) if cfg.router.score_bias else None  # [E]
+        # The sigmoid router scores in fp32 from fp32 weights, as its reference keeps them
+        # (DeepseekV3 _keep_in_fp32_modules_strict); the loader allocates these names in fp32.
+        self.fp32_params = ("router", "score_bias") if cfg.router.kind == "sigmoid" else ()
         # None while loading with experts kept elsewhere; the loader installs the executor.
         self.experts = experts
-        self.shared = None
+        self.shared = self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_gate = param(1, cfg.hidden_size)  # [1, D]
+            if cfg.shared_expert_gate:
+                self.shared_gate = param(1, cfg.hidden_size)  # [1, D]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return ids, weights
+        if self.fp32_params:
+            logits = F.linear(x.float(), self.router.float())  # [T, E]
+        else:
+            logits = F.linear(x, self.router).float()
+        return select_experts(logits, self.router_cfg, self.top_k, self.norm_topk_prob, self.score_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)  # [T, D]
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)
         return out

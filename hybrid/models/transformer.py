@@ -20,6 +20,7 @@ from torch import nn
 
 from hybrid.models.config import ModelConfig
 from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param, sdpa_backends
+from hybrid.models.mla import MLAttention
 from hybrid.models.moe import MoEBlock, StackedExperts
 from hybrid.models.rope import Rotary
 
@@ -28,7 +29,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, experts: nn.Module | None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg, layer) if cfg.mla is None else MLAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
         self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)

@@ -143,6 +143,9 @@ class Family:
     # (regex, replacement) renaming other spellings of a tensor (e.g. transformers 5's in-memory names)
     # to the one in `weights` before matching.
     aliases: tuple[tuple[str, str], ...] = ()
+    # (checkpoint name, ModelConfig) -> why the tensor is deliberately not loaded, or None (it must be);
+    # the loader logs each reason once with a count (DeepSeek-V3's multi-token-prediction layer).
+    skipped: Callable[[str, ModelConfig], str | None] | None = None
 
 
 def mlp_experts(prefix: str = "model.layers.{i}.mlp") -> tuple[dict[str, str], dict[str, str]]:

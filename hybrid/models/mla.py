@@ -1,0 +1,125 @@
+"""Multi-head Latent Attention (DeepSeek-V2 paper, sec. 2.1; DeepSeek-V3) over the static latent cache.
+
+Per token:  c = RMSNorm(W_DKV x)  [kv_lora]          k_rope = RoPE(W_KR x)  [rope]   (shared by all heads)
+            q = W_UQ RMSNorm(W_DQ x)  (or W_Q x without q_lora_rank), per head [nope + rope]
+            k_h = [W_UK_h c ; k_rope],  v_h = W_UV_h c        (W_UK, W_UV: the rows of kv_b_proj)
+
+The cache keeps only [c ; k_rope] (ModelConfig.kv_layout "latent"). Two ways to attend:
+  expanded: k_h, v_h built for every head (what the reference does); used for a fresh prefill, where the
+      prompt's own tokens are all there is to see and the work is compute-bound anyway.
+  absorbed: q_nope_h . k_nope_h = (W_UK_h^T q_nope_h) . c, so each head's query moves into latent space
+      and attends over [c ; k_rope] directly; the output is o_h = W_UV_h (sum_j p_j c_j). Reads the cache
+      once for all heads (one "key head" of kv_lora + rope values): the decode path, and any step that
+      reads the cache. `mode` forces one for tests: "auto" | "expanded" | "absorbed".
+Softmax scale: (nope + rope)^-0.5, times mscale^2 with mscale = 0.1 mscale_all_dim ln(factor) + 1 under
+YaRN (DeepSeek-V3's released inference code and transformers' yarn_apply_mscale do exactly this).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.models.config import ModelConfig
+from hybrid.models.layers import Linear, RMSNorm, folded_causal_mask
+from hybrid.models.rope import apply_rotary
+
+MODES = ("auto", "expanded", "absorbed")
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    m, rope = cfg.mla, cfg.rope
+    scale = m.qk_head_dim ** -0.5
+    if rope.kind != "default" and rope.mscale_all_dim:
+        ms = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= ms * ms
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1), (x2, x3), ... pairs -> (x0, x2, ...; x1, x3, ...): the half-split layout apply_rotary
+    rotates. Applied to both q and k, so their dot products are those of the interleaved rotation."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """forward(x [B, T, D], cos/sin [B, T, rope], positions [B, T], slots [B], cache, ...) -> [B, T, D];
+    the same contract as hybrid.models.layers.Attention."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+        self.layer, self.H = layer, H
+        self.nope, self.rope, self.vd, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.interleave = m.rope_interleave
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(D, H * m.qk_head_dim, False)
+        else:
+            self.q_a_proj = Linear(D, m.q_lora_rank, cfg.qkv_bias)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(m.q_lora_rank, H * m.qk_head_dim, False)
+        self.kv_a_proj = Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), False)
+        self.o_proj = Linear(H * m.v_head_dim, D, cfg.o_bias)
+        self.scale = softmax_scale(cfg)
+        self.mode = "auto"
+
+    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's rows per head: W_UK [H, nope, rank], W_UV [H, v, rank] (views, no copy)."""
+        w = self.kv_b_proj.weight.view(self.H, self.nope + self.vd, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict):
+        B, T, _ = x.shape
+        H = self.H
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.nope + self.rope)
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        ckv = self.kv_a_proj(x)  # [B, T, rank + rope]
+        c, k_rope = self.kv_a_norm(ckv[..., :self.rank]), ckv[..., self.rank:]
+        if self.interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        # one rotation over q and k together (as Attention does): [B, T, H + 1, rope]
+        qk = apply_rotary(torch.cat((q_rope, k_rope[:, :, None]), dim=2), cos, sin)
+        q_rope, k_rope = qk[:, :, :H], qk[:, :, H]
+        latent = torch.cat((c, k_rope), dim=-1)  # [B, T, rank + rope]
+        cache.write(self.layer, slots, positions, latent)
+        mode = self.mode if self.mode != "auto" else ("expanded" if fresh else "absorbed")
+        if fresh and mode == "expanded":
+            out = self._expanded(q_nope, q_rope, latent, None)
+        elif mode == "expanded":
+            lat, = cache.read(self.layer, slots, kv_len)  # [B, L, rank + rope]
+            out = self._expanded(q_nope, q_rope, lat, folded_causal_mask(positions, lat.shape[1], 1, None, masks))
+        else:
+            lat = latent if fresh else cache.read(self.layer, slots, kv_len)[0]
+            mask = folded_causal_mask(positions, lat.shape[1], H, None, masks)  # [B, 1, H*T, L]
+            out = self._absorbed(q_nope, q_rope, lat, mask)
+        return self.o_proj(out)
+
+    def _expanded(self, q_nope, q_rope, lat, mask):
+        """Keys and values per head from the latent rows lat [B, L, rank + rope]; mask None = causal over
+        the prompt itself (fresh), else [B, 1, T, L]. -> [B, T, H * v]."""
+        B, T, H = q_nope.shape[0], q_nope.shape[1], self.H
+        L = lat.shape[1]
+        kv = self.kv_b_proj(lat[..., :self.rank]).view(B, L, H, self.nope + self.vd)
+        k = torch.cat((kv[..., :self.nope], lat[:, :, None, self.rank:].expand(B, L, H, self.rope)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), kv[..., self.nope:].transpose(1, 2),
+                                             attn_mask=mask, is_causal=mask is None, scale=self.scale)  # [B, H, T, v]
+        return out.transpose(1, 2).reshape(B, T, H * self.vd)
+
+    def _absorbed(self, q_nope, q_rope, lat, mask):
+        """Attention in latent space over lat [B, L, rank + rope] with mask [B, 1, H*T, L]: every head is a
+        query of the one shared latent "head" (heads folded into the query axis). -> [B, T, H * v]."""
+        B, T, H = q_nope.shape[0], q_nope.shape[1], self.H
+        w_uk, w_uv = self._up()
+        q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, H, T, rank]
+        qg = torch.cat((q_lat, q_rope.transpose(1, 2)), dim=-1).reshape(B, 1, H * T, self.rank + self.rope)
+        key = lat[:, None]  # [B, 1, L, rank + rope]
+        o = F.scaled_dot_product_attention(qg, key, key[..., :self.rank], attn_mask=mask, scale=self.scale)
+        out = torch.einsum("bhtc,hvc->bthv", o.view(B, H, T, self.rank), w_uv)  # [B, T, H, v]
+        return out.reshape(B, T, H * self.vd)
