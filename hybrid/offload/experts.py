@@ -65,6 +65,25 @@ def _grouped_ok(rows: torch.Tensor) -> bool:
     return rows.shape[1] * rows.element_size() % 16 == 0 and grouped_mm_works(rows.device, rows.dtype)
 
 
+def add_resident_captured(out, x, topk_ids, topk_weights, rank, R: int, grouped) -> None:
+    """Captured decode's resident experts, no host sync: out [T, D] fp32 += each resident assignment's
+    weighted output. rank [E]: resident slot of each expert, R for cold. Assignments are sorted by slot and
+    grouped(rows [T*K, D], offs [R] int32) computes only the first offs[-1] rows; the cold rows after them
+    hold whatever the GEMM left there, so the keep mask must drop exactly them (tests/test_guard_capture.py
+    checks this on the CPU)."""
+    K = topk_ids.shape[1]
+    r = rank[topk_ids.reshape(-1)]  # [T*K] resident slot, R = cold
+    order = torch.argsort(r, stable=True)
+    counts = torch.zeros(R + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, r, torch.ones_like(r, dtype=torch.int32))
+    offs = counts[:R].cumsum(0, dtype=torch.int32)  # rows past offs[-1] (cold) are not computed
+    token = order // K
+    y = grouped(x[token], offs)  # [T*K, D]
+    keep = (r[order] < R)[:, None]
+    wts = topk_weights.reshape(-1)[order].float()[:, None]
+    out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
+
+
 class HybridExperts(nn.Module):
     """See the module docstring. Eager calls split per batch; captured calls (decode graphs) use the fixed
     split of hybrid.offload.host_lane."""
@@ -231,18 +250,8 @@ class HybridExperts(nn.Module):
         out = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
         R = len(self.resident_ids)
         if R:
-            flat = topk_ids.reshape(-1)
-            r = self.rank_dev[flat]  # [T*K] resident slot, R = cold
-            order = torch.argsort(r, stable=True)
-            counts = torch.zeros(R + 1, dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, r, torch.ones_like(r, dtype=torch.int32))
-            offs = counts[:R].cumsum(0, dtype=torch.int32)  # rows past offs[-1] (cold) are not computed
-            token = order // K
-            rows = x[token]
-            y = grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs)  # [T*K, D]
-            keep = (r[order] < R)[:, None]
-            wts = topk_weights.reshape(-1)[order].float()[:, None]
-            out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
+            add_resident_captured(out, x, topk_ids, topk_weights, self.rank_dev, R,
+                                  lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
         if cpu_out is not None:
             lane.join()
             out += cpu_out.float()
