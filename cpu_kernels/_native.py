@@ -160,6 +160,8 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_profile_read.restype = None
     lib.hy_set_amx_kblock.argtypes = [ctypes.c_int]
     lib.hy_set_amx_kblock.restype = None
+    lib.hy_tune.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.hy_tune.restype = ctypes.c_int
     lib.hy_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.hy_stream_read.restype = ctypes.c_int64
     return lib
@@ -170,7 +172,17 @@ def pool(isa: str, cpus) -> int:
     return load(isa).hy_pool_get(arr, len(cpus))
 
 
+# Decode-sized calls without AMX experts run gate/up and down in one barrier-free phase (csrc/fused.h):
+# the profile counts that whole phase as "gate_up".
 PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
+TUNABLES = ("fused", "prefetch", "spin_us")
+
+
+def tune(isa: str, name: str, value: int) -> int:
+    """Set one of `isa`'s run-time knobs (csrc/api.h, hy_tune); returns its previous value."""
+    if name not in TUNABLES:
+        raise ValueError(f"unknown knob {name!r} (known: {', '.join(TUNABLES)})")
+    return int(load(isa).hy_tune(name.encode(), int(value)))
 
 
 def profile_enable(isa: str, on: bool = True) -> None:

@@ -15,6 +15,20 @@ HY_API void hy_set_amx_kblock(int kb) {
 #endif
 }
 
+// Run-time knobs (benchmarks and the GPU decode setup); returns the previous value, or -1 for an unknown name.
+//   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
+//   prefetch  1: the vector kernels prefetch the next weight block in software (default 0)
+//   spin_us   how long idle pool workers spin before sleeping (default 50)
+HY_API int hy_tune(const char* name, int value) {
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  int old;
+  if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
+  else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
+  else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
+  else return -1;
+  return old;
+}
+
 // Copies the accumulated phase times (seconds) and call count into out[8]; reset != 0 zeroes them.
 HY_API void hy_profile_read(double* out, int reset) {
   std::lock_guard<std::mutex> lk(g_job_mu);

@@ -83,7 +83,7 @@ struct Buf {
 };
 
 struct Workspace {
-  Buf cnt, off, tok, wt, xrows, xptr, act, xpack;
+  Buf cnt, off, tok, wt, slot, xrows, xptr, act, xpack;
   Buf hrows[HY_MAX_NODES], hf[HY_MAX_NODES], hptr[HY_MAX_NODES], hpack[HY_MAX_NODES];
   Buf acc[HY_MAX_NODES], scratch[HY_MAX_NODES];
 };
@@ -131,6 +131,10 @@ void run_nodes(const HyLayer* L, F make, std::function<int(int)> ntasks) {
   for (int i = 0; i < ns; ++i) started[i]->finish();
 }
 
+}  // namespace
+#include "fused.h"
+namespace {
+
 int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const int32_t* ids,
             const float* wts, const int32_t* lmap, int n_global, void* out, int out_dtype) {
   if (!L || L->n_nodes < 1 || L->n_nodes > HY_MAX_NODES || T < 0 || K < 1 || L->n_local < 0) return HY_EARG;
@@ -159,12 +163,15 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   const int A = off[E];
   int* tok = W.tok.get<int>(A);
   float* wt = W.wt.get<float>(A);
+  int* slot = W.slot.get<int>((size_t)T * K);  // [T, K] sorted index of each assignment, -1: not run here
   std::fill(cnt, cnt + E, 0);
   for (int t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) {
       int l = lmap[ids[(int64_t)t * K + k]];
+      slot[(int64_t)t * K + k] = -1;
       if (l < 0) continue;
       int i = off[l] + cnt[l]++;
+      slot[(int64_t)t * K + k] = i;
       tok[i] = t;
       wt[i] = wts[(int64_t)t * K + k];
     }
@@ -209,6 +216,15 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   }, (T + 7) / 8);
   const uint8_t** xptr = W.xptr.get<const uint8_t*>(A);
   for (int i = 0; i < A; ++i) xptr[i] = xrows + tok[i] * xs;
+  // Decode-sized calls without AMX experts: one barrier-free phase (fused.h). Its [A, D] fp32 expert
+  // outputs are bounded (64 MiB) so that big vector-path prefills keep the phased path's [T, D] accumulator.
+  if (g_fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20)) {
+    clk.lap(1);
+    int rc = forward_fused(L, W, act, na, A, xptr, wt, slot, T, K, out, out_dtype, m_max_pad);
+    clk.lap(3);  // the profile counts the whole fused phase (down included) as gate_up
+    if (g_prof_on) g_prof[7] += 1;
+    return rc;
+  }
 
   clk.lap(1);
   // Phase P: pack AMX experts' token rows.

@@ -40,6 +40,9 @@ typedef struct {
 
 namespace {
 
+// Software prefetch of the next 4-row weight block in the vector kernels (0 = off; hy_tune("prefetch", 1)).
+int g_prefetch = 0;
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;

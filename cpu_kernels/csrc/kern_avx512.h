@@ -18,6 +18,7 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
+    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T0);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
@@ -35,6 +36,7 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   for (int kk = 0; kk < k; kk += 64) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
+    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T0);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
@@ -45,38 +47,58 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
       C[t * ldc + j] = (float)(_mm512_reduce_add_epi32(acc[j][t]) - 128 * rsum[j]) * sw[j] * act_scale(rows[t], k);
 }
 
-template <int MT>
-void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
-              float* C, int ldc) {
-  const int G = k / group;
-  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+// int4, group size GS a compile-time constant (no division in the loop): the products of one group are
+// summed in int32 and scaled once per group (GS >= 64: per 1-2 chunks of 64 K values), instead of a
+// convert + FMA per chunk. The nibbles of a chunk's 32 bytes are split by one variable shift of the
+// byte pair broadcast to both halves. MT <= 2 keeps int32 and fp32 accumulators in the 32 zmm registers.
+template <int MT, int GS>
+void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+  constexpr int CPG = GS >= 64 ? GS / 64 : 1;  // 64-value chunks per scaling step
+  const int G = k / GS;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high half: >> 4
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
-  for (int c = 0; c < k / 64; ++c) {
-    __m512i wq[4];
-    __m512 sv[4];
-    const int g0 = c * 64 / group, g1 = (c * 64 + 32) / group;  // lanes 0-7 cover K 0..31, 8-15 K 32..63
-    for (int j = 0; j < 4; ++j) {
-      __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
-      __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-      wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      sv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[j * G + g0])),
-                                 _mm256_set1_ps(sw[j * G + g1]), 1);
+  for (int c0 = 0; c0 < k / 64; c0 += CPG) {
+    __m512i iacc[4][MT];
+    for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) iacc[j][t] = _mm512_setzero_si512();
+    for (int c = c0; c < c0 + CPG; ++c) {
+      __m512i wq[4];
+      for (int j = 0; j < 4; ++j) {
+        __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
+        wq[j] = _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4);  // K c*64+0..31 | c*64+32..63
+      }
+      if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+      for (int t = 0; t < MT; ++t) {
+        __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        for (int j = 0; j < 4; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
+      }
     }
-    for (int t = 0; t < MT; ++t) {
-      __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
-      for (int j = 0; j < 4; ++j)
-        acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], a)),
-                                    sv[j], acc[j][t]);
+    for (int j = 0; j < 4; ++j) {
+      __m512 sv;
+      if (GS >= 64) sv = _mm512_set1_ps(sw[j * G + c0 / CPG]);
+      else sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[j * G + 2 * c0])),
+                                   _mm256_set1_ps(sw[j * G + 2 * c0 + 1]), 1);  // lanes 0-7: K 0..31
+      for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j][t]), sv, acc[j][t]);
     }
   }
   for (int j = 0; j < 4; ++j)
     for (int t = 0; t < MT; ++t) {
       const int32_t* gs = act_gsum(rows[t], k);
-      float corr = 0.f;
+      float corr = 0.f;  // sum_g s_g * sum(a in g): undoes the +8 of the stored nibbles
       for (int g = 0; g < G; ++g) corr += sw[j * G + g] * (float)gs[g];
       C[t * ldc + j] = (_mm512_reduce_add_ps(acc[j][t]) - 8.f * corr) * act_scale(rows[t], k);
     }
+}
+
+template <int MT>
+void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
+              float* C, int ldc) {
+  switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/moe.py)
+    case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc); break;
+    case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc); break;
+    default: i4_block_g<MT, 128>(w, ldw, k, rows, sw, C, ldc);
+  }
 }
 
 template <int MT>
@@ -94,10 +116,11 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
 }
 
 void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
+  const int mt = M.dtype == HY_INT4 ? 2 : 4;  // int4 needs int32 and fp32 accumulators (i4_block_g)
   for (int r = 0; r < nr; r += 4)
-    for (int t = 0; t < m; t += 4) {
+    for (int t = 0; t < m; t += mt) {
       float* c = C + t * ldc + r;
-      switch (std::min(4, m - t)) {
+      switch (std::min(mt, m - t)) {
         case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc); break;
         case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc); break;
         case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc); break;

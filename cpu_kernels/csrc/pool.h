@@ -4,6 +4,7 @@
 // The calling thread is participant 0 of a phase it runs with run(); workers are pinned to cpus[1..].
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -16,6 +17,8 @@
 #include <immintrin.h>
 
 namespace {
+
+std::atomic<int> g_spin_us{50};  // how long an idle worker (or a waiting caller) spins before it sleeps
 
 struct Pool {
   std::vector<int> cpus;
@@ -37,9 +40,13 @@ struct Pool {
     for (int i = 1; i < n; ++i) std::thread([this, i] { loop(i); }).detach();
   }
 
-  // Spin briefly before sleeping: a layer call runs ~6 short phases back to back, and a futex wake
-  // costs tens of microseconds; bounded so that idle pools do not burn cores.
-  static constexpr int kSpin = 4000;
+  // Spin before sleeping: a futex wake of the pool costs tens of microseconds. The spin is a time (not a
+  // pause count, whose cost differs ~10x between cores) read from g_spin_us: short by default so that idle
+  // pools do not burn cores beside torch's own threads; a GPU-hosted decode sets it to cover the gap between
+  // two layer calls of a step (hy_tune("spin_us", ...)), so that the workers never sleep inside a step.
+  static bool spun_out(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed));
+  }
 
   void work(int idx) {
     for (int t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, idx);
@@ -52,8 +59,11 @@ struct Pool {
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: may be refused
     uint64_t seen = 0;
     for (;;) {
-      int spins = 0;
-      while (gen.load(std::memory_order_acquire) == seen && spins < kSpin) { _mm_pause(); ++spins; }
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int spins = 1; gen.load(std::memory_order_acquire) == seen; ++spins) {
+        _mm_pause();
+        if (spins % 64 == 0 && spun_out(t0)) break;
+      }
       if (gen.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lk(mu);
         cv_work.wait(lk, [&] { return gen.load(std::memory_order_acquire) != seen; });
@@ -90,8 +100,12 @@ struct Pool {
   void finish() {
     if (caller_helps) work(0);  // start() made it true for a solo phase
     if (solo) return;
-    for (int spins = 0; spins < kSpin * 4; ++spins)
-      if (done.load(std::memory_order_acquire) == n - 1) return; else _mm_pause();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int spins = 1; done.load(std::memory_order_acquire) != n - 1; ++spins) {
+      _mm_pause();
+      if (spins % 64 == 0 && spun_out(t0)) break;
+    }
+    if (done.load(std::memory_order_acquire) == n - 1) return;
     std::unique_lock<std::mutex> lk(mu);
     cv_done.wait(lk, [&] { return done.load(std::memory_order_acquire) == n - 1; });
   }

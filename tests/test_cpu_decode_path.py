@@ -1,0 +1,138 @@
+"""The decode path of the CPU executor (cpu_kernels/csrc/fused.h: gate/up and down in one barrier-free
+phase, expert-major down outputs, one weighted sum per token) against the phased path and the reference.
+
+Decode-shaped routing: T = 1..9 tokens each choosing K = 8 of E experts, some experts masked off (the
+resident ones), some tokens with no local expert at all; several NUMA nodes (a fake topology whose nodes
+share one pool, so the last-finisher reductions run across nodes); outputs pre-filled with NaN. The fused
+and phased paths run the same vector kernels on the same quantized activations, so they agree to fp32
+summation order; the reference bounds both.
+"""
+
+import os
+
+import pytest
+import torch
+
+import cpu_kernels
+from cpu_kernels import CpuMoE, _native
+from cpu_kernels.reference import moe_forward
+from cpu_kernels.topology import Topology
+from test_cpu_moe import COMPILED, EMU, TOL, dequantized, rel_err
+
+E, F, D, K = 12, 200, 136, 8
+ISAS = [i for i in COMPILED if i != "amx"] + EMU  # real AMX runs decode on its AVX-512 path: covered by avx512
+
+
+def routing(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g) + 0.05
+    return ids, w
+
+
+@pytest.fixture
+def knobs():
+    """Restore every ISA library's knobs after a test that turns them."""
+    saved = []
+    yield saved
+    for isa, name, value in reversed(saved):
+        _native.tune(isa, name, value)
+
+
+def turn(knobs, isa, name, value):
+    knobs.append((isa, name, _native.tune(isa, name, value)))
+
+
+def weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, F, D, generator=g) / D**0.5, torch.randn(E, F, D, generator=g) / D**0.5,
+            torch.randn(E, D, F, generator=g) / F**0.5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,group", [("bf16", 128), ("int8", 128), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("nodes", ["one", "two", "shared"])
+def test_fused_matches_phased_and_reference(isa, dtype, group, nodes, knobs):
+    ws = weights()
+    cpus = sorted(os.sched_getaffinity(0))
+    topo = {"one": None, "two": Topology(((cpus[0],), (cpus[-1],))),  # two pools (one if a single cpu)
+            "shared": Topology(((cpus[0],), (cpus[0],)))}[nodes]  # one pool: the nodes run one after the other
+    moe = CpuMoE(*ws, dtype=dtype, group_size=group, isa=isa, amx_min_tokens=10**9, topology=topo,
+                 threads=None if topo else 2)
+    ref_w = dequantized(ws, dtype, group)
+    mask = torch.ones(E, dtype=torch.bool)
+    mask[[1, 4, 7]] = False  # resident experts: skipped here
+    for T in (1, 2, 5, 9):
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).bfloat16()
+        ids, w = routing(T, seed=T)
+        if T == 5:  # a token none of whose experts is held here: its output row must be exactly 0
+            ids[3] = torch.tensor([1, 4, 7, 1, 4, 7, 1, 4], dtype=torch.int32)
+        held = mask[ids.long()]
+        ref = moe_forward(x.float(), *ref_w, ids.long(), torch.where(held, w, 0.0))
+        outs = {}
+        for fused in (1, 0):
+            turn(knobs, moe.isa, "fused", fused)
+            out = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+            moe.forward(x, ids, w, expert_mask=mask, out=out)
+            assert torch.isfinite(out).all(), (fused, T)
+            assert rel_err(out, ref) < TOL[dtype], (fused, T, rel_err(out, ref))
+            outs[fused] = out.float()
+        if T == 5:
+            assert (outs[1][3] == 0).all()
+        assert rel_err(outs[1], outs[0]) < 1e-2, T  # bf16 output rounding of two fp32 summation orders
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "amx_emu"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_prefetch_changes_nothing(isa, dtype, knobs):
+    moe = CpuMoE(*weights(1), dtype=dtype, isa=isa, threads=2)
+    x = torch.randn(3, D).bfloat16()
+    ids, w = routing(3, seed=1)
+    outs = []
+    for pf in (0, 1):
+        turn(knobs, moe.isa, "prefetch", pf)
+        outs.append(moe.forward(x, ids, w).clone())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_many_calls_reuse_state(knobs):
+    """Back-to-back decode calls of different shapes reuse the per-call counters: stale state would make a
+    call wait forever or skip a reduction (NaN rows)."""
+    isa = ISAS[0] if ISAS else pytest.skip("no compiled ISA on this machine")
+    turn(knobs, isa, "spin_us", 0)  # workers sleep between calls: the wake-up path runs too
+    ws = weights(2)
+    moe = CpuMoE(*ws, isa=isa, threads=2)
+    ref_w = dequantized(ws, "bf16")
+    for i in range(40):
+        T = 1 + i % 7
+        x = torch.randn(T, D).bfloat16()
+        ids, w = routing(T, seed=100 + i)
+        out = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+        moe.forward(x, ids, w, out=out)
+        assert rel_err(out, moe_forward(x.float(), *ref_w, ids.long(), w)) < TOL["bf16"], i
+
+
+def test_unknown_knob():
+    isa = COMPILED[0] if COMPILED else pytest.skip("no compiled ISA on this machine")
+    with pytest.raises(ValueError, match="unknown knob"):
+        _native.tune(isa, "bogus", 1)
+    assert cpu_kernels._native.load(isa).hy_tune(b"bogus", 1) == -1
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_calls_take_the_fused_path(isa, knobs):
+    """The profile tells the paths apart: the fused phase counts as gate_up with no separate down phase."""
+    moe = CpuMoE(*weights(3), isa=isa, threads=2, amx_min_tokens=10**9)
+    x = torch.randn(2, D).bfloat16()
+    ids, w = routing(2, seed=3)
+    _native.profile_enable(moe.isa, True)
+    try:
+        for fused in (1, 0):
+            turn(knobs, moe.isa, "fused", fused)
+            _native.profile_read(moe.isa, reset=True)
+            moe.forward(x, ids, w)
+            p = _native.profile_read(moe.isa, reset=True)
+            assert p["calls"] == 1 and p["gate_up"] > 0
+            assert (p["down"] == 0) == bool(fused), p
+    finally:
+        _native.profile_enable(moe.isa, False)
