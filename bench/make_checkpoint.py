@@ -1,10 +1,11 @@
 """Write a Hugging Face-layout checkpoint with random weights for a preset shape.
 
     python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 8 --out /tmp/q3-30b-8l
+    python -m bench.make_checkpoint --preset deepseek-v3 --layers 5 --fp8 --device cuda --out /tmp/dsv3-5l
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
-Mixtral-8x7B, Qwen1.5-MoE-A2.7B and OLMoE-1B-7B; --layers keeps the first N decoder layers (the GPU
+Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3 and Kimi-K2; --layers keeps the first N decoder layers (the GPU
 box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
 in, so `hybrid generate --model OUT` runs; --tokenizer none skips it. The weights are N(0, 0.02):
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, help="keep only the first N decoder layers")
     p.add_argument("--out", help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--fp8", action="store_true", help="linear weights as block-FP8 (float8_e4m3fn + 128x128 "
+                   "weight_scale_inv), as DeepSeek-V3 / Kimi-K2 publish them; the rest in --dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
     p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
     raw = hf_config(args.preset, layers=args.layers)
     t0 = time.perf_counter()
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
-                                  device=args.device, progress=True)
+                                  device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None)
     if args.tokenizer == "demo":
         import shutil
 
@@ -57,7 +60,8 @@ def main(argv=None) -> int:
         demo = ensure_demo_checkpoint()
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(demo / name, out / name)
-    print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}, random weights) "
+    print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}{' + fp8' if args.fp8 else ''}, "
+          "random weights) "
           f"in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -83,6 +83,10 @@ PRESETS: dict[str, ExpertShape] = {
         # 61 layers of which the first 3 are dense (first_k_dense_replace=3); published weights are FP8.
         ExpertShape("deepseek-v3", 7168, 2048, num_experts=256, topk=8, layers=58,
                     note="published weights are FP8 (pass --bytes-per-weight 1 to price them as such)"),
+        # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's expert shape with 384 routed experts, top-8, 61 layers of
+        # which the first is dense (first_k_dense_replace=1); published weights are FP8.
+        ExpertShape("kimi-k2", 7168, 2048, num_experts=384, topk=8, layers=60,
+                    note="published weights are FP8 (pass --bytes-per-weight 1 to price them as such)"),
         # openai/gpt-oss-120b: hidden_size 2880, intermediate_size 2880, 128 experts, top-4, 36 layers;
         # published weights are MXFP4 (4-bit values + one 8-bit scale per 32: 0.53125 bytes/weight).
         ExpertShape("gpt-oss-120b", 2880, 2880, num_experts=128, topk=4, layers=36,

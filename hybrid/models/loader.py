@@ -14,16 +14,18 @@ from them once loaded; by default a StackedExperts wraps them without a copy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from hybrid.models import fp8
 from hybrid.models.config import ModelConfig
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.families import Family, family_for
@@ -34,6 +36,7 @@ from hybrid.models.transformer import MoETransformer
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Tensors some checkpoints carry that are recomputed, never loaded.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+log = logging.getLogger("hybrid.models")
 ExpertsFactory = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], nn.Module]
 
 
@@ -112,9 +115,11 @@ def _template(name: str) -> tuple[str, int | None]:
 def _materialize(model: nn.Module, device, dtype) -> None:
     """Replace meta parameters by uninitialised ones on `device` (no init pass, no second copy)."""
     for module in model.modules():
+        keep32 = getattr(module, "fp32_params", ())  # e.g. the sigmoid router: at least fp32, as its reference
         for pname, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[pname] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype),
+                dt = torch.promote_types(dtype, torch.float32) if pname in keep32 else dtype
+                module._parameters[pname] = nn.Parameter(torch.empty(p.shape, device=device, dtype=dt),
                                                          requires_grad=False)
 
 
@@ -133,8 +138,18 @@ def build_empty(cfg: ModelConfig, device, dtype, expert_device=None, expert_dtyp
     return model.eval()
 
 
-def _plan(model: MoETransformer, family: Family, ckpt: dict, stacks: dict) -> dict[str, tuple]:
-    """checkpoint name -> (destination tensor, expected shape). Raises on missing/unexpected/shape."""
+class _Slot(NamedTuple):
+    """Where an expert tensor goes in its layer's stack (allocated when the layer is streamed): which = 0 gate,
+    1 up, 2 down, or "gate_up" (the fused [E, 2F, D] tensor); expert None = the whole stack."""
+
+    layer: int
+    which: int | str
+    expert: int | None
+
+
+def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset()) -> dict[str, tuple]:
+    """checkpoint name -> (destination tensor or _Slot, expected shape). Raises on missing/unexpected/shape.
+    `scaled`: names of float8 weights with block scales (hybrid.models.fp8), de-quantized as they are read."""
     cfg = model.cfg
     plan: dict[str, tuple[torch.Tensor, tuple]] = {}
     for name, p in model.named_parameters():
@@ -145,15 +160,15 @@ def _plan(model: MoETransformer, family: Family, ckpt: dict, stacks: dict) -> di
             raise AssertionError(f"no checkpoint name for parameter {name} in {family.model_type}")
         plan[family.weights[key].format(i=layer)] = (p, tuple(p.shape))
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
-    for i, (wg, wu, wd) in stacks.items():
+    for i in cfg.moe_layer_indices:
         fused = {k: v.format(i=i) for k, v in family.fused_experts.items()}
         if fused and fused["gate_up"] in ckpt:
-            plan[fused["gate_up"]] = ((wg, wu), (E, 2 * F_, D))
-            plan[fused["down"]] = (wd, (E, D, F_))
+            plan[fused["gate_up"]] = (_Slot(i, "gate_up", None), (E, 2 * F_, D))
+            plan[fused["down"]] = (_Slot(i, 2, None), (E, D, F_))
             continue
         for e in range(E):
-            for w, dst in (("w_gate", wg), ("w_up", wu), ("w_down", wd)):
-                plan[family.experts[w].format(i=i, e=e)] = (dst[e], tuple(dst.shape[1:]))
+            for k, (w, shape) in enumerate((("w_gate", (F_, D)), ("w_up", (F_, D)), ("w_down", (D, F_)))):
+                plan[family.experts[w].format(i=i, e=e)] = (_Slot(i, k, e), shape)
     missing = [n for n in plan if n not in ckpt]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -169,21 +184,45 @@ def _plan(model: MoETransformer, family: Family, ckpt: dict, stacks: dict) -> di
         found = tuple(ckpt[n][1]["shape"])
         if found != shape:
             raise ModelLoadError(f"tensor {n!r}: shape mismatch, expected {list(shape)}, found {list(found)}")
-        if ckpt[n][1]["dtype"] not in DTYPES:
+        if ckpt[n][1]["dtype"] not in DTYPES and n not in scaled:
             raise ModelLoadError(f"tensor {n!r}: dtype {ckpt[n][1]['dtype']} not supported "
                                  f"(supported: {', '.join(DTYPES)}; quantized checkpoints are not)")
     return plan
 
 
+def _skip(family: Family, cfg: ModelConfig, ckpt: dict) -> None:
+    """Drops the tensors the family deliberately does not load, one log line per reason."""
+    if family.skipped is None:
+        return
+    reasons: dict[str, int] = defaultdict(int)
+    for n in list(ckpt):
+        why = family.skipped(n, cfg)
+        if why is not None:
+            del ckpt[n]
+            reasons[why] += 1
+    for why, count in reasons.items():
+        log.info("skipping %d tensor(s): %s", count, why)
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
                experts_factory: ExpertsFactory | None = None, progress: bool = True) -> MoETransformer:
-    """Load the checkpoint in directory `path`; see the module docstring for the expert hook."""
+    """Load the checkpoint in directory `path`; see the module docstring for the expert hook.
+
+    Streams layer by layer: a MoE layer's expert stack is allocated when the layer is reached, filled, and
+    handed to the factory before the next layer's, so at most one layer's experts exist un-packed (block-FP8
+    weights are de-quantized tensor by tensor as they are read: hybrid.models.fp8)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
     path = Path(path)
-    family, cfg, _ = read_config(path)
+    family, cfg, raw = read_config(path)
+    quant = fp8.quantization(raw)
     ckpt = checkpoint_index(path)
     original = {}  # our spelling -> the file's spelling (they differ only for family.aliases)
     for n in list(ckpt):
@@ -193,36 +232,61 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         original[canon] = n
         if canon != n:
             ckpt[canon] = ckpt.pop(n)
+    _skip(family, cfg, ckpt)
+    scales = fp8.pair_scales(ckpt, quant)
     model = build_empty(cfg, device, dtype, build_experts=False)
     edev, edt = expert_device or device, expert_dtype or dtype
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
-    stacks = {i: (torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
-                  torch.empty(E, D, F_, device=edev, dtype=edt))
-              for i, layer in enumerate(model.layers) if layer.moe is not None}
-    plan = _plan(model, family, ckpt, stacks)
+    plan = _plan(model, family, ckpt, frozenset(scales))
+    make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
 
-    by_file = defaultdict(list)
-    for n in plan:
-        by_file[ckpt[n][0]].append(n)
+    # Layer order (non-layer tensors first), then file order within a layer: one pass over each shard's
+    # part of a layer; file handles stay open (memory maps) because a layer may span shards.
+    order = sorted(plan, key=lambda n: (_layer_of(n), str(ckpt[n][0]), ckpt[n][1]["data_offsets"][0]))
     total = sum(ckpt[n][1]["data_offsets"][1] - ckpt[n][1]["data_offsets"][0] for n in plan)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
                disable=not progress or os.environ.get("HYBRID_NO_PROGRESS") == "1")
+    handles: dict[Path, object] = {}
+
+    def read(name: str, entry: tuple[Path, dict]) -> torch.Tensor:
+        file = entry[0]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return handles[file].get_tensor(original[name])
+
+    stack, stack_layer = None, None
+
+    def finish_layer():
+        nonlocal stack, stack_layer
+        if stack is not None:
+            model.layers[stack_layer].moe.experts = make(stack_layer, *stack)
+            stack, stack_layer = None, None
+
     with torch.no_grad():
-        for file, names in sorted(by_file.items()):
-            with safe_open(str(file), framework="pt", device="cpu") as fh:
-                for n in names:
-                    src = fh.get_tensor(original[n])
-                    dst, _ = plan[n]
-                    if isinstance(dst, tuple):  # fused [E, 2F, D]: gate rows, then up rows
-                        dst[0].copy_(src[:, :F_])
-                        dst[1].copy_(src[:, F_:])
-                    else:
-                        dst.copy_(src)
-                    bar.update(src.numel() * src.element_size())
-                    del src
+        for n in order:
+            dst, _ = plan[n]
+            if stack_layer is not None and _layer_of(n) != stack_layer:
+                finish_layer()
+            src = read(n, ckpt[n])
+            nbytes = src.numel() * src.element_size()
+            if n in scales:
+                src = fp8.dequantize(src, read(n + fp8.SCALE_SUFFIX, scales[n]), quant.block)
+            if isinstance(dst, _Slot):
+                if stack is None:
+                    stack_layer = dst.layer
+                    stack = (torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
+                             torch.empty(E, D, F_, device=edev, dtype=edt))
+                if dst.which == "gate_up":  # fused [E, 2F, D]: gate rows, then up rows
+                    stack[0].copy_(src[:, :F_])
+                    stack[1].copy_(src[:, F_:])
+                else:
+                    (stack[dst.which] if dst.expert is None else stack[dst.which][dst.expert]).copy_(src)
+            else:
+                dst.copy_(src)
+            bar.update(nbytes)
+            bar.set_postfix_str(f"layer {max(_layer_of(n), 0)}/{cfg.num_layers}", refresh=False)
+            del src
+        finish_layer()
+    handles.clear()
     bar.close()
-    make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
-    for i in sorted(stacks):
-        # pop: a factory that repacks (the hybrid CPU executor) lets each loaded stack go as it goes
-        model.layers[i].moe.experts = make(i, *stacks.pop(i))
     return model
