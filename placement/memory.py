@@ -5,7 +5,9 @@ mirrors what the runtime allocates (the code each function mirrors is named in i
 
 GPU (VRAM):
     non-expert weights  attention, norms, routers, shared experts, dense MLPs, embeddings, head
-    KV cache            hybrid.runtime.kv_cache.StaticKVCache: 2 x layers x B x (C + 1) x Hkv x hd
+    KV cache            hybrid.runtime.kv_cache.StaticKVCache: B x (C + 1) x the attention kind's values per
+                        token (ModelConfig.kv_values_per_token: grouped-query 2 x layers x Hkv x hd; MLA
+                        layers x (kv_lora_rank + qk_rope_head_dim), the latent and the rope key)
     staging             hybrid.offload.lanes.ShipLane: n_slots x chunk experts, dense (+ packed raw
                         buffers when the packed layout is not the dense one)
     graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output
@@ -145,7 +147,7 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     D, F, K = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
     gb = s.gpu_dtype_bytes
     non_expert = cfg.param_counts()["non_expert"] * gb
-    kv = 2 * cfg.num_layers * s.max_batch * (s.max_context + 1) * cfg.num_kv_heads * cfg.head_dim * gb
+    kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * gb
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
     raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else packed
@@ -155,7 +157,8 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # MLP rows (~16 [B, max(D, H*hd)] tensors), fp32 attention scores and probabilities [B, H, C+1], fp32
     # logits [B, V] twice (head output + the copy returned), and the graph CPU lane's output [>=64, D].
     B = s.max_batch
-    width = max(D, cfg.num_heads * cfg.head_dim)
+    # widest per-row activation: q/k/v heads, or MLA's per-head queries in latent space (absorbed decode)
+    width = max(D, cfg.num_heads * (cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim))
     rows = s.max_context * s.max_batch  # the largest batch a call sees: a whole prompt of C tokens
     # CPU lane (hybrid.offload.host_lane): pinned x and out [T, D], ids [T, K] int32, weights [T, K] fp32,
     # and the device copy of out [T, D]; decode-sized buffers kept across growth (graphs point at them:

@@ -171,7 +171,8 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     return Plan(
         model={"family": cfg.family, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                "topk": cfg.experts_per_token, "hidden": cfg.hidden_size, "intermediate": cfg.expert_intermediate_size,
-               "moe_layers": list(stats.layers)},
+               "moe_layers": list(stats.layers), "attention": cfg.attention_kind,
+               "kv_bytes_per_token": cfg.kv_values_per_token * gb},
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
                   "gpu_dtype_bytes": gb, "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,

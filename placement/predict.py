@@ -94,9 +94,9 @@ def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: 
     queries), so the causal scores' FLOPs dominate. The embedding table is gathered, not read whole."""
     params = cfg.param_counts()["non_expert"] - cfg.vocab_size * cfg.hidden_size
     weights = max(2.0 * rows * params / hw.gpu_flops, params * gb / hw.hbm_bw)
-    kv_bytes = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * gb
+    kv_bytes = context * cfg.kv_values_per_token * gb  # the attention kind's cache (MLA: latent + rope key)
     kv_read = (1 if prefill else rows) * kv_bytes / hw.hbm_bw
-    attn_flops = 4.0 * rows * context * cfg.num_heads * cfg.head_dim * cfg.num_layers / hw.gpu_flops
+    attn_flops = rows * context * cfg.attention_flops_per_key(prefill) * cfg.num_layers / hw.gpu_flops
     return weights + max(kv_read, attn_flops)
 
 

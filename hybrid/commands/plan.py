@@ -113,6 +113,14 @@ def run(args) -> int:
     return 0
 
 
+def kv_note(model: dict) -> str:
+    """The attention kind's cache per token (MLA keeps only the latent and the rope key)."""
+    if "kv_bytes_per_token" not in model:  # a plan written before the field existed
+        return ""
+    kind = {"mla": "MLA latent + rope key", "gqa": "K + V"}.get(model.get("attention"), model.get("attention"))
+    return f"; {kind}: {model['kv_bytes_per_token'] / 1024:.1f} KiB per token"
+
+
 def describe(p, model_dir: str) -> str:
     from placement.memory import gib
 
@@ -122,7 +130,7 @@ def describe(p, model_dir: str) -> str:
         f"model {model_dir}: {len(p.layers)} MoE layers x {p.model['num_experts']} experts, profile "
         f"{p.settings['profile']}, CPU dtype {p.settings['cpu_dtype']}, stats {p.settings['stats'].get('kind', 'file')}",
         f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
-        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}), staging {gib(g['staging'])}, "
+        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model)}), staging {gib(g['staging'])}, "
         f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
         f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
         f"DRAM {gib(p.cpu_bytes)} of {gib(p.cpu_budget_bytes)}: experts {gib(c['experts'])} (cold "
