@@ -8,10 +8,19 @@ which --resident per layer (a quarter by default) are uploaded to VRAM, chosen b
 calibration prefill. For each strategy: prefill tokens/s at each prompt length, decode tokens/s at
 each batch size (eager: the hybrid layer reads its routing histogram on the host).
 
-Decode roofline implied by the placement: per step, each MoE layer must read the distinct cold experts
-its tokens touched from DRAM (B_D of the profile), the resident and non-expert weights from HBM (B_H);
-the bound is the sum over layers of the larger of the two, counted from the routing of the measured
-steps themselves.
+Bounds (bench/bounds.py says why no strategy can beat them):
+- prefill: per layer, the LP lower bound over every split of its cold experts between the CPU kernel
+  and the link (each priced at the profile's rates, no fixed costs, perfect overlap) and the resident
+  experts' GPU compute, from the prompt's own routing; summed over layers. The old "PCIe bound" (every
+  touched cold expert over the link) is kept as `prefill_N_all_ship_link_tok_s`: `cost` can beat it by
+  running experts on the CPU, so it is no bound.
+- decode: each step feeds every row its own greedy token (routing as in generation, not one token
+  repeated); the distinct cold experts of each step are read once from DRAM and the resident ones from
+  HBM (per layer the larger), plus the non-expert weights (lm_head included) from HBM, at the DRAM read
+  and HBM bandwidths measured in this run. Distinct experts are counted exactly per step from the
+  hybrid layers' routing histograms; captured (graph) steps are re-run eagerly on the same tokens and
+  positions to read their routing (`decode_bB_replay_token_agreement` says how often the replay
+  predicted the same next tokens, i.e. how faithful that routing is).
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ from hybrid.models.presets import hf_config
 from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_stacks
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
+from bench.bounds import decode_step_bound, distinct_per_step, split_lower_bound
 from placement.calibrate import cpu_name
+from placement.cost_model import cpu_compute_time, gpu_compute_time
 from placement.hardware import resolve_profile
 from placement.schedule import LayerScheduler
 
@@ -79,21 +90,79 @@ def timed(fn, dev) -> float:
     return time.perf_counter() - t0
 
 
-def decode_roofline(off, cfg, hw, dtype, routed_delta: list[np.ndarray], steps: int, batch: int) -> float:
-    """Seconds per decode step implied by the placement and the routing seen in `steps` steps."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    w_cold = off.scheduler.shape.weight_bytes
-    w_gpu = expert_vram_bytes(cfg, dtype)
+def dense_bytes(model) -> int:
+    """Weights a decode step reads besides the experts: every parameter but the embedding table (one row
+    per token); the hybrid layers' resident experts are plain tensors, not parameters, so not counted."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # untied: the embedding table is only indexed
+        total -= model.embed.numel() * model.embed.element_size()
+    return total
+
+
+def measured_bandwidths(off, hw, device) -> dict:
+    """DRAM read with the executor's own threads (cpu_kernels' stream read over a buffer well above the
+    LLC) and HBM copy bandwidth, measured now: the decode bound uses these, not the profile's."""
+    import cpu_kernels
+    from cpu_kernels.bandwidth import default_read_bytes
+
+    moe = off.layers[0].cpu_moe
+    nbytes = default_read_bytes()
+    dram = cpu_kernels.measure_read_bandwidth(nbytes, isa=moe.isa, topology=moe.topology) * 1e9
+    if device.type == "cuda":
+        from placement.measure import measure_hbm
+
+        hbm = measure_hbm(1 << 30)
+    else:
+        hbm = hw.hbm_bw  # no GPU: the profile's figure (the bench's numbers mean nothing here anyway)
+    return {"dram_bw": dram, "dram_buffer_bytes": nbytes, "hbm_bw": hbm,
+            "hbm_method": "device copy, 1 GiB" if device.type == "cuda" else "profile"}
+
+
+def prefill_bound(off, shape, gpu_shape, hw, routed_delta) -> float:
+    """Seconds no split of the experts can beat for this prompt (bench.bounds), summed over layers."""
+    tau = shape.weight_bytes / hw.link_bw
     total = 0.0
     for layer, delta in zip(off.layers, routed_delta):
-        # expected distinct experts per step from the per-step average load (uniform within the step)
-        per_step = delta / steps
-        touched = 1.0 - np.exp(-per_step)  # P(expert touched in a step) for Poisson arrivals
         cold = ~layer.is_resident
-        total += max(float((touched * cold).sum()) * w_cold / hw.dram_bw,
-                     float((touched * ~cold).sum()) * w_gpu / hw.hbm_bw)
-    attn = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * esize * cfg.num_layers
-    return total + attn / hw.hbm_bw
+        c = cpu_compute_time(shape, hw, delta[cold])
+        g0 = float(gpu_compute_time(gpu_shape, hw, delta[~cold]).sum())
+        total += split_lower_bound(c, tau, g0)
+    return total
+
+
+def decode_steps(eng, off, slots, first, steps, device, count: bool):
+    """`steps` timed decode steps, each row fed its own greedy next token. -> (seconds per step, tokens
+    fed per step, greedy next tokens per step, per-step routing [steps][layers] of [E] if count)."""
+    fed, nxt, times, routing = [], [], [], []
+    tokens = list(first)
+    for _ in range(steps):
+        before = [layer.stats.routed.copy() for layer in off.layers] if count else None
+        out = {}
+        times.append(timed(lambda: out.setdefault("logits", eng.decode_step(slots, tokens)), device))
+        if count:
+            routing.append([layer.stats.routed - b for layer, b in zip(off.layers, before)])
+        fed.append(tokens)
+        tokens = out["logits"].argmax(-1).tolist()  # consume before the next step reuses the buffer
+        nxt.append(tokens)
+    return times, fed, nxt, routing
+
+
+def replay_routing(eng, off, slots, lengths, fed, nxt):
+    """The routing of captured steps: the same tokens at the same positions, eagerly (which counts it).
+    -> (per-step routing, share of steps whose greedy next tokens matched the captured ones)."""
+    graphs, eng.graphs = eng.graphs, None
+    try:
+        for s, n in zip(slots, lengths):
+            eng.lengths[s] = n
+        routing, agree = [], 0
+        for toks, expect in zip(fed, nxt):
+            before = [layer.stats.routed.copy() for layer in off.layers]
+            logits = eng.decode_step(slots, toks)
+            routing.append([layer.stats.routed - b for layer, b in zip(off.layers, before)])
+            agree += logits.argmax(-1).tolist() == expect
+    finally:
+        eng.graphs = graphs
+    return routing, agree / max(len(fed), 1)
 
 
 def trace(step, path: str, repeats: int = 3) -> None:
@@ -134,6 +203,13 @@ def run(args) -> dict:
               f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, VRAM resident "
               f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
     print(header, flush=True)
+    bw = measured_bandwidths(off, hw, device)
+    print(f"# measured now: DRAM read {bw['dram_bw'] / 1e9:.1f} GB/s ({bw['dram_buffer_bytes'] / 2**20:.0f} MiB "
+          f"buffer, executor threads), HBM {bw['hbm_bw'] / 1e9:.0f} GB/s ({bw['hbm_method']}); "
+          f"profile: {hw.dram_bw / 1e9:.1f} / {hw.hbm_bw / 1e9:.0f} GB/s", flush=True)
+    gpu_shape = expert_shape(cfg, "bf16", dtype)
+    w_gpu = expert_vram_bytes(cfg, dtype)
+    dense = dense_bytes(model)
     results = []
     for strat in args.strategies:  # warm-up: first-use allocations (staging, pinned buffers) out of the timings
         off.scheduler = LayerScheduler(shape, hw, strat)
@@ -155,10 +231,14 @@ def run(args) -> dict:
             before = [layer.stats.routed.copy() for layer in off.layers]
             dt = timed(lambda: eng.prefill(s, ids), device)
             eng.free_slot(s)
-            # PCIe bound: every cold expert the prompt touched crosses the link once per layer
-            cold_bytes = sum(int(((layer.stats.routed - b) > 0)[~layer.is_resident].sum()) * shape.weight_bytes
-                             for layer, b in zip(off.layers, before))
-            row[f"prefill_{n}_pcie_bound_tok_s"] = n / (cold_bytes / hw.link_bw) if cold_bytes else float("inf")
+            delta = [layer.stats.routed - b for layer, b in zip(off.layers, before)]
+            bound = prefill_bound(off, shape, gpu_shape, hw, delta)
+            row[f"prefill_{n}_bound_tok_s"] = n / bound if bound else float("inf")
+            row[f"prefill_{n}_of_bound"] = bound / dt
+            # the old "PCIe bound": every touched cold expert over the link (beatable: not a bound)
+            cold_bytes = sum(int((d > 0)[~layer.is_resident].sum()) * shape.weight_bytes
+                             for layer, d in zip(off.layers, delta))
+            row[f"prefill_{n}_all_ship_link_tok_s"] = n / (cold_bytes / hw.link_bw) if cold_bytes else float("inf")
             row[f"prefill_{n}_tok_s"] = n / dt
             row[f"prefill_{n}_ms"] = dt * 1e3
             row[f"prefill_{n}_sched"] = describe(snapshot(off) - snap, 1)
@@ -172,28 +252,30 @@ def run(args) -> dict:
                 trace(prefill_once, f"{args.trace}_{strat.replace(':', '')}_prefill{n}.json", repeats=1)
         for b in args.decode_batch:
             slots = [eng.allocate_slot() for _ in range(b)]
-            for s in slots:
-                eng.prefill(s, torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist())
-            last = [1] * b
-            eng.decode_step(slots, last)  # warm-up
-            before = [layer.stats.routed.copy() for layer in off.layers]
+            first = []
+            for s in slots:  # each row: its own prompt and its own greedy continuation
+                first.append(int(eng.prefill(s, torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist()).argmax()))
+            first = eng.decode_step(slots, first).argmax(-1).tolist()  # warm-up
+            lengths = [eng.lengths[s] for s in slots]
             snap = snapshot(off)
-            times = [timed(lambda: eng.decode_step(slots, last), device) for _ in range(args.steps)]
+            captured = eng.graphs is not None
+            times, fed, nxt, routing = decode_steps(eng, off, slots, first, args.steps, device, count=not captured)
             row[f"decode_b{b}_sched"] = describe(snapshot(off) - snap, args.steps)
-            if eng.graphs is not None:  # captured steps do not count routing on the host: count it on
-                graphs, eng.graphs = eng.graphs, None  # as many eager steps of the same batch
-                for _ in range(args.steps):
-                    eng.decode_step(slots, last)
-                eng.graphs = graphs
-            delta = [layer.stats.routed - bb for layer, bb in zip(off.layers, before)]
+            if captured:  # captured steps do not count routing on the host: re-run them eagerly
+                routing, agree = replay_routing(eng, off, slots, lengths, fed, nxt)
+                row[f"decode_b{b}_replay_token_agreement"] = agree
             if args.trace:
-                trace(lambda: eng.decode_step(slots, last), f"{args.trace}_{strat.replace(':', '')}_b{b}.json")
+                trace(lambda: eng.decode_step(slots, nxt[-1]), f"{args.trace}_{strat.replace(':', '')}_b{b}.json")
             for s in slots:
                 eng.free_slot(s)
             step = statistics.median(times)
-            bound = decode_roofline(off, cfg, hw, dtype, delta, args.steps, b)
+            per_layer = [distinct_per_step([r[i] for r in routing], layer.is_resident)
+                         for i, layer in enumerate(off.layers)]
+            bound = decode_step_bound(per_layer, shape.weight_bytes, w_gpu, dense, bw["dram_bw"], bw["hbm_bw"])
             row[f"decode_b{b}_tok_s"] = b / step
             row[f"decode_b{b}_ms"] = step * 1e3
+            row[f"decode_b{b}_cold_experts_per_layer_step"] = float(np.mean([c for c, _ in per_layer]))
+            row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
             row[f"decode_b{b}_roofline_tok_s"] = b / bound
             row[f"decode_b{b}_of_roofline"] = bound / step
         results.append(row)
@@ -203,7 +285,8 @@ def run(args) -> dict:
             if isinstance(v, dict):
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
     return {"header": header, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
-            "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "results": results}
+            "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "measured": bw,
+            "dense_bytes": dense, "results": results}
 
 
 def run_isolated(args, argv) -> dict:

@@ -1,12 +1,19 @@
 """Measured DRAM read bandwidth (B_D of DESIGN section 3) with the executor's own pinned pools.
 
 A streaming read of a buffer far larger than the last-level cache, split over the pool's threads in
-1 MiB chunks, the way the decode kernels stream weights. The calibration and bench.cpu_moe use it as
-the ceiling for decode.
+1 MiB chunks, the way the decode kernels stream weights. The calibration, bench.cpu_moe and
+bench.hybrid_e2e use it as the ceiling for decode.
+
+The buffer must dwarf the last-level cache, or part of every pass is served from it and the "DRAM"
+ceiling reads high... or, as on the GPU box (~300 MiB of LLC, probed with 256 MiB by `calibrate
+--quick`), a ceiling that the kernels then exceed. default_read_bytes(): max(1 GiB, 4 x all L3 caches of
+the machine), capped at a quarter of the available memory (the probe holds two such buffers for a moment).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 
 import torch
@@ -15,9 +22,58 @@ from . import _native
 from .topology import Topology
 
 
-def measure_read_bandwidth(nbytes: int = 2 << 30, threads: int | None = None, isa: str | None = None,
+MIN_READ_BYTES = 1 << 30
+
+
+def llc_bytes() -> int:
+    """Bytes of last-level cache on the machine: every distinct L3 (shared_cpu_list tells instances apart)
+    summed over sockets, from sysfs; 0 if sysfs does not say."""
+    seen, total = set(), 0
+    for cpu in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            with open(os.path.join(cpu, "level")) as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(os.path.join(cpu, "shared_cpu_list")) as f:
+                who = f.read().strip()
+            with open(os.path.join(cpu, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if who in seen:
+            continue
+        seen.add(who)
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+        total += int(size.rstrip("KMGkmg")) * mult
+    return total
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_read_bytes(llc: int | None = None, avail: int | None = None) -> int:
+    """max(1 GiB, 4 x LLC), at most a quarter of the available memory (never below 256 MiB), in MiB."""
+    llc = llc_bytes() if llc is None else llc
+    avail = available_bytes() if avail is None else avail
+    want = max(MIN_READ_BYTES, 4 * llc)
+    if avail:
+        want = min(want, max(avail // 4, 256 << 20))
+    return want >> 20 << 20
+
+
+def measure_read_bandwidth(nbytes: int | None = None, threads: int | None = None, isa: str | None = None,
                            repeats: int = 3, topology: Topology | None = None) -> float:
-    """Best of `repeats` multithreaded reads of an nbytes buffer, in GB/s (decimal)."""
+    """Best of `repeats` multithreaded reads of an nbytes buffer (default: default_read_bytes()), in GB/s
+    (decimal)."""
+    nbytes = default_read_bytes() if nbytes is None else int(nbytes)
     isa = _native.resolve_isa(isa)
     if isa == "ref":
         buf = torch.ones(nbytes // 4, dtype=torch.float32)

@@ -35,7 +35,10 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
     raw: dict = {"shape": shape.name, "hidden": shape.hidden, "intermediate": shape.intermediate,
                  "experts": experts, "threads": torch.get_num_threads()}
     ms = QUICK_M if quick else FULL_M
-    dram_bytes = dram_bytes or ((256 << 20) if quick else (2 << 30))
+    # well above the last-level cache even in --quick (256 MiB on the box's ~300 MiB LLC read high: issue 16)
+    from cpu_kernels.bandwidth import default_read_bytes
+
+    dram_bytes = dram_bytes or (default_read_bytes() if quick else max(2 << 30, default_read_bytes()))
 
     progress(f"DRAM read bandwidth ({dram_bytes / 2**20:.0f} MiB buffer)...")
     dram_bw, method = measure.measure_dram_read(dram_bytes)

@@ -1,0 +1,67 @@
+"""Bounds the end-to-end bench compares against, defined so that no split of the experts can beat them.
+
+Prefill, one MoE layer. Each cold expert e with m_e tokens runs either on the CPU (the CPU kernel's time
+c_e = cpu(m_e)) or is shipped (its weights over the link, tau = W_e / B_L, then its GPU compute g_e); the
+resident experts' GPU compute G_0 runs in any case. The CPU, the link and the GPU are three resources,
+so for a split S (shipped set) the layer takes at least
+
+    max( sum_{e not in S} c_e,  |S| tau,  G_0 + sum_{e in S} g_e ).
+
+The bound is the minimum of that over every fractional split (an LP relaxation, so <= the best integral
+split) with one more relaxation: the shipped experts' GPU compute is dropped (in prefill it is ~1% of
+their transfer time; dropping a constraint can only lower the minimum). What is left has a closed form:
+ship the CPU-costliest experts first; the bound is max(G_0, T*) with T* the point where the CPU work left
+equals the link time, sum_{e not shipped} c_e = k tau (k fractional). Every term is priced at the rates
+of the profile (no per-transfer alpha, no row copies, no fixed costs, perfect overlap), and the prompt's
+attention and other non-MoE work add nothing, so the whole prefill cannot run faster than the sum over
+layers (each layer needs the one before it) by definition, whatever the strategy.
+
+Decode, one step: every distinct cold expert the step routes to is read once from DRAM and every distinct
+resident one once from HBM, the CPU and GPU parts of a layer overlapping (max), plus the non-expert weights
+from HBM; counted per step from the routing the step used, at the bandwidths measured in the same run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def split_lower_bound(cpu_t: np.ndarray, tau: float, gpu_resident: float) -> float:
+    """Seconds no split of one layer can beat: max(G_0, T*), T* = min over fractional k of
+    max(CPU work left after shipping the k CPU-costliest experts, k tau). cpu_t: CPU time of each cold
+    expert with tokens."""
+    c = np.sort(np.asarray(cpu_t, dtype=np.float64)[np.asarray(cpu_t) > 0])[::-1]
+    left = c.sum()  # CPU work with nothing shipped
+    t_star = 0.0
+    for j, cj in enumerate(c):  # on [j, j+1]: left_j - (k - j) c_j = k tau
+        k = (left + j * cj) / (tau + cj)
+        if k <= j + 1:
+            t_star = k * tau
+            break
+        left -= cj
+    else:
+        t_star = len(c) * tau if len(c) else 0.0
+    return max(float(gpu_resident), float(t_star))
+
+
+def integral_split_time(cpu_t, ship, tau: float, gpu_t, gpu_resident: float) -> float:
+    """The three-resource time of one integral split (ship: bool per expert): what the bound relaxes."""
+    cpu_t, ship, gpu_t = np.asarray(cpu_t, float), np.asarray(ship, bool), np.asarray(gpu_t, float)
+    return max(float(cpu_t[~ship].sum()), float(ship.sum()) * tau, gpu_resident + float(gpu_t[ship].sum()))
+
+
+def distinct_per_step(step_counts: list[np.ndarray], resident: np.ndarray) -> tuple[float, float]:
+    """(cold, resident) distinct experts per step, averaged: step_counts [steps] of [E] tokens per expert
+    in that step (exact, from the routing), resident bool [E]."""
+    if not step_counts:
+        return 0.0, 0.0
+    touched = np.stack([np.asarray(c) > 0 for c in step_counts])  # [steps, E]
+    return float((touched & ~resident).sum(1).mean()), float((touched & resident).sum(1).mean())
+
+
+def decode_step_bound(layers: list[tuple[float, float]], cold_bytes: float, resident_bytes: float,
+                      dense_bytes: float, dram_bw: float, hbm_bw: float) -> float:
+    """Seconds per decode step: per layer max(cold distinct x bytes / B_D, resident distinct x bytes / B_H),
+    summed, plus the non-expert weights from HBM. layers: (cold, resident) distinct experts per step."""
+    moe = sum(max(c * cold_bytes / dram_bw, r * resident_bytes / hbm_bw) for c, r in layers)
+    return moe + dense_bytes / hbm_bw
