@@ -13,11 +13,9 @@ from them once loaded; by default a StackedExperts wraps them without a copy.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import struct
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -25,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from hybrid.models import fp8
+from hybrid.models import checks, fp8
 from hybrid.models.config import ModelConfig
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.families import Family, family_for
@@ -48,15 +46,20 @@ def read_config(path: str | Path) -> tuple[Family, ModelConfig, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"missing file: {cfg_file}")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{cfg_file}: not valid JSON ({exc})") from None
+    raw = checks.read_json_object(cfg_file)
+    checks.check_config_fields(raw)
     family = family_for(raw)
-    cfg = family.parse_config(raw)
+    try:
+        cfg = family.parse_config(raw)
+    except ModelLoadError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+        # a field of a type or value check_config_fields does not know about (a family's own fields)
+        raise ModelLoadError(f"{cfg_file}: a field has a wrong type or value ({type(exc).__name__}: {exc})") from None
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
+        gen = checks.read_json_object(gen_file)
+        checks.check_token_ids(gen.get("eos_token_id"), "eos_token_id", str(gen_file))
         from hybrid.models.families.common import token_ids
         extra = [t for t in token_ids(gen.get("eos_token_id")) if t not in cfg.eos_token_ids]
         if extra:
@@ -65,35 +68,19 @@ def read_config(path: str | Path) -> tuple[Family, ModelConfig, dict]:
     return family, cfg, raw
 
 
-def read_header(file: Path) -> dict:
-    """The safetensors JSON header, after checking the file holds every byte it promises."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ModelLoadError(f"{file}: truncated safetensors file ({size} bytes, no header)")
-        n = struct.unpack("<Q", head)[0]
-        if 8 + n > size:
-            raise ModelLoadError(f"{file}: truncated safetensors file (header needs {8 + n} bytes, file has {size})")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ModelLoadError(f"{file}: corrupt safetensors header") from None
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise ModelLoadError(f"{file}: truncated safetensors file (expected {8 + n + end} bytes, found {size})")
-    return header
+read_header = checks.read_header  # the safetensors header, every entry checked against the file
 
 
 def checkpoint_index(path: Path) -> dict[str, tuple[Path, dict]]:
     """tensor name -> (file, header entry) over one file or the shards of an index."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
+        weight_map = checks.read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
+        files = sorted({checks.shard_path(path, f, index.name) for f in weight_map.values()})
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(checks.inside(path, f) for f in path.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded; convert to safetensors)" if pickles else ""
@@ -209,6 +196,20 @@ def _layer_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _check_finite(name: str, file: Path, t: torch.Tensor) -> None:
+    """A NaN or Inf in a weight loads silently and turns every output into NaN (or one token forever).
+    One float32 sum per tensor finds both (they propagate); only a flagged tensor is counted exactly,
+    since a sum of large finite values can overflow too."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or t.numel() == 0:
+        return
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return
+    bad = int(t.numel() - torch.isfinite(t).sum())
+    if bad:
+        raise ModelLoadError(f"tensor {name!r} in {file.name}: {bad} NaN/Inf value(s) of {t.numel()}; "
+                             "the checkpoint is corrupt")
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
                experts_factory: ExpertsFactory | None = None, progress: bool = True) -> MoETransformer:
@@ -234,6 +235,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             ckpt[canon] = ckpt.pop(n)
     _skip(family, cfg, ckpt)
     scales = fp8.pair_scales(ckpt, quant)
+    # Every size in config.json against the headers before a byte is allocated: first the counts and sizes
+    # that would make even the meta skeleton big, then every tensor's shape on the meta skeleton.
+    checks.check_sizes(cfg, family, ckpt)
+    with torch.device("meta"):
+        skeleton = MoETransformer(cfg, build_experts=False)
+    _plan(skeleton, family, ckpt, frozenset(scales))
+    del skeleton
     model = build_empty(cfg, device, dtype, build_experts=False)
     edev, edt = expert_device or device, expert_dtype or dtype
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
@@ -251,7 +259,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     def read(name: str, entry: tuple[Path, dict]) -> torch.Tensor:
         file = entry[0]
         if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # the library's own checks (safetensors raises its own error types)
+                raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from None
         return handles[file].get_tensor(original[name])
 
     stack, stack_layer = None, None
@@ -283,6 +294,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     (stack[dst.which] if dst.expert is None else stack[dst.which][dst.expert]).copy_(src)
             else:
                 dst.copy_(src)
+            _check_finite(n, ckpt[n][0], src if isinstance(dst, _Slot) else dst)
             bar.update(nbytes)
             bar.set_postfix_str(f"layer {max(_layer_of(n), 0)}/{cfg.num_layers}", refresh=False)
             del src
