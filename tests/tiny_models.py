@@ -104,3 +104,11 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         ids.append(t)
         out.append(t)
     return out
+
+
+def deepseek_raw(**overrides) -> dict:
+    """config.json of the tiny DeepSeek-V3 (FAMILIES["deepseek_v3"] + overrides) as a plain dict, for
+    hybrid.models.writer (checkpoints written by our writer rather than by save_pretrained)."""
+    raw = hf_config("deepseek_v3", **overrides).to_dict()
+    raw.pop("quantization_config", None)
+    return raw
