@@ -160,6 +160,14 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_profile_read.restype = None
     lib.hy_set_amx_kblock.argtypes = [ctypes.c_int]
     lib.hy_set_amx_kblock.restype = None
+    lib.hy_lane_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.hy_lane_create.restype = ctypes.c_void_p
+    lib.hy_lane_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.hy_lane_add.restype = ctypes.c_int
+    lib.hy_lane_served.argtypes = [ctypes.c_void_p]
+    lib.hy_lane_served.restype = ctypes.c_int64
+    lib.hy_lane_destroy.argtypes = [ctypes.c_void_p]
+    lib.hy_lane_destroy.restype = None
     lib.hy_tune.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.hy_tune.restype = ctypes.c_int
     lib.hy_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

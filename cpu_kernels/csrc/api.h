@@ -2,6 +2,7 @@
 // the streaming-read probe and the benchmark knobs. Included after driver.h.
 #pragma once
 #include "driver.h"
+#include "lane.h"
 
 HY_API const char* hy_isa() { return HY_ISA_NAME; }
 
@@ -72,7 +73,8 @@ struct HyJob {
   int64_t runs, failures;
 };
 
-HY_API void hy_host_job(void* p) {
+namespace {
+void run_host_job(void* p) {
   HyJob* j = (HyJob*)p;
   // The callback thread becomes participant 0 of node 0's pool, whose workers leave pin_cpu to it.
   static thread_local int pinned = -1;
@@ -103,6 +105,25 @@ HY_API void hy_host_job(void* p) {
     }
   }
 }
+
+}  // namespace
+
+HY_API void hy_host_job(void* p) { run_host_job(p); }
+
+// The doorbell lane (lane.h). bell: one page-locked word; done: cap page-locked words, zeroed; pin_cpu: the
+// cpu of node 0's pool the lane thread takes as participant 0 (as hy_host_job's pin_cpu), or -1.
+HY_API void* hy_lane_create(uint32_t* bell, uint32_t* done, int cap, int pin_cpu) {
+  if (!bell || !done || cap < 1) return nullptr;
+  try { return new Lane(bell, done, cap, pin_cpu); } catch (...) { return nullptr; }
+}
+
+// Registers a HyJob (it must outlive the lane's use of it); returns its id (>= 1), or -1 when the lane is full.
+HY_API int hy_lane_add(void* lane, void* job) { return lane && job ? ((Lane*)lane)->add(job) : -1; }
+
+HY_API int64_t hy_lane_served(void* lane) { return lane ? ((Lane*)lane)->served.load() : 0; }
+
+// Stops and joins the lane thread (after the last stream that rings it has finished).
+HY_API void hy_lane_destroy(void* lane) { delete (Lane*)lane; }
 
 // Multithreaded streaming read of buf with the pool's threads (the benchmark's DRAM-read ceiling, the
 // same way the kernels read weights: each thread takes 1 MiB chunks). Returns a checksum so the loads

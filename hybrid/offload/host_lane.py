@@ -15,7 +15,9 @@ with the driver's cuLaunchHostFunc (libcuda, found at run time), so nothing CUDA
 the CPU kernels.
 
 Captured steps (decode graphs) cannot read a routing histogram on the host, so their split is fixed:
-resident experts on the GPU, every cold expert on this lane. Eager steps send the experts the scheduler
+resident experts on the GPU, every cold expert on this lane. Their jobs go to the doorbell lane
+(hybrid.offload.doorbell: a spinning CPU thread and stream memory operations) instead of host functions,
+unless HYBRID_DOORBELL=0. Eager steps send the experts the scheduler
 chose. With the `ref` ISA (pure torch) the host function is a Python callback (tests); it takes the GIL,
 so after replaying such a graph synchronise with torch.cuda.synchronize (which releases the GIL) before a
 call that blocks on the GPU while holding it (.item(), .cpu()).
@@ -27,9 +29,11 @@ import collections
 import ctypes
 import itertools
 import logging
+import os
 
 import torch
 
+from hybrid.offload import doorbell
 from hybrid.offload.lanes import HostBuffers
 
 log = logging.getLogger("hybrid.offload")
@@ -71,6 +75,23 @@ class HostFnLane:
         self._py_fn = _HOST_FN(self._run)  # one Python callback for every ref-ISA layer; kept alive here
         self._py_fn_ptr = ctypes.cast(self._py_fn, ctypes.c_void_p).value
         self._failures = 0
+        self._doorbells: dict[str, doorbell.DoorbellLane] = {}  # per ISA library: its own lane thread
+        self._use_doorbell = self.stream is not None and doorbell.wanted()
+
+    def doorbell(self, isa: str) -> "doorbell.DoorbellLane | None":
+        """The doorbell lane of `isa` (started at the first captured job), or None where it is not used."""
+        if not self._use_doorbell or isa == "ref":
+            return None
+        if isa not in self._doorbells:
+            import cpu_kernels
+
+            # Workers spin through the gap between two layer calls of a step (GPU attention etc.) instead of
+            # sleeping and paying a futex wake-up per call; HYBRID_SPIN_US overrides the 2 ms.
+            cpu_kernels._native.tune(isa, "spin_us", int(os.environ.get("HYBRID_SPIN_US", "2000")))
+            self._doorbells[isa] = doorbell.DoorbellLane(isa, self.pin_cpu, self.device)
+            log.info("captured CPU-lane jobs go to the doorbell lane (%s, cpu %d)", isa, self.pin_cpu)
+        lane = self._doorbells[isa]
+        return None if lane.full else lane
 
     def buffers(self, T: int, D: int, K: int, dtype):
         """One set shared by every layer: on the side stream each layer's output copy precedes the next
@@ -106,19 +127,24 @@ class HostFnLane:
                 self._failures += job.failures
                 log.error("a CPU-lane host job failed with code %d; its layer output was set to NaN", job.rc)
 
-    def job(self, layer, xh, ih, wh, oh, mask: torch.Tensor, captured: bool) -> tuple[int, int]:
-        """(host function, argument) running layer's CPU experts of `mask` on the pinned buffers."""
+    def job(self, layer, xh, ih, wh, oh, mask: torch.Tensor, captured: bool) -> tuple[int, int, int]:
+        """(host function, argument, doorbell id or 0) running layer's CPU experts of `mask` on the pinned
+        buffers; a captured job with a doorbell id is rung on the doorbell lane instead of launched."""
         if layer.cpu_moe.isa == "ref":
             key = next(self._keys)
             self._calls[key] = (layer, xh, ih, wh, oh, mask)
-            return self._py_fn_ptr, key
+            return self._py_fn_ptr, key, 0
         job = layer.cpu_moe.host_job(xh, ih, wh, oh, expert_mask=mask, pin_cpu=self.pin_cpu)
+        jid = 0
         if captured:
             self._graph_jobs.append(job)
+            bell = self.doorbell(layer.cpu_moe.isa)
+            if bell is not None:
+                jid = bell.add(job)
         else:
             self._retire_eager()
             self._eager_jobs.append(job)
-        return job.fn, job.arg
+        return job.fn, job.arg, jid
 
     def enqueue(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Put the CPU lane of `layer` (experts in `mask`, bool [E] on the host) on the side stream; returns
@@ -128,12 +154,15 @@ class HostFnLane:
         captured = torch.cuda.is_current_stream_capturing()
         self.stream.wait_stream(torch.cuda.current_stream())
         xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
-        fn, arg = self.job(layer, xh, ih, wh, oh, mask, captured)
+        fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
         with torch.cuda.stream(self.stream):
             xh.copy_(x, non_blocking=True)
             ih.copy_(ids.to(torch.int32), non_blocking=True)
             wh.copy_(w.to(torch.float32), non_blocking=True)
-            _launch_host_func(self.stream, fn, arg)
+            if jid:
+                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
+            else:
+                _launch_host_func(self.stream, fn, arg)
             od.copy_(oh, non_blocking=True)
         return od
 

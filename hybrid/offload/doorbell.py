@@ -1,0 +1,124 @@
+"""The doorbell lane: captured decode steps hand their CPU-lane jobs to a spinning CPU thread through page-locked
+words (cpu_kernels/csrc/lane.h) instead of CUDA host functions.
+
+Per captured layer call, on the lane's side stream (after the input copies):
+
+    cuStreamWriteValue32(doorbell, id)      the lane thread, spinning on the doorbell, runs job `id`
+    cuStreamWaitValue32(done[id], == 1)     the stream waits for it without any CPU thread in the way
+    cuStreamWriteValue32(done[id], 0)       re-armed for the next replay (graphs replay the same values)
+
+A host function costs the driver's callback thread a wake-up and the stream a hand-back after it returns;
+here both sides already poll (the lane thread on the CPU, the GPU's front end on `done`). The stream
+memory operations are the driver API's (v2 entry points, on by default since CUDA 11.7) and graphs capture
+them as memory-operation nodes. Only the driver library torch already loaded is used; nothing is compiled
+against CUDA. HYBRID_DOORBELL=0 keeps captured steps on host functions (the previous lane), for comparison.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from cpu_kernels import _native
+
+log = logging.getLogger("hybrid.offload")
+
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+_cu = None
+
+
+def _driver():
+    global _cu
+    if _cu is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        lib.cuMemHostGetDevicePointer_v2.restype = ctypes.c_int
+        _cu = lib
+    return _cu
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def wanted() -> bool:
+    return os.environ.get("HYBRID_DOORBELL", "1") != "0"
+
+
+class DoorbellLane:
+    """One lane thread (pinned to `pin_cpu`, the CPU pool's first cpu) serving the captured jobs of one model.
+
+    Off CUDA (tests) ring_from_host() plays the stream's part."""
+
+    CAP = 4096  # jobs per lane: layers x decode buckets x captures; a full lane falls back to host functions
+
+    def __init__(self, isa: str, pin_cpu: int = -1, device: torch.device | None = None):
+        self.isa = isa
+        self._lib = _native.load(isa)
+        on_cuda = device is not None and device.type == "cuda"
+        self._words = torch.zeros(1 + self.CAP, dtype=torch.int32, pin_memory=on_cuda)  # [doorbell, done...]
+        self._jobs: list = []  # the HostJobs the lane points at: alive as long as the lane
+        base = self._words.data_ptr()
+        self._lane = self._lib.hy_lane_create(base, base + 4, self.CAP, int(pin_cpu))
+        if not self._lane:
+            raise RuntimeError("cpu_kernels: could not start the doorbell lane thread")
+        self._dev_base = None
+        if on_cuda:
+            dptr = ctypes.c_uint64()
+            _check(_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(base), 0),
+                   "cuMemHostGetDevicePointer")
+            self._dev_base = dptr.value
+
+    @property
+    def full(self) -> bool:
+        return len(self._jobs) >= self.CAP
+
+    @property
+    def served(self) -> int:
+        """Doorbells the lane thread has answered."""
+        return int(self._lib.hy_lane_served(self._lane))
+
+    def add(self, job) -> int:
+        """Register a cpu_kernels HostJob; returns its id (the value the stream writes to the doorbell)."""
+        jid = self._lib.hy_lane_add(self._lane, ctypes.c_void_p(job.arg))
+        if jid < 1:
+            raise RuntimeError("doorbell lane is full")
+        self._jobs.append(job)
+        return jid
+
+    def ring(self, stream: torch.cuda.Stream, jid: int) -> None:
+        """Enqueue on `stream`: run job `jid` on the lane thread, wait for it, re-arm its done word."""
+        cu, s = _driver(), ctypes.c_void_p(stream.cuda_stream)
+        done = self._dev_base + 4 * jid  # done[jid - 1] sits after the doorbell word
+        _check(cu.cuStreamWriteValue32_v2(s, self._dev_base, jid, 0), "cuStreamWriteValue32")
+        _check(cu.cuStreamWaitValue32_v2(s, done, 1, _WAIT_EQ), "cuStreamWaitValue32")
+        _check(cu.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
+
+    def ring_from_host(self, jid: int, timeout_s: float = 10.0) -> None:
+        """What ring() enqueues, done by this thread (tests and CPU-only hosts)."""
+        import time
+
+        self._words[0] = jid
+        t0 = time.monotonic()
+        while int(self._words[jid]) != 1:
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"doorbell lane did not answer job {jid}")
+            time.sleep(0)
+        self._words[jid] = 0
+
+    def close(self) -> None:
+        """Stop the lane thread. Every stream that rings it must have finished."""
+        if self._lane:
+            self._lib.hy_lane_destroy(self._lane)
+            self._lane = None
+
+    def __del__(self):
+        self.close()
