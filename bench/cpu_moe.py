@@ -4,8 +4,11 @@ Decode (1-4 tokens per expert): effective weight GB/s (bytes of the active exper
 scales / time) against the DRAM read bandwidth measured here by a multithreaded streaming read.
 Prefill (many tokens per expert): TFLOP/s (TOPS for int8/int4; 2*m*P_e per expert) against torch's own
 bf16 per-expert loop on the same experts and threads.
-Experts are rotated call to call over a pool of `--pool-experts` distinct experts, so decode reads come
-from DRAM rather than the last-level cache.
+Experts are rotated call to call over a pool of `--pool-experts` distinct experts (default: >= 4x the
+last-level cache, a multiple of 64 so the rotations tile it), so decode reads come from DRAM rather than
+the last-level cache. The ceiling is measured before and after the cases with a buffer of
+max(2 GiB, 4 x LLC); a row above it gets a note saying so and what could explain it. The phase profile
+excludes the warm-up call.
 
     python -m bench.cpu_moe --out cpu_moe.json            # default sweep (~3-4 min on a 16-core host)
     python -m bench.cpu_moe --quick                       # small shapes, seconds (smoke test)
@@ -24,6 +27,7 @@ import torch
 
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native
+from cpu_kernels.bandwidth import available_bytes, default_read_bytes, llc_bytes
 
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "tiny": (512, 256)}
 
@@ -38,21 +42,35 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def timeit(fn, min_time=0.25, min_iters=3, max_iters=50) -> float:
-    """Median seconds per call after one warm-up call."""
+def timeit(fn, min_time=0.25, min_iters=3, max_iters=50, after_warmup=None, counted=None) -> float:
+    """Median seconds per call after one warm-up call (after_warmup() runs between the two; counted, a
+    list, gets the number of timed calls)."""
     fn(0)
+    if after_warmup is not None:
+        after_warmup()
     times, start, i = [], time.perf_counter(), 1
     while i <= max_iters and (i <= min_iters or time.perf_counter() - start < min_time):
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
         i += 1
+    if counted is not None:
+        counted.append(len(times))
     return statistics.median(times)
 
 
-def dram_read_gbps(isa: str, threads: int, nbytes: int = 2 << 30) -> float:
+def ceiling_bytes(quick: bool = False) -> int:
+    """The DRAM probe's buffer: max(2 GiB, 4 x LLC) (quick: cpu_kernels.bandwidth's max(1 GiB, 4 x LLC)),
+    at most a quarter of the free memory."""
+    if quick:
+        return default_read_bytes()
+    want, avail = max(2 << 30, default_read_bytes()), available_bytes()
+    return min(want, max(avail // 4 >> 20 << 20, 256 << 20)) if avail else want
+
+
+def dram_read_gbps(isa: str, threads: int, nbytes: int | None = None) -> float:
     """Best of 3 multithreaded streaming reads of a buffer far larger than the last-level cache."""
-    return cpu_kernels.measure_read_bandwidth(nbytes, threads=threads, isa=isa)
+    return cpu_kernels.measure_read_bandwidth(nbytes or ceiling_bytes(), threads=threads, isa=isa)
 
 
 def routing(n_active: int, m: int, pool_experts: int, it: int):
@@ -85,11 +103,14 @@ def torch_loop_tflops(D, F, n_active, m, threads) -> float:
     return 2 * 3 * D * F * m * n_active / timeit(run) / 1e12
 
 
-def pool_size(D, F, dtype, target_bytes=0.75e9) -> int:
-    """Experts (>= 64, a multiple of 32) whose packed weights reach target_bytes: calls rotate over
-    them so decode reads come from DRAM, not from a large last-level cache (300 MiB on the box host)."""
+def pool_size(D, F, dtype, target_bytes=None) -> int:
+    """Experts (a multiple of 64, so n = 8 or 64 experts per call tile it) whose packed weights reach
+    target_bytes (default max(0.75 GB, 4 x LLC)): calls rotate over them so an expert is re-read only
+    after the whole pool, and decode reads come from DRAM, not from a large last-level cache (~300 MiB
+    on the box host)."""
+    target = target_bytes or max(0.75e9, 4 * llc_bytes())
     per = 3 * D * F * {"bf16": 2, "int8": 1, "int4": 0.5}[dtype]
-    return max(64, -(-int(target_bytes / per) // 32) * 32)
+    return max(64, -(-int(target / per) // 64) * 64)
 
 
 def build(D, F, pool_experts, dtype, isa, threads, knee):
@@ -107,9 +128,10 @@ def run_case(moe, D, n, m, pool_experts, isa):
     rots = [routing(n, m, pool_experts, it) for it in range(max(1, pool_experts // n))]
     x = torch.randn(n * m, D).bfloat16()
     out = torch.empty_like(x)
-    _native.profile_read(isa, reset=True)
-    sec = timeit(lambda it: moe.forward(x, *rots[it % len(rots)], out=out))
-    return sec, _native.profile_read(isa, reset=True)
+    n_timed = []
+    sec = timeit(lambda it: moe.forward(x, *rots[it % len(rots)], out=out),
+                 after_warmup=lambda: _native.profile_read(isa, reset=True), counted=n_timed)  # warm-up dropped
+    return sec, dict(_native.profile_read(isa, reset=True), timed_calls=n_timed[0])
 
 
 def main(argv=None) -> int:
@@ -126,9 +148,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kblocks", default="8,16,32", help="AMX: K-block lengths (64-byte chunks) to time at 8x1024")
     ap.add_argument("--scaling", default="8", help="thread counts for a short scaling check (amx bf16, first shape)")
     ap.add_argument("--pool-experts", type=int, default=0,
-                    help="distinct experts cycled through; 0 = enough for >= 0.75 GB of weights (2.5x the box LLC)")
+                    help="distinct experts cycled through; 0 = a multiple of 64 with >= max(0.75 GB, 4 x LLC) of weights")
     ap.add_argument("--knee", type=int, default=None, help="AMX from this many tokens per expert (default: CpuMoE's per dtype)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few cases")
+    ap.add_argument("--dram-bytes", type=int, help="DRAM probe buffer (default: max(2 GiB, 4 x LLC); --quick: "
+                    "max(1 GiB, 4 x LLC)); smaller reads the cache, not DRAM: for smoke tests only")
     ap.add_argument("--out", default="cpu_moe.json")
     a = ap.parse_args(argv)
     if a.quick:
@@ -148,9 +172,11 @@ def main(argv=None) -> int:
     for isa in isas:
         _native.profile_enable(isa)
     rows, knee_rows, kb_rows, scale_rows, dram = [], [], [], [], {}
+    nbytes, llc = a.dram_bytes or ceiling_bytes(a.quick), llc_bytes()
     for th in threads_list:
-        dram[th] = dram_read_gbps(isas[0], th)
-        print(f"# DRAM read, {th} threads: {dram[th]:.1f} GB/s (streaming read of 2 GiB)")
+        dram[th] = dram_read_gbps(isas[0], th, nbytes)
+        print(f"# DRAM read, {th} threads: {dram[th]:.1f} GB/s (streaming read of {nbytes / 2**20:.0f} MiB; "
+              f"LLC {llc / 2**20:.0f} MiB)")
     print(f"{'shape':16} {'isa':12} {'dtype':5} {'thr':>3} {'E':>4} {'m':>5} {'ms':>9} {'GB/s':>7} {'%DRAM':>6} "
           f"{'TFLOP/s':>8} {'torch':>6} {'x torch':>7}")
     for shape in a.shapes.split(","):
@@ -176,11 +202,14 @@ def main(argv=None) -> int:
                             r = dict(kind=kind, shape=shape, D=D, F=F, isa=isa, dtype=dtype, threads=th, experts=n,
                                      tokens_per_expert=m, ms=sec * 1e3, weight_gbps=gbps, dram_gbps=dram[th],
                                      dram_frac=gbps / dram[th], tflops=tflops, torch_bf16_tflops=tt,
-                                     x_torch=tflops / tt if tt else None, phases_ms={k: v * 1e3 for k, v in prof.items() if k != "calls"})
+                                     x_torch=tflops / tt if tt else None, phases_ms={k: v * 1e3 for k, v in prof.items() if k not in ("calls", "timed_calls")},
+                                     profiled_calls=prof["calls"], timed_calls=prof["timed_calls"])
                             rows.append(r)
+                            r["pool_bytes"], r["pool_experts"] = pool_e * per_expert, pool_e
                             print(f"{shape:16} {isa:12} {dtype:5} {th:3d} {n:4d} {m:5d} {sec * 1e3:9.3f} {gbps:7.1f} "
-                                  f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} " + (f"{tt:6.2f} {r['x_torch']:6.2f}x" if tt else ""),
-                                  flush=True)
+                                  f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} " + (f"{tt:6.2f} {r['x_torch']:6.2f}x" if tt else "")
+                                  + ("  <- above the DRAM ceiling: see the note at the end" if kind == "decode"
+                                     and r["dram_frac"] > 1 else ""), flush=True)
                     if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
                         knee0 = moe.amx_min_tokens
                         for m in sweep:  # the knee: same call on the vector path, then on AMX
@@ -209,7 +238,7 @@ def main(argv=None) -> int:
     for th in [int(v) for v in a.scaling.split(",") if v]:
         pool_e = a.pool_experts or pool_size(D, F, "bf16")
         moe = build(D, F, pool_e, "bf16", isas[0], th, a.knee)
-        gb = dram_read_gbps(isas[0], th, 1 << 30)  # the ceiling at this thread count, once
+        gb = dram_read_gbps(isas[0], th, nbytes)  # the ceiling at this thread count, once
         for n, m in (dec[1 % len(dec)], pre[-1]) if pre and dec else ():
             t = run_case(moe, D, n, m, pool_e, isas[0])[0]
             scale_rows.append(dict(shape=shape0, isa=isas[0], dtype="bf16", threads=th, experts=n, tokens_per_expert=m,
@@ -219,8 +248,23 @@ def main(argv=None) -> int:
             print(f"# scaling {shape0} {isas[0]} bf16 {th} threads {n}x{m}: {t * 1e3:.3f} ms, {r['weight_gbps']:.1f} GB/s "
                   f"(DRAM read {gb:.1f}), {r['tflops']:.2f} TFLOP/s")
         del moe
+    after = {th: dram_read_gbps(isas[0], th, nbytes) for th in threads_list}  # has the ceiling drifted?
+    for th in threads_list:
+        print(f"# DRAM read again after the cases, {th} threads: {after[th]:.1f} GB/s (before: {dram[th]:.1f})")
+    for r in rows:
+        if r["kind"] == "decode" and r["dram_frac"] > 1:
+            r["above_ceiling_note"] = note = (
+                f"{r['weight_gbps']:.1f} GB/s is above the ceiling measured before ({dram[r['threads']]:.1f}) "
+                f"{'and' if r['weight_gbps'] > after[r['threads']] else 'but not'} after ({after[r['threads']]:.1f}) "
+                f"the cases: a pool of {r['pool_bytes'] / 2**20:.0f} MiB re-read every "
+                f"{max(1, r['pool_experts'] // r['experts'])} calls "
+                f"against {llc / 2**20:.0f} MiB of LLC; if it is far above, the kernel reads DRAM better than the "
+                f"stream probe (a probe limit, not extra bandwidth); if the ceiling moved, the machine's "
+                f"bandwidth changed during the run (other load)")
+            print(f"# note {r['shape']} {r['isa']} {r['dtype']} {r['experts']}x{r['tokens_per_expert']}: {note}")
     with open(a.out, "w") as f:
-        json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, rows=rows,
+        json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, dram_gbps_after=after,
+                       dram_buffer_bytes=nbytes, llc_bytes=llc, rows=rows,
                        knee=knee_rows, kblock=kb_rows, scaling=scale_rows), f, indent=1)
     print(f"# wrote {a.out}")
     return 0
