@@ -5,6 +5,13 @@ buffer, run the experts with a CPU backend, copy the outputs back; synchronised 
 T_G (ship weights): copy each expert's weights host->device from pinned memory, run it on the GPU.
 E experts run back to back in both (times add, as in DESIGN section 3's worked example).
 Without CUDA only T_C is measured (no transfers) and the output says so.
+
+A prediction is only a prediction for a shape the profile's CPU curves were not calibrated on: each
+result says whether its shape is the calibration's ("in-sample") or not ("hold-out"), and
+
+    python -m bench.crossover --profile PROFILE.json --shapes qwen3-235b-a22b,qwen3-30b-a3b --out DIR
+
+sweeps several shapes with one profile and tabulates both kinds side by side.
 """
 
 from __future__ import annotations
@@ -88,6 +95,17 @@ def refine_crossover(rig: CrossoverRig, lo: int, hi: int, points: dict) -> int:
     return hi
 
 
+def calibration_match(profile: HardwareProfile | None, shape: ExpertShape) -> dict:
+    """Was the profile calibrated on this shape? holdout None = the profile does not say (built-ins)."""
+    machine = (profile.machine or {}) if profile is not None else {}
+    cal = machine.get("shape")
+    dims = (machine.get("hidden"), machine.get("intermediate"))
+    if cal is None and dims == (None, None):
+        return {"calibrated_shape": None, "holdout": None}
+    same = cal == shape.name or dims == (shape.hidden, shape.intermediate)
+    return {"calibrated_shape": cal, "holdout": not same}
+
+
 def run_sweep(shape: ExpertShape, profile: HardwareProfile | None, experts: int = 8, sweep=None,
               backend: str | None = None, reps: int = 3, refine: bool = True, log=print) -> dict:
     sweep = sorted(sweep or DEFAULT_SWEEP)
@@ -126,6 +144,7 @@ def run_sweep(shape: ExpertShape, profile: HardwareProfile | None, experts: int 
         "measured_t_gpu_ms": [points[m][1] * 1e3 if points[m][1] is not None else None for m in ms],
         "measured_crossover_tokens": measured_cross,
         "profile": profile.name if profile else None,
+        **calibration_match(profile, shape),
     }
     if profile is not None and profile.has_gpu:
         result["predicted_t_cpu_ms"] = list(cm.t_cpu(shape, profile, ms, kernel) * experts * 1e3)
@@ -146,6 +165,9 @@ def run_sweep(shape: ExpertShape, profile: HardwareProfile | None, experts: int 
 
 def print_table(res: dict, log=print) -> None:
     pred = "predicted_t_cpu_ms" in res
+    kind = {True: "hold-out", False: "in-sample", None: "unknown"}[res.get("holdout")]
+    log(f"# prediction: {kind} (profile calibrated on {res.get('calibrated_shape') or 'an unrecorded shape'}, "
+        f"swept {res['shape']['name']})")
     log(f"{'m':>6} {'T_C meas ms':>12} {'T_C pred ms':>12} {'T_G meas ms':>12} {'T_G pred ms':>12}  winner")
     for i, m in enumerate(res["tokens"]):
         tc, tg = res["measured_t_cpu_ms"][i], res["measured_t_gpu_ms"][i]
@@ -200,3 +222,49 @@ def write_outputs(res: dict, out_dir: Path, tag: str) -> list[Path]:
     png = out_dir / f"crossover_{tag}.png"
     plot(res, png)
     return [js, png]
+
+
+def main(argv=None) -> int:
+    """Sweep several shapes with one profile: in-sample and hold-out predictions side by side."""
+    import argparse
+
+    from placement.cost_model import get_shape
+    from placement.hardware import resolve_profile
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--shapes", default="qwen3-235b-a22b,qwen3-30b-a3b", help="comma list of presets")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--tokens", help="comma list of m (default 1,2,...,4096)")
+    ap.add_argument("--backend")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-refine", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args(argv)
+    profile = resolve_profile(a.profile)
+    sweep = [int(v) for v in a.tokens.split(",")] if a.tokens else None
+    rows = []
+    for name in a.shapes.split(","):
+        res = run_sweep(get_shape(name), profile, experts=a.experts, sweep=sweep, backend=a.backend, reps=a.reps,
+                        refine=not a.no_refine)
+        print_table(res)
+        write_outputs(res, Path(a.out), name)
+        rows.append(res)
+    lines = [f"| shape | prediction | crossover measured / predicted | T_C median error | T_G median error |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        kind = {True: "hold-out", False: "in-sample", None: "unknown"}[r.get("holdout")]
+        err = {k: (f"{100 * r[k]:.1f}%" if k in r else "-") for k in ("t_cpu_relative_error_median",
+                                                                      "t_gpu_relative_error_median")}
+        lines.append(f"| {r['shape']['name']} | {kind} (calibrated on {r.get('calibrated_shape')}) | "
+                     f"{r['measured_crossover_tokens']} / {r.get('predicted_crossover_tokens')} | "
+                     f"{err['t_cpu_relative_error_median']} | {err['t_gpu_relative_error_median']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "crossover_holdout.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
