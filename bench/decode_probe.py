@@ -1,0 +1,122 @@
+"""The CPU executor at decode routing: T tokens each choosing K experts, against the DRAM read ceiling measured
+in the same process.
+
+bench.cpu_moe routes one expert per token (K = 1); a decode step routes every token to K experts, so a layer
+call reads the distinct experts the batch chose and sums K outputs per token. This probe times exactly that,
+for the decode path's knobs (cpu_kernels._native.tune: fused single phase vs the phased path, software
+prefetch), counting the distinct experts each call really read. Expert pools rotate call to call so that
+weights come from DRAM, not from the last-level cache.
+
+    python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
+    python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused+pf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import cpu_kernels
+from cpu_kernels import CpuMoE, _native
+from cpu_kernels.bandwidth import default_read_bytes
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3-235b-a22b": (4096, 1536), "tiny": (512, 256)}
+VARIANTS = {"fused": dict(fused=1, prefetch=0), "phased": dict(fused=0, prefetch=0),
+            "fused+pf": dict(fused=1, prefetch=1), "phased+pf": dict(fused=0, prefetch=1)}
+
+
+def parse_case(text: str) -> tuple[int, int, bool]:
+    """'TxK' (T tokens, K experts each, drawn at random) or 'TxKsame' (every token the same K experts)."""
+    same = text.endswith("same")
+    t, k = text.removesuffix("same").split("x")
+    return int(t), int(k), same
+
+
+def routings(T: int, K: int, same: bool, E: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        if same:
+            row = torch.randperm(E, generator=g)[:K]
+            ids = row.repeat(T, 1)
+        else:
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        out.append(ids.to(torch.int32).contiguous())
+    return out
+
+
+def time_case(moe: CpuMoE, T: int, K: int, same: bool, iters: int) -> dict:
+    E, D = moe.num_experts, moe.D
+    ids_all = routings(T, K, same, E, iters + 3)
+    x = torch.randn(T, D).bfloat16()
+    w = torch.full((T, K), 1.0 / K)
+    out = torch.empty(T, D, dtype=torch.bfloat16)
+    for ids in ids_all[:3]:
+        moe.forward(x, ids, w, out=out)
+    times, distinct = [], []
+    for ids in ids_all[3:]:
+        t0 = time.perf_counter()
+        moe.forward(x, ids, w, out=out)
+        times.append(time.perf_counter() - t0)
+        distinct.append(int(torch.unique(ids).numel()))
+    med = statistics.median(times)
+    per_expert = moe.nbytes / E
+    nbytes = statistics.median(distinct) * per_expert
+    return dict(median_s=med, p90_s=sorted(times)[int(0.9 * len(times))], distinct_experts=statistics.median(distinct),
+                bytes=nbytes, gbps=nbytes / med / 1e9)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--experts", type=int, default=128, help="experts in the pool (reads rotate over them)")
+    p.add_argument("--dtypes", default="bf16,int8,int4")
+    p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
+                   help="TxK[same]: T tokens x K experts each (same: every token the same K)")
+    p.add_argument("--variants", default="fused,phased,fused+pf", help=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--out", help="JSON file")
+    a = p.parse_args(argv)
+    D, F = SHAPES[a.shape]
+    cpus = len(os.sched_getaffinity(0))
+    threads = a.threads or max(1, cpus - 1)
+    isa = cpu_kernels.default_isa()
+    ceiling = cpu_kernels.measure_read_bandwidth(default_read_bytes(), threads=threads, isa=isa)
+    print(f"# decode_probe: {platform.node()} isa={isa} threads={threads} shape={a.shape} (D={D}, F={F}) "
+          f"experts={a.experts}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
+    g = torch.Generator().manual_seed(0)
+    wg = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
+    wu = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
+    wd = (torch.randn(a.experts, D, F, generator=g) * 0.02).bfloat16()
+    rows = []
+    print(f"{'dtype':5} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
+    for dtype in a.dtypes.split(","):
+        moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads)
+        for case in a.cases.split(","):
+            T, K, same = parse_case(case)
+            for v in a.variants.split(","):
+                saved = {k: _native.tune(moe.isa, k, val) for k, val in VARIANTS[v].items()}
+                r = time_case(moe, T, K, same, a.iters)
+                for k, val in saved.items():
+                    _native.tune(moe.isa, k, val)
+                r.update(dtype=dtype, case=case, variant=v, pct_dram=100 * r["gbps"] / ceiling)
+                rows.append(r)
+                print(f"{dtype:5} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
+                      f"{r['gbps']:7.1f} {r['pct_dram']:6.0f}%", flush=True)
+        del moe
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F,
+                           ceiling_gbps=ceiling, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
