@@ -1,0 +1,97 @@
+"""Issue 13 on the GPU box: a DeepSeek-V3-shaped FP8 checkpoint, loaded as published, end to end.
+
+    python -m bench.deepseek_box --ckpt /tmp/dsv3-5l --cpu-dtype int8 --profile PROFILE.json --out DIR
+
+1. Writes the checkpoint unless DIR/config.json exists: the deepseek-v3 preset cut to 5 layers (the 3 dense
+   ones + 2 MoE layers of 256 experts), linear weights block-FP8 as DeepSeek publishes them (~28 GB: 22.5 GB
+   of FP8 experts, 3.7 GB of bf16 embedding + head), random numbers drawn on the GPU.
+2. Loads it with the hybrid experts (`load_hybrid`: FP8 de-quantized per tensor, each MoE layer packed for
+   the CPU executor in --cpu-dtype before the next is read) and reports the load time, the process's peak
+   and settled resident memory (the DRAM footprint) and the executor's expert bytes.
+3. Runs bench.hybrid_e2e's measurements on the loaded model: prefill 2048 / 8192 and decode at batch 1 / 8
+   tokens/s per strategy against the placement's roofline (see bench/hybrid_e2e.py for the bounds).
+Results: DIR/deepseek_box_<cpu dtype>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from bench import hybrid_e2e
+from hybrid.models.presets import hf_config
+from hybrid.models.writer import write_random_checkpoint
+from hybrid.offload.build import HybridConfig, expert_shape, load_hybrid
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set of this process."""
+    cur = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            cur = int(line.split()[1]) * 1024
+    return cur, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def ensure_checkpoint(path: Path, layers: int) -> dict:
+    if (path / "config.json").is_file():
+        return {"written": False}
+    t0 = time.perf_counter()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    write_random_checkpoint(path, hf_config("deepseek-v3", layers=layers), seed=0, device=dev, progress=True,
+                            fp8_block=(128, 128))
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"# wrote {path}: {size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"written": True, "write_s": time.perf_counter() - t0, "disk_bytes": size}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", default="/tmp/dsv3-5l", help="checkpoint directory (written if missing)")
+    p.add_argument("--layers", type=int, default=5, help="decoder layers of the written checkpoint")
+    p.add_argument("--cpu-dtype", default="int8", choices=["bf16", "int8", "int4"])
+    p.add_argument("--profile", required=True)
+    p.add_argument("--isa")
+    p.add_argument("--cpu-threads", type=int)
+    p.add_argument("--resident", type=int, help="resident experts per layer (default: a quarter)")
+    p.add_argument("--graphs", action="store_true")
+    p.add_argument("--prefill", type=hybrid_e2e.ints, default=[2048, 8192])
+    p.add_argument("--decode-batch", type=hybrid_e2e.ints, default=[1, 8])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--strategies", type=lambda s: s.split(","), default=["cost", "cpu", "ship", "threshold:32"])
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    ckpt = Path(args.ckpt)
+    written = ensure_checkpoint(ckpt, args.layers)
+    load = {}
+
+    def build(a, hw, device, dtype):  # bench.hybrid_e2e.run's model builder, from the checkpoint instead
+        rss0 = rss_bytes()[0]
+        t0 = time.perf_counter()
+        hcfg = HybridConfig(gpu_experts=0, schedule="cost", cpu_dtype=a.cpu_dtype, cpu_isa=a.isa,
+                            cpu_threads=a.cpu_threads, profile=a.profile)
+        model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
+        cur, peak = rss_bytes()
+        load.update(load_s=time.perf_counter() - t0, rss_before=rss0, rss_after=cur, rss_peak=peak,
+                    dram_expert_bytes=off.memory()["dram_expert_bytes"])
+        print(f"# loaded {ckpt} ({a.cpu_dtype}) in {load['load_s']:.0f} s; RSS {cur / 2**30:.1f} GiB (peak "
+              f"{peak / 2**30:.1f} GiB), executor experts {load['dram_expert_bytes'] / 2**30:.1f} GiB", flush=True)
+        return model, model.cfg, expert_shape(model.cfg, a.cpu_dtype, dtype), off
+
+    hybrid_e2e.build = build
+    args.preset, args.trace = "deepseek-v3", None
+    res = hybrid_e2e.run(args)
+    res.update(checkpoint=str(ckpt), checkpoint_written=written, load=load)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"deepseek_box_{args.cpu_dtype}.json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
