@@ -28,6 +28,7 @@ import torch
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native
 from cpu_kernels.bandwidth import available_bytes, default_read_bytes, llc_bytes
+from cpu_kernels.knee import knee_from_times
 
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "tiny": (512, 256)}
 
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
           f"tokens; experts rotate over a pool of {a.pool_experts or '>= 0.75 GB'}; K=1, every active expert gets m tokens")
     for isa in isas:
         _native.profile_enable(isa)
-    rows, knee_rows, kb_rows, scale_rows, dram = [], [], [], [], {}
+    rows, knee_rows, kb_rows, scale_rows, dram, derived_knees = [], [], [], [], {}, {}
     nbytes, llc = a.dram_bytes or ceiling_bytes(a.quick), llc_bytes()
     for th in threads_list:
         dram[th] = dram_read_gbps(isas[0], th, nbytes)
@@ -219,6 +220,12 @@ def main(argv=None) -> int:
                                                   vector_ms=t_vec * 1e3, amx_ms=t_amx * 1e3))
                             print(f"# knee {shape} {dtype} m={m}: vector {t_vec * 1e3:.3f} ms, AMX {t_amx * 1e3:.3f} ms")
                         moe.set_amx_min_tokens(knee0)
+                        mine = [r for r in knee_rows if r["shape"] == shape and r["dtype"] == dtype]
+                        derived = knee_from_times([r["tokens_per_expert"] for r in mine], [r["vector_ms"] for r in mine],
+                                                  [r["amx_ms"] for r in mine])
+                        derived_knees[dtype] = derived
+                        print(f"# knee {shape} {dtype}: derived {derived} tokens/expert (first m of the sweep from "
+                              f"which AMX stays faster); this CpuMoE used {knee0}")
                         for m in (1024,) if kblocks else ():  # AMX K-block length (L1/L2 reuse trade-off)
                             for kb in kblocks:
                                 _native.load(isa).hy_set_amx_kblock(kb)
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         json.dump(dict(machine=cpu_model(), torch=torch.__version__, isas=isas, dram_gbps=dram, dram_gbps_after=after,
                        dram_buffer_bytes=nbytes, llc_bytes=llc, rows=rows,
-                       knee=knee_rows, kblock=kb_rows, scaling=scale_rows), f, indent=1)
+                       knee=knee_rows, derived_knee=derived_knees, kblock=kb_rows, scaling=scale_rows), f, indent=1)
     print(f"# wrote {a.out}")
     return 0
 

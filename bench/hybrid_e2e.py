@@ -181,6 +181,9 @@ def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hw = resolve_profile(args.profile)
+    from cpu_kernels.knee import set_default_knee
+
+    set_default_knee(hw.machine.get("amx_knee"))  # as the runtime does (hybrid.offload.build)
     t0 = time.perf_counter()
     model, cfg, shape, off = build(args, hw, device, dtype)
     resident = args.resident if args.resident is not None else cfg.num_experts // 4

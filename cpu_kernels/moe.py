@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from . import _native, quant
+from . import _native, knee, quant
 from .reference import ACTIVATIONS, moe_forward
 from .topology import Topology
 
@@ -26,11 +26,13 @@ DTYPES = {"bf16": 0, "int8": 1, "int4": 2}
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROW_ALIGN = 32
-# Tokens per expert from which AMX beats the AVX-512 vector path (Xeon EMR host, Qwen3-235B expert,
-# 8 experts; bench.cpu_moe knee sweep, bench/results/h200-cpu_moe/cpu_moe_run2_5d75ab6.json): bf16 AMX was
-# faster from 8 tokens (4.5 vs 4.9 ms), int8 from 16 (2.8 vs 3.0 ms). A later run (run4) put both knees one
-# step higher (bf16: vector 6.0 vs AMX 6.6 ms at 8). int4 always runs on the vector path.
-AMX_KNEE = {"bf16": 8, "int8": 16}
+# Tokens per expert from which AMX beats the AVX-512 vector path: only the fallback when nothing was
+# measured. The knee moves between runs (Xeon EMR host, Qwen3-235B expert, 8 experts, bench.cpu_moe knee
+# sweep: run2 bf16 8 / int8 16, run4 bf16 16 / int8 32, bench/results/h200-cpu_moe/): `hybrid calibrate`
+# measures it into the profile (machine["amx_knee"]) and the hybrid runtime applies it with
+# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4 always runs on the
+# vector path.
+AMX_KNEE = {"bf16": 16, "int8": 32}
 
 
 def _align(v: int, a: int) -> int:
@@ -136,7 +138,7 @@ class CpuMoE:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if amx_min_tokens is None:
-            amx_min_tokens = AMX_KNEE.get(dtype, 16)
+            amx_min_tokens = knee.default_knee(dtype, AMX_KNEE)
         if amx_min_tokens < 1:
             raise ValueError("amx_min_tokens must be >= 1")
         if expert_ids is None:

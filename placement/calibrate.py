@@ -29,6 +29,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _measure_knee(shape: ExpertShape, quick: bool, progress) -> dict:
+    """Tokens per expert from which AMX beats the vector path, per dtype, on this shape ({} without AMX);
+    set as CpuMoE's default in this process (cpu_kernels.knee)."""
+    try:
+        import cpu_kernels
+        from cpu_kernels.knee import measure_amx_knee, set_default_knee
+    except ImportError:
+        return {}
+    if "amx" not in cpu_kernels.available_isas():
+        return {}
+    knees = {}
+    for dtype in ("bf16", "int8"):
+        progress(f"AMX knee, {dtype}: 8 experts x m tokens, vector path vs AMX...")
+        r = measure_amx_knee(shape.hidden, shape.intermediate, dtype, reps=3 if quick else 5)
+        knees[dtype] = r["knee"]
+        progress("  " + ", ".join(f"m={m}: {v * 1e3:.2f} / {a * 1e3:.2f} ms" for m, v, a in
+                                  zip(r["ms"], r["vector_s"], r["amx_s"])) + f" -> knee {r['knee']}")
+    set_default_knee(knees)
+    return knees
+
+
 def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backends: list[str] | None = None,
               dram_bytes: int | None = None, progress: Callable[[str], None] = print) -> tuple[HardwareProfile, dict]:
     """Run every probe; returns the profile and the raw measurements (for the summary and JSON)."""
@@ -44,6 +65,8 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
     dram_bw, method = measure.measure_dram_read(dram_bytes)
     raw["dram_bw"], raw["dram_method"] = dram_bw, method
     progress(f"  B_D = {dram_bw / 1e9:.1f} GB/s ({method})")
+
+    amx_knee = _measure_knee(shape, quick, progress)  # before the curves: the amx curve then uses it
 
     curves, peaks = {}, {}
     for backend in backends or measure.cpu_backends():
@@ -102,6 +125,9 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
                "torch": torch.__version__, "calibrated_at": datetime.datetime.now(datetime.timezone.utc)
                .isoformat(timespec="seconds"), "shape": shape.name, "hidden": shape.hidden,
                "intermediate": shape.intermediate, "dram_method": method}
+    if amx_knee:
+        machine["amx_knee"] = amx_knee
+        raw["amx_knee"] = amx_knee
     profile = HardwareProfile(name=f"calibrated-{platform.node() or 'this-machine'}", cpu_flops=peaks,
                               dram_bw=dram_bw, cpu_kernel=AUTO, cpu_curves=curves, machine=machine,
                               source="calibrated", **gpu)

@@ -170,6 +170,9 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     device = torch.device(device)
     _, cfg, _ = read_config(model_dir)
     hw = scheduler_profile(hcfg.profile)
+    from cpu_kernels.knee import set_default_knee
+
+    set_default_knee(hw.machine.get("amx_knee"))  # the calibrated AMX knee (none: cpu_kernels' fallback)
     shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
     warn_shape_mismatch(hw, shape)
     sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
