@@ -108,9 +108,14 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(lat[..., :self.rank]).view(B, L, H, self.nope + self.vd)
         k = torch.cat((kv[..., :self.nope], lat[:, :, None, self.rank:].expand(B, L, H, self.rope)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), kv[..., self.nope:].transpose(1, 2),
+        v = kv[..., self.nope:]
+        if q.is_cuda and self.vd != self.nope + self.rope:
+            # flash kernels need one head dim for q, k and v: zero-pad v (its extra outputs are zeros,
+            # sliced off), else a long prompt would fall to a kernel that materialises T x T scores
+            v = F.pad(v, (0, self.nope + self.rope - self.vd))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=mask is None, scale=self.scale)  # [B, H, T, v]
-        return out.transpose(1, 2).reshape(B, T, H * self.vd)
+        return out[..., :self.vd].transpose(1, 2).reshape(B, T, H * self.vd)
 
     def _absorbed(self, q_nope, q_rope, lat, mask):
         """Attention in latent space over lat [B, L, rank + rope] with mask [B, 1, H*T, L]: every head is a
