@@ -8,7 +8,9 @@ Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3 and Kimi-K2; --layers keeps the first N decoder layers (the GPU
 box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
-in, so `hybrid generate --model OUT` runs; --tokenizer none skips it. The weights are N(0, 0.02):
+in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
+OUT` runs and every id the random model generates shows as text (without the padding, ids past the ~1k
+real tokens decoded to nothing: empty output); --tokenizer none skips it. The weights are N(0, 0.02):
 throughput is meaningful, the text is not.
 """
 
@@ -21,6 +23,18 @@ import torch
 
 from hybrid.models.presets import PRESETS, hf_config
 from hybrid.models.writer import write_random_checkpoint
+
+
+def pad_tokenizer(src, dst, vocab_size: int) -> int:
+    """Copies tokenizer `src` to `dst` with placeholder tokens <idN> for ids N up to vocab_size; returns the size."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(src))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size > n:
+        tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
+    tok.save(str(dst))
+    return tok.get_vocab_size(with_added_tokens=True)
 
 
 def main(argv=None) -> int:
@@ -58,8 +72,8 @@ def main(argv=None) -> int:
         from hybrid.runtime.demo import ensure_demo_checkpoint
 
         demo = ensure_demo_checkpoint()
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo / name, out / name)
+        shutil.copy(demo / "tokenizer_config.json", out / "tokenizer_config.json")
+        pad_tokenizer(demo / "tokenizer.json", out / "tokenizer.json", raw["vocab_size"])
     print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}{' + fp8' if args.fp8 else ''}, "
           "random weights) "
           f"in {time.perf_counter() - t0:.1f} s")

@@ -3,3 +3,7 @@
 
 class UsageError(Exception):
     """A bad value given by the user (unknown preset, malformed profile, nonsense token list, ...)."""
+
+
+class TooLarge(UsageError, ValueError):
+    """A size that cannot fit this machine (a KV cache beyond free memory, ...), refused before allocating."""

@@ -10,6 +10,9 @@ Subprocesses started by tests inherit it through os.environ.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -19,6 +22,10 @@ def _session_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def hermetic_cache(_session_cache, monkeypatch):
+def hermetic_cache(_session_cache, tmp_path_factory, monkeypatch):
+    current = os.environ.get("HYBRID_CACHE")
+    if current and Path(current).resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve()):
+        yield Path(current)  # a module fixture already chose a temporary cache of its own
+        return
     monkeypatch.setenv("HYBRID_CACHE", str(_session_cache))
     yield _session_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from hybrid.errors import UsageError
 
@@ -29,7 +30,10 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
     sampling = sampling_from_args(args)
+    t0 = time.perf_counter()
     s = open_session(args)
+    load_s = time.perf_counter() - t0  # reading weights, packing, warm-up: never part of the prefill figure
+    warmup_s = getattr(s.engine, "warmup_s", 0.0)
     tok = s.tokenizer
     prompt_ids = (tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                   else tok.encode(args.prompt))
@@ -60,10 +64,11 @@ def run(args) -> int:
             "finish_reason": out.finish_reason, "prefill_tokens": st.prefill_tokens,
             "prefill_tokens_per_s": round(st.prefill_tps, 2), "decode_tokens": st.decode_tokens,
             "decode_tokens_per_s": round(st.decode_tps, 2),
-            "cuda_graphs": s.engine.graphs is not None,
+            "cuda_graphs": s.engine.graphs is not None, "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
         }, ensure_ascii=False))
     else:
         print()
+        print(f"loaded in {load_s:.1f} s (warm-up {warmup_s:.2f} s, so the prompt runs at warm speed)", file=sys.stderr)
         print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}] prefill: {st.prefill_tokens} tokens at "
               f"{st.prefill_tps:.1f} tok/s | decode: {st.decode_tokens} tokens at {st.decode_tps:.1f} tok/s "
               f"({s.device}, {str(s.dtype).replace('torch.', '')}"

@@ -44,6 +44,8 @@ from hybrid.runtime.kv_cache import StaticKVCache
 from hybrid.runtime.sampling import SamplingParams, sample
 
 StreamCallback = Callable[[int, int, str], None]
+WARMUP_TOKENS_GPU = 2048 # prompt-sized shapes for the kernel selection and the CPU lane's buffers
+WARMUP_TOKENS_CPU = 8
 
 
 @dataclass
@@ -71,6 +73,33 @@ class Stats:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
+def kv_cache_bytes(cfg, max_batch: int, max_context: int, dtype: torch.dtype) -> int:
+    """Bytes of the static KV cache (one spare column per slot, see kv_cache.py)."""
+    per_token = getattr(cfg, "kv_values_per_token", None)
+    if per_token is None:
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    return per_token * max_batch * (max_context + 1) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_kv_cache_fits(cfg, max_batch: int, max_context: int, dtype: torch.dtype, device) -> None:
+    """Refuses a KV cache larger than the device's free memory before allocating it (a huge --max-context or
+    --max-batch was an allocator traceback, or minutes of swapping)."""
+    from hybrid.errors import TooLarge
+
+    need = kv_cache_bytes(cfg, max_batch, max_context, dtype)
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise TooLarge(f"the KV cache for --max-context {max_context} x --max-batch {max_batch} needs "
+                       f"{need / 2**30:,.1f} GiB on {device}, which has {free / 2**30:,.1f} GiB free; lower "
+                       "--max-context or --max-batch")
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = RuntimeConfig.max_batch,
                  max_context: int = RuntimeConfig.max_context, eager: bool | None = None,
@@ -81,6 +110,7 @@ class Engine:
         self.config = config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
+        check_kv_cache_fits(model.cfg, max_batch, max_context, model.dtype, self.device)
         self.cache = StaticKVCache.for_model(model, max_batch, max_context)
         self.max_batch, self.max_context = max_batch, max_context
         self.lengths = [0] * max_batch
@@ -106,17 +136,45 @@ class Engine:
         self._step_context = next((layer.moe.experts.launcher_pinned for layer in model.layers if layer.moe is not None
                                    and hasattr(layer.moe.experts, "launcher_pinned")), contextlib.nullcontext)
         self.stats = Stats()
+        self.warmup_s = 0.0
 
-    def warmup(self) -> None:
-        """One throw-away prefill and decode step (CUDA context, cuBLAS handles, kernel selection,
-        graph capture), then zeroed stats, so the first request's tokens/s are not the start-up's."""
+    def warmup(self, tokens: int | None = None) -> float:
+        """Throw-away prefill of `tokens` dummy tokens and two decode steps through the same paths a request
+        takes (CUDA context, cuBLAS/SDPA kernel selection for prompt-sized shapes, the CPU lane's pinned
+        buffers grown to a prompt's rows, oneDNN JIT, graph capture), so the first request runs at warm
+        speed. Default length: WARMUP_TOKENS_GPU on a GPU (its first long prefill was ~3x slower than the
+        next), WARMUP_TOKENS_CPU on the CPU (nothing there is lazily sized by the prompt). Leaves no state:
+        the slot is freed, stats zeroed, the hybrid layers' routing counters restored and online
+        re-placement kept out of it. Returns the seconds it took (also in self.warmup_s)."""
+        import copy
+
+        t0 = time.perf_counter()
+        if tokens is None:
+            tokens = WARMUP_TOKENS_GPU if self.device.type == "cuda" else WARMUP_TOKENS_CPU
+        tokens = max(1, min(tokens, self.max_context - 2))
+        V = self.model.cfg.vocab_size
+        ids = [(i * 7919 + 1) % V for i in range(tokens)]  # spread over the vocabulary: many experts see rows
+        executors = [layer.moe.experts for layer in self.model.layers if layer.moe is not None]
+        saved = [(x, copy.deepcopy(x.stats)) for x in executors if hasattr(x, "stats")]
+        offloads = {id(x.offload): x.offload for x in executors if getattr(x, "offload", None) is not None}
+        replacers = {k: o.replacer for k, o in offloads.items()}
+        for o in offloads.values():
+            o.replacer = None  # dummy tokens must not move experts
         slot = self.allocate_slot()
         try:
-            logits = self.prefill(slot, [0])
-            self.decode_step([slot], [int(logits.argmax())])
+            logits = self.prefill(slot, ids)
+            nxt = int(logits.argmax())
+            for _ in range(2):
+                nxt = int(self.decode_step([slot], [nxt])[0].argmax())
         finally:
             self.free_slot(slot)
+            for k, o in offloads.items():
+                o.replacer = replacers[k]
+            for x, stats in saved:
+                x.stats = stats
         self.stats = Stats()
+        self.warmup_s = time.perf_counter() - t0
+        return self.warmup_s
 
     # -- slots ------------------------------------------------------------------------------------
     def allocate_slot(self) -> int:

@@ -73,6 +73,14 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
     from hybrid.offload.build import hybrid_config_from_args, load_hybrid, open_hybrid
 
     hcfg = hybrid_config_from_args(args)
+    # config.json, the KV cache's size and the tokenizer are checked before minutes of loading weights
+    from hybrid.models.loader import read_config
+    from hybrid.runtime.engine import check_kv_cache_fits
+
+    cfg = read_config(model_dir)[1]
+    check_kv_cache_fits(cfg, max_batch, args.max_context, dtype, device)
+    tokenizer = Tokenizer(model_dir)
+    warn_vocab_mismatch(cfg.vocab_size, tokenizer.vocab_size, log)
     offload = None
     eager = args.eager or device.type != "cuda"
     if hcfg is not None:
@@ -85,12 +93,20 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
         model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
     else:
         model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
-    tokenizer = Tokenizer(model_dir)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context, eager=eager)
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
     engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
     return Session(engine, tokenizer, model_dir, demo, device, dtype, offload)
+
+
+def warn_vocab_mismatch(model_vocab: int, tokenizer_vocab: int, log) -> None:
+    """Real checkpoints pad the embedding a little past the tokenizer (Qwen3: 151936 vs 151669 ids) and never
+    generate the padding; a model whose vocabulary is much larger than its tokenizer's (a random checkpoint
+    of a real shape with a small tokenizer) generates ids that decode to nothing: empty text, silently."""
+    if tokenizer_vocab < 0.9 * model_vocab:  # the demo pads 1027 tokens to 1088 ids (multiple of 64)
+        log(f"warning: the model has {model_vocab} token ids but its tokenizer only {tokenizer_vocab}; generated ids "
+            f">= {tokenizer_vocab} have no text and are dropped from the output (a tokenizer from another model?)")
 
 
 def check_before_load(model_dir, hcfg, max_context: int, max_batch: int, dtype) -> None:

@@ -1,0 +1,95 @@
+"""First use: a random checkpoint of a real shape gets a tokenizer that covers its vocabulary (and a model
+whose vocabulary its tokenizer does not cover is warned about); load time is reported apart from prefill;
+the warm-up leaves no state behind."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hybrid.cli import main
+
+
+def test_make_checkpoint_tokenizer_covers_the_vocab(tmp_path, capsys):
+    from bench.make_checkpoint import main as make
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    out = tmp_path / "olmoe"
+    # OLMoE's real vocabulary (50304) with a tiny body: 1 layer, the writer keeps the preset's widths
+    assert make(["--preset", "olmoe-1b-7b", "--layers", "1", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    tok = Tokenizer(out)
+    assert tok.vocab_size >= raw["vocab_size"] == 50304
+    assert tok.decode([50000]) == "<id50000>"
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "-n", "3", "--json"]) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)
+    assert res["text"] and "warning" not in cap.err  # every generated id has text now
+    assert res["load_s"] > 0 and "warmup_s" in res and res["prefill_tokens"] == len(res["prompt_token_ids"])
+
+
+def test_vocab_larger_than_tokenizer_warns(tmp_path, capsys):
+    from bench.make_checkpoint import main as make
+
+    out = tmp_path / "olmoe"
+    assert make(["--preset", "olmoe-1b-7b", "--layers", "1", "--out", str(out), "--tokenizer", "none"]) == 0
+    import shutil
+
+    from hybrid.runtime.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the old behaviour: the 1k demo tokenizer as is
+        shutil.copy(demo / name, out / name)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "-n", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the model has 50304 token ids but its tokenizer only" in err
+
+
+def test_generate_reports_load_time_apart_from_prefill(capsys):
+    assert main(["generate", "-n", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "loaded in" in err and "warm-up" in err
+
+
+def test_warmup_leaves_no_state():
+    # the first real generation after a warm-up equals one on a fresh engine without it, token for token and
+    # in its logits; the routing counters of the executors are what they were
+    from hybrid.models import load_model
+    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.engine import Engine
+
+    model = load_model(ensure_demo_checkpoint(), progress=False)
+    prompt = [5, 17, 300, 42, 9]
+    cold = Engine(model, max_batch=2, max_context=64)
+    slot = cold.allocate_slot()
+    ref_logits = cold.prefill(slot, prompt).clone()
+    cold.free_slot(slot)
+    ref = Engine(model, max_batch=2, max_context=64).generate([prompt], 6, stop_token_ids=[])[0].token_ids
+
+    warm = Engine(model, max_batch=2, max_context=64)
+    assert warm.warmup(tokens=40) > 0
+    assert warm.free_slots == 2 and warm.lengths == [0, 0] and warm.stats.prefill_tokens == 0
+    slot = warm.allocate_slot()
+    torch.testing.assert_close(warm.prefill(slot, prompt), ref_logits, rtol=0, atol=0)
+    warm.free_slot(slot)
+    warm.stats.prefill_tokens = 0
+    assert warm.generate([prompt], 6, stop_token_ids=[])[0].token_ids == ref
+
+
+def test_warmup_restores_hybrid_routing_counters():
+    import numpy as np
+
+    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.engine import Engine
+    from hybrid.offload.build import HybridConfig, load_hybrid
+
+    model, offload = load_hybrid(str(ensure_demo_checkpoint()), torch.device("cpu"), torch.float32,
+                                 HybridConfig(gpu_experts=2, schedule="cpu"), progress=False)
+    e = Engine(model, max_batch=1, max_context=64)
+    before = [layer.moe.experts.stats.routed.copy() for layer in model.layers if layer.moe is not None]
+    e.warmup(tokens=20)
+    after = [layer.moe.experts.stats.routed for layer in model.layers if layer.moe is not None]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
