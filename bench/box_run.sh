@@ -5,6 +5,7 @@
 #   bash bench/box_run.sh layer      # hybrid calibrate --quick -> $OUT/profile.json, then the 30B layer sweep (~4 min)
 #   bash bench/box_run.sh e2e [P]    # 8-layer 30B model: every strategy in its own process, traces; graphs decode (~5 min)
 #   bash bench/box_run.sh plan [P]   # 8-layer 30B checkpoint + plan_eval at three budgets (~3 min)
+#   bash bench/box_run.sh bounds     # CPU kernels vs a ceiling above the LLC; crossover in-sample + hold-out (~7 min)
 #
 # P: a profile JSON (default $OUT/profile.json if the layer stage made one, else the profile BENCHMARKS.md
 # quotes for that stage: the host-lane profile for e2e, the one with the graph floor for plan).
@@ -48,7 +49,14 @@ case "$stage" in
     timeout 400 python3 -m bench.plan_eval --model /tmp/q3-8l --profile "$P" --max-context 1024 --steps 64 \
       --out "$OUT/plan" > "$OUT/plan_eval.txt" 2>&1; grep -v Warn "$OUT/plan_eval.txt" | tail -12
     ;;
+  bounds)
+    timeout 420 python3 -m bench.cpu_moe --isas amx --dtypes bf16,int8 --kblocks "" --scaling "" --out "$OUT/cpu_moe.json" \
+      > "$OUT/cpu_moe.txt" 2>&1; grep -E "^# (DRAM|knee .*derived|note)|^qwen" "$OUT/cpu_moe.txt" | tail -40
+    timeout 150 python3 -m bench.crossover --profile bench/results/h200/profile_qwen3-235b-a22b.json \
+      --shapes qwen3-235b-a22b,qwen3-30b-a3b --out "$OUT/crossover" > "$OUT/crossover.txt" 2>&1
+    tail -5 "$OUT/crossover.txt"
+    ;;
   *)
-    echo "unknown stage $stage (tests | layer | e2e | plan)" >&2; exit 2
+    echo "unknown stage $stage (tests | layer | e2e | plan | bounds)" >&2; exit 2
     ;;
 esac
