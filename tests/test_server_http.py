@@ -175,11 +175,13 @@ def _sse_disconnect_after(port, body, events=2):
     """Start a streaming request, read a few events, then drop the connection."""
     s = socket.create_connection(("127.0.0.1", port))
     payload = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
     got = b""
     while got.count(b"data: ") < events:
-        got += s.recv(4096)
+        more = s.recv(4096)
+        assert more, f"connection closed early: {got!r}"
+        got += more
     s.close()
     return got
 
@@ -208,7 +210,8 @@ def test_disconnect_during_non_streaming_request_frees_slot(server):
     server.runtime.engine.step_delay_s = 0.02
     s = socket.create_connection(("127.0.0.1", server.port))
     payload = json.dumps({"prompt": "long one 6", "max_tokens": 100, "temperature": 0}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
     deadline = time.monotonic() + 5
     while server.health()["running"] == 0:
         assert time.monotonic() < deadline

@@ -2,7 +2,7 @@
 
 `Runtime` wraps an engine and its tokenizer into what the scheduler and the routes use:
 
-    max_batch, max_context, vocab_size, eos_token_ids
+    max_batch, max_context, vocab_size, eos_token_ids, max_token_chars
     encode(text) / encode_chat(messages) -> ids;  decode(ids) -> text
     allocate_slot() -> slot;  free_slot(slot);  free_slots (count)
     prefill(slots, chunks) -> logits [B, V];  decode_step(slots, tokens) -> logits [B, V]
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,54 @@ SEED_MOD = 1 << 64  # torch.Generator.manual_seed takes 0..2**64-1; OpenAI seeds
 
 
 BATCH_PREFILL = ("on", "off")
+# Unicode composition (NFC/NFKC) can shrink text before it is tokenized, at most ~3x (three Hangul
+# jamo -> one syllable); normalizers that can delete text (strip, replace by "") give no bound at all.
+NORMALIZER_SHRINK = 4
+SHRINKING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Replace", "Sequence"}
+
+
+def _walk(spec):
+    """Every object in a tokenizer.json component, nested Sequences included."""
+    if isinstance(spec, dict):
+        yield spec
+        for v in spec.values():
+            yield from _walk(v)
+    elif isinstance(spec, list):
+        for v in spec:
+            yield from _walk(v)
+
+
+def _types(spec) -> set:
+    return {d.get("type") for d in _walk(spec)}
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """Characters of text one token covers at most, or None where the tokenizer gives no such bound.
+    A bound holds only for tokenizers that turn every input byte into some token (byte-level BPE, BPE
+    with byte fallback: Qwen, Mixtral, OLMoE, the demo); then a token covers at most as many characters
+    as its vocabulary string has (byte-level strings: one character per byte)."""
+    declared = getattr(tokenizer, "max_token_chars", None)
+    if declared is not None:
+        return declared
+    hf = getattr(tokenizer, "tok", None)  # hybrid.runtime.tokenizer.Tokenizer wraps a tokenizers.Tokenizer
+    try:
+        spec = json.loads(hf.to_str())
+        longest = max(len(t) for t in hf.get_vocab(with_added_tokens=True))
+    except Exception:  # noqa: BLE001 - no bound: the prefix check still bounds the work
+        return None
+    model, pre, norm = spec.get("model") or {}, spec.get("pre_tokenizer"), spec.get("normalizer")
+    every_byte = model.get("type") == "BPE" and (model.get("byte_fallback") or "ByteLevel" in _types(pre))
+    drops_text = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer"} & _types(pre) or \
+        '"removed"' in json.dumps(pre)
+    if not every_byte or drops_text:
+        return None
+    if norm is None:
+        return longest
+    deletes = any(isinstance(r, dict) and r.get("type") == "Replace" and not r.get("content")
+                  for r in _walk(norm))
+    if deletes or not _types(norm) <= SHRINKING_NORMALIZERS:
+        return None
+    return longest * NORMALIZER_SHRINK
 
 
 class Runtime:
@@ -37,6 +86,9 @@ class Runtime:
         # Prompt token ids index the embedding table, so its size (not the tokenizer's) is the bound.
         self.vocab_size = engine.model.cfg.vocab_size
         self.eos_token_ids = frozenset(engine.default_stop_ids())
+        # The most characters of text one token can stand for, if the tokenizer bounds it: prompts
+        # longer than max_context times this are refused by size alone (server/prompt_limits.py).
+        self.max_token_chars = max_token_chars(tokenizer)
         self._EngineSampling, self._sample = EngineSampling, sample
         # One padded forward for several prompts instead of one pass each (on a GPU: one Python loop of
         # small ops and one read of each expert's weights instead of B). Measured on the 2-core dev box,

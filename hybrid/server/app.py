@@ -8,17 +8,18 @@ one bad request never takes the server down.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 from aiohttp import web
 
 from hybrid.server.config import ServerConfig
 from hybrid.server.errors import ApiError, server_error
+from hybrid.server.guards import AccessLogger, auth_middleware, guard_middleware
 from hybrid.server.metrics import Metrics
 from hybrid.server.routes import STATE, ServerState, add_routes
 from hybrid.server.scheduler import Scheduler
@@ -27,11 +28,15 @@ log = logging.getLogger("hybrid.server")
 _AIOHTTP = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", aiohttp.__version__).groups())
 
 METERED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+TOKENIZE_THREADS = 2
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics only
 
 
 def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+    resp = web.json_response(err.body(), status=err.status, headers=err.headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -66,30 +71,17 @@ async def error_middleware(request: web.Request, handler):
             state.metrics.request_done(endpoint, status)
 
 
-def auth_middleware(api_key: str | None):
-    expected = api_key.encode() if api_key else None
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if expected is not None and request.path.startswith("/v1"):
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            # compare_digest: the time taken must not reveal how many leading bytes matched
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-                raise ApiError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return await handler(request)
-
-    return check
-
-
 def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
     metrics = metrics or Metrics(expert_split=getattr(runtime, "expert_split", dict))
     scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_chunk)
+    guard = guard_middleware(config.host, check_host=config.api_key is None)
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[error_middleware, auth_middleware(config.api_key)])
+                          middlewares=[error_middleware, guard, auth_middleware(config.api_key)])
+    # Tokenization runs here, off the event loop, with few threads: prompts that are refused can cost
+    # at most a bounded prefix each (routes.py), and a burst of them queues instead of taking every core.
+    tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="hybrid-tokenize")
     app[STATE] = ServerState(config=config, runtime=runtime, scheduler=scheduler, metrics=metrics,
-                             model_name=model_name)
+                             model_name=model_name, tokenize_pool=tokenize_pool)
     add_routes(app)
 
     async def start(app):
@@ -99,6 +91,7 @@ def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics |
         # Runs after aiohttp closed the connections; waiting sequences get a 503 event (nobody left
         # to read it, but the engine thread ends cleanly).
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
@@ -113,8 +106,14 @@ async def run_server(app: web.Application, host: str, port: int, announce,
     # (aiohttp < 3.9 has no such switch: it always cancelled.)
     cancel = {"handler_cancellation": True} if _AIOHTTP >= (3, 9) else {}
     # One access-log line per request only when asked for (--log-level info/debug).
+    # Its format never shows query strings (guards.AccessLogger): a key sent in the URL stays out of it.
     access = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.INFO) else None
-    runner = web.AppRunner(app, access_log=access, **cancel)
+    # keepalive_timeout: aiohttp closes a connection that has not sent complete headers within it
+    # (from connect, or from the previous response); the body has its own deadline (routes.read_json).
+    # lingering_time: how long an unread body is drained before closing, within the same bound.
+    timeout = app[STATE].config.read_timeout_s
+    runner = web.AppRunner(app, access_log=access, access_log_class=AccessLogger, keepalive_timeout=timeout,
+                           lingering_time=min(10.0, timeout), **cancel)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

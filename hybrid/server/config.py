@@ -18,6 +18,9 @@ class ServerConfig:
     # running sequences wait for their next token while new (long) prompts are prefilled.
     prefill_chunk: int = 512
     max_choices: int = 16  # n x number of prompts in one request
+    # Seconds a client may take to send a request's headers, and again its body (and the longest a
+    # kept-alive connection may idle): a stalled or trickling client is disconnected, not kept forever.
+    read_timeout_s: float = 60.0
     served_model_name: str | None = None  # defaults to the model directory's name
 
     def __post_init__(self):
@@ -29,6 +32,7 @@ class ServerConfig:
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),
             (self.max_choices >= 1, f"max_choices must be >= 1, got {self.max_choices}"),
+            (0 < self.read_timeout_s <= 86400, f"read_timeout must be in (0, 86400] s, got {self.read_timeout_s}"),
             (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
         ]
         for ok, message in checks:

@@ -17,6 +17,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] | None = None
+    close: bool = False  # close the connection after answering (the client stalled mid-request)
 
     def __post_init__(self):
         super().__init__(self.message)

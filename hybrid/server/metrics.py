@@ -60,7 +60,7 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.cancelled = 0  # sequences ended because the client went away
+        self.cancelled = 0  # sequences ended because the client went away (running or queued)
         self.decode_steps = 0
         self.decode_rows = 0  # sum of batch sizes over decode steps
         self.prefills = 0
@@ -137,7 +137,7 @@ class Metrics:
             family("hybrid_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, self.prompt_tokens)])
             family("hybrid_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generation_tokens)])
             family("hybrid_sequences_cancelled_total", "counter",
-                   "Sequences stopped because their client disconnected.", [({}, self.cancelled)])
+                   "Sequences stopped because their client went away, running or still queued.", [({}, self.cancelled)])
             family("hybrid_prefills_total", "counter", "Prompts prefilled.", [({}, self.prefills)])
             family("hybrid_decode_steps_total", "counter", "Batched decode steps.", [({}, self.decode_steps)])
             family("hybrid_decode_batch_rows_total", "counter",

@@ -1,7 +1,8 @@
 """HTTP handlers: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
-A generation request is validated and tokenized (in a worker thread: a long prompt must not stall the
-event loop), checked against the context, split into one scheduler Sequence per choice, and submitted
+A generation request is validated, refused early if its prompt cannot fit the context by its length
+(prompt_limits.py), tokenized (in a small worker pool: a long prompt must not stall the event loop),
+checked against the context, split into one scheduler Sequence per choice, and submitted
 all-or-nothing (429 when the queue is full). The handler then only awaits events from the engine thread.
 If the handler ends early for any reason (client gone: aiohttp cancels the handler; a write fails; an
 error), `finally` cancels the sequences, and the engine frees their slots at its next step boundary.
@@ -13,6 +14,7 @@ import asyncio
 import json
 import math
 import logging
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
@@ -21,6 +23,7 @@ from hybrid.server import openai_format as fmt
 from hybrid.server.config import ServerConfig
 from hybrid.server.errors import ApiError, bad_request, queue_full, unavailable
 from hybrid.server.metrics import Metrics
+from hybrid.server.prompt_limits import PromptTooLong, check_prefixes, check_sizes
 from hybrid.server.scheduler import Event, QueueFull, Scheduler, Sequence
 from hybrid.server.schemas import GenerationRequest, parse_request
 
@@ -36,6 +39,7 @@ class ServerState:
     scheduler: Scheduler
     metrics: Metrics
     model_name: str
+    tokenize_pool: Executor | None = None  # None: the loop's default executor
     created: int = field(default_factory=fmt.now)
 
 
@@ -47,15 +51,37 @@ def _json_constant(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()  # aiohttp raises 413 past client_max_size; the error middleware formats it
+async def read_json(request: web.Request, timeout_s: float):
+    try:
+        # aiohttp raises 413 past client_max_size; the error middleware formats it
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", code="request_timeout",
+                       close=True) from None
     try:
         return json.loads(raw, parse_constant=_json_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
+def _texts(req: GenerationRequest) -> list[list[str]]:
+    """Per prompt, the client's texts in it (chat: the message contents)."""
+    if req.chat:
+        return [[m["content"] for m in req.messages]]
+    return [[p] if isinstance(p, str) else [] for p in req.prompts]
+
+
+def _too_long(req: GenerationRequest, context: int, at_least: int) -> ApiError:
+    what = "messages" if req.chat else "prompt"
+    return bad_request(
+        f"This model's maximum context length is {context} tokens. However, your {what} has at least "
+        f"{at_least} tokens (refused before tokenizing all of it). Please shorten the {what}.",
+        param=what, code="context_length_exceeded")
+
+
 def _tokenize(runtime, req: GenerationRequest) -> list[list[int]]:
+    for texts in _texts(req):  # bounded work for prompts that cannot fit (prompt_limits.py)
+        check_prefixes(runtime.encode, texts, runtime.max_context)
     if req.chat:
         return [runtime.encode_chat(req.messages)]
     out = []
@@ -95,16 +121,28 @@ def _max_tokens(req: GenerationRequest, prompt_len: int, context: int) -> int:
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
+    body = await read_json(request, state.config.read_timeout_s)
     req = parse_request(body, chat=chat, max_choices=state.config.max_choices)
     if req.model is not None and req.model != state.model_name:
         raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{state.model_name}'.",
                        param="model", code="model_not_found")
+    choices = req.n * (1 if chat else len(req.prompts))
+    if choices > state.config.max_queue:  # all choices are queued together: this one could never be
+        raise bad_request(f"{choices} choices (n x prompts) can never be queued: this server queues at most "
+                          f"{state.config.max_queue} sequences (--max-queue)", param="n")
+    context = state.runtime.max_context
+    try:
+        for texts in _texts(req):  # lengths alone, before any tokenizer work
+            check_sizes(texts, context, state.runtime.max_token_chars)
+    except PromptTooLong as exc:
+        raise _too_long(req, context, exc.at_least) from None
     loop = asyncio.get_running_loop()
     try:
-        prompts = await loop.run_in_executor(None, _tokenize, state.runtime, req)
+        prompts = await loop.run_in_executor(state.tokenize_pool, _tokenize, state.runtime, req)
     except ApiError:
         raise
+    except PromptTooLong as exc:
+        raise _too_long(req, context, exc.at_least) from None
     except Exception as exc:  # e.g. a chat template that rejects the message order
         raise bad_request(f"could not build the prompt: {exc}", param="messages" if chat else "prompt") from None
     budgets = [_max_tokens(req, len(p), state.runtime.max_context) for p in prompts]

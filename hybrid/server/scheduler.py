@@ -173,8 +173,12 @@ class Scheduler:
         self._running = [s for s in self._running if not s.finished]
         self._prefilling = [s for s in self._prefilling if not s.finished]
         with self._cond:
-            if any(s.cancelled for s in self._waiting):
+            gone = [s for s in self._waiting if s.cancelled]
+            if gone:  # never started: no slot to free, but they count as cancelled all the same
                 self._waiting = deque(s for s in self._waiting if not s.cancelled)
+        for seq in gone:
+            self.metrics.sequence_cancelled()
+            seq.finished = True
 
     def _peek_waiting(self) -> Sequence | None:
         # Only this thread pops or filters _waiting, so the head seen here is the one popped next.

@@ -29,6 +29,7 @@ class EngineCrash(BaseException):
 
 
 class FakeTokenizer:
+    max_token_chars = 1  # a token is one byte of one character
     def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
