@@ -185,7 +185,9 @@ def test_serve_cli_rejects_bad_settings_in_one_line(tmp_path, capsys):
     cases = [(["--plan", str(plan)], "not a placement plan"),
              (["--plan", str(tmp_path / "missing.json")], "no such file"),
              (["--max-batch", "0"], "max_batch must be >= 1"),
-             (["--port", "70000"], "port must be in 0..65535")]
+             (["--port", "70000"], "port must be in 0..65535"),
+             (["--read-timeout", "0"], "read_timeout must be in"),
+             (["--read-timeout", "nan"], "read_timeout must be in")]
     for extra, needle in cases:
         assert main(["serve", *extra]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]  # (a demo-model note may come first)

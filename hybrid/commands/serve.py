@@ -44,6 +44,9 @@ def register(subparsers) -> None:
                    "prompt per model pass)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body cap; larger bodies get 413 (default %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="SECONDS",
+                   help="a client must send a request's headers, and then its body, within this many seconds "
+                   "(also the longest an idle keep-alive connection stays open); default %(default)s")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES) + [EXACT_DTYPE],
                    help="default: bfloat16 on the GPU, float32 on the CPU; float64 (plain model only) makes "
@@ -75,7 +78,7 @@ def run(args) -> int:
         config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                               max_context=args.max_context, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, prefill_chunk=args.prefill_chunk,
-                              served_model_name=args.served_model_name)
+                              served_model_name=args.served_model_name, read_timeout_s=args.read_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.plan is not None and not os.path.isfile(args.plan):  # (--plan comes with the hybrid flags)
