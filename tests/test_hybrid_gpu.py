@@ -127,3 +127,32 @@ def test_captured_decode_matches_eager(tmp_path):
             assert any(layer.captured for layer in off.layers) and off.host_lane.failures == 0
     assert outs[0] == outs[1]
     assert ((logits[0] - logits[1]).norm() / logits[0].norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("resident", [0, 4])
+def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resident):
+    """Captured decode with the doorbell lane (mapped inputs and output, stream memory operations) gives the
+    logits the host-function lane gives, and the doorbell lane really served the captured layers."""
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.sampling import SamplingParams
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=3, eos_token_id=None, pad_token_id=None)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=4, std=0.1)
+    runs = {}
+    for bell in ("1", "0"):
+        monkeypatch.setenv("HYBRID_DOORBELL", bell)
+        model, off = load_hybrid(ckpt, "cuda", torch.bfloat16, HybridConfig(gpu_experts=resident, schedule="cpu"),
+                                 progress=False)
+        eng = Engine(model, None, max_batch=4, max_context=64)
+        res = eng.generate([[5, 17, 99, 3], [200, 1, 64, 7, 8]], max_new_tokens=12,
+                           sampling=SamplingParams(temperature=0), stop_token_ids=[])
+        lane = off.host_lane
+        served = sum(b.served for b in lane._doorbells.values())
+        runs[bell] = ([r.token_ids for r in res], served, lane.failures)
+    (tok1, served1, fail1), (tok0, served0, fail0) = runs["1"], runs["0"]
+    assert served1 > 0 and served0 == 0 and fail1 == fail0 == 0
+    assert tok1 == tok0

@@ -4,6 +4,8 @@
 #include "driver.h"
 #include "lane.h"
 
+namespace { int g_stream_pf = 0; }  // hy_stream_read's software prefetch distance (bytes; hy_tune)
+
 HY_API const char* hy_isa() { return HY_ISA_NAME; }
 
 HY_API void hy_profile_enable(int on) { g_prof_on = on != 0; }
@@ -20,12 +22,14 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
 //   prefetch  1: the vector kernels prefetch the next weight block in software (default 0)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
+//   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
   int old;
   if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
+  else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }
   else return -1;
   return old;
 }
@@ -137,7 +141,9 @@ HY_API int64_t hy_stream_read(void* pool, const void* buf, int64_t nbytes) {
     const uint8_t* b = (const uint8_t*)buf + task * chunk;
     int64_t n = std::min(chunk, nbytes - task * chunk) / 128 * 128;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t pf = g_stream_pf;
     for (int64_t o = 0; o < n; o += 128) {
+      if (pf) { _mm_prefetch((const char*)(b + o + pf), _MM_HINT_T0); _mm_prefetch((const char*)(b + o + pf + 64), _MM_HINT_T0); }
       a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i*)(b + o)));
       a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i*)(b + o + 32)));
       a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i*)(b + o + 64)));

@@ -1,13 +1,15 @@
 """The doorbell lane: captured decode steps hand their CPU-lane jobs to a spinning CPU thread through page-locked
 words (cpu_kernels/csrc/lane.h) instead of CUDA host functions.
 
-Per captured layer call, on the lane's side stream (after the input copies):
+Per captured layer call, on the lane's side stream (the inputs written straight into page-locked memory by
+kernels through mapped aliases, no copies):
 
     cuStreamWriteValue32(doorbell, id)      the lane thread, spinning on the doorbell, runs job `id`
     cuStreamWaitValue32(done[id], == 1)     the stream waits for it without any CPU thread in the way
     cuStreamWriteValue32(done[id], 0)       re-armed for the next replay (graphs replay the same values)
 
-A host function costs the driver's callback thread a wake-up and the stream a hand-back after it returns;
+and the next kernel reads the output where the lane thread wrote it. A host function costs the driver's
+callback thread a wake-up and the stream a hand-back after it returns, plus one copy each way per buffer;
 here both sides already poll (the lane thread on the CPU, the GPU's front end on `done`). The stream
 memory operations are the driver API's (v2 entry points, on by default since CUDA 11.7) and graphs capture
 them as memory-operation nodes. Only the driver library torch already loaded is used; nothing is compiled
@@ -49,6 +51,31 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {rc}")
 
 
+def device_pointer(host_ptr: int) -> int:
+    """The device address of page-locked host memory (under unified addressing, the same number)."""
+    dptr = ctypes.c_uint64()
+    _check(_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(host_ptr), 0),
+           "cuMemHostGetDevicePointer")
+    return dptr.value
+
+
+def mapped_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the page-locked host tensor t's memory: kernels read and write it across PCIe with no
+    copy. It does not own the memory: keep t alive as long as the alias is used."""
+    nbytes = t.numel() * t.element_size()
+    st = torch._C._construct_storage_from_data_pointer(device_pointer(t.data_ptr()), device, nbytes)
+    return torch.empty(0, dtype=t.dtype, device=device).set_(st, 0, t.shape, t.stride())
+
+
+def write_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (a mapped alias) := src with a kernel: a same-dtype copy_ would be a device-to-device memcpy,
+    whose kind does not match host memory; x * 1 is exact (NaN, -0 and infinities kept)."""
+    if dst.dtype == src.dtype:
+        torch.mul(src, 1, out=dst)
+    else:
+        dst.copy_(src)
+
+
 def wanted() -> bool:
     return os.environ.get("HYBRID_DOORBELL", "1") != "0"
 
@@ -70,12 +97,7 @@ class DoorbellLane:
         self._lane = self._lib.hy_lane_create(base, base + 4, self.CAP, int(pin_cpu))
         if not self._lane:
             raise RuntimeError("cpu_kernels: could not start the doorbell lane thread")
-        self._dev_base = None
-        if on_cuda:
-            dptr = ctypes.c_uint64()
-            _check(_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(base), 0),
-                   "cuMemHostGetDevicePointer")
-            self._dev_base = dptr.value
+        self._dev_base = device_pointer(base) if on_cuda else None
 
     @property
     def full(self) -> bool:

@@ -77,12 +77,22 @@ class HostFnLane:
         self._failures = 0
         self._doorbells: dict[str, doorbell.DoorbellLane] = {}  # per ISA library: its own lane thread
         self._use_doorbell = self.stream is not None and doorbell.wanted()
+        self._aliases: dict[tuple, torch.Tensor] = {}
+
+    def prepare(self, isa: str) -> None:
+        """Start `isa`'s doorbell lane (outside graph capture: its words are page-locked at start). Called by
+        every eager call that could be captured later; a capture that finds no lane uses host functions."""
+        if self._use_doorbell and isa != "ref" and isa not in self._doorbells \
+                and not torch.cuda.is_current_stream_capturing():
+            self.doorbell(isa)
 
     def doorbell(self, isa: str) -> "doorbell.DoorbellLane | None":
-        """The doorbell lane of `isa` (started at the first captured job), or None where it is not used."""
+        """The doorbell lane of `isa` (started by prepare()), or None where it is not used."""
         if not self._use_doorbell or isa == "ref":
             return None
         if isa not in self._doorbells:
+            if torch.cuda.is_current_stream_capturing():
+                return None
             import cpu_kernels
 
             # Workers spin through the gap between two layer calls of a step (GPU attention etc.) instead of
@@ -152,19 +162,33 @@ class HostFnLane:
         T, D = x.shape
         K = ids.shape[1]
         captured = torch.cuda.is_current_stream_capturing()
+        self.prepare(layer.cpu_moe.isa)
         self.stream.wait_stream(torch.cuda.current_stream())
         xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
+        if jid:  # doorbell lane: inputs written in place, output read in place
+            xa, ia, wa, oa = (self._alias(t) for t in (xh, ih, wh, oh))
+            with torch.cuda.stream(self.stream):
+                doorbell.write_mapped(xa, x)
+                doorbell.write_mapped(ia, ids)
+                doorbell.write_mapped(wa, w)
+                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
+            return oa
         with torch.cuda.stream(self.stream):
             xh.copy_(x, non_blocking=True)
             ih.copy_(ids.to(torch.int32), non_blocking=True)
             wh.copy_(w.to(torch.float32), non_blocking=True)
-            if jid:
-                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
-            else:
-                _launch_host_func(self.stream, fn, arg)
+            _launch_host_func(self.stream, fn, arg)
             od.copy_(oh, non_blocking=True)
         return od
+
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        """The mapped CUDA alias of a pinned buffer view (made once per view; graphs hold its address)."""
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        a = self._aliases.get(key)
+        if a is None:
+            a = self._aliases[key] = doorbell.mapped_alias(t, self.device)
+        return a
 
     def join(self) -> None:
         torch.cuda.current_stream().wait_stream(self.stream)
