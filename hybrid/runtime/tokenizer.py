@@ -81,9 +81,12 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        # The template already writes any BOS token, so no special tokens are added again.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        # The template already writes any BOS token, so no special tokens are added again. Only the
+        # template's own markers become control tokens: "<|im_end|>" typed by a user stays text.
+        from hybrid.runtime.chat_tokens import encode_chat_plain_contents
+
+        return encode_chat_plain_contents(
+            self, messages, lambda msgs: self.apply_chat_template(msgs, add_generation_prompt, **kwargs))
 
 
 class IncrementalDecoder:
