@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from hybrid.errors import UsageError
@@ -44,8 +45,40 @@ def build_parser() -> Parser:
     return parser
 
 
+def _user_error(exc: BaseException) -> bool:
+    """Errors that are the user's input, not a bug: printed in one line. IsaUnavailable is a bad or
+    unrunnable HYBRID_CPU_ISA (checked only if the kernel module was ever imported)."""
+    if isinstance(exc, UsageError):
+        return True
+    native = sys.modules.get("cpu_kernels._native")
+    return native is not None and isinstance(exc, native.IsaUnavailable)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv else "hybrid"
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # `hybrid ... | head`: the reader left. Point stdout at /dev/null so the interpreter's final flush
+        # does not raise again, and exit as a C tool killed by SIGPIPE would (128 + 13), silently.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - only user errors are caught; everything else re-raised
+        if not _user_error(exc):
+            raise
+        name = command if command in COMMANDS or command == "bench" else "hybrid"
+        print(f"hybrid {name}: error: {exc}" if name != "hybrid" else f"hybrid: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "bench":
         from hybrid.commands.bench import FORWARDED, run_module
 
@@ -56,14 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as exc:
-        print(f"hybrid {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

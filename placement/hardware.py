@@ -197,11 +197,18 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
         raise UsageError(f"profile file {str(path)!r} not found") from None
     except OSError as exc:
         raise UsageError(f"cannot read profile {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"profile {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"profile {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    return HardwareProfile.from_json(data, origin=f"profile {str(path)!r}")
+    except RecursionError:
+        raise UsageError(f"profile {str(path)!r} is not valid JSON (nested too deeply)") from None
+    try:
+        return HardwareProfile.from_json(data, origin=f"profile {str(path)!r}")
+    except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type the checks did not name
+        raise UsageError(f"profile {str(path)!r}: malformed ({type(exc).__name__}: {exc})") from None
 
 
 # The box of the KTransformers paper (SOSP'25), as DESIGN section 3 states it: one Xeon Platinum 8452Y

@@ -24,5 +24,23 @@ def read_json(path: str | os.PathLike, flag: str):
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"{flag}: no such file: {path}") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {exc.start})") from None
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
         raise UsageError(f"{flag} {path}: cannot read it as JSON ({exc})") from None
+
+
+def check_writable(path: str | os.PathLike | None, flag: str) -> None:
+    """Fails now, not after minutes of measuring, if `path` cannot be written (its folder is created)."""
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None

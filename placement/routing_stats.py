@@ -22,6 +22,22 @@ from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1
 KIND = "hybrid-routing-stats"
+# More tokens than any profiling run records (a trillion); bounding them keeps every array the planner
+# derives from the counts small (a hand-edited 1e12 once asked for a multi-TiB allocation).
+MAX_TOKENS = 10**12
+
+
+def _counts(rows, what: str) -> np.ndarray:
+    """JSON rows of non-negative integer counts -> int64 array; floats, bools, strings and huge values refused."""
+    ok = isinstance(rows, list) and all(isinstance(r, list) for r in rows)
+    if ok:
+        for r in rows:
+            if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_TOKENS * 64 for c in r):
+                ok = False
+                break
+    if not ok:
+        raise UsageError(f"{what} must be lists of integer token counts between 0 and {MAX_TOKENS * 64:.0e}")
+    return np.array(rows, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,12 @@ class RoutingStats:
                              f"({len(self.layers)}, {self.num_experts}) for {len(self.layers)} MoE layers")
         if (counts < 0).any() or self.tokens < 0 or self.window_tokens < 0:
             raise UsageError("routing stats: counts, tokens and window must be non-negative")
+        if self.tokens > MAX_TOKENS or self.window_tokens > MAX_TOKENS:
+            raise UsageError(f"routing stats: {self.tokens} tokens (window {self.window_tokens}) is more than "
+                             f"{MAX_TOKENS:.0e}; not a recorded run")
+        if counts.size and int(counts.sum(axis=1).max()) > self.tokens * self.topk:
+            raise UsageError(f"routing stats: a layer's counts sum to {int(counts.sum(axis=1).max())}, more than "
+                             f"tokens x topk = {self.tokens * self.topk}")
         if len(set(self.layers)) != len(self.layers):
             raise UsageError("routing stats: a layer is listed twice")
         if self.decode_counts is not None:
@@ -131,14 +153,21 @@ class RoutingStats:
         try:
             layers = data["layers"]
             split = "decode_tokens" in data
+            for name in ("num_experts", "topk", "tokens", "window_tokens", "decode_tokens"):
+                v = data.get(name, 0)
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise UsageError(f"{origin}: {name} must be an integer, got {v!r}")
             return cls(int(data["num_experts"]), int(data["topk"]), tuple(int(x["layer"]) for x in layers),
-                       np.array([x["counts"] for x in layers], dtype=np.int64).reshape(len(layers), -1),
+                       _counts([x["counts"] for x in layers], f"{origin}: counts").reshape(len(layers), -1),
                        int(data["tokens"]), int(data.get("window_tokens", 0)),
-                       tuple((int(w["tokens"]), np.array(w["counts"], dtype=np.int64)) for w in data.get("series", [])),
+                       tuple((int(w["tokens"]), _counts(w["counts"], f"{origin}: series counts"))
+                             for w in data.get("series", [])),
                        dict(data.get("source", {})),
-                       np.array([x["decode_counts"] for x in layers], dtype=np.int64).reshape(len(layers), -1)
+                       _counts([x["decode_counts"] for x in layers], f"{origin}: decode counts").reshape(len(layers), -1)
                        if split else None, int(data["decode_tokens"]) if split else 0)
-        except (KeyError, TypeError, ValueError) as exc:
+        except UsageError as exc:
+            raise UsageError(str(exc) if str(exc).startswith(origin) else f"{origin}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise UsageError(f"{origin}: malformed ({type(exc).__name__}: {exc})") from None
 
 

@@ -80,6 +80,8 @@ def read_prompts(path: str | None) -> list[str]:
         lines = open(path, encoding="utf-8").read().splitlines()
     except OSError as exc:
         raise UsageError(f"--prompts {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompts {path}: not UTF-8 text (byte {exc.start})") from None
     prompts = []
     for line in lines:
         if not line.strip():

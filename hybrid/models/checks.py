@@ -221,6 +221,8 @@ def check_sizes(cfg, family, ckpt: dict) -> None:
     for name in ("vocab_size", "hidden_size", "head_dim", "num_heads", "num_kv_heads", "expert_intermediate_size",
                  "dense_intermediate_size", "shared_expert_intermediate_size"):
         v = getattr(cfg, name, 0) or 0
+        if name == "dense_intermediate_size" and all(cfg.moe_layers):
+            continue  # Qwen configs carry intermediate_size without any dense layer using it
         if v > largest:
             raise ModelLoadError(f"config.json: {name} is {v} but no tensor of the checkpoint has a dimension that "
                                  f"large (largest: {largest})")

@@ -210,6 +210,32 @@ def _check_finite(name: str, file: Path, t: torch.Tensor) -> None:
                              "the checkpoint is corrupt")
 
 
+def _canonical(family: Family, ckpt: dict) -> dict[str, str]:
+    """Renames ckpt's keys to our spelling in place; returns our spelling -> the file's (they differ only for
+    family.aliases)."""
+    original = {}
+    for n in list(ckpt):
+        canon = n
+        for pattern, repl in family.aliases:
+            canon = re.sub(pattern, repl, canon)
+        original[canon] = n
+        if canon != n:
+            ckpt[canon] = ckpt.pop(n)
+    return original
+
+
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """config.json and the headers only (no tensor data, nothing allocated): the config's counts and sizes
+    against what the tensors hold. What callers run before sizing anything else (the KV cache) by the config."""
+    path = Path(path)
+    family, cfg, _ = read_config(path)
+    ckpt = checkpoint_index(path)
+    _canonical(family, ckpt)
+    _skip(family, cfg, ckpt)
+    checks.check_sizes(cfg, family, ckpt)
+    return cfg
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
                experts_factory: ExpertsFactory | None = None, progress: bool = True) -> MoETransformer:
@@ -225,14 +251,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     family, cfg, raw = read_config(path)
     quant = fp8.quantization(raw)
     ckpt = checkpoint_index(path)
-    original = {}  # our spelling -> the file's spelling (they differ only for family.aliases)
-    for n in list(ckpt):
-        canon = n
-        for pattern, repl in family.aliases:
-            canon = re.sub(pattern, repl, canon)
-        original[canon] = n
-        if canon != n:
-            ckpt[canon] = ckpt.pop(n)
+    original = _canonical(family, ckpt)
     _skip(family, cfg, ckpt)
     scales = fp8.pair_scales(ckpt, quant)
     # Every size in config.json against the headers before a byte is allocated: first the counts and sizes

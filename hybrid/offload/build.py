@@ -81,6 +81,13 @@ class HybridConfig:
             raise UsageError("give --gpu-experts or --gpu-budget, not both")
         if self.staging_slots < 1:
             raise UsageError("--staging-slots must be >= 1")
+        if self.cpu_threads is not None:
+            if self.cpu_threads < 1:
+                raise UsageError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if self.cpu_threads > cores:  # threads beyond the cores only contend with each other
+                log.warning("--cpu-threads %d is more than the %d cores this process may use; the executor's "
+                            "threads will share cores", self.cpu_threads, cores)
 
 
 def add_hybrid_arguments(p) -> None:
@@ -223,6 +230,9 @@ def resident_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) ->
     """Resident experts per layer: --gpu-experts, or what --gpu-budget leaves after the fixed part."""
     cfg = model.cfg
     if hcfg.gpu_budget is None:
+        if (hcfg.gpu_experts or 0) > cfg.num_experts:
+            log.warning("--gpu-experts %d is more than the model's %d experts per layer: all %d are resident",
+                        hcfg.gpu_experts, cfg.num_experts, cfg.num_experts)
         return min(hcfg.gpu_experts or 0, cfg.num_experts)
     per_layer = len(offload.layers) * expert_vram_bytes(cfg, offload.dtype)
     left = hcfg.gpu_budget - fixed_vram_bytes

@@ -73,14 +73,12 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
     from hybrid.offload.build import hybrid_config_from_args, load_hybrid, open_hybrid
 
     hcfg = hybrid_config_from_args(args)
-    # config.json, the KV cache's size and the tokenizer are checked before minutes of loading weights
-    from hybrid.models.loader import read_config
+    # config.json against the headers, then the KV cache's size, before minutes of loading weights
+    from hybrid.models.loader import check_checkpoint
     from hybrid.runtime.engine import check_kv_cache_fits
 
-    cfg = read_config(model_dir)[1]
+    cfg = check_checkpoint(model_dir)
     check_kv_cache_fits(cfg, max_batch, args.max_context, dtype, device)
-    tokenizer = Tokenizer(model_dir)
-    warn_vocab_mismatch(cfg.vocab_size, tokenizer.vocab_size, log)
     offload = None
     eager = args.eager or device.type != "cuda"
     if hcfg is not None:
@@ -93,6 +91,8 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
         model = load_model(model_dir, device=device, dtype=dtype, progress=not demo)
     else:
         model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
+    tokenizer = Tokenizer(model_dir)
+    warn_vocab_mismatch(cfg.vocab_size, tokenizer.vocab_size, log)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context, eager=eager)
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
