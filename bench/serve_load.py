@@ -6,7 +6,8 @@
 Each client sends its share of the requests back to back (closed loop), so `--clients` is the
 concurrency the server sees. Tokens are the server's own usage counts. The mean decode batch comes from
 the server's /metrics (rows / steps over the run), which shows whether continuous batching kept the
-batch full. Figures go to stdout and to a JSON file.
+batch full. Figures go to stdout and to a JSON file (--json FILE; default a new file in the temporary
+directory, never the repository).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +32,12 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars wat
 
 def prompt_for(i: int, words: int) -> str:
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+
+
+def default_json_path() -> Path:
+    fd, name = tempfile.mkstemp(prefix="hybrid-serve-load-", suffix=".json")
+    os.close(fd)
+    return Path(name)
 
 
 def metric(text: str, name: str) -> float:
@@ -164,7 +172,9 @@ def main(argv=None) -> int:
     p.add_argument("--chat", action="store_true")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("HYBRID_API_KEY"))
-    p.add_argument("--json", default="bench/results/serve_load.json", help="where to write the figures")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="where to write the figures (default: a new file in the temporary directory, so a run "
+                   "never leaves an untracked file in the repository; the path is printed)")
     args = p.parse_args(argv)
     args.requests = args.requests or 4 * args.clients
     proc = None
@@ -192,9 +202,10 @@ def main(argv=None) -> int:
              else ""))
     if res["errors"]:
         print(f"errors: {res['errors']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    out = Path(args.json) if args.json else default_json_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"# figures written to {out}")
     return 0 if res["ok"] == args.requests else 1
 
 

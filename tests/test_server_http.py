@@ -20,7 +20,8 @@ import pytest
 
 from hybrid.server.app import build_app, run_server
 from hybrid.server.config import ServerConfig
-from hybrid.server.testing import fake_runtime
+from hybrid.server.routes import STATE
+from hybrid.server.testing import EngineCrash, fake_runtime
 
 
 class ServerThread:
@@ -306,7 +307,11 @@ def test_api_key_is_enforced():
         srv.close()
 
 
-def test_engine_crash_answers_accepted_requests_and_reports_unhealthy(server):
+def test_engine_crash_answers_accepted_requests_and_reports_unhealthy(server, monkeypatch):
+    # The crash must leave the engine thread (a loop that swallowed it would keep running broken):
+    # catch it here, so it is asserted instead of surfacing as a pytest warning with a traceback.
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_type))
     rt = server.runtime
     rt.engine.crash = True
     status, _, body = server.post("/v1/completions", {"prompt": "crash", "max_tokens": 5})
@@ -316,6 +321,8 @@ def test_engine_crash_answers_accepted_requests_and_reports_unhealthy(server):
     assert e.value.code == 503
     status, _, body = server.post("/v1/completions", {"prompt": "after", "max_tokens": 5})
     assert status == 503 and body["error"]["code"] == "unavailable"
+    server.app[STATE].scheduler._thread.join(10)
+    assert escaped == [EngineCrash]
 
 
 def test_load_script_reports_rates(server, tmp_path):
@@ -328,6 +335,21 @@ def test_load_script_reports_rates(server, tmp_path):
     assert res["ok"] == 12 and res["requests_per_s"] > 0 and res["output_tokens_per_s"] > 0
     assert res["output_tokens"] <= 12 * 6 and res["mean_decode_batch"] > 1.0
     assert res["cold_expert_cpu_share"] is None  # no hybrid layer behind the fake engine
+
+
+def test_load_script_writes_outside_the_repository_by_default(server, tmp_path, monkeypatch, capsys):
+    from bench.serve_load import main
+
+    work, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    work.mkdir(), tmp.mkdir()
+    monkeypatch.chdir(work)  # the old default was a path relative to the working directory
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    assert main(["--url", server.base, "--clients", "2", "--requests", "2", "--max-tokens", "2",
+                 "--prompt-words", "6"]) == 0
+    assert list(work.iterdir()) == []
+    written = list(tmp.glob("hybrid-serve-load-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["ok"] == 2
+    assert f"figures written to {written[0]}" in capsys.readouterr().out
 
 
 def test_event_loop_answers_while_the_engine_is_busy(server):
