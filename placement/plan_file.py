@@ -41,6 +41,35 @@ class LayerPlan:
         object.__setattr__(self, "resident_experts", ids)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Fields the runtime reads from a plan, with their types: a hand-edited "staging_slots": "4" was a traceback
+# deep in loading; now it is named here.
+_MODEL_INTS = ("num_layers", "num_experts", "topk", "hidden", "intermediate")
+_SETTINGS_INTS = ("max_context", "max_batch", "staging_slots", "prefill_tokens")
+
+
+def _check_types(plan) -> None:
+    for name in _MODEL_INTS:
+        if name in plan.model and not (_is_int(plan.model[name]) and plan.model[name] >= 0):
+            raise UsageError(f"plan: model.{name} must be a non-negative integer, got {plan.model[name]!r}")
+    moe = plan.model.get("moe_layers", [])
+    if not (isinstance(moe, list) and all(_is_int(i) for i in moe)):
+        raise UsageError(f"plan: model.moe_layers must be a list of layer indices, got {moe!r}")
+    for name in _SETTINGS_INTS:
+        if name in plan.settings and not (_is_int(plan.settings[name]) and plan.settings[name] >= 1):
+            raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
+    if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in ("bf16", "int8", "int4"):
+        raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8 or int4, got {plan.settings['cpu_dtype']!r}")
+    if "stats" in plan.settings and not isinstance(plan.settings["stats"], dict):
+        raise UsageError(f"plan: settings.stats must be an object, got {plan.settings['stats']!r}")
+    for lp in plan.layers:
+        if not all(_is_int(e) for e in lp.resident_experts):
+            raise UsageError(f"plan layer {lp.layer}: resident experts must be integer ids")
+
+
 @dataclass(frozen=True)
 class Plan:
     model: dict
@@ -56,6 +85,7 @@ class Plan:
     predicted_prefill_tokens_per_s: float
 
     def __post_init__(self):
+        _check_types(self)
         E = int(self.model.get("num_experts", 0))
         if E < 1:
             raise UsageError("plan: model.num_experts must be >= 1")
@@ -113,6 +143,9 @@ class Plan:
             raise UsageError(f"{origin}: schema_version {data.get('schema_version')!r} not supported "
                              f"(this build reads {SCHEMA_VERSION})")
         try:
+            for x in data["layers"]:
+                if not (isinstance(x.get("resident_experts"), list) and all(_is_int(e) for e in x["resident_experts"])):
+                    raise UsageError(f"layer {x.get('layer')!r}: resident_experts must be a list of integer ids")
             layers = tuple(LayerPlan(int(x["layer"]), tuple(x["resident_experts"]), float(x.get("predicted_saving_s", 0)))
                            for x in data["layers"])
             return cls(dict(data["model"]), dict(data["settings"]), int(data["gpu_bytes"]), int(data["gpu_budget_bytes"]),

@@ -15,16 +15,36 @@ from pathlib import Path
 
 import pytest
 
+_SESSION_CACHE: Path | None = None
+
+
+def pytest_configure(config):
+    # Before collection and before any fixture: module-scoped fixtures and subprocess environments built at
+    # import time see the temporary cache too.
+    global _SESSION_CACHE
+    import tempfile
+
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="hybrid-test-cache-"))
+    os.environ["HYBRID_CACHE"] = str(_SESSION_CACHE)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
 
 @pytest.fixture(scope="session")
-def _session_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("hybrid-cache")
+def _session_cache():
+    return _SESSION_CACHE
 
 
 @pytest.fixture(autouse=True)
 def hermetic_cache(_session_cache, tmp_path_factory, monkeypatch):
     current = os.environ.get("HYBRID_CACHE")
-    if current and Path(current).resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve()):
+    if current and current != str(_session_cache) and \
+            Path(current).resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve()):
         yield Path(current)  # a module fixture already chose a temporary cache of its own
         return
     monkeypatch.setenv("HYBRID_CACHE", str(_session_cache))

@@ -135,7 +135,7 @@ def good(tmp_path_factory):
     p = write_tiny(tmp_path_factory.mktemp("fuzz") / "good")
     from hybrid.runtime.demo import build_tokenizer
 
-    build_tokenizer(p, vocab_size=96)
+    build_tokenizer(p, vocab_size=300)
     return p
 
 
