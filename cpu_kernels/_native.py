@@ -123,7 +123,12 @@ def default_isa() -> str:
         return forced
     isa = available_isas()[0]
     skipped = "; ".join(f"{i}: {why_unavailable(i)}" for i in ISAS[:ISAS.index(isa)])
-    log.info("cpu_kernels: ISA %s (best available%s)", isa, f"; skipped {skipped}" if skipped else "")
+    if isa == "ref" and any(not why_unavailable(i).startswith("CPU/OS lacks") for i in ISAS[:-1]):
+        # a compiled ISA was expected (the CPU has it, the library is missing): ~30x slower, so say it loudly
+        log.warning("cpu_kernels: falling back to the PyTorch reference, much slower than the compiled kernels "
+                    "(%s); fix: rebuild them with `pip install -e .` (needs a C++ compiler)", skipped)
+    else:
+        log.info("cpu_kernels: ISA %s (best available%s)", isa, f"; skipped {skipped}" if skipped else "")
     return isa
 
 
