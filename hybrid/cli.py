@@ -37,7 +37,7 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="hybrid",
         description="Serve big MoE models on one box: hot experts on the GPU, cold experts on the CPU, "
-        "split per batch by a cost model calibrated on this machine.",
+        "split per batch by a cost model calibrated on this machine. Design: DESIGN.md in the repository.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:

@@ -45,7 +45,7 @@ def _seconds(name: str, value) -> float:
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """C_C per CPU kernel kind, B_D, C_G, B_H, B_L and alpha of DESIGN section 3.
+    """C_C per CPU kernel kind, B_D, C_G, B_H, B_L and alpha of DESIGN.md (Cost model).
 
     cpu_flops:  peak C_C per kernel kind (e.g. {"torch": 3.4e12, "amx": 1.2e13}).
     cpu_curves: optional measured C_C(m) per kind as [[m, flop/s], ...]; when present, the model
@@ -211,7 +211,7 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
         raise UsageError(f"profile {str(path)!r}: malformed ({type(exc).__name__}: {exc})") from None
 
 
-# The box of the KTransformers paper (SOSP'25), as DESIGN section 3 states it: one Xeon Platinum 8452Y
+# The box of the KTransformers paper (SOSP'25), as DESIGN.md (Cost model) quotes it: one Xeon Platinum 8452Y
 # socket (B_D 220 GB/s; C_C 1.8 TFLOP/s with a PyTorch AVX-512 kernel, 21.3 with their AMX kernel), an
 # A100 40GB PCIe at 50% of peak (C_G 156 TFLOP/s, B_H 778 GB/s), PCIe 4.0 x16 taken as 25 GB/s, 5 us.
 _PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6,

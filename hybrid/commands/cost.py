@@ -185,7 +185,7 @@ def run_layer(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("cost", help="price an expert on the CPU vs ship-to-GPU path (DESIGN section 3)",
+    p = sub.add_parser("cost", help="price an expert on the CPU vs ship-to-GPU path (DESIGN.md, Cost model)",
                        description="Per token count: T_C (ship activations, run on the CPU) and T_G (ship "
                        "weights, run on the GPU), which wins, the knee and the crossover. SI units.")
     add_profile_args(p)

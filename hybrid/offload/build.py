@@ -106,7 +106,7 @@ def add_hybrid_arguments(p) -> None:
     g.add_argument("--plan", metavar="FILE", help="placement plan written by `hybrid plan --out` (resident experts "
                    "per layer, CPU dtype); replaces --gpu-experts / --gpu-budget")
     g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "
-                   "routing shifts, when the copy pays for itself (DESIGN section 4); decodes eagerly (default off)")
+                   "routing shifts, when the copy pays for itself (DESIGN.md, Placement); decodes eagerly (default off)")
 
 
 def hybrid_config_from_args(args) -> HybridConfig | None:
