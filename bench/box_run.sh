@@ -6,6 +6,8 @@
 #   bash bench/box_run.sh e2e [P]    # 8-layer 30B model: every strategy in its own process, traces; graphs decode (~5 min)
 #   bash bench/box_run.sh plan [P]   # 8-layer 30B checkpoint + plan_eval at three budgets (~3 min)
 #   bash bench/box_run.sh bounds     # CPU kernels vs a ceiling above the LLC; crossover in-sample + hold-out (~7 min)
+#   bash bench/box_run.sh llama      # llama.cpp side by side (bench.vs_llamacpp, 12 layers); needs the peer files
+#                                    # (llama.cpp source tarball, build script, make_gguf.py) in $PEER (default .peer)
 #
 # P: a profile JSON (default $OUT/profile.json if the layer stage made one, else the profile BENCHMARKS.md
 # quotes for that stage: the host-lane profile for e2e, the one with the graph floor for plan).
@@ -20,6 +22,17 @@ if [ -z "$P" ]; then
   if [ -f "$OUT/profile.json" ]; then P=$OUT/profile.json
   elif [ "$stage" = e2e ]; then P=bench/results/h200/profile_qwen3-30b-a3b_hostlane.json
   else P=bench/results/h200/profile_qwen3-30b-a3b_floor.json; fi
+fi
+if [ "$stage" = llama ]; then  # llama.cpp's build (~170 s) and the GGUF files overlap our build
+  PEER=${PEER:-.peer}
+  LB=/tmp/lcpp
+  (bash "$PEER/build_llama_bench.sh" "$LB" > "$OUT/llama_build.txt" 2>&1) &
+  build_pid=$!
+  for _ in $(seq 60); do [ -d "$LB/src/llama.cpp/gguf-py" ] && break; sleep 1; done
+  (PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 "$PEER/make_gguf.py" /tmp/q3.gguf --layers 12 &&
+   PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 "$PEER/make_gguf.py" /tmp/q3q8.gguf --layers 12 --experts-type q8_0) \
+    > "$OUT/gguf.txt" 2>&1 &
+  gguf_pid=$!
 fi
 python3 -m pip install -e . --no-build-isolation --no-deps -q > "$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
 
@@ -56,7 +69,14 @@ case "$stage" in
       --shapes qwen3-235b-a22b,qwen3-30b-a3b --out "$OUT/crossover" > "$OUT/crossover.txt" 2>&1
     tail -5 "$OUT/crossover.txt"
     ;;
+  llama)
+    wait $build_pid || { tail -20 "$OUT/llama_build.txt"; exit 1; }
+    wait $gguf_pid || { tail -20 "$OUT/gguf.txt"; exit 1; }
+    timeout 420 python3 -m bench.vs_llamacpp --llama-bench $LB/bin/llama-bench --gguf-bf16 /tmp/q3.gguf \
+      --gguf-q8 /tmp/q3q8.gguf --profile "$P" --out "$OUT/vs" ${CASES:+--cases $CASES} > "$OUT/vs_llamacpp.txt" 2>&1
+    grep -E "^(bf16|int8|quarter|int4) |^\|" "$OUT/vs_llamacpp.txt"
+    ;;
   *)
-    echo "unknown stage $stage (tests | layer | e2e | plan | bounds)" >&2; exit 2
+    echo "unknown stage $stage (tests | layer | e2e | plan | bounds | llama)" >&2; exit 2
     ;;
 esac

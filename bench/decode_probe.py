@@ -8,7 +8,7 @@ prefetch), counting the distinct experts each call really read. Expert pools rot
 weights come from DRAM, not from the last-level cache.
 
     python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
-    python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused+pf
+    python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused-nopf
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from cpu_kernels import CpuMoE, _native
 from cpu_kernels.bandwidth import default_read_bytes
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3-235b-a22b": (4096, 1536), "tiny": (512, 256)}
-VARIANTS = {"fused": dict(fused=1, prefetch=0), "phased": dict(fused=0, prefetch=0),
-            "fused+pf": dict(fused=1, prefetch=1), "phased+pf": dict(fused=0, prefetch=1)}
+VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
+            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0)}
 
 
 def parse_case(text: str) -> tuple[int, int, bool]:
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,int8,int4")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
-    p.add_argument("--variants", default="fused,phased,fused+pf", help=",".join(VARIANTS))
+    p.add_argument("--variants", default="fused,phased,fused-nopf", help=",".join(VARIANTS))
     p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--out", help="JSON file")

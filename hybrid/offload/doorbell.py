@@ -63,6 +63,8 @@ def mapped_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over the page-locked host tensor t's memory: kernels read and write it across PCIe with no
     copy. It does not own the memory: keep t alive as long as the alias is used."""
     nbytes = t.numel() * t.element_size()
+    if device.index is None:  # the storage's device must name the index, as torch.empty's does
+        device = torch.device(device.type, torch.cuda.current_device())
     st = torch._C._construct_storage_from_data_pointer(device_pointer(t.data_ptr()), device, nbytes)
     return torch.empty(0, dtype=t.dtype, device=device).set_(st, 0, t.shape, t.stride())
 

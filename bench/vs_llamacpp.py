@@ -1,0 +1,152 @@
+"""hybrid against llama.cpp on the same box, shape and expert placement, in one run: batch-1 decode tok/s.
+
+llama.cpp is the yardstick local users compare with (`-ot exps=CPU`: every expert on the CPU; `-ncmoe N`: the
+experts of the first N layers on the CPU, the rest in VRAM). This script runs a llama-bench binary on a GGUF
+of the shape and bench.hybrid_e2e (CUDA-graph decode, random weights of the same shape) for each case, then
+writes a table, JSON and a bar plot with the ratios. Cases (12-layer Qwen3-30B-A3B shape by default):
+
+    bf16    every expert in DRAM, bf16            llama: bf16 GGUF, -ot exps=CPU     hybrid: --resident 0
+    int8    every expert in DRAM, 8-bit           llama: Q8_0 GGUF, -ot exps=CPU     hybrid: --cpu-dtype int8
+    quarter a quarter of the experts in VRAM      llama: bf16 GGUF, -ncmoe 3L/4      hybrid: --resident E/4
+    int4    every expert in DRAM, 4-bit (ours only: no llama.cpp counterpart is built by the peer script)
+
+The expert VRAM matches in `quarter` (a quarter of all expert bytes) but not its layout: llama.cpp keeps whole
+layers resident, we keep the most-routed quarter of every layer; with random routers both choices see the
+same routing statistics. The GGUF files come from the peer's make_gguf.py; llama.cpp's code is not part of
+this repository.
+
+    python -m bench.vs_llamacpp --llama-bench /tmp/lcpp/bin/llama-bench --gguf-bf16 /tmp/q3.gguf \\
+        --gguf-q8 /tmp/q3q8.gguf --profile PROFILE.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = ("bf16", "int8", "quarter", "int4")
+
+
+def run_llama(binary: str, gguf: str, placement: list[str], threads: int, reps: int) -> dict:
+    """llama-bench decode of 32 tokens (batch 1) with the given expert placement; avg and stddev tok/s."""
+    cmd = [binary, "-m", gguf, "-ngl", "99", "-fa", "0", "-t", str(threads), *placement, "-p", "0", "-n", "32",
+           "-r", str(reps), "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(res.stdout)
+    r = rows[0]
+    return dict(tok_s=float(r["avg_ts"]), stddev=float(r.get("stddev_ts", 0.0)), cmd=" ".join(cmd))
+
+
+def run_hybrid(args, cpu_dtype: str, resident: int, extra_env: dict | None = None) -> dict:
+    """bench.hybrid_e2e's graph decode at batch 1 and 8 (every cold expert on the CPU lane)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "bench.hybrid_e2e", "--preset", args.preset, "--profile", args.profile,
+               "--layers", str(args.layers),
+               "--resident", str(resident), "--cpu-dtype", cpu_dtype, "--strategies", "cpu",
+               "--prefill", "128", "--decode-batch", "1,8", "--steps", str(args.steps), "--out", tmp]
+        if args.graphs:
+            cmd.append("--graphs")
+        subprocess.run(cmd, check=True, env={**os.environ, **(extra_env or {})})
+        res = json.loads((Path(tmp) / f"hybrid_e2e_{args.preset}.json").read_text())
+    r = res["results"][0]
+    keep = ("tok_s", "roofline_tok_s", "of_roofline", "cold_experts_per_layer_step", "replay_token_agreement")
+    out = {f"b{b}_{k}": r.get(f"decode_b{b}_{k}") for b in (1, 8) for k in keep}
+    out.update(tok_s=r["decode_b1_tok_s"], measured=res.get("measured"), header=res.get("header"), cmd=" ".join(cmd))
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["case"] for r in rows]
+    ours = [r["hybrid"]["tok_s"] for r in rows]
+    theirs = [r["llama"]["tok_s"] if r.get("llama") else 0.0 for r in rows]
+    roof = [r["hybrid"].get("b1_roofline_tok_s") or 0.0 for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar([i - 0.2 for i in x], theirs, 0.4, label="llama.cpp")
+    ax.bar([i + 0.2 for i in x], ours, 0.4, label="hybrid")
+    ax.scatter([i + 0.2 for i in x], roof, marker="_", s=400, color="k", label="roofline (hybrid's placement)")
+    for i, r in enumerate(rows):
+        if r.get("ratio"):
+            ax.annotate(f"{r['ratio']:.2f}x", (i + 0.2, ours[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.legend(fontsize=8)
+    ax.set_title("hybrid vs llama.cpp, same box and shape", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bench", required=True, help="path of a llama-bench binary")
+    p.add_argument("--gguf-bf16", required=True)
+    p.add_argument("--gguf-q8", help="Q8_0 GGUF of the same shape (the int8 case)")
+    p.add_argument("--profile", required=True, help="hardware profile for bench.hybrid_e2e")
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp threads")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--out", default="vs_llamacpp")
+    args = p.parse_args(argv)
+    import torch
+
+    args.graphs = torch.cuda.is_available()  # decode graphs need CUDA; elsewhere (smoke tests) eager decode
+    cases = args.cases.split(",")
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        p.error(f"unknown case(s) {bad} (known: {', '.join(CASES)})")
+    ncmoe = args.layers - args.layers // 4
+    llama_for = {"bf16": (args.gguf_bf16, ["-ot", "exps=CPU"]), "quarter": (args.gguf_bf16, ["-ncmoe", str(ncmoe)]),
+                 "int8": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None, "int4": None}
+    ours_for = {"bf16": ("bf16", 0), "int8": ("int8", 0), "quarter": ("bf16", args.experts // 4), "int4": ("int4", 0)}
+    rows = []
+    for case in cases:
+        row = dict(case=case)
+        if llama_for[case]:
+            gguf, placement = llama_for[case]
+            row["llama"] = run_llama(args.llama_bench, gguf, placement, args.threads, args.reps)
+        try:
+            row["hybrid"] = run_hybrid(args, *ours_for[case])
+        except subprocess.CalledProcessError:  # say so and measure the previous lane rather than lose the case
+            print(f"{case}: hybrid run failed; measuring again with HYBRID_DOORBELL=0", flush=True)
+            row["hybrid"] = run_hybrid(args, *ours_for[case], extra_env={"HYBRID_DOORBELL": "0"})
+            row["hybrid"]["doorbell_failed"] = True
+        if row.get("llama"):
+            row["ratio"] = row["hybrid"]["tok_s"] / row["llama"]["tok_s"]
+        rows.append(row)
+        print(f"{case:8} llama {row.get('llama', {}).get('tok_s', float('nan')):7.1f}  hybrid "
+              f"{row['hybrid']['tok_s']:7.1f} tok/s  ratio {row.get('ratio', float('nan')):.2f}  "
+              f"hybrid/roofline {row['hybrid'].get('b1_of_roofline') or float('nan'):.2f}  "
+              f"(b8 {row['hybrid'].get('b8_tok_s') or float('nan'):.1f} tok/s, "
+              f"{row['hybrid'].get('b8_of_roofline') or float('nan'):.2f} of roofline)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vs_llamacpp.json").write_text(json.dumps(dict(layers=args.layers, preset=args.preset, rows=rows), indent=1))
+    lines = ["| case | llama.cpp tok/s | hybrid tok/s | ratio | hybrid of roofline | hybrid b8 of roofline |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        h, l = r["hybrid"], r.get("llama")
+        lines.append(f"| {r['case']} | {l['tok_s']:.1f} ± {l['stddev']:.1f} | " if l else f"| {r['case']} | - | ")
+        lines[-1] += (f"{h['tok_s']:.1f} | {r['ratio']:.2f}x | " if l else f"{h['tok_s']:.1f} | - | ")
+        lines[-1] += f"{(h.get('b1_of_roofline') or 0) * 100:.0f}% | {(h.get('b8_of_roofline') or 0) * 100:.0f}% |"
+    (out / "vs_llamacpp.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(rows, out / "vs_llamacpp.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
