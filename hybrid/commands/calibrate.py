@@ -25,8 +25,8 @@ class Progress:
     """progress(line) for the probes: each line stamped with the elapsed seconds; a background thread says
     what is still running when a step has been quiet for HEARTBEAT_S."""
 
-    def __init__(self, out=sys.stdout, heartbeat_s: float = HEARTBEAT_S):
-        self.out, self.heartbeat_s = out, heartbeat_s
+    def __init__(self, out=None, heartbeat_s: float = HEARTBEAT_S):
+        self.out, self.heartbeat_s = out or sys.stdout, heartbeat_s  # sys.stdout now, not at import
         self.t0 = self.last = time.monotonic()
         self.step = "starting"
         self._stop = threading.Event()
