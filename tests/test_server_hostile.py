@@ -121,6 +121,8 @@ def test_host_must_be_a_loopback_name_without_an_api_key(server, host, ok):
     assert status == (200 if ok else 403), body
     if not ok:
         assert body["error"]["code"] == "invalid_host"
+    probe = b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
+    assert _status_and_body(_raw(server.port, probe))[0] == 200  # probes and scrapers by any name
 
 
 def test_host_is_not_checked_when_an_api_key_is_set(keyed):

@@ -7,7 +7,7 @@ requests without asking the server first (CORS preflight, which this server neve
 cannot carry `Content-Type: application/json`; so POSTs without it are refused (415). A page can also
 point its own DNS name at 127.0.0.1 ("DNS rebinding") to read the answers as same-origin; its requests
 then carry that name in Host, so without an API key only loopback names, IP literals and the bound
-host are accepted (403 otherwise). With an API key both checks are redundant and Host is not checked
+host are accepted on /v1/* (403 otherwise; /health and /metrics reveal no model output). With an API key both checks are redundant and Host is not checked
 (a browser never sends the key by itself) but POSTs still need JSON.
 """
 
@@ -51,7 +51,9 @@ def host_allowed(host_header: str | None, bound_host: str) -> bool:
 def guard_middleware(bound_host: str, check_host: bool):
     @web.middleware
     async def guard(request: web.Request, handler):
-        if check_host and not host_allowed(request.headers.get("Host"), bound_host):
+        # /health and /metrics stay open to probes and scrapers that name the server by its DNS name
+        if check_host and request.path.startswith("/v1") and not host_allowed(request.headers.get("Host"),
+                                                                                bound_host):
             raise ApiError(403, f"Host {request.headers.get('Host')!r} is not this server's name: without an "
                            "API key only localhost, 127.0.0.1, [::1], IP addresses and the --host name are "
                            "accepted (protects against DNS rebinding); set HYBRID_API_KEY to serve other "
