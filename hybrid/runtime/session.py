@@ -105,8 +105,8 @@ def warn_vocab_mismatch(model_vocab: int, tokenizer_vocab: int, log) -> None:
     generate the padding; a model whose vocabulary is much larger than its tokenizer's (a random checkpoint
     of a real shape with a small tokenizer) generates ids that decode to nothing: empty text, silently."""
     if tokenizer_vocab > model_vocab:  # a prompt could encode to ids the embedding does not have
-        raise UsageError(f"the tokenizer has {tokenizer_vocab} token ids but the model only {model_vocab}: "
-                         "not this model's tokenizer")
+        log(f"warning: the tokenizer has {tokenizer_vocab} token ids but the model only {model_vocab}: a prompt "
+            "that encodes to the extra ids cannot run (not this model's tokenizer?)")
     if tokenizer_vocab < 0.9 * model_vocab:  # the demo pads 1027 tokens to 1088 ids (multiple of 64)
         log(f"warning: the model has {model_vocab} token ids but its tokenizer only {tokenizer_vocab}; generated ids "
             f">= {tokenizer_vocab} have no text and are dropped from the output (a tokenizer from another model?)")
