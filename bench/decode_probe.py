@@ -52,24 +52,53 @@ def routings(T: int, K: int, same: bool, E: int, n: int, seed: int = 0) -> list[
 
 
 def time_case(moe: CpuMoE, T: int, K: int, same: bool, iters: int) -> dict:
+    """Median seconds of a layer call as the doorbell lane makes it (a prebuilt HostJob run from here: no
+    Python argument checks in the timed region, as in captured decode)."""
     E, D = moe.num_experts, moe.D
     ids_all = routings(T, K, same, E, iters + 3)
     x = torch.randn(T, D).bfloat16()
     w = torch.full((T, K), 1.0 / K)
     out = torch.empty(T, D, dtype=torch.bfloat16)
-    for ids in ids_all[:3]:
-        moe.forward(x, ids, w, out=out)
+    jobs = [moe.host_job(x, ids, w, out) for ids in ids_all]
+    for job in jobs[:3]:
+        job.run()
     times, distinct = [], []
-    for ids in ids_all[3:]:
+    for ids, job in zip(ids_all[3:], jobs[3:]):
         t0 = time.perf_counter()
-        moe.forward(x, ids, w, out=out)
+        job.run()
         times.append(time.perf_counter() - t0)
         distinct.append(int(torch.unique(ids).numel()))
+    if any(j.failures for j in jobs):
+        raise RuntimeError(f"a layer call failed (code {max(j.rc for j in jobs)})")
     med = statistics.median(times)
     per_expert = moe.nbytes / E
     nbytes = statistics.median(distinct) * per_expert
     return dict(median_s=med, p90_s=sorted(times)[int(0.9 * len(times))], distinct_experts=statistics.median(distinct),
                 bytes=nbytes, gbps=nbytes / med / 1e9)
+
+
+def measure_floors(D: int) -> dict:
+    """Graph decode's per-layer floor (hybrid.offload.overheads) per placement and lane, each in a fresh
+    process (the lane choice is read when the model's lanes start)."""
+    import subprocess
+    import sys
+
+    out = {}
+    for lane in ("doorbell", "hostfn"):
+        for resident in ("none", "half", "all"):
+            if lane == "hostfn" and resident == "all":
+                continue  # no CPU lane: the same as the doorbell's
+            code = ("import json; from hybrid.offload.overheads import measure_graph_layer_floor as m; "
+                    f"print(json.dumps(m({D}, resident={resident!r})))")
+            env = dict(os.environ, HYBRID_DOORBELL="1" if lane == "doorbell" else "0")
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+            if res.returncode:
+                print(f"# floor {lane}/{resident} failed: {res.stderr.strip().splitlines()[-1:]}")
+                continue
+            fl = json.loads(res.stdout.strip().splitlines()[-1])["graph_layer_floor"]
+            out[f"{lane}_{resident}"] = fl
+            print(f"# graph floor per layer, lane {lane:8} resident {resident:4}: {fl * 1e6:6.1f} us", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -82,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="fused,phased,fused-nopf", help=",".join(VARIANTS))
     p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
     p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--floor", action="store_true", help="also the captured decode floor per layer (CUDA): a tiny-"
+                   "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
     D, F = SHAPES[a.shape]
@@ -111,10 +142,11 @@ def main(argv=None) -> int:
                 print(f"{dtype:5} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
                       f"{r['gbps']:7.1f} {r['pct_dram']:6.0f}%", flush=True)
         del moe
+    floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F,
-                           ceiling_gbps=ceiling, rows=rows), f, indent=1)
+                           ceiling_gbps=ceiling, rows=rows, floors_s=floors), f, indent=1)
     return 0
 
 

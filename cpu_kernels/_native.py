@@ -169,6 +169,8 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_lane_create.restype = ctypes.c_void_p
     lib.hy_lane_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.hy_lane_add.restype = ctypes.c_int
+    lib.hy_lane_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.hy_lane_set.restype = ctypes.c_int
     lib.hy_lane_served.argtypes = [ctypes.c_void_p]
     lib.hy_lane_served.restype = ctypes.c_int64
     lib.hy_lane_destroy.argtypes = [ctypes.c_void_p]

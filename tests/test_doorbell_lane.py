@@ -39,3 +39,25 @@ def test_lane_runs_registered_jobs_in_any_order(isa):
         assert lane.served == 10
     finally:
         lane.close()
+
+
+def test_set_repoints_an_id():
+    isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
+    g = torch.Generator().manual_seed(1)
+    moe = CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
+                 torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2)
+    lane = DoorbellLane(isa)
+    try:
+        x = torch.randn(2, D, generator=g).bfloat16()
+        ids = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]], dtype=torch.int32)
+        w = torch.rand(2, K, generator=g)
+        a_out, b_out = torch.zeros(2, D, dtype=torch.bfloat16), torch.zeros(2, D, dtype=torch.bfloat16)
+        a, b = moe.host_job(x, ids, w, a_out), moe.host_job(x, ids, w * 2, b_out)
+        jid = lane.add(a)
+        lane.set(jid, b)
+        lane.ring_from_host(jid)
+        assert a.runs == 0 and b.runs == 1 and torch.equal(b_out, moe.forward(x, ids, w * 2))
+        with pytest.raises(RuntimeError, match="no id"):
+            lane.set(jid + 1, a)
+    finally:
+        lane.close()

@@ -124,6 +124,9 @@ HY_API void* hy_lane_create(uint32_t* bell, uint32_t* done, int cap, int pin_cpu
 // Registers a HyJob (it must outlive the lane's use of it); returns its id (>= 1), or -1 when the lane is full.
 HY_API int hy_lane_add(void* lane, void* job) { return lane && job ? ((Lane*)lane)->add(job) : -1; }
 
+// Re-points a registered id at another job (the stream must be done with the old one); 0 on success, -1 if not.
+HY_API int hy_lane_set(void* lane, int id, void* job) { return lane && job && ((Lane*)lane)->set(id, job) ? 0 : -1; }
+
 HY_API int64_t hy_lane_served(void* lane) { return lane ? ((Lane*)lane)->served.load() : 0; }
 
 // Stops and joins the lane thread (after the last stream that rings it has finished).

@@ -34,6 +34,13 @@ struct Lane {
     th = std::thread([this] { loop(); });
   }
 
+  bool set(int id, void* job) {  // re-point a registered id (eager jobs cycle through a few ids)
+    std::lock_guard<std::mutex> lk(mu);
+    if (id < 1 || id > (int)jobs.size()) return false;
+    jobs[id - 1] = job;
+    return true;
+  }
+
   int add(void* job) {
     std::lock_guard<std::mutex> lk(mu);
     if ((int)jobs.size() >= cap) return -1;

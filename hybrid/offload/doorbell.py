@@ -126,6 +126,12 @@ class DoorbellLane:
         _check(cu.cuStreamWaitValue32_v2(s, done, 1, _WAIT_EQ), "cuStreamWaitValue32")
         _check(cu.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
 
+    def set(self, jid: int, job) -> None:
+        """Re-point id `jid` at `job` (every stream use of the old job must have run)."""
+        if self._lib.hy_lane_set(self._lane, jid, ctypes.c_void_p(job.arg)) != 0:
+            raise RuntimeError(f"doorbell lane has no id {jid}")
+        self._jobs[jid - 1] = job
+
     def ring_from_host(self, jid: int, timeout_s: float = 10.0) -> None:
         """What ring() enqueues, done by this thread (tests and CPU-only hosts)."""
         import time

@@ -15,10 +15,11 @@ with the driver's cuLaunchHostFunc (libcuda, found at run time), so nothing CUDA
 the CPU kernels.
 
 Captured steps (decode graphs) cannot read a routing histogram on the host, so their split is fixed:
-resident experts on the GPU, every cold expert on this lane. Their jobs go to the doorbell lane
-(hybrid.offload.doorbell: a spinning CPU thread and stream memory operations) instead of host functions,
-unless HYBRID_DOORBELL=0. Eager steps send the experts the scheduler
-chose. With the `ref` ISA (pure torch) the host function is a Python callback (tests); it takes the GIL,
+resident experts on the GPU, every cold expert on this lane. Eager steps send the experts the scheduler
+chose. With a compiled ISA on CUDA both kinds of step hand their jobs to the doorbell lane
+(hybrid.offload.doorbell: a spinning CPU thread signalled by stream memory operations) rather than to host
+functions; captured steps also write their inputs and read their output in place (mapped page-locked
+memory, no copies). HYBRID_DOORBELL=0 restores host functions and copies. With the `ref` ISA (pure torch) the host function is a Python callback (tests); it takes the GIL,
 so after replaying such a graph synchronise with torch.cuda.synchronize (which releases the GIL) before a
 call that blocks on the GPU while holding it (.item(), .cpu()).
 """
@@ -78,6 +79,8 @@ class HostFnLane:
         self._doorbells: dict[str, doorbell.DoorbellLane] = {}  # per ISA library: its own lane thread
         self._use_doorbell = self.stream is not None and doorbell.wanted()
         self._aliases: dict[tuple, torch.Tensor] = {}
+        self._eager_ids: dict[str, list[int]] = {}  # per lane: the ids eager jobs cycle through
+        self._eager_turn: dict[str, int] = {}
 
     def prepare(self, isa: str) -> None:
         """Start `isa`'s doorbell lane (outside graph capture: its words are page-locked at start). Called by
@@ -146,15 +149,28 @@ class HostFnLane:
             return self._py_fn_ptr, key, 0
         job = layer.cpu_moe.host_job(xh, ih, wh, oh, expert_mask=mask, pin_cpu=self.pin_cpu)
         jid = 0
+        bell = self.doorbell(layer.cpu_moe.isa)
         if captured:
             self._graph_jobs.append(job)
-            bell = self.doorbell(layer.cpu_moe.isa)
             if bell is not None:
                 jid = bell.add(job)
         else:
             self._retire_eager()
             self._eager_jobs.append(job)
+            if bell is not None:  # one CPU thread for both kinds of step: no host-function thread beside it
+                jid = self._eager_id(bell, job)
         return job.fn, job.arg, jid
+
+    def _eager_id(self, bell, job) -> int:
+        """Eager jobs cycle through _EAGER_JOBS ids of their lane: an id comes back after as many calls as
+        _retire_eager keeps jobs alive, when its old job has surely run."""
+        ids = self._eager_ids.setdefault(bell.isa, [])
+        if len(ids) < self._EAGER_JOBS:
+            ids.append(bell.add(job))
+            return ids[-1]
+        n = self._eager_turn[bell.isa] = (self._eager_turn.get(bell.isa, -1) + 1) % self._EAGER_JOBS
+        bell.set(ids[n], job)
+        return ids[n]
 
     def enqueue(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Put the CPU lane of `layer` (experts in `mask`, bool [E] on the host) on the side stream; returns
@@ -166,7 +182,7 @@ class HostFnLane:
         self.stream.wait_stream(torch.cuda.current_stream())
         xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
-        if jid:  # doorbell lane: inputs written in place, output read in place
+        if jid and captured:  # doorbell lane in graphs: inputs written in place, output read in place
             xa, ia, wa, oa = (self._alias(t) for t in (xh, ih, wh, oh))
             with torch.cuda.stream(self.stream):
                 doorbell.write_mapped(xa, x)
@@ -178,7 +194,10 @@ class HostFnLane:
             xh.copy_(x, non_blocking=True)
             ih.copy_(ids.to(torch.int32), non_blocking=True)
             wh.copy_(w.to(torch.float32), non_blocking=True)
-            _launch_host_func(self.stream, fn, arg)
+            if jid:  # eager steps copy (large prefill rows move faster by DMA than by mapped writes)
+                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
+            else:
+                _launch_host_func(self.stream, fn, arg)
             od.copy_(oh, non_blocking=True)
         return od
 

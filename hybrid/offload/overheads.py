@@ -73,13 +73,17 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
 
 
 def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
-                              device: str = "cuda") -> dict:
+                              device: str = "cuda", resident: str = "half") -> dict:
     """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
     hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 tiny experts, 8 of
     them resident, so the CPU lane runs in every layer but its kernel has almost nothing to read). The
     result is the per-layer latency floor of graph decode that weight traffic does not explain; the
     planner's decode prediction adds it per layer (placement.predict.decode_floor). On a CPU device the
-    same model decodes eagerly (tests of this code; the figure then means nothing for a GPU)."""
+    same model decodes eagerly (tests of this code; the figure then means nothing for a GPU).
+    resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an all-DRAM
+    placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
+    if resident not in ("half", "none", "all"):
+        raise ValueError(f"resident must be half, none or all, got {resident!r}")
     import numpy as np
 
     from hybrid.models import build_empty, init_random_
@@ -103,7 +107,7 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     for i, layer in enumerate(model.layers):
         if layer.moe is not None:
             layer.moe.experts = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
-            layer.moe.experts.set_resident(list(range(0, E, 2)))
+            layer.moe.experts.set_resident({"half": list(range(0, E, 2)), "none": [], "all": list(range(E))}[resident])
     eng = Engine(model, None, max_batch=1, max_context=256, eager=dev.type != "cuda")
     if dev.type == "cuda" and eng.graphs is None:
         raise RuntimeError("decode graphs are off for this model; no graph floor to measure")
