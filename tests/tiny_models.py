@@ -34,6 +34,31 @@ FAMILIES = {
         num_key_value_heads=4, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                 "original_max_position_embeddings": 64, "mscale": 0.707,
                                                 "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    # GLM-4.5: partial rotary (half of a 24-dim head, which is not hidden / heads), per-head QK-norm, q/k/v
+    # biases, groups of experts (n_group 2, topk_group 1), one shared expert, a dense first layer, scaling 2.5;
+    # more variants in GLM_VARIANTS.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, head_dim=24,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+}
+
+# GLM-4.5 family variants beyond FAMILIES["glm4_moe"]: overrides of its kwargs.
+GLM_VARIANTS = {
+    # GLM-4.5-Air style (no QK-norm), whole-head rotary, no biases, all layers MoE, one group, no
+    # renormalisation, tied head
+    "air_full_rotary_tied": dict(use_qk_norm=False, attention_bias=False, first_k_dense_replace=0, n_group=1,
+                                 topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                                 tie_word_embeddings=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 1.0}),
+    # 16 experts in 4 groups of which 2 eligible, top-4, two shared experts, two dense layers, YaRN over the
+    # partial rotary dims, head_dim = hidden / heads
+    "groups_yarn": dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=2,
+                        first_k_dense_replace=2, num_hidden_layers=4, head_dim=16,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
 }
 
 # DeepSeek-V3 family variants beyond FAMILIES["deepseek_v3"]: overrides of its kwargs.

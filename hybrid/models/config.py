@@ -31,8 +31,13 @@ class RopeConfig:
     truncate: bool = True
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0
+    # GLM-4.5: only the first int(hd * factor) dims of each head are rotated (half-split layout within
+    # them), the rest pass through unrotated; the frequencies are those of a head of that many dims.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.kind not in ROPE_KINDS:
             raise ValueError(f"unsupported rope scaling {self.kind!r} (supported: {', '.join(ROPE_KINDS)})")
         if self.theta <= 0 or self.factor <= 0:
@@ -141,6 +146,10 @@ class ModelConfig:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rot = int(self.head_dim * self.rope.partial_rotary_factor)
+        if rot < 2 or rot % 2:
+            raise ValueError(f"rotary dims int(head_dim {self.head_dim} x partial_rotary_factor "
+                             f"{self.rope.partial_rotary_factor}) = {rot} must be even and >= 2")
         r = self.router
         if r.n_group > 1:
             if self.num_experts % r.n_group:

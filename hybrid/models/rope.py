@@ -72,12 +72,19 @@ def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor,
     return inv, float(attn)
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading dims of each head are rotated: all of them unless partial_rotary_factor < 1
+    (GLM-4.5: half), int(hd * factor) as the reference truncates it."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 class Rotary(torch.nn.Module):
-    """cos/sin for integer positions: forward(positions [B, T]) -> (cos, sin) each [B, T, hd]."""
+    """cos/sin for integer positions: forward(positions [B, T]) -> (cos, sin) each [B, T, rd], rd =
+    rotary_dim(rope, hd) (= hd without partial rotary); the frequencies are those of an rd-dim head."""
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
-        inv, self.scaling = inv_frequencies(rope, head_dim)
+        inv, self.scaling = inv_frequencies(rope, rotary_dim(rope, head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +94,11 @@ class Rotary(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, hd]; cos/sin [B, T, hd]. Rotates the two halves of hd (the HF/NeoX layout)."""
+    """x [B, T, heads, hd]; cos/sin [B, T, rd], rd <= hd. Rotates the two halves of the first rd dims (the
+    HF/NeoX layout; rd = hd: the whole head), the remaining hd - rd pass through (partial rotary)."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

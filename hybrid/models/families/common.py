@@ -28,7 +28,9 @@ class Fields:
         return default if value is None else value
 
 
-def parse_rope(f: Fields) -> RopeConfig:
+def parse_rope(f: Fields, partial_rotary_default: float | None = None) -> RopeConfig:
+    """partial_rotary_default: None for families without partial rotary (the field is not read); else the
+    family's default for partial_rotary_factor, read from the rope parameters or the top level (GLM-4.5)."""
     # transformers >= 5 writes "rope_parameters" (theta inside); older configs "rope_theta" + "rope_scaling".
     params = dict(f.get("rope_parameters") or {})
     scaling = f.get("rope_scaling") or {}
@@ -47,6 +49,11 @@ def parse_rope(f: Fields) -> RopeConfig:
         factor = f.get("max_position_embeddings") / orig if (kind == "yarn" and orig) else 1.0
     opt = {k: params[k] for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
                                   "truncate", "low_freq_factor", "high_freq_factor") if params.get(k) is not None}
+    if partial_rotary_default is not None:
+        partial = params.get("partial_rotary_factor", f.get("partial_rotary_factor", partial_rotary_default))
+        if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+            raise ModelLoadError(f"config.json: partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+        opt["partial_rotary_factor"] = float(partial)
     return RopeConfig(theta=float(theta), kind=kind, factor=float(factor), original_max_position=orig, **opt)
 
 
@@ -78,8 +85,8 @@ def qwen_moe_fields(f: Fields, num_layers: int) -> dict:
     )
 
 
-def base_fields(f: Fields) -> dict:
-    """Fields every family reads the same way."""
+def base_fields(f: Fields, partial_rotary_default: float | None = None) -> dict:
+    """Fields every family reads the same way (partial_rotary_default: see parse_rope)."""
     if f.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"config.json: hidden_act {f.get('hidden_act')!r} not supported (only silu)")
     hidden, heads = int(f.req("hidden_size")), int(f.req("num_attention_heads"))
@@ -93,7 +100,7 @@ def base_fields(f: Fields) -> dict:
         head_dim=int(f.get("head_dim", hidden // heads)),
         experts_per_token=int(f.req("num_experts_per_tok")),
         rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
-        rope=parse_rope(f),
+        rope=parse_rope(f, partial_rotary_default),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
         max_position_embeddings=int(f.get("max_position_embeddings", 4096)),
         bos_token_id=f.get("bos_token_id"),
