@@ -121,13 +121,14 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window
         self.scale = hd ** -0.5
+        self._fused = None  # (qkv weight, bias) once fused by _qkv
 
     def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict):
         """masks: per forward step, shared by the layers: the attention mask built by the first layer that
         needs it is reused by the others (the same positions and cache length; fewer kernels per layer).
         The caller picks the SDPA backends for the step (sdpa_backends)."""
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
+        q, k, v = self._qkv(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -140,9 +141,36 @@ class Attention(nn.Module):
         # one rotation over q and k together: 6 kernels instead of 10 (decode is kernel-count bound)
         qk = apply_rotary(torch.cat((q, k), dim=2), cos, sin)  # [B, T, H + Hkv, hd]
         q, k = qk[:, :, :self.H], qk[:, :, self.H:]
-        cache.write(self.layer, slots, positions, k, v)
+        cache.write(self.layer, slots, positions, k, v, step=masks)
 
         return self.o_proj(self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks))
+
+    def _qkv(self, x):
+        """q, k, v from one GEMM over the three weights laid back to back (two kernel launches fewer per layer
+        in decode graphs, whose per-layer floor is launch-bound). The first call outside a graph capture
+        moves the three weights (and biases) into one block and leaves the parameters as views of it, so
+        the memory is not doubled and the loaded values stay where the parameters are."""
+        if self._fused is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            mods = (self.q_proj, self.k_proj, self.v_proj)
+            w = torch.cat([m.weight.detach() for m in mods])
+            b = torch.cat([m.bias.detach() for m in mods]) if self.q_proj.bias is not None else None
+            o = 0
+            for m in mods:
+                n = m.weight.shape[0]
+                m.weight.data = w[o:o + n]
+                if b is not None:
+                    m.bias.data = b[o:o + n]
+                o += n
+            self._fused = (w, b)
+        if self._fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        w, b = self._fused
+        rows = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        ptrs = (w.data_ptr(), w[rows[0]].data_ptr(), w[rows[0] + rows[1]].data_ptr())
+        if ptrs != tuple(m.weight.data_ptr() for m in (self.q_proj, self.k_proj, self.v_proj)):
+            self._fused = None  # a weight was moved or replaced since: fuse again from the parameters
+            return self._qkv(x)
+        return F.linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
 
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""

@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         qk = apply_rotary(torch.cat((q_rope, k_rope[:, :, None]), dim=2), cos, sin)
         q_rope, k_rope = qk[:, :, :H], qk[:, :, H]
         latent = torch.cat((c, k_rope), dim=-1)  # [B, T, rank + rope]
-        cache.write(self.layer, slots, positions, latent)
+        cache.write(self.layer, slots, positions, latent, step=masks)
         mode = self.mode if self.mode != "auto" else ("expanded" if fresh else "absorbed")
         if fresh and mode == "expanded":
             out = self._expanded(q_nope, q_rope, latent, None)

@@ -47,11 +47,18 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, *values: torch.Tensor):
-        """slots [B], positions [B, T] (-1 = padding), one tensor [B, T, *shape] per buffer, in layout order."""
-        C1 = self.max_context + 1
-        col = torch.where(positions >= 0, positions, self.max_context)  # [B, T]
-        flat = (slots[:, None] * C1 + col).reshape(-1)  # [B*T]
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, *values: torch.Tensor,
+              step: dict | None = None):
+        """slots [B], positions [B, T] (-1 = padding), one tensor [B, T, *shape] per buffer, in layout order.
+        step: a dict that lives for one forward step (the same slots and positions in every layer): the write
+        index is computed by the first layer and reused (4 fewer kernels per layer in decode graphs)."""
+        flat = step.get("kv_flat") if step is not None else None
+        if flat is None:
+            C1 = self.max_context + 1
+            col = torch.where(positions >= 0, positions, self.max_context)  # [B, T]
+            flat = (slots[:, None] * C1 + col).reshape(-1)  # [B*T]
+            if step is not None:
+                step["kv_flat"] = flat
         for buf, val in zip(self.buffers.values(), values, strict=True):
             dst = buf[layer].view(-1, *buf.shape[3:])  # [S*(C+1), *shape]
             dst.index_copy_(0, flat, val.reshape(-1, *buf.shape[3:]).to(dst.dtype))
