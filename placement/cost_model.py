@@ -87,6 +87,9 @@ PRESETS: dict[str, ExpertShape] = {
         # which the first is dense (first_k_dense_replace=1); published weights are FP8.
         ExpertShape("kimi-k2", 7168, 2048, num_experts=384, topk=8, layers=60,
                     note="published weights are FP8 (pass --bytes-per-weight 1 to price them as such)"),
+        # zai-org/GLM-4.5 (4.6, 4.7): hidden_size 5120, moe_intermediate_size 1536, 160 routed experts, top-8,
+        # 92 layers of which the first 3 are dense (first_k_dense_replace=3).
+        ExpertShape("glm-4.5", 5120, 1536, num_experts=160, topk=8, layers=89),
         # openai/gpt-oss-120b: hidden_size 2880, intermediate_size 2880, 128 experts, top-4, 36 layers;
         # published weights are MXFP4 (4-bit values + one 8-bit scale per 32: 0.53125 bytes/weight).
         ExpertShape("gpt-oss-120b", 2880, 2880, num_experts=128, topk=4, layers=36,

@@ -83,6 +83,19 @@ PRESETS: dict[str, dict] = {
         "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585,
         "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
     },
+    # zai-org/GLM-4.5 (4.6 and 4.7 share the shapes; 4.6's context is 202752): 355B total / 32B active, 160 routed
+    # experts top-8 in one group, 1 shared expert, the first 3 layers dense, half of each 128-dim head rotated,
+    # QK-norm, q/k/v biases. Its 1 multi-token-prediction layer (model.layers.92) is not modelled.
+    "glm-4.5": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+        "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 3, "use_qk_norm": True,
+        "attention_bias": True, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+        "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "torch_dtype": "bfloat16",
+    },
     # The demo model: a real Qwen3-MoE config, small enough to write in a second on 2 cores.
     "demo": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1088,
