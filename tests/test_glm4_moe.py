@@ -278,6 +278,10 @@ def test_config_validation():
         parse(dict(raw, rope_parameters=dict(raw["rope_parameters"], partial_rotary_factor=0.125)))
     with pytest.raises(ModelLoadError, match="not a multiple of n_group"):
         parse(dict(raw, n_group=3))
+    from hybrid.models.checks import check_config_fields
+
+    with pytest.raises(ModelLoadError, match="use_qk_norm must be true or false"):  # bool("false") is True
+        check_config_fields(dict(raw, use_qk_norm="false"))
     with pytest.raises(ModelLoadError, match="cannot hold"):
         parse(dict(raw, n_group=4, topk_group=1, num_experts_per_tok=4))
 

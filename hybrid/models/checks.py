@@ -29,7 +29,7 @@ INT_FIELDS = {
     "n_shared_experts": 0, "first_k_dense_replace": 0, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 1, "q_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 1, "v_head_dim": 1,
 }
-BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "attention_bias")
+BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "attention_bias", "use_qk_norm")
 # floats that must be > 0 (a zero or negative rms_norm_eps loads and then divides by ~0 or takes a root of < 0)
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "clip_qkv", "routed_scaling_factor")
 
