@@ -5,7 +5,7 @@
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
-Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3 and Kimi-K2; --layers keeps the first N decoder layers (the GPU
+Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2 and GLM-4.5; --layers keeps the first N decoder layers (the GPU
 box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
 in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
