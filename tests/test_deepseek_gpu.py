@@ -1,5 +1,6 @@
 """DeepSeek-V3 family on a real GPU (GPU box): bf16 close to transformers' fp32 truth, and CUDA-graph decode
-over the MLA latent cache giving the same tokens as eager decode (plain and with hybrid experts)."""
+over the MLA latent cache giving the same tokens as eager decode (plain and with hybrid experts). The same for
+the GLM-4.5 family (its sigmoid router, shared experts and dense first layer; partial rotary over a K/V cache)."""
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from tiny_models import hf_logits, make_checkpoint  # noqa: E402
 PROMPTS = [[5, 77, 3, 200, 41, 9, 17], [250, 1, 64], [9, 9, 31, 8, 100]]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dsv3_gpu")
-    return path, make_checkpoint("deepseek_v3", path, seed=7)
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def ckpt(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp(request.param + "_gpu")
+    return path, make_checkpoint(request.param, path, seed=7)
 
 
 def test_bf16_cuda_close_to_reference(ckpt):
@@ -48,7 +49,7 @@ def test_cuda_graph_decode_with_latent_cache_matches_eager(ckpt):
     eager, _ = _tokens(model, True)
     graphs, eng = _tokens(model, False)
     assert eng.graphs is not None and eng.graphs.graphs  # really captured
-    assert list(eng.cache.buffers) == ["latent"]
+    assert list(eng.cache.buffers) == (["latent"] if model.cfg.mla is not None else ["k", "v"])
     assert graphs == eager
 
 
