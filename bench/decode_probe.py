@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="fused,phased,fused-nopf", help=",".join(VARIANTS))
     p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
     p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--spin-us", type=int, default=2000, help="pool spin before sleeping (the GPU runtime's setting)")
     p.add_argument("--floor", action="store_true", help="also the captured decode floor per layer (CUDA): a tiny-"
                    "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
     p.add_argument("--out", help="JSON file")
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     threads = a.threads or max(1, cpus - 1)
     isa = cpu_kernels.default_isa()
     ceiling = cpu_kernels.measure_read_bandwidth(default_read_bytes(), threads=threads, isa=isa)
+    # The pool spins between calls as in GPU decode (hybrid.offload.host_lane sets 2 ms), so that the Python
+    # bookkeeping between two timed calls does not put the workers to sleep (a futex wake per call).
+    _native.tune(isa, "spin_us", a.spin_us)
     print(f"# decode_probe: {platform.node()} isa={isa} threads={threads} shape={a.shape} (D={D}, F={F}) "
           f"experts={a.experts}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
     g = torch.Generator().manual_seed(0)

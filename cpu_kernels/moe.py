@@ -61,7 +61,7 @@ class HostJob:
         self._lib = _native.load(moe.isa)
         self.job = _native.HyJob(ctypes.addressof(moe._layer), x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
                                  lmap.data_ptr(), out.data_ptr(), _X_DTYPES[x.dtype], T, K, moe.num_experts,
-                                 _X_DTYPES[out.dtype], int(pin_cpu), 0, 0, 0, 0)
+                                 _X_DTYPES[out.dtype], int(pin_cpu), 0, int(ids.dtype == torch.int64), 0, 0)
         self.fn = ctypes.cast(self._lib.hy_host_job, ctypes.c_void_p).value  # address of the C host function
         self.arg = ctypes.addressof(self.job)
 
@@ -381,14 +381,14 @@ class CpuMoE:
         """forward(x, topk_ids, topk_weights, expert_mask, out) packaged for a CUDA stream-ordered host
         function: the job reads its tensors when it runs (fill them first, e.g. by copies earlier on the
         same stream), never takes the GIL and raises nothing (a failed call fills `out` with NaN and
-        counts in `.failures`). topk_ids must be int32 and topk_weights float32 (convert them on the GPU).
+        counts in `.failures`). topk_ids must be int32 or int64 and topk_weights float32.
         The tensors must stay alive and in place while the job may run. pin_cpu >= 0 pins the thread
         that runs it to that cpu (the pool's first: see cpu_kernels/csrc/pool.h)."""
         if self.isa == "ref":
             raise ValueError("host jobs need a compiled ISA; the ref ISA runs in Python (use forward)")
         self._validate(x, topk_ids, topk_weights, expert_mask, out)
-        if out is None or topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
-            raise ValueError("host_job needs out, int32 topk_ids and float32 topk_weights")
+        if out is None or topk_ids.dtype not in (torch.int32, torch.int64) or topk_weights.dtype != torch.float32:
+            raise ValueError("host_job needs out, int32 or int64 topk_ids and float32 topk_weights")
         lmap = self._local_map(expert_mask)
         return HostJob(self, x, topk_ids, topk_weights, lmap, out, pin_cpu)
 

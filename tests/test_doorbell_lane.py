@@ -61,3 +61,20 @@ def test_set_repoints_an_id():
             lane.set(jid + 1, a)
     finally:
         lane.close()
+
+
+def test_host_job_takes_int64_ids_as_the_router_writes_them():
+    isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
+    g = torch.Generator().manual_seed(2)
+    moe = CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
+                 torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2)
+    x = torch.randn(3, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(3)])  # int64
+    w = torch.rand(3, K, generator=g)
+    out = torch.full((3, D), float("nan"), dtype=torch.bfloat16)
+    job = moe.host_job(x, ids, w, out)
+    job.run()
+    assert job.rc == 0 and torch.equal(out, moe.forward(x, ids.to(torch.int32), w))
+    ids[1, 2] = 1 << 40  # beyond int32: refused, not wrapped into a valid expert id
+    job.run()
+    assert job.failures == 1 and torch.isnan(out.float()).all()

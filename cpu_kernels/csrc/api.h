@@ -66,14 +66,14 @@ HY_API int hy_forward(const HyLayer* L, const void* x, int x_dtype, int T, int K
 struct HyJob {
   const HyLayer* L;
   const void* x;
-  const int32_t* ids;
+  const void* ids;  // int32 [T, K], or int64 when ids64 (as the router writes them: no conversion kernel)
   const float* wts;
   const int32_t* lmap;
   void* out;
   int32_t x_dtype, T, K, n_global, out_dtype;
   int32_t pin_cpu;  // >= 0: pin the calling thread (the driver's callback thread) to this cpu, once
   int32_t rc;
-  int32_t pad_;
+  int32_t ids64;
   int64_t runs, failures;
 };
 
@@ -91,7 +91,16 @@ void run_host_job(void* p) {
   }
   int rc;
   try {
-    rc = forward(j->L, j->x, j->x_dtype, j->T, j->K, j->ids, j->wts, j->lmap, j->n_global, j->out, j->out_dtype);
+    const int32_t* ids = (const int32_t*)j->ids;
+    if (j->ids64) {  // narrow once; an id outside int32 becomes -1, which forward refuses (HY_EID)
+      static thread_local std::vector<int32_t> narrow;
+      const int64_t n = (int64_t)j->T * j->K;
+      narrow.resize(n);
+      const int64_t* wide = (const int64_t*)j->ids;
+      for (int64_t i = 0; i < n; ++i) narrow[i] = wide[i] >= 0 && wide[i] <= INT32_MAX ? (int32_t)wide[i] : -1;
+      ids = narrow.data();
+    }
+    rc = forward(j->L, j->x, j->x_dtype, j->T, j->K, ids, j->wts, j->lmap, j->n_global, j->out, j->out_dtype);
   } catch (...) {  // nothing may unwind into the CUDA driver
     rc = HY_EEXC;  // e.g. bad_alloc
   }

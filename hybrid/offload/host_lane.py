@@ -79,6 +79,7 @@ class HostFnLane:
         self._doorbells: dict[str, doorbell.DoorbellLane] = {}  # per ISA library: its own lane thread
         self._use_doorbell = self.stream is not None and doorbell.wanted()
         self._aliases: dict[tuple, torch.Tensor] = {}
+        self._packs: dict[tuple, tuple] = {}  # captured decode's packed input blocks by (T, D, K, dtype)
         self._eager_ids: dict[str, list[int]] = {}  # per lane: the ids eager jobs cycle through
         self._eager_turn: dict[str, int] = {}
 
@@ -111,8 +112,28 @@ class HostFnLane:
         layer's input copies, so a layer's host function never sees another's data. Allocate them
         before capture (an eager call of the same size), as pinned allocation may not run in capture."""
         b = self.bufs if T <= self.MAX_ROWS else self.big
+        if T <= self.MAX_ROWS and self._use_doorbell and not torch.cuda.is_current_stream_capturing():
+            self._packed(T, D, K, dtype)  # what a capture of this size will write into
         return (b.get("x", T, D, dtype), b.get("ids", T, K, torch.int32), b.get("w", T, K, torch.float32),
                 b.get("out", T, D, dtype), b.get("outd", T, D, dtype, device=self.device))
+
+    def _packed(self, T: int, D: int, K: int, dtype):
+        """Captured decode's page-locked inputs for T rows, back to back in one block: ids int64 [T, K] |
+        weights fp32 [T, K] | x [T, D] (as the router and the layer produce them), so one cat kernel writes
+        all three through the block's mapped alias; and the output [T, D]. Shared by every layer (the side
+        stream is serial). None if not allocated yet (inside a capture: the three-write path is used)."""
+        key = (T, D, K, dtype)
+        p = self._packs.get(key)
+        if p is None and not torch.cuda.is_current_stream_capturing():
+            esz = torch.empty(0, dtype=dtype).element_size()
+            nk = T * K
+            block = torch.empty(nk * 12 + T * D * esz, dtype=torch.uint8, pin_memory=True)
+            ih = block[:nk * 8].view(torch.int64).view(T, K)
+            wh = block[nk * 8:nk * 12].view(torch.float32).view(T, K)
+            xh = block[nk * 12:].view(dtype).view(T, D)
+            oh = torch.empty(T, D, dtype=dtype, pin_memory=True)
+            p = self._packs[key] = (block, xh, ih, wh, oh)
+        return p
 
     @property
     def pinned_bytes(self) -> int:
@@ -181,8 +202,17 @@ class HostFnLane:
         self.prepare(layer.cpu_moe.isa)
         self.stream.wait_stream(torch.cuda.current_stream())
         xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
+        pack = self._packed(T, D, K, x.dtype) if captured and self.doorbell(layer.cpu_moe.isa) is not None else None
+        if pack is not None:  # doorbell lane in graphs: one kernel writes the inputs in place, output read in place
+            block, xh, ih, wh, oh = pack
+            fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
+            parts = [ids.to(torch.int64), w.to(torch.float32), x]
+            with torch.cuda.stream(self.stream):
+                torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
+                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
+            return self._alias(oh)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
-        if jid and captured:  # doorbell lane in graphs: inputs written in place, output read in place
+        if jid and captured:  # doorbell lane in graphs, buffers of this size not packed: three writes in place
             xa, ia, wa, oa = (self._alias(t) for t in (xh, ih, wh, oh))
             with torch.cuda.stream(self.stream):
                 doorbell.write_mapped(xa, x)
