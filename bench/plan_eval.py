@@ -52,6 +52,29 @@ from placement.replace import ReplaceConfig
 from placement.routing_stats import RoutingStats
 
 
+def rel_error(measured: float, predicted: float, comparable: bool) -> float | None:
+    """measured / predicted - 1, or None when it means nothing: a prediction for the profile's GPU against a
+    CPU-only measurement (not comparable), or a zero / non-finite figure (no NaN, no -100%)."""
+    if not comparable or not (np.isfinite(measured) and np.isfinite(predicted)) or predicted <= 0:
+        return None
+    return measured / predicted - 1.0
+
+
+def pct(x: float | None, fmt: str = "+.0%") -> str:
+    return "n/a (CPU-only)" if x is None else format(x, fmt)
+
+
+def finite(obj):
+    """The results with every NaN / inf replaced by None (JSON has neither)."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def decode_run(eng, batch: int, prompt_len: int, steps: int, vocab: int, seed: int, window: int = 0, on_step=None):
     """Prefill `batch` random prompts, then `steps` greedy decode steps. -> (tokens/s, [tokens/s per window])."""
     g = torch.Generator().manual_seed(seed)
@@ -193,8 +216,11 @@ def main(argv=None) -> int:
               f"F={cfg.expert_intermediate_size} | CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(mem.node_threads)} threads {args.cpu_dtype} | {dtype} | profile {hw.name} | batch {args.max_batch}, "
               f"context {args.max_context} | load {load_s:.0f} s")
+    if not cuda:  # issue 14: predictions price the profile's GPU; the measurement here is torch on the CPU
+        header += (f" | CPU-only: no CUDA device, so predicted vs measured errors are not computed (the predictions "
+                   f"assume profile {hw.name}'s GPU figures; the measured 'GPU' side is torch on the CPU)")
     print(header, flush=True)
-    results = {"header": header, "device": str(device), "profile": hw.name, "budgets": []}
+    results = {"header": header, "device": str(device), "profile": hw.name, "comparable": cuda, "budgets": []}
 
     # 2. predicted vs measured per budget
     plans = []
@@ -226,21 +252,22 @@ def main(argv=None) -> int:
         row = {"gpu_budget_bytes": budget, "plan_gpu_bytes": pl.gpu_bytes, "peak_allocated_bytes": peak,
                "resident_per_layer": [len(lp.resident_experts) for lp in pl.layers],
                "predicted_decode_tokens_per_s": pl.predicted_decode_tokens_per_s, "measured_decode_tokens_per_s": measured,
-               "error": measured / pl.predicted_decode_tokens_per_s - 1.0, "graphs": graphs,
-               "predicted_on_seen_routing_tokens_per_s": matched, "error_on_seen_routing": measured / matched - 1.0,
+               "error": rel_error(measured, pl.predicted_decode_tokens_per_s, cuda), "graphs": graphs,
+               "predicted_on_seen_routing_tokens_per_s": matched,
+               "error_on_seen_routing": rel_error(measured, matched, cuda),
                "cold_share_profiled": float((stats.decode_shares() * ~res_mask).sum() / stats.decode_shares().sum()),
                "cold_share_seen": float((seen * ~res_mask).sum() / max(seen.sum(), 1e-12)),
                "prefill_tokens": P, "predicted_prefill_tokens_per_s": pl.predicted_prefill_tokens_per_s,
                "measured_prefill_tokens_per_s": prefill,
-               "prefill_error": prefill / pl.predicted_prefill_tokens_per_s - 1.0}
+               "prefill_error": rel_error(prefill, pl.predicted_prefill_tokens_per_s, cuda)}
         results["budgets"].append(row)
         print(f"budget {budget / 2**30:7.2f} GiB | resident {sum(row['resident_per_layer']):5d} | predicted "
-              f"{pl.predicted_decode_tokens_per_s:9.1f} tok/s | measured {measured:9.1f} tok/s | error {row['error']:+.0%} | "
+              f"{pl.predicted_decode_tokens_per_s:9.1f} tok/s | measured {measured:9.1f} tok/s | error {pct(row['error'])} | "
               f"peak {'-' if peak is None else f'{peak / 2**30:.2f} GiB'} (plan {pl.gpu_bytes / 2**30:.2f} GiB) | prefill "
               f"{P} tok: predicted {pl.predicted_prefill_tokens_per_s:.0f}, measured {prefill:.0f} tok/s "
-              f"({row['prefill_error']:+.0%})", flush=True)
+              f"({pct(row['prefill_error'])})", flush=True)
         print(f"    on the routing the measured steps saw: predicted {matched:.1f} tok/s, error "
-              f"{row['error_on_seen_routing']:+.0%}; routed to cold experts: {row['cold_share_seen']:.0%} seen, "
+              f"{pct(row['error_on_seen_routing'])}; routed to cold experts: {row['cold_share_seen']:.0%} seen, "
               f"{row['cold_share_profiled']:.0%} in the profiled statistics", flush=True)
 
     # 3. routing shift at the middle budget: static plan vs online re-placement (eager decode)
@@ -268,15 +295,20 @@ def main(argv=None) -> int:
         del eng
     off.replacer = None
     n_w = len(shift["static"]["per_window"]) // 2
-    after = {m: float(np.mean(shift[m]["per_window"][n_w:])) for m in shift}
-    shift["second_half_online_vs_static"] = after["online"] / after["static"] - 1.0
+    if n_w:  # a window after the shift for each mode (else: no mean to compare, not NaN)
+        after = {m: float(np.mean(shift[m]["per_window"][n_w:])) for m in shift}
+        shift["second_half_online_vs_static"] = rel_error(after["online"], after["static"], True)
+        print(f"after the shift: online {after['online']:.1f} vs static {after['static']:.1f} tok/s "
+              f"({pct(shift['second_half_online_vs_static'], '+.1%')})")
+    else:
+        shift["second_half_online_vs_static"] = None
+        print(f"after the shift: not measured ({2 * args.steps} steps make fewer than 2 windows of {args.window}: "
+              "raise --steps or lower --window)")
     results["shift"] = shift
-    print(f"after the shift: online {after['online']:.1f} vs static {after['static']:.1f} tok/s "
-          f"({shift['second_half_online_vs_static']:+.1%})")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan_eval.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "plan_eval.json").write_text(json.dumps(finite(results), indent=1, allow_nan=False) + "\n")
     return 0
 
 

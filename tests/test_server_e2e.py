@@ -245,8 +245,14 @@ def test_hybrid_layer_split_reaches_metrics(tmp_path):
         return out
 
     b, a = split(before), split(after)
-    assert {f'hybrid_cold_experts_total{{layer="{i}",lane="{lane}"}}' for i in range(4)
+    import torch
+
+    # without CUDA the series say so (their "shipped" lane is a DRAM copy for torch on the CPU), issue 14
+    dev = "" if torch.cuda.is_available() else ',device="cpu"'
+    assert {f'hybrid_cold_experts_total{{layer="{i}",lane="{lane}"{dev}}}' for i in range(4)
             for lane in ("cpu", "shipped")} == set(a)
+    info = "cuda" if torch.cuda.is_available() else "cpu"
+    assert any(l.startswith(f'hybrid_device_info{{device="{info}"') and l.endswith(" 1") for l in after.splitlines())
     assert sum(a.values()) > sum(b.get(k, 0) for k in a)  # the request's batches were counted
     shares = [float(l.rsplit(" ", 1)[1]) for l in after.splitlines() if l.startswith("hybrid_cold_expert_cpu_share{")]
     assert len(shares) == 4 and all(0.0 <= x <= 1.0 for x in shares)

@@ -65,6 +65,7 @@ def run(args) -> int:
             "prefill_tokens_per_s": round(st.prefill_tps, 2), "decode_tokens": st.decode_tokens,
             "decode_tokens_per_s": round(st.decode_tps, 2),
             "cuda_graphs": s.engine.graphs is not None, "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
+            **device_fields(s),
         }, ensure_ascii=False))
     else:
         print()
@@ -74,3 +75,25 @@ def run(args) -> int:
               f"({s.device}, {str(s.dtype).replace('torch.', '')}"
               f"{', CUDA graphs' if s.engine.graphs is not None else ''})", file=sys.stderr)
     return 0
+
+
+def device_fields(s) -> dict:
+    """--json's account of who played the GPU's part (issue 14): on a machine without CUDA the 'GPU' side is
+    torch on the CPU, and the hybrid layer's 'resident' experts are DRAM copies, its ship lane a DRAM copy."""
+    from hybrid.runtime.device_role import CPU_ONLY_NOTE, gpu_role, is_cuda
+
+    cuda = is_cuda(s.device)
+    out = {"gpu_role": gpu_role(s.device)}
+    if not cuda:
+        out["cpu_only_note"] = CPU_ONLY_NOTE
+    off = getattr(s, "offload", None)
+    if off is not None:
+        mem = off.memory()
+        out["hybrid"] = {
+            "resident_experts_per_layer": [int(layer.is_resident.sum()) for layer in off.layers],
+            "resident_memory": "vram" if cuda else "dram (torch on the CPU)",
+            "resident_bytes": int(mem["vram_resident_bytes"]), "dram_expert_bytes": int(mem["dram_expert_bytes"]),
+            "ship_lane": "pcie host->device" if cuda else "copy within dram (no pcie)",
+            "schedule": str(off.scheduler.strategy), "profile": str(off.profile_name),
+        }
+    return out

@@ -96,17 +96,44 @@ def build_plan(args):
         _, cfg, _ = read_config(model_dir)
     stats = load_stats(args.stats) if args.stats else None
     hw = scheduler_profile(args.profile)
-    return plan(cfg, stats, hw, settings), model_dir
+    if not hw.has_gpu:  # plan() prices residency with the GPU figures: there is nothing to predict without them
+        raise UsageError(f"profile {hw.name!r} has no GPU figures (calibrated without a GPU), and a plan prices VRAM "
+                         "and the link with them: pass --profile with GPU figures (a built-in such as "
+                         "ktransformers-paper-amx, or one calibrated on the GPU machine)")
+    return plan(cfg, stats, hw, settings), model_dir, hw
+
+
+def prediction_basis(hw, cuda: bool | None = None) -> dict:
+    """Whose GPU the predicted tokens/s describe (issue 14): the profile's GPU and link figures, which on a
+    machine without CUDA are a hypothetical GPU, never this machine."""
+    from hybrid.runtime.device_role import is_cuda
+
+    cuda = is_cuda(None) if cuda is None else cuda
+    figures = (f"C_G {hw.gpu_flops / 1e12:.0f} TFLOP/s, HBM {hw.hbm_bw / 1e9:.0f} GB/s, link {hw.link_bw / 1e9:.0f} GB/s, "
+               f"DRAM {hw.dram_bw / 1e9:.0f} GB/s")
+    source = "built-in" if hw.source != "calibrated" else "calibrated"
+    if cuda:
+        note = f"assumes profile {hw.name}'s ({source}) GPU figures: {figures}"
+    else:
+        note = (f"HYPOTHETICAL: this machine has no CUDA device; the prediction assumes profile {hw.name}'s "
+                f"({source}) GPU figures: {figures}")
+    return {"profile": hw.name, "profile_source": source, "cuda_device_here": cuda, "hypothetical": not cuda,
+            "note": note}
 
 
 def run(args) -> int:
-    p, model_dir = build_plan(args)
+    p, model_dir, hw = build_plan(args)
+    basis = prediction_basis(hw)
     if args.out:
         p.save(args.out)
     if args.json:
-        print(json.dumps(p.to_json()))
+        print(json.dumps({**p.to_json(), "prediction_basis": basis}))
         return 0
-    print(describe(p, model_dir))
+    text = describe(p, model_dir)
+    if basis["hypothetical"]:
+        text = text.replace("\npredicted: ", "\npredicted on a hypothetical GPU: ")
+    print(text)
+    print(f"  ({basis['note']})")
     if args.out:
         print(f"plan written to {args.out} (use: hybrid generate --model "
               f"{'DIR' if args.preset else model_dir} --plan {args.out})")

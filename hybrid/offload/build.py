@@ -287,10 +287,21 @@ def open_hybrid(engine, offload, hcfg: HybridConfig, log=print) -> None:
         engine.stats = Stats()  # the calibration run is not part of the user's numbers
         how = str(n)  # per layer
     mem = offload.memory()
-    log(f"hybrid: {how} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
-        f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
-        f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
-        f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
+    from hybrid.runtime.device_role import CPU_ONLY_NOTE, is_cuda
+
+    if is_cuda(offload.device):
+        log(f"hybrid: {how} of {model.cfg.num_experts} experts resident per MoE layer ({len(offload.layers)} layers); "
+            f"schedule {offload.scheduler.strategy}, CPU {offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}, "
+            f"profile {offload.profile_name}; DRAM experts {mem['dram_expert_bytes'] / 2**30:.2f} GiB, pinned "
+            f"{mem['pinned_bytes'] / 2**30:.2f} GiB, VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB")
+    else:  # issue 14: no VRAM, no PCIe here; say what the numbers are on this machine
+        log(f"hybrid: {CPU_ONLY_NOTE}")
+        log(f"hybrid: {how} of {model.cfg.num_experts} experts 'resident' (torch on the CPU) per MoE layer "
+            f"({len(offload.layers)} layers); schedule {offload.scheduler.strategy} priced with profile "
+            f"{offload.profile_name}'s GPU and link figures (not this machine's), CPU executor "
+            f"{offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}; DRAM: experts "
+            f"{mem['dram_expert_bytes'] / 2**30:.2f} GiB + 'resident' torch copies "
+            f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
 
 
 def place_from_plan(engine, offload, plan, log=print) -> list[int]:

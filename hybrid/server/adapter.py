@@ -160,6 +160,12 @@ class Runtime:
     def sample(self, logits, samplers) -> list[int]:
         return self._sample(logits, [s[0] for s in samplers], [s[1] for s in samplers])
 
+    @property
+    def device_type(self) -> str | None:
+        """'cuda' or 'cpu' (for /metrics: hybrid_device_info, and what 'shipped' means on this run)."""
+        dev = getattr(self.engine, "device", None)
+        return None if dev is None else str(getattr(dev, "type", dev))
+
     # hybrid layer: per MoE layer, cold experts run on the CPU vs shipped to the GPU (cumulative)
     def expert_split(self) -> dict[int, tuple[int, int]]:
         """Read from each expert executor that keeps such counters (hybrid.offload's LayerStats);

@@ -72,7 +72,8 @@ async def error_middleware(request: web.Request, handler):
 
 
 def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
-    metrics = metrics or Metrics(expert_split=getattr(runtime, "expert_split", dict))
+    metrics = metrics or Metrics(expert_split=getattr(runtime, "expert_split", dict),
+                                 device=getattr(runtime, "device_type", None))
     scheduler = Scheduler(runtime, metrics, config.max_queue, config.prefill_chunk)
     guard = guard_middleware(config.host, check_host=config.api_key is None)
     app = web.Application(client_max_size=config.max_body_bytes,

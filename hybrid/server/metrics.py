@@ -5,6 +5,8 @@ sizes), so every update takes one lock. `expert_split` is the hook for the hybri
 returning {layer: (cold experts run on the CPU, cold experts shipped to the GPU)}, cumulative, read at
 scrape time (the adapter reads the hybrid executors' own counters). With no hybrid layer it returns {}
 and those series are absent (not zero), so dashboards can tell "no hybrid layer" from "all shipped".
+`device` (the engine's device type) gives hybrid_device_info; without CUDA the cold-expert series carry a
+device="cpu" label, since their "shipped" lane is then a DRAM copy for torch on the CPU (issue 14).
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ def _labels(labels: dict) -> str:
 
 
 class Metrics:
-    def __init__(self, expert_split: Callable[[], dict[int, tuple[int, int]]] = dict):
+    def __init__(self, expert_split: Callable[[], dict[int, tuple[int, int]]] = dict, device: str | None = None):
         self._lock = threading.Lock()
         self.expert_split = expert_split
+        # the engine's device type ("cuda", "cpu"; None: unknown, e.g. a fake runtime): exposed as
+        # hybrid_device_info, and on a run without CUDA the cold-expert series carry device="cpu", because
+        # their "shipped" lane is then a copy within DRAM for torch on the CPU, not a transfer to a GPU
+        self.device = None if device is None else str(device).split(":")[0]
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -162,12 +168,23 @@ class Metrics:
         except Exception:  # noqa: BLE001 - a broken hook must not take the other metrics down
             log.exception("reading the expert split failed")
             split = {}
+        if self.device is not None:
+            from hybrid.runtime.device_role import gpu_role
+
+            family("hybrid_device_info", "gauge",
+                   "Device of the model's GPU side (1): cuda, or cpu when torch on the CPU plays the GPU's role "
+                   "(no VRAM, no PCIe: the ship lane then copies weights within DRAM).",
+                   [({"device": self.device, "gpu_role": gpu_role(self.device)}, 1)])
         if split:
+            cpu_only = self.device is not None and self.device != "cuda"
+            extra = {"device": self.device} if cpu_only else {}
+            ship = ("shipped = copied within DRAM for torch on the CPU (no GPU on this run)" if cpu_only
+                    else "shipped to the GPU")
             family("hybrid_cold_experts_total", "counter",
-                   "Cold experts with tokens, per MoE layer, by lane: run on the CPU or shipped to the GPU.",
-                   [({"layer": l, "lane": lane}, n) for l, (c, s) in split.items()
+                   f"Cold experts with tokens, per MoE layer, by lane: run on the CPU executor or {ship}.",
+                   [({"layer": l, "lane": lane, **extra}, n) for l, (c, s) in split.items()
                     for lane, n in (("cpu", c), ("shipped", s))])
             family("hybrid_cold_expert_cpu_share", "gauge",
-                   "Share of cold experts run on the CPU (rest shipped), per MoE layer.",
-                   [({"layer": l}, round(c / (c + s), 6) if c + s else 0.0) for l, (c, s) in split.items()])
+                   f"Share of cold experts run on the CPU executor (rest {ship}), per MoE layer.",
+                   [({"layer": l, **extra}, round(c / (c + s), 6) if c + s else 0.0) for l, (c, s) in split.items()])
         return "\n".join(out) + "\n"
