@@ -62,11 +62,16 @@ def build(args, hw, device, dtype):
                   threads=args.cpu_threads)
     gen = torch.Generator(device=device).manual_seed(1)
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    stacks = None
     for i, layer in enumerate(model.layers):
         if layer.moe is None:
             continue
-        # drawn on the GPU (fast), then kept only in the CPU executor
-        layer.moe.experts = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
+        # drawn on the GPU (fast), then kept only in the CPU executor; without CUDA one draw serves every layer
+        # (each layer still packs its own DRAM copy and has its own router: drawing 600M normals per layer is
+        # most of the build on a small CPU box)
+        if stacks is None or device.type == "cuda":
+            stacks = random_expert_stacks(E, F_, D, gen)
+        layer.moe.experts = HybridExperts(i, *stacks, off)
     return model, cfg, shape, off
 
 
@@ -187,10 +192,11 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     model, cfg, shape, off = build(args, hw, device, dtype)
     resident = args.resident if args.resident is not None else cfg.num_experts // 4
-    max_ctx = max(max(args.prefill), 512) + 64
+    calib_len = CPU_ONLY_CALIBRATION if args.reduced else 512
+    max_ctx = max(max(args.prefill), calib_len) + 64
     eng = Engine(model, None, max_batch=max(args.decode_batch), max_context=max_ctx, eager=not args.graphs)
     gen = torch.Generator().manual_seed(2)
-    calib = torch.randint(0, cfg.vocab_size, (512,), generator=gen).tolist()
+    calib = torch.randint(0, cfg.vocab_size, (calib_len,), generator=gen).tolist()
     slot = eng.allocate_slot()
     before = [layer.stats.routed.copy() for layer in off.layers]
     eng.prefill(slot, calib)
@@ -203,8 +209,13 @@ def run(args) -> dict:
               f"layers, {resident}/{cfg.num_experts} experts resident per layer, CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(len(n) for n in off.layers[0].cpu_moe.topology.nodes)} threads "
               f"{args.cpu_dtype}, {dtype}, decode {'CUDA graphs' if eng.graphs is not None else 'eager'} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
-              f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, VRAM resident "
-              f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
+              f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, "
+              + (f"VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB" if device.type == "cuda" else
+                 f"'resident' torch copies {mem['vram_resident_bytes'] / 2**30:.2f} GiB (DRAM; no CUDA device: the "
+                 f"'GPU' side is torch on the CPU, the ship lane a copy within DRAM)"))
+    if args.reduced:
+        header += (" | CPU-only: reduced sizes (" + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in args.reduced.items())
+                   + f", calibration prefill {calib_len}; give them to measure more)")
     print(header, flush=True)
     bw = measured_bandwidths(off, hw, device)
     print(f"# measured now: DRAM read {bw['dram_bw'] / 1e9:.1f} GB/s ({bw['dram_buffer_bytes'] / 2**20:.0f} MiB "
@@ -226,9 +237,10 @@ def run(args) -> dict:
         row = {"strategy": strat}
         for n in args.prefill:
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
-            s = eng.allocate_slot()
-            eng.prefill(s, ids[: min(n, 256)])  # warm-up
-            eng.free_slot(s)
+            if not args.reduced:  # CPU-only, reduced: the warm-up loop above already ran this strategy at this length
+                s = eng.allocate_slot()
+                eng.prefill(s, ids[: min(n, 256)])  # warm-up
+                eng.free_slot(s)
             s = eng.allocate_slot()
             snap = snapshot(off)
             before = [layer.stats.routed.copy() for layer in off.layers]
@@ -287,9 +299,29 @@ def run(args) -> dict:
         for k, v in row.items():
             if isinstance(v, dict):
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
-    return {"header": header, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
+    return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "measured": bw,
             "dense_bytes": dense, "results": results}
+
+
+GPU_DEFAULTS = {"prefill": [2048, 8192], "decode_batch": [1, 8], "steps": 16,
+                "strategies": ["cost", "cpu", "ship", "threshold:32"]}
+# Without CUDA the "GPU" side is torch on the CPU: an 8192-token prefill per strategy runs for minutes on a
+# small box (issue 14), and ship / threshold only copy weights within DRAM there. Bounded defaults instead.
+CPU_ONLY_DEFAULTS = {"prefill": [128], "decode_batch": [1], "steps": 4, "strategies": ["cost", "cpu"]}
+CPU_ONLY_CALIBRATION = 128  # tokens of the placement prefill (512 on a GPU)
+
+
+def apply_defaults(args, cuda: bool) -> None:
+    """Fill the sizes not given: the GPU defaults, or without CUDA the reduced ones; args.reduced records
+    which reduced values were used ({} when none)."""
+    args.reduced = {}
+    for key, full in GPU_DEFAULTS.items():
+        if getattr(args, key) is None:
+            value = full if cuda else CPU_ONLY_DEFAULTS[key]
+            setattr(args, key, value)
+            if not cuda:
+                args.reduced[key] = ",".join(map(str, value)) if isinstance(value, list) else value
 
 
 def run_isolated(args, argv) -> dict:
@@ -324,10 +356,11 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", action="store_true", help="decode in CUDA graphs (every cold expert on the CPU "
                    "lane as a host function; the strategy then only affects prefill)")
     p.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all cores but one)")
-    p.add_argument("--prefill", type=ints, default=[2048, 8192])
-    p.add_argument("--decode-batch", type=ints, default=[1, 8])
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--strategies", type=lambda s: s.split(","), default=["cost", "cpu", "ship", "threshold:32"])
+    p.add_argument("--prefill", type=ints, help="prompt lengths (default 2048,8192; CPU-only 128)")
+    p.add_argument("--decode-batch", type=ints, help="decode batch sizes (default 1,8; CPU-only 1)")
+    p.add_argument("--steps", type=int, help="timed decode steps per batch (default 16; CPU-only 4)")
+    p.add_argument("--strategies", type=lambda s: s.split(","),
+                   help="schedules to measure (default cost,cpu,ship,threshold:32; CPU-only cost,cpu)")
     p.add_argument("--isolate", action="store_true",
                    help="measure each strategy in a fresh process (same weights and placement): strategies run "
                         "one after another in one process can change each other's timings (seen on the GPU box)")
@@ -335,6 +368,7 @@ def main(argv=None) -> int:
                    "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    apply_defaults(args, torch.cuda.is_available())
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
