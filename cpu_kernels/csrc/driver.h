@@ -131,6 +131,26 @@ void run_nodes(const HyLayer* L, F make, std::function<int(int)> ntasks) {
   for (int i = 0; i < ns; ++i) started[i]->finish();
 }
 
+// Rows r0..r0+nr of h = act(gate) * up for an expert's m tokens (Cg, Cu: [m, 64] fp32 GEMM results): bf16
+// into the token rows hrow[i] (zeroing the padding after the last block), or fp32 into hf [m, F_n] for
+// int8/int4, quantized once the whole row is known.
+void store_h(const HyLayer* L, const HyNode& N, const float* Cg, const float* Cu, int m, int r0, int nr,
+             const uint8_t* const* hrow, float* hf) {
+  for (int i = 0; i < m; ++i) {
+    const float* g = Cg + i * 64;
+    const float* u = Cu + i * 64;
+    if (L->dtype == HY_BF16) {
+      float v[64];
+      gated_act_row(L->act, g, u, v, nr, L->alpha, L->limit);
+      uint16_t* h = (uint16_t*)hrow[i] + r0;
+      for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(v[r]);
+      if (r0 + nr == N.gate.rows_p) std::memset(h + nr, 0, (N.down.ldk - N.gate.rows_p) * 2);
+    } else {
+      gated_act_row(L->act, g, u, hf + (int64_t)i * N.gate.rows_p + r0, nr, L->alpha, L->limit);
+    }
+  }
+}
+
 }  // namespace
 #include "fused.h"
 namespace {
@@ -287,19 +307,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
         vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
       }
-      for (int i = 0; i < a.m; ++i) {
-        const float* g = Cg + i * 64;
-        const float* u = Cu + i * 64;
-        if (dt == HY_BF16) {
-          float v[64];
-          gated_act_row(L->act, g, u, v, nr, L->alpha, L->limit);
-          uint16_t* h = (uint16_t*)hptr[n][a.off + i] + r0;
-          for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(v[r]);
-          if (r0 + nr == N.gate.rows_p) std::memset(h + nr, 0, (N.down.ldk - N.gate.rows_p) * 2);
-        } else {
-          gated_act_row(L->act, g, u, hf[n] + (int64_t)(a.off + i) * N.gate.rows_p + r0, nr, L->alpha, L->limit);
-        }
-      }
+      store_h(L, N, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
     });
   }, [&](int n) { return na * ((L->nodes[n].gate.rows_p + 63) / 64); });
 

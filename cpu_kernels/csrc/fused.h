@@ -117,19 +117,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         float* Cu = Cg + (int64_t)m_max_pad * 64;
         vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
         vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
-        for (int i = 0; i < a.m; ++i) {
-          const float* g = Cg + i * 64;
-          const float* u = Cu + i * 64;
-          if (dt == HY_BF16) {
-            float v[64];
-            gated_act_row(L->act, g, u, v, nr, L->alpha, L->limit);
-            uint16_t* h = (uint16_t*)hptr[n][a.off + i] + r0;
-            for (int r = 0; r < nr; ++r) h[r] = f32_to_bf16(v[r]);
-            if (r0 + nr == N.gate.rows_p) std::memset(h + nr, 0, (N.down.ldk - N.gate.rows_p) * 2);
-          } else {
-            gated_act_row(L->act, g, u, hf[n] + (int64_t)(a.off + i) * N.gate.rows_p + r0, nr, L->alpha, L->limit);
-          }
-        }
+        store_h(L, N, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
         const int x = n * na + j;
         if (S.gu_done[x].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nbu[n]) {  // j's h is complete
           if (dt != HY_BF16)
