@@ -29,19 +29,45 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _measure_knee(shape: ExpertShape, quick: bool, progress) -> dict:
-    """Tokens per expert from which AMX beats the vector path, per dtype, on this shape ({} without AMX);
-    set as CpuMoE's default in this process (cpu_kernels.knee)."""
+KNEE_DTYPES = ("bf16", "int8")
+GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph decode floor
+
+
+def _has_amx() -> bool:
     try:
         import cpu_kernels
-        from cpu_kernels.knee import measure_amx_knee, set_default_knee
+        import cpu_kernels.knee  # noqa: F401 - the knee probe needs it
     except ImportError:
+        return False
+    return "amx" in cpu_kernels.available_isas()
+
+
+class Steps:
+    """Numbers the top-level progress lines, "step 3/7: ...", from the list of probes known up front (the
+    indented detail lines pass through; `m i/n` counts the token counts of a CPU curve)."""
+
+    def __init__(self, total: int, progress: Callable[[str], None]):
+        self.total, self.done, self.progress = total, 0, progress
+
+    def __call__(self, line: str) -> None:
+        self.done += 1
+        self.progress(f"step {self.done}/{self.total}: {line}")
+
+    def detail(self, line: str) -> None:
+        self.progress("  " + line)
+
+
+def _measure_knee(shape: ExpertShape, quick: bool, progress, step=None) -> dict:
+    """Tokens per expert from which AMX beats the vector path, per dtype, on this shape ({} without AMX);
+    set as CpuMoE's default in this process (cpu_kernels.knee)."""
+    if not _has_amx():
         return {}
-    if "amx" not in cpu_kernels.available_isas():
-        return {}
+    from cpu_kernels.knee import measure_amx_knee, set_default_knee
+
+    step = step or progress
     knees = {}
-    for dtype in ("bf16", "int8"):
-        progress(f"AMX knee, {dtype}: 8 experts x m tokens, vector path vs AMX...")
+    for dtype in KNEE_DTYPES:
+        step(f"AMX knee, {dtype}: 8 experts x m tokens, vector path vs AMX...")
         r = measure_amx_knee(shape.hidden, shape.intermediate, dtype, reps=3 if quick else 5)
         knees[dtype] = r["knee"]
         progress("  " + ", ".join(f"m={m}: {v * 1e3:.2f} / {a * 1e3:.2f} ms" for m, v, a in
@@ -60,32 +86,36 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
     from cpu_kernels.bandwidth import default_read_bytes
 
     dram_bytes = dram_bytes or (default_read_bytes() if quick else max(2 << 30, default_read_bytes()))
+    backends = backends or measure.cpu_backends()
+    cuda = torch.cuda.is_available()
+    step = Steps(1 + (len(KNEE_DTYPES) if _has_amx() else 0) + len(backends) + (GPU_STEPS if cuda else 0), progress)
 
-    progress(f"DRAM read bandwidth ({dram_bytes / 2**20:.0f} MiB buffer)...")
+    step(f"DRAM read bandwidth ({dram_bytes / 2**20:.0f} MiB buffer)...")
     dram_bw, method = measure.measure_dram_read(dram_bytes)
     raw["dram_bw"], raw["dram_method"] = dram_bw, method
     progress(f"  B_D = {dram_bw / 1e9:.1f} GB/s ({method})")
 
-    amx_knee = _measure_knee(shape, quick, progress)  # before the curves: the amx curve then uses it
+    amx_knee = _measure_knee(shape, quick, progress, step)  # before the curves: the amx curve then uses it
 
     curves, peaks = {}, {}
-    for backend in backends or measure.cpu_backends():
-        progress(f"CPU expert throughput, backend {backend}, m = {ms}...")
+    for backend in backends:
+        step(f"CPU expert throughput, backend {backend}, m = {ms}...")
+        seen = iter(range(1, len(ms) + 1))
         curve = measure.measure_cpu_curve(shape, backend, ms, experts=experts, reps=2 if quick else 3,
-                                          progress=lambda s: progress("  " + s))
+                                          progress=lambda s: progress(f"  [m {next(seen, len(ms))}/{len(ms)}] {s}"))
         curves[backend] = curve
         peaks[backend] = max(f for _, f in curve)
     raw["cpu_curves"] = curves
 
     gpu = {}
-    if torch.cuda.is_available():
+    if cuda:
         name = torch.cuda.get_device_name()
-        progress(f"GPU {name}: pinned host<->device transfers...")
+        step(f"GPU {name}: pinned host<->device transfers...")
         link = measure.measure_link(QUICK_LINK if quick else FULL_LINK)
         raw["link"] = link
         progress(f"  H2D: alpha {link['h2d_alpha'] * 1e6:.1f} us, B_L {link['h2d_bw'] / 1e9:.1f} GB/s; "
                  f"D2H: alpha {link['d2h_alpha'] * 1e6:.1f} us, {link['d2h_bw'] / 1e9:.1f} GB/s")
-        progress("  HBM copy bandwidth and expert GEMM throughput...")
+        step("HBM copy bandwidth and expert GEMM throughput...")
         hbm = measure.measure_hbm((256 << 20) if quick else (2 << 30))
         c_g = measure.measure_gpu_flops(shape, m=1024 if quick else 8192)
         raw["hbm_bw"], raw["gpu_flops"] = hbm, c_g
@@ -94,7 +124,7 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
         gpu = dict(gpu_flops=c_g, hbm_bw=hbm, link_bw=link["h2d_bw"],
                    alpha=(link["h2d_alpha"] + link["d2h_alpha"]) / 2)
         raw["gpu"] = name
-        progress("  fixed costs of the hybrid layer (tiny layer: launches, copies, hand-offs)...")
+        step("fixed costs of the hybrid layer (tiny layer: launches, copies, hand-offs)...")
         try:
             from hybrid.offload.overheads import measure_overheads
 
@@ -107,7 +137,7 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
                      "ship expert +{:.0f} us".format(*(1e6 * ov[k] for k in keys)))
         except Exception as exc:  # noqa: BLE001 - the profile stays usable without them; say so loudly
             progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
-        progress("  latency floor of graph decode per layer (small hybrid model, batch 1)...")
+        step("latency floor of graph decode per layer (small hybrid model, batch 1)...")
         try:
             from hybrid.offload.overheads import measure_graph_layer_floor
 
