@@ -43,6 +43,16 @@ def test_generate_json_names_the_gpu_role_cpu_only(capsys):
     assert res["gpu_role"] == "torch-on-cpu" and "hybrid" not in res
 
 
+@cpu_only
+def test_chat_status_lines_cpu_only(capsys, monkeypatch):
+    lines = iter(["hi", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
+    assert main(["chat", "--gpu-experts", "4", "-n", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "chat ready (CPU-only: no CUDA device, the model runs as torch on the CPU)" in err
+    assert "VRAM" not in err.replace("no VRAM", "") and "'resident' (torch on the CPU)" in err
+
+
 def test_metrics_device_info_and_cpu_only_labels():
     split = {0: (3, 1)}
     cpu = Metrics(expert_split=lambda: split, device="cpu").render({})

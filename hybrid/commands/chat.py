@@ -32,7 +32,10 @@ def run(args, input_fn=None) -> int:
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)
     conv = Conversation.open(s.engine)  # the KV slot this chat keeps: each turn prefills only what is new
-    print("chat ready: /reset clears the history, /exit quits", file=sys.stderr)
+    from hybrid.runtime.device_role import is_cuda
+
+    where = "" if is_cuda(s.device) else " (CPU-only: no CUDA device, the model runs as torch on the CPU)"
+    print(f"chat ready{where}: /reset clears the history, /exit quits", file=sys.stderr)
     while True:
         try:
             line = input_fn("> ")
