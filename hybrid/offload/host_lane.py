@@ -19,9 +19,10 @@ resident experts on the GPU, every cold expert on this lane. Eager steps send th
 chose. With a compiled ISA on CUDA both kinds of step hand their jobs to the doorbell lane
 (hybrid.offload.doorbell: a spinning CPU thread signalled by stream memory operations) rather than to host
 functions; captured steps also write their inputs and read their output in place (mapped page-locked
-memory, no copies). HYBRID_DOORBELL=0 restores host functions and copies. With the `ref` ISA (pure torch) the host function is a Python callback (tests); it takes the GIL,
-so after replaying such a graph synchronise with torch.cuda.synchronize (which releases the GIL) before a
-call that blocks on the GPU while holding it (.item(), .cpu()).
+memory, no copies). HYBRID_DOORBELL=0 restores host functions and copies. With the `ref` ISA (pure
+torch) the host function is a Python callback (tests); it takes the GIL, so after replaying such a graph
+synchronise with torch.cuda.synchronize (which releases the GIL) before a call that blocks on the GPU while
+holding it (.item(), .cpu()).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class HostFnLane:
         self._packs: dict[tuple, tuple] = {}  # captured decode's packed input blocks by (T, D, K, dtype)
         self._eager_ids: dict[str, list[int]] = {}  # per lane: the ids eager jobs cycle through
         self._eager_turn: dict[str, int] = {}
+        self._full_warned = False
 
     def prepare(self, isa: str) -> None:
         """Start `isa`'s doorbell lane (outside graph capture: its words are page-locked at start). Called by
@@ -105,6 +107,10 @@ class HostFnLane:
             self._doorbells[isa] = doorbell.DoorbellLane(isa, self.pin_cpu, self.device)
             log.info("captured CPU-lane jobs go to the doorbell lane (%s, cpu %d)", isa, self.pin_cpu)
         lane = self._doorbells[isa]
+        if lane.full and not self._full_warned:
+            self._full_warned = True
+            log.warning("the doorbell lane holds %d jobs (re-captured decode graphs keep their old jobs); new "
+                        "captures use CUDA host functions, which cost ~0.1 ms more per layer", lane.CAP)
         return None if lane.full else lane
 
     def buffers(self, T: int, D: int, K: int, dtype):
@@ -137,7 +143,8 @@ class HostFnLane:
 
     @property
     def pinned_bytes(self) -> int:
-        return self.bufs.pinned_bytes + self.big.pinned_bytes
+        packs = sum(t.numel() * t.element_size() for p in self._packs.values() for t in (p[0], p[4]))
+        return self.bufs.pinned_bytes + self.big.pinned_bytes + packs
 
     @property
     def failures(self) -> int:
