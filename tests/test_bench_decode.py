@@ -1,0 +1,37 @@
+"""Smoke tests of the decode benchmarks on the CPU (their numbers mean nothing here): bench.decode_probe and
+bench.vs_llamacpp with a stand-in for the llama-bench binary that prints llama-bench's JSON."""
+
+import json
+import stat
+
+from bench import decode_probe, vs_llamacpp
+
+
+def test_decode_probe_writes_rows_per_dtype_case_and_variant(tmp_path):
+    out = tmp_path / "p.json"
+    assert decode_probe.main(["--shape", "tiny", "--experts", "16", "--dtypes", "bf16,int8", "--cases", "1x8,2x4same",
+                              "--variants", "fused,phased", "--iters", "3", "--threads", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ceiling_gbps"] > 0
+    assert len(res["rows"]) == 2 * 2 * 2
+    for r in res["rows"]:
+        assert r["median_s"] > 0 and r["gbps"] > 0
+    # "2x4same": two tokens on the same 4 experts read 4 distinct experts; "1x8" reads 8
+    assert {r["case"]: r["distinct_experts"] for r in res["rows"]} == {"1x8": 8, "2x4same": 4}
+
+
+def test_vs_llamacpp_table_and_ratio(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho '[{\"avg_ts\": 50.0, \"stddev_ts\": 1.5}]'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "vs"
+    assert vs_llamacpp.main(["--llama-bench", str(fake), "--gguf-bf16", "unused.gguf", "--profile",
+                             "ktransformers-paper-amx", "--preset", "demo", "--layers", "1", "--experts", "8",
+                             "--cases", "bf16", "--steps", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "vs_llamacpp.json").read_text())
+    row, = res["rows"]
+    assert row["llama"]["tok_s"] == 50.0
+    assert row["ratio"] == row["hybrid"]["tok_s"] / 50.0 and row["hybrid"]["tok_s"] > 0
+    assert row["hybrid"]["b1_cold_experts_per_layer_step"] > 0
+    assert "| bf16 | 50.0 ± 1.5 |" in (out / "vs_llamacpp.md").read_text()
+    assert (out / "vs_llamacpp.png").stat().st_size > 0
