@@ -56,19 +56,23 @@ struct Lane {
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
     }
     auto last = std::chrono::steady_clock::now();
+    long nap_ns = 0;
     for (int spins = 0; !stop.load(std::memory_order_relaxed);) {
       uint32_t id = __atomic_load_n(doorbell, __ATOMIC_ACQUIRE);
       if (id == 0) {
         _mm_pause();
         if (++spins % 64 == 0 && std::chrono::steady_clock::now() - last >
                                      std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed))) {
-          // Idle past the spin window: poll every 20 us instead (a GPU write cannot wake a futex), so an
-          // idle lane costs a core a few percent, and a doorbell after a pause waits at most that long.
-          timespec ts{0, 20000};
+          // Idle past the spin window: poll with naps growing from 20 us to 1 ms (a GPU write cannot wake a
+          // futex), so an idle lane costs almost nothing and the first doorbell after a pause waits at most
+          // one nap; within a decode step the lane never gets here (the spin window covers the gaps).
+          nap_ns = nap_ns ? std::min(2 * nap_ns, 1000000L) : 20000L;
+          timespec ts{0, nap_ns};
           nanosleep(&ts, nullptr);
         }
         continue;
       }
+      nap_ns = 0;
       __atomic_store_n(doorbell, 0u, __ATOMIC_RELAXED);
       void* job = nullptr;
       {
