@@ -59,7 +59,7 @@ def build(args, hw, device, dtype):
     init_random_(model, seed=0)
     shape = expert_shape(cfg, args.cpu_dtype, dtype)
     off = Offload(device, dtype, LayerScheduler(shape, hw, "cost"), cpu_dtype=args.cpu_dtype, cpu_isa=args.isa,
-                  threads=args.cpu_threads)
+                  threads=args.cpu_threads, defer=args.defer_experts)
     gen = torch.Generator(device=device).manual_seed(1)
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     stacks = None
@@ -213,6 +213,8 @@ def run(args) -> dict:
               + (f"VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB" if device.type == "cuda" else
                  f"'resident' torch copies {mem['vram_resident_bytes'] / 2**30:.2f} GiB (DRAM; no CUDA device: the "
                  f"'GPU' side is torch on the CPU, the ship lane a copy within DRAM)"))
+    if args.defer_experts:
+        header += f" | EXPERT DEFERRAL: {args.defer_experts} of each token's experts one layer late (changes the math)"
     if args.reduced:
         header += (" | CPU-only: reduced sizes (" + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in args.reduced.items())
                    + f", calibration prefill {calib_len}; give them to measure more)")
@@ -350,6 +352,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--resident", type=int, help="resident experts per layer (default: a quarter)")
+    p.add_argument("--defer-experts", type=int, default=0, metavar="N",
+                   help="expert deferral (changes the output): each token's N lowest-ranked experts one layer late")
     p.add_argument("--profile", required=True)
     p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4"])
     p.add_argument("--isa")

@@ -29,9 +29,9 @@ def test_lane_runs_registered_jobs_in_any_order(isa):
             jobs.append((lane.add(job), job, moe.forward(x, ids, w), out))
         assert [j[0] for j in jobs] == [1, 2, 3]
         for rep in range(3):  # replays: the same ids again and again, as a graph does
-            for jid, job, want, out in reversed(jobs):
+            for i, (jid, job, want, out) in enumerate(reversed(jobs)):
                 out.fill_(float("nan"))
-                lane.ring_from_host(jid)
+                lane.ring_from_host(jid, bell=i % 2)  # both doorbells (the second: deferred jobs)
                 assert job.runs == rep + 1 and job.rc == 0 and job.failures == 0
                 assert torch.equal(out, want)
         assert lane.served == 9

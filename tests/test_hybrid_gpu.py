@@ -156,3 +156,34 @@ def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resid
     (tok1, served1, fail1), (tok0, served0, fail0) = runs["1"], runs["0"]
     assert served1 > 0 and served0 == 0 and fail1 == fail0 == 0
     assert tok1 == tok0
+
+
+@pytest.mark.parametrize("resident", [0, 4])
+def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
+    """Expert deferral in decode graphs (the deferred CPU job on its own stream and doorbell, joined by the next
+    layer) computes what eager deferral computes."""
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.sampling import SamplingParams
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=4, eos_token_id=None, pad_token_id=None)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=6, std=0.1)
+    runs = []
+    for eager in (True, False):
+        model, off = load_hybrid(ckpt, "cuda", torch.bfloat16,
+                                 HybridConfig(gpu_experts=resident, schedule="cpu", defer_experts=2), progress=False)
+        eng = Engine(model, None, max_batch=4, max_context=64, eager=eager)
+        res = eng.generate([[5, 17, 99, 3], [200, 1, 64, 7, 8]], max_new_tokens=10,
+                           sampling=SamplingParams(temperature=0), stop_token_ids=[])
+        slots = [eng.allocate_slot() for _ in range(2)]
+        for s in slots:
+            eng.prefill(s, [1, 2, 3])
+        logits = eng.decode_step(slots, [4, 5]).float().clone()
+        runs.append(([r.token_ids for r in res], logits, off))
+    (tok_e, log_e, _), (tok_g, log_g, off_g) = runs
+    assert off_g.host_lane.failures == 0 and off_g.host_lane._deferred_wait is None
+    assert tok_e == tok_g
+    assert ((log_e - log_g).norm() / log_e.norm()).item() < 2e-2

@@ -123,7 +123,7 @@ void run_host_job(void* p) {
 
 HY_API void hy_host_job(void* p) { run_host_job(p); }
 
-// The doorbell lane (lane.h). bell: one page-locked word; done: cap page-locked words, zeroed; pin_cpu: the
+// The doorbell lane (lane.h). bell: two page-locked words; done: cap page-locked words, zeroed; pin_cpu: the
 // cpu of node 0's pool the lane thread takes as participant 0 (as hy_host_job's pin_cpu), or -1.
 HY_API void* hy_lane_create(uint32_t* bell, uint32_t* done, int cap, int pin_cpu) {
   if (!bell || !done || cap < 1) return nullptr;

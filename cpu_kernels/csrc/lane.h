@@ -4,6 +4,9 @@
 //   GPU stream:  ... input copies -> write doorbell := id -> wait until done[id] == 1 -> write done[id] := 0 -> output copy
 //   this thread: spin until doorbell != 0 -> doorbell := 0 -> run job id -> done[id] := 1
 //
+// Two doorbells: [0] for jobs the stream waits for at once, [1] for deferred jobs (expert deferral: rung
+// by one layer, waited for by the next), each with at most one ring outstanding; [0] is served first.
+//
 // The stream side is CUDA's stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32, which
 // graphs capture as memory-operation nodes), issued from Python; this library needs no CUDA headers. Why:
 // a host function is run by the driver's callback thread after the stream reaches it, and the stream
@@ -20,7 +23,7 @@ namespace {
 void run_host_job(void* p);  // api.h
 
 struct Lane {
-  volatile uint32_t* doorbell;  // page-locked: written by the GPU, cleared here
+  volatile uint32_t* doorbell;  // page-locked [2]: written by the GPU, cleared here
   volatile uint32_t* done;      // page-locked [cap]: done[id - 1] set here, waited on and cleared by the GPU
   int cap;
   int pin_cpu;
@@ -58,7 +61,9 @@ struct Lane {
     auto last = std::chrono::steady_clock::now();
     long nap_ns = 0;
     for (int spins = 0; !stop.load(std::memory_order_relaxed);) {
+      int bell = 0;
       uint32_t id = __atomic_load_n(doorbell, __ATOMIC_ACQUIRE);
+      if (id == 0) id = __atomic_load_n(doorbell + (bell = 1), __ATOMIC_ACQUIRE);
       if (id == 0) {
         _mm_pause();
         if (++spins % 64 == 0 && std::chrono::steady_clock::now() - last >
@@ -73,7 +78,7 @@ struct Lane {
         continue;
       }
       nap_ns = 0;
-      __atomic_store_n(doorbell, 0u, __ATOMIC_RELAXED);
+      __atomic_store_n(doorbell + bell, 0u, __ATOMIC_RELAXED);
       void* job = nullptr;
       {
         std::lock_guard<std::mutex> lk(mu);

@@ -64,6 +64,7 @@ class HybridConfig:
     staging_slots: int = 4
     plan: object = None  # placement.plan_file.Plan: residency from the planner instead of a calibration run
     replace: str = "off"  # "online": re-place experts from a sliding window of routing counts (eager only)
+    defer_experts: int = 0  # expert deferral: each token's N lowest-ranked experts added one layer late (opt-in)
 
     def __post_init__(self):
         parse_strategy(self.schedule)
@@ -81,6 +82,11 @@ class HybridConfig:
             raise UsageError("give --gpu-experts or --gpu-budget, not both")
         if self.staging_slots < 1:
             raise UsageError("--staging-slots must be >= 1")
+        if self.defer_experts < 0:
+            raise UsageError(f"--defer-experts must be >= 0, got {self.defer_experts}")
+        if self.defer_experts and self.replace != "off":
+            raise UsageError("--defer-experts and --replace online cannot be combined (a deferred layer call is "
+                             "two calls of the re-placement's batch)")
         if self.cpu_threads is not None:
             if self.cpu_threads < 1:
                 raise UsageError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
@@ -105,13 +111,17 @@ def add_hybrid_arguments(p) -> None:
                    f"profile, else the built-in {FALLBACK_PROFILE})")
     g.add_argument("--plan", metavar="FILE", help="placement plan written by `hybrid plan --out` (resident experts "
                    "per layer, CPU dtype); replaces --gpu-experts / --gpu-budget")
+    g.add_argument("--defer-experts", type=int, default=None, metavar="N",
+                   help="expert deferral (changes the model's output; off by default): each token's N lowest-ranked "
+                   "routed experts of a layer are added to the next layer's output, so that in decode graphs their "
+                   "CPU work overlaps the next layer's attention (KTransformers' Expert Deferral)")
     g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "
                    "routing shifts, when the copy pays for itself (DESIGN.md, Placement); decodes eagerly (default off)")
 
 
 def hybrid_config_from_args(args) -> HybridConfig | None:
     """None when no hybrid flag was given (all experts on the model's device)."""
-    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "plan", "replace")
+    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "plan", "replace", "defer_experts")
     if all(getattr(args, f, None) is None for f in flags):
         return None
     plan, cpu_dtype = None, args.cpu_dtype
@@ -129,6 +139,7 @@ def hybrid_config_from_args(args) -> HybridConfig | None:
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
                         plan=plan, replace=getattr(args, "replace", None) or "off",
+                        defer_experts=getattr(args, "defer_experts", None) or 0,
                         # the plan's VRAM includes its staging slots
                         staging_slots=int(plan.settings.get("staging_slots", 4)) if plan is not None else 4)
 
@@ -183,8 +194,11 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
     warn_shape_mismatch(hw, shape)
     sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
+    if hcfg.defer_experts and hcfg.defer_experts >= cfg.experts_per_token:
+        raise UsageError(f"--defer-experts {hcfg.defer_experts} must be below the model's experts per token "
+                         f"({cfg.experts_per_token})")
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
-                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots)
+                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, defer=hcfg.defer_experts)
     from tqdm import tqdm
 
     # Packing (and quantizing) every layer's experts for the CPU executor takes seconds per layer on big

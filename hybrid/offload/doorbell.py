@@ -93,10 +93,11 @@ class DoorbellLane:
         self.isa = isa
         self._lib = _native.load(isa)
         on_cuda = device is not None and device.type == "cuda"
-        self._words = torch.zeros(1 + self.CAP, dtype=torch.int32, pin_memory=on_cuda)  # [doorbell, done...]
+        # [doorbell, deferred doorbell, done...]
+        self._words = torch.zeros(2 + self.CAP, dtype=torch.int32, pin_memory=on_cuda)
         self._jobs: list = []  # the HostJobs the lane points at: alive as long as the lane
         base = self._words.data_ptr()
-        self._lane = self._lib.hy_lane_create(base, base + 4, self.CAP, int(pin_cpu))
+        self._lane = self._lib.hy_lane_create(base, base + 8, self.CAP, int(pin_cpu))
         if not self._lane:
             raise RuntimeError("cpu_kernels: could not start the doorbell lane thread")
         self._dev_base = device_pointer(base) if on_cuda else None
@@ -118,11 +119,18 @@ class DoorbellLane:
         self._jobs.append(job)
         return jid
 
-    def ring(self, stream: torch.cuda.Stream, jid: int) -> None:
-        """Enqueue on `stream`: run job `jid` on the lane thread, wait for it, re-arm its done word."""
+    def ring(self, stream: torch.cuda.Stream, jid: int, wait: bool = True, bell: int = 0) -> None:
+        """Enqueue on `stream`: run job `jid` on the lane thread (doorbell `bell`: 0 now, 1 deferred) and,
+        with `wait`, wait for it (else call wait_done later, on a stream ordered after this one)."""
         cu, s = _driver(), ctypes.c_void_p(stream.cuda_stream)
-        done = self._dev_base + 4 * jid  # done[jid - 1] sits after the doorbell word
-        _check(cu.cuStreamWriteValue32_v2(s, self._dev_base, jid, 0), "cuStreamWriteValue32")
+        _check(cu.cuStreamWriteValue32_v2(s, self._dev_base + 4 * bell, jid, 0), "cuStreamWriteValue32")
+        if wait:
+            self.wait_done(stream, jid)
+
+    def wait_done(self, stream: torch.cuda.Stream, jid: int) -> None:
+        """Enqueue on `stream`: wait until job `jid` has run, then re-arm its done word."""
+        cu, s = _driver(), ctypes.c_void_p(stream.cuda_stream)
+        done = self._dev_base + 4 * (jid + 1)  # done[jid - 1] sits after the two doorbell words
         _check(cu.cuStreamWaitValue32_v2(s, done, 1, _WAIT_EQ), "cuStreamWaitValue32")
         _check(cu.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
 
@@ -132,17 +140,17 @@ class DoorbellLane:
             raise RuntimeError(f"doorbell lane has no id {jid}")
         self._jobs[jid - 1] = job
 
-    def ring_from_host(self, jid: int, timeout_s: float = 10.0) -> None:
+    def ring_from_host(self, jid: int, bell: int = 0, timeout_s: float = 10.0) -> None:
         """What ring() enqueues, done by this thread (tests and CPU-only hosts)."""
         import time
 
-        self._words[0] = jid
+        self._words[bell] = jid
         t0 = time.monotonic()
-        while int(self._words[jid]) != 1:
+        while int(self._words[jid + 1]) != 1:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"doorbell lane did not answer job {jid}")
             time.sleep(0)
-        self._words[jid] = 0
+        self._words[jid + 1] = 0
 
     def close(self) -> None:
         """Stop the lane thread. Every stream that rings it must have finished."""

@@ -191,12 +191,63 @@ class HybridExperts(nn.Module):
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
         topk_ids, topk_weights = topk_ids.to(dev), topk_weights.to(dev)
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self._forward_captured(x, topk_ids, topk_weights)
-        with off.launcher_pinned():
-            return self._forward_eager(x, topk_ids, topk_weights)
+        captured = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not off.defer:
+            return self._run(x, topk_ids, topk_weights, captured)
+        return self._forward_deferring(x, topk_ids, topk_weights, captured)
 
-    def _forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _run(self, x, topk_ids, topk_weights, captured: bool, deferred: bool = False) -> torch.Tensor:
+        if captured:
+            return self._forward_captured(x, topk_ids, topk_weights)
+        with self.offload.launcher_pinned():
+            return self._forward_eager(x, topk_ids, topk_weights, deferred)
+
+    def _forward_deferring(self, x, topk_ids, topk_weights, captured: bool) -> torch.Tensor:
+        """Expert deferral (Offload.defer): the last `defer` of each token's routed experts (the lowest ranked:
+        the router returns them in rank order) are computed from this layer's input but added to the next
+        hybrid layer's output; the model's last hybrid layer defers nothing and adds what the one before
+        deferred. In captured steps the deferred CPU experts run on the lane beside the next layer's
+        attention; eager steps compute them at once (the same math, no overlap)."""
+        off = self.offload
+        if self is off.layers[0]:
+            off.pending = None  # a new step: nothing deferred into the first layer
+        K = topk_ids.shape[1]
+        d = min(off.defer, K - 1) if self is not off.layers[-1] else 0
+        out = self._run(x, topk_ids[:, :K - d], topk_weights[:, :K - d], captured)
+        pending, off.pending = off.pending, None
+        if pending is not None:
+            out = (out.float() + pending()).to(x.dtype)
+        if d:
+            off.pending = self._defer(x, topk_ids[:, K - d:], topk_weights[:, K - d:], captured)
+        return out
+
+    def _defer(self, x, ids, w, captured: bool):
+        """-> a callable giving the deferred experts' summed output [T, D] fp32 (joined when called)."""
+        if not captured:
+            y = self._run(x, ids, w, captured=False, deferred=True).float()
+            return lambda: y
+        lane = self.offload.host_lane
+        T = x.shape[0]
+        res = None
+        R = len(self.resident_ids)
+        if R:
+            res = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
+            add_resident_captured(res, x, ids, w, self.rank_dev, R,
+                                  lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
+        cpu = lane.enqueue_deferred(self, x, ids, w, self.cold_mask) if bool(self.cold_mask.any()) else None
+        if cpu is None and bool(self.cold_mask.any()):  # no deferred lane here: run them now, join at once
+            y = self._forward_captured(x, ids, w).float()
+            return lambda: y
+
+        def join():
+            if cpu is None:
+                return res
+            lane.join_deferred()
+            return cpu.float() if res is None else res + cpu.float()
+        return join
+
+    def _forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       deferred: bool = False) -> torch.Tensor:
         """The per-batch split: histogram on the host, scheduler, both lanes and the GPU's experts."""
         t_call = time.perf_counter()
         T, K = topk_ids.shape
@@ -214,7 +265,8 @@ class HybridExperts(nn.Module):
         decide_s = time.perf_counter() - t0
         ship_ids = self.cold_ids[split.ship]
         cpu_ids = self.cold_ids[~split.ship & (h_cold > 0)]
-        self._account(hist, h_res, T, len(cpu_ids), len(ship_ids), decide_s, split.total)
+        self._account(hist, h_res, 0 if deferred else T, len(cpu_ids), len(ship_ids), decide_s, split.total,
+                      batch=not deferred)
 
         out = torch.zeros(T, self.D, device=dev, dtype=torch.float32)  # fp32 merge of the lanes
         future = cpu_out = None
@@ -311,9 +363,9 @@ class HybridExperts(nn.Module):
                 a += n
         return out
 
-    def _account(self, hist, h_res, tokens, n_cpu, n_ship, decide_s, predicted_s):
+    def _account(self, hist, h_res, tokens, n_cpu, n_ship, decide_s, predicted_s, batch: bool = True):
         s = self.stats
-        s.batches += 1
+        s.batches += int(batch)  # a deferred call is part of its batch, not another one
         s.tokens += tokens
         s.cpu_experts += n_cpu
         s.shipped_experts += n_ship

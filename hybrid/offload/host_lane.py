@@ -61,10 +61,13 @@ class HostFnLane:
     MAX_ROWS = 512  # decode buckets; larger (prefill) batches never run captured
     _EAGER_JOBS = 64  # eager jobs kept alive until surely run (each layer call syncs the host once)
 
-    def __init__(self, device: torch.device, pin_cpus: set[int] | None = None):
+    def __init__(self, device: torch.device, pin_cpus: set[int] | None = None, defer: bool = False):
         self.device = device
+        self.defer = defer  # expert deferral: deferred jobs get their own stream, buffers and doorbell
         self.pin_cpu = min(pin_cpus) if pin_cpus else -1
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
+        self.defer_stream = torch.cuda.Stream(device) if device.type == "cuda" and defer else None
+        self._deferred_wait = None  # (lane, job id) of the deferred job the next layer waits for
         # Decode-sized calls (<= MAX_ROWS rows; what graphs capture): graphs hold these buffers' addresses,
         # so a grown buffer keeps its predecessor alive. Larger (eager prefill) calls: their own buffers,
         # replaced when they grow (a job still queued holds its tensors through its HostJob).
@@ -120,15 +123,18 @@ class HostFnLane:
         b = self.bufs if T <= self.MAX_ROWS else self.big
         if T <= self.MAX_ROWS and self._use_doorbell and not torch.cuda.is_current_stream_capturing():
             self._packed(T, D, K, dtype)  # what a capture of this size will write into
+            if self.defer:
+                self._packed(T, D, K, dtype, "defer")
         return (b.get("x", T, D, dtype), b.get("ids", T, K, torch.int32), b.get("w", T, K, torch.float32),
                 b.get("out", T, D, dtype), b.get("outd", T, D, dtype, device=self.device))
 
-    def _packed(self, T: int, D: int, K: int, dtype):
+    def _packed(self, T: int, D: int, K: int, dtype, tag: str = ""):
         """Captured decode's page-locked inputs for T rows, back to back in one block: ids int64 [T, K] |
         weights fp32 [T, K] | x [T, D] (as the router and the layer produce them), so one cat kernel writes
         all three through the block's mapped alias; and the output [T, D]. Shared by every layer (the side
-        stream is serial). None if not allocated yet (inside a capture: the three-write path is used)."""
-        key = (T, D, K, dtype)
+        stream is serial). None if not allocated yet (inside a capture: the three-write path is used).
+        tag "defer": the deferred jobs' own block (they run while the next layer's job is written)."""
+        key = (T, D, K, dtype, tag)
         p = self._packs.get(key)
         if p is None and not torch.cuda.is_current_stream_capturing():
             esz = torch.empty(0, dtype=dtype).element_size()
@@ -237,6 +243,37 @@ class HostFnLane:
                 _launch_host_func(self.stream, fn, arg)
             od.copy_(oh, non_blocking=True)
         return od
+
+    def enqueue_deferred(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor):
+        """Captured steps with expert deferral: put the deferred CPU experts of `layer` on the deferred
+        stream and doorbell without waiting for them; join_deferred() (the next hybrid layer) waits. Returns
+        the output [T, D] (read in place), or None where this is not possible (no doorbell lane or no buffers
+        of this size: the caller then runs them at once)."""
+        T, D = x.shape
+        K = ids.shape[1]
+        bell = self.doorbell(layer.cpu_moe.isa)
+        pack = self._packed(T, D, K, x.dtype, "defer") if bell is not None and self.defer_stream is not None else None
+        if pack is None or self._deferred_wait is not None:
+            return None
+        block, xh, ih, wh, oh = pack
+        job = layer.cpu_moe.host_job(xh, ih, wh, oh, expert_mask=mask, pin_cpu=self.pin_cpu)
+        self._graph_jobs.append(job)
+        jid = bell.add(job)
+        self.defer_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.defer_stream):
+            parts = [ids.to(torch.int64), w.to(torch.float32), x]
+            torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
+            bell.ring(self.defer_stream, jid, wait=False, bell=1)
+        self._deferred_wait = (bell, jid)
+        return self._alias(oh)
+
+    def join_deferred(self) -> None:
+        """The current stream waits for the deferred job put on by enqueue_deferred."""
+        bell, jid = self._deferred_wait
+        self._deferred_wait = None
+        with torch.cuda.stream(self.defer_stream):
+            bell.wait_done(self.defer_stream, jid)
+        torch.cuda.current_stream().wait_stream(self.defer_stream)
 
     def _alias(self, t: torch.Tensor) -> torch.Tensor:
         """The mapped CUDA alias of a pinned buffer view (made once per view; graphs hold its address)."""

@@ -38,9 +38,9 @@ class HostBuffers:
 
     def get(self, name: str, rows: int, cols: int, dtype: torch.dtype, device=None) -> torch.Tensor:
         """[rows, cols] view of the buffer `name` (on `device` if given, else on the host)."""
-        key = (name, dtype, device)
+        key = (name, dtype, device, cols)  # a lane used with two widths (expert deferral) keeps both
         buf = self._bufs.get(key)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+        if buf is None or buf.shape[0] < rows:
             on_host = device is None
             if buf is not None:
                 if self.keep_old:

@@ -28,7 +28,7 @@ class Offload:
 
     def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
                  cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 3,
-                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True):
+                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True, defer: int = 0):
         self.device = torch.device(device)
         self.dtype = dtype
         self.lane_cpus: set[int] | None = None
@@ -45,6 +45,13 @@ class Offload:
         self.replacer = None  # hybrid.offload.replace.OnlineReplacer when --replace online
         self.pinned_weight_bytes = 0
         self.layers: list["HybridExperts"] = []
+        if defer < 0:
+            raise ValueError(f"defer must be >= 0, got {defer}")
+        # Expert deferral (off by default: it changes the model's math): each token's `defer` lowest-ranked
+        # routed experts of a hybrid layer are added to the next hybrid layer's output, so that in captured
+        # decode their CPU work runs beside the next layer's attention (KTransformers, SOSP'25).
+        self.defer = defer
+        self.pending = None  # the deferred output of the layer before: a callable giving [T, D]
 
     def _split_cores(self, threads: int | None):
         """Give the CPU executor's pool all cores but one, leaving one for the GPU-launching thread.
@@ -123,7 +130,7 @@ class Offload:
         if self._host_lane is None:
             from hybrid.offload.host_lane import HostFnLane
 
-            self._host_lane = HostFnLane(self.device, pin_cpus=self.lane_cpus)
+            self._host_lane = HostFnLane(self.device, pin_cpus=self.lane_cpus, defer=self.defer > 0)
         return self._host_lane
 
     def uses_host_lane(self, layer) -> bool:
