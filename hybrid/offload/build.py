@@ -112,7 +112,7 @@ def add_hybrid_arguments(p) -> None:
     g.add_argument("--plan", metavar="FILE", help="placement plan written by `hybrid plan --out` (resident experts "
                    "per layer, CPU dtype); replaces --gpu-experts / --gpu-budget")
     g.add_argument("--defer-experts", type=int, default=None, metavar="N",
-                   help="expert deferral (changes the model's output; off by default): each token's N lowest-ranked "
+                   help="expert deferral, experimental (changes the model's output; off by default): each token's N lowest-ranked "
                    "routed experts of a layer are added to the next layer's output, so that in decode graphs their "
                    "CPU work overlaps the next layer's attention (KTransformers' Expert Deferral)")
     g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "

@@ -67,7 +67,7 @@ class HostFnLane:
         self.pin_cpu = min(pin_cpus) if pin_cpus else -1
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # None: host-side tests
         self.defer_stream = torch.cuda.Stream(device) if device.type == "cuda" and defer else None
-        self._deferred_wait = None  # (lane, job id) of the deferred job the next layer waits for
+        self._deferred_wait = None  # (lane, job id, its inputs) of the deferred job the next layer waits for
         # Decode-sized calls (<= MAX_ROWS rows; what graphs capture): graphs hold these buffers' addresses,
         # so a grown buffer keeps its predecessor alive. Larger (eager prefill) calls: their own buffers,
         # replaced when they grow (a job still queued holds its tensors through its HostJob).
@@ -264,16 +264,18 @@ class HostFnLane:
             parts = [ids.to(torch.int64), w.to(torch.float32), x]
             torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
             bell.ring(self.defer_stream, jid, wait=False, bell=1)
-        self._deferred_wait = (bell, jid)
+        # The inputs stay referenced until the next layer's join: the main stream must not reuse their memory
+        # (the caching allocator would, once Python drops them) before the deferred stream has read them.
+        self._deferred_wait = (bell, jid, (x, ids, w))
         return self._alias(oh)
 
     def join_deferred(self) -> None:
         """The current stream waits for the deferred job put on by enqueue_deferred."""
-        bell, jid = self._deferred_wait
-        self._deferred_wait = None
+        bell, jid, _inputs = self._deferred_wait
         with torch.cuda.stream(self.defer_stream):
             bell.wait_done(self.defer_stream, jid)
         torch.cuda.current_stream().wait_stream(self.defer_stream)
+        self._deferred_wait = None  # the inputs may be freed now: every later use of their memory is ordered
 
     def _alias(self, t: torch.Tensor) -> torch.Tensor:
         """The mapped CUDA alias of a pinned buffer view (made once per view; graphs hold its address)."""
