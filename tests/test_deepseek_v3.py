@@ -17,24 +17,10 @@ from hybrid.models import load_model  # noqa: E402
 from hybrid.models.families import family_for  # noqa: E402
 from hybrid.models.mla import MLAttention  # noqa: E402
 from hybrid.runtime import Engine  # noqa: E402
-from tiny_models import DEEPSEEK_VARIANTS, VOCAB, hf_config, hf_greedy, hf_logits, make_checkpoint  # noqa: E402
+from tiny_models import DEEPSEEK_VARIANTS, VOCAB, batched_logits, hf_config, hf_greedy, hf_logits, make_checkpoint  # noqa: E402
 
 PROMPTS = ([5, 77, 3, 200, 41, 9, 17], [250, 1, 64, 33, 2, 8, 90, 100, 101, 7, 6, 5], [9, 9, 31])
 
-
-def _batched_logits(engine, prompts, slots):
-    B, T = len(prompts), max(map(len, prompts))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    pos = torch.full((B, T), -1, dtype=torch.long)
-    for b, p in enumerate(prompts):  # right padding
-        ids[b, :len(p)] = torch.tensor(p)
-        pos[b, :len(p)] = torch.arange(len(p))
-    for s in slots:
-        engine.allocate_slot()
-    out = engine.forward(ids, pos, torch.tensor(slots))
-    for b, p in enumerate(prompts):
-        engine.lengths[slots[b]] = len(p)
-    return out
 
 
 @pytest.fixture(scope="module", params=sorted(DEEPSEEK_VARIANTS))
@@ -54,7 +40,7 @@ def test_variant_logits_and_greedy_match_transformers(variant):
     assert cfg.router.n_group == over["n_group"] and cfg.moe_layers.count(False) == over["first_k_dense_replace"]
     engine = Engine(model, max_batch=4, max_context=48)
     slots = [2, 0, 3]
-    logits = _batched_logits(engine, list(PROMPTS), slots)
+    logits = batched_logits(engine, list(PROMPTS), slots)
     for b, p in enumerate(PROMPTS):
         assert (logits[b, :len(p)] - hf_logits(hf, p)).abs().max().item() <= 1e-4
     seqs = [list(p) for p in PROMPTS]

@@ -12,11 +12,15 @@ from test_cpu_moe import COMPILED
 E, F, D, K = 6, 64, 96, 4
 
 
+def small_moe(isa, seed):
+    g = torch.Generator().manual_seed(seed)
+    return CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
+                  torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2), g
+
+
 @pytest.mark.parametrize("isa", [i for i in COMPILED if i != "amx"])
 def test_lane_runs_registered_jobs_in_any_order(isa):
-    g = torch.Generator().manual_seed(0)
-    moe = CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
-                 torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2)
+    moe, g = small_moe(isa, 0)
     lane = DoorbellLane(isa)
     try:
         jobs = []
@@ -43,9 +47,7 @@ def test_lane_runs_registered_jobs_in_any_order(isa):
 
 def test_set_repoints_an_id():
     isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
-    g = torch.Generator().manual_seed(1)
-    moe = CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
-                 torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2)
+    moe, g = small_moe(isa, 1)
     lane = DoorbellLane(isa)
     try:
         x = torch.randn(2, D, generator=g).bfloat16()
@@ -65,9 +67,7 @@ def test_set_repoints_an_id():
 
 def test_host_job_takes_int64_ids_as_the_router_writes_them():
     isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
-    g = torch.Generator().manual_seed(2)
-    moe = CpuMoE(torch.randn(E, F, D, generator=g) / 10, torch.randn(E, F, D, generator=g) / 10,
-                 torch.randn(E, D, F, generator=g) / 10, isa=isa, threads=2)
+    moe, g = small_moe(isa, 2)
     x = torch.randn(3, D, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(3)])  # int64
     w = torch.rand(3, K, generator=g)

@@ -137,3 +137,22 @@ def deepseek_raw(**overrides) -> dict:
     raw = hf_config("deepseek_v3", **overrides).to_dict()
     raw.pop("quantization_config", None)
     return raw
+
+
+def batched_logits(engine, prompts, slots):
+    """Logits of a right-padded batch prefill of `prompts` into fresh `slots` of `engine` (then marks the
+    slots' lengths, so decode steps can follow)."""
+    import torch
+
+    B, T = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.full((B, T), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):  # right padding
+        ids[b, :len(p)] = torch.tensor(p)
+        pos[b, :len(p)] = torch.arange(len(p))
+    for _ in slots:
+        engine.allocate_slot()
+    out = engine.forward(ids, pos, torch.tensor(slots))
+    for b, p in enumerate(prompts):
+        engine.lengths[slots[b]] = len(p)
+    return out
