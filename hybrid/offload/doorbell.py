@@ -65,6 +65,8 @@ def mapped_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if device.index is None:  # the storage's device must name the index, as torch.empty's does
         device = torch.device(device.type, torch.cuda.current_device())
+    # A private torch entry point (torch.compile's CUDA-graph trees build storages with it), here because no
+    # public one makes a CUDA tensor over memory torch did not allocate on the device; ran on torch 2.11.
     st = torch._C._construct_storage_from_data_pointer(device_pointer(t.data_ptr()), device, nbytes)
     return torch.empty(0, dtype=t.dtype, device=device).set_(st, 0, t.shape, t.stride())
 
