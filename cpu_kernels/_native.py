@@ -40,7 +40,9 @@ class IsaUnavailable(RuntimeError):
 
 class HyMat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("rsum", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p),
                 ("w_estride", ctypes.c_int64), ("s_estride", ctypes.c_int64), ("r_estride", ctypes.c_int64),
+                ("b_estride", ctypes.c_int64),
                 ("rows", ctypes.c_int32), ("rows_p", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("ldk", ctypes.c_int32), ("group", ctypes.c_int32), ("dtype", ctypes.c_int32)]
 

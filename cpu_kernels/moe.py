@@ -114,7 +114,9 @@ class CpuMoE:
     routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
     32/64/128). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
-    activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). amx_min_tokens: tokens per expert from
+    activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
+    per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
+    up x + b_up)) + b_down, weighted by the routing weight. amx_min_tokens: tokens per expert from
     which the AMX path is used (default: the knee measured for dtype). Attributes: isa, nbytes (packed
     weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
@@ -122,13 +124,22 @@ class CpuMoE:
     def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
-                 alpha: float = 1.702, limit: float = 7.0):
+                 alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None):
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             _check_tensor(name, w, 3, _WEIGHT_DTYPES)
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
                              f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
+        biases = []
+        for name, b, shape in (("b_gate", b_gate, (E, F)), ("b_up", b_up, (E, F)), ("b_down", b_down, (E, D))):
+            if b is not None:
+                _check_tensor(name, b, 2, _WEIGHT_DTYPES)
+                if tuple(b.shape) != shape:
+                    raise ValueError(f"{name} must be {list(shape)}, got {tuple(b.shape)}")
+                b = b.detach().float().contiguous()
+            biases.append(b)
+        self._bias = tuple(biases)  # fp32 (b_gate, b_up, b_down), None where absent
         if E < 1 or F < 1 or D < 1:
             raise ValueError("empty weights")
         if dtype not in DTYPES:
@@ -253,6 +264,18 @@ class CpuMoE:
         self.nbytes += self.E * q_bytes + sum(b.numel() for b in bufs if b is not None)
         return m
 
+    def _set_bias(self, pool: int, m: _native.HyMat, b) -> None:
+        """m.bias = b [E, rows] fp32, zero padded to [E, rows_p] in node-local memory (nullptr when b is None)."""
+        if b is None:
+            m.bias, m.b_estride = None, 0
+            return
+        bp = torch.nn.functional.pad(b.float(), (0, m.rows_p - b.shape[1])).contiguous()
+        dst = torch.empty_like(bp)
+        _native.load(self.isa).hy_pool_copy(pool, dst.data_ptr(), bp.data_ptr(), bp.numel() * 4)
+        self._keep.append(dst)
+        m.bias, m.b_estride = dst.data_ptr(), m.rows_p
+        self.nbytes += dst.numel() * 4
+
     def _pack_native(self, w_gate, w_up, w_down):
         self.nbytes = 0
         layer = _native.HyLayer()
@@ -273,19 +296,26 @@ class CpuMoE:
             node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], Fn, self.D, kp, (block, 0, stride))
             node.up = self._mat(node.pool, w_up[:, f0:f1, :], Fn, self.D, kp, (block, sizes[0], stride))
             node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, Fn, _ROW_ALIGN, (block, sizes[0] + sizes[1], stride))
+            bg, bu, bd = self._bias
+            self._set_bias(node.pool, node.gate, None if bg is None else bg[:, f0:f1])
+            self._set_bias(node.pool, node.up, None if bu is None else bu[:, f0:f1])
+            self._set_bias(node.pool, node.down, bd if n == 0 else None)  # added once: node 0's partial carries it
         self._layer = layer
         self._slices = slices
 
     def packed_weights(self) -> list[dict]:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
-        bytes back to back (None with `ref`); gate/up/down are {q, scale, rows, k, dtype, group}, q a view
+        bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group}; bias
+        fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
+        b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
         into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
         cpu_kernels.quant), zero padded, so q[:, :rows, :k] is the plain matrix. With the `ref` ISA: one
         slice of plain de-quantized tensors."""
         if self.isa == "ref":
             g, u, d = self._ref
-            plain = [dict(q=t, scale=None, rows=t.shape[1], k=t.shape[2], dtype="plain", group=0) for t in (g, u, d)]
+            plain = [dict(q=t, scale=None, bias=b, rows=t.shape[1], k=t.shape[2], dtype="plain", group=0)
+                     for t, b in zip((g, u, d), self._bias)]
             return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
         qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.dtype]
@@ -301,7 +331,8 @@ class CpuMoE:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
-                mats[name] = dict(q=q, scale=s, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group)
+                b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None
+                mats[name] = dict(q=q, scale=s, bias=b, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group)
             out.append(dict(f0=f0, f1=f1, block=blk, **mats))
         return out
 
@@ -370,8 +401,9 @@ class CpuMoE:
     def _forward_ref(self, x, topk_ids, topk_weights, lmap, out):
         local = lmap[topk_ids.long()].long()
         held = local >= 0  # tokens routed to experts not held here (or masked) contribute nothing
+        bg, bu, bd = self._bias
         res = moe_forward(x, *self._ref, torch.where(held, local, 0), torch.where(held, topk_weights.float(), 0.0),
-                          activation=self.activation, alpha=self.alpha, limit=self.limit)
+                          activation=self.activation, alpha=self.alpha, limit=self.limit, b_gate=bg, b_up=bu, b_down=bd)
         out.copy_(res)
         return out
 

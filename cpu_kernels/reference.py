@@ -27,11 +27,12 @@ def gated_activation(g: torch.Tensor, u: torch.Tensor, activation: str = "silu",
 
 
 def moe_forward(x, w_gate, w_up, w_down, topk_ids, topk_weights, expert_mask=None, activation="silu",
-                alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
     """out[t] = sum over k with expert_mask[ids[t,k]] of topk_weights[t,k] * expert_{ids[t,k]}(x[t]).
 
     x [T, D]; w_gate, w_up [E, F, D]; w_down [E, D, F]; topk_ids, topk_weights [T, K]; expert_mask bool
-    [E] or None (all). expert(x) = down(act(gate(x), up(x))). fp32 accumulation; output dtype of x.
+    [E] or None (all); optional biases b_gate, b_up [E, F] and b_down [E, D] (gpt-oss).
+    expert(x) = down(act(gate(x) + b_gate, up(x) + b_up)) + b_down. fp32 accumulation; output dtype of x.
     """
     if x.dim() != 2 or w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_down.dim() != 3:
         raise ValueError("moe_forward: expected x [T, D], w_gate/w_up [E, F, D], w_down [E, D, F]")
@@ -42,6 +43,9 @@ def moe_forward(x, w_gate, w_up, w_down, topk_ids, topk_weights, expert_mask=Non
                          f"{tuple(w_down.shape)} do not agree")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError("moe_forward: topk_ids and topk_weights must both be [T, K]")
+    for name, b, shape in (("b_gate", b_gate, (E, F)), ("b_up", b_up, (E, F)), ("b_down", b_down, (E, D))):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(f"moe_forward: {name} must be {list(shape)}, got {tuple(b.shape)}")
     ids = topk_ids.long()
     if ids.numel() and (ids.min() < 0 or ids.max() >= E):
         raise ValueError(f"moe_forward: topk_ids out of range [0, {E})")
@@ -52,7 +56,14 @@ def moe_forward(x, w_gate, w_up, w_down, topk_ids, topk_weights, expert_mask=Non
             continue
         tok, kk = (ids == e).nonzero(as_tuple=True)
         xe = xf[tok]  # [m, D]
-        h = gated_activation(xe @ w_gate[e].float().T, xe @ w_up[e].float().T, activation, alpha, limit)
+        g, u = xe @ w_gate[e].float().T, xe @ w_up[e].float().T
+        if b_gate is not None:
+            g = g + b_gate[e].float()
+        if b_up is not None:
+            u = u + b_up[e].float()
+        h = gated_activation(g, u, activation, alpha, limit)
         y = h @ w_down[e].float().T  # [m, D]
+        if b_down is not None:
+            y = y + b_down[e].float()
         out.index_add_(0, tok, y * topk_weights[tok, kk].float()[:, None])
     return out.to(x.dtype)

@@ -8,9 +8,9 @@
 // Phases of one call (each a dynamic parallel-for; NUMA nodes run theirs concurrently on their pools):
 //   0  prepare each token's row once: bf16, or int8 + scale + group sums            (node 0's pool)
 //   P  AMX experts: pack their token rows into VNNI B tiles                          (node 0's pool)
-//   1  (expert, 64-row block of F_n): gate and up GEMMs, activation, h [m, F_n]      (every node)
+//   1  (expert, 64-row block of F_n): gate and up GEMMs (+ biases), activation, h [m, F_n] (every node)
 //   Q  int8/int4: quantize h rows; AMX experts: pack h into B tiles                 (every node)
-//   2  32/64-row block of D: down GEMM of every expert, weighted scatter into acc_n [T, D]
+//   2  32/64-row block of D: down GEMM of every expert (+ b_down, node 0), weighted scatter into acc_n [T, D]
 //   3  out = sum over nodes of acc_n, converted to out's dtype (one node: done at the end of 2)
 #pragma once
 #include <algorithm>
@@ -131,14 +131,19 @@ void run_nodes(const HyLayer* L, F make, std::function<int(int)> ntasks) {
   for (int i = 0; i < ns; ++i) started[i]->finish();
 }
 
-// Rows r0..r0+nr of h = act(gate) * up for an expert's m tokens (Cg, Cu: [m, 64] fp32 GEMM results): bf16
-// into the token rows hrow[i] (zeroing the padding after the last block), or fp32 into hf [m, F_n] for
-// int8/int4, quantized once the whole row is known.
-void store_h(const HyLayer* L, const HyNode& N, const float* Cg, const float* Cu, int m, int r0, int nr,
+// Rows r0..r0+nr of h = act(gate + b_gate) * (up + b_up) for expert e's m tokens (Cg, Cu: [m, 64] fp32 GEMM
+// results; the biases only where the node has them): bf16 into the token rows hrow[i] (zeroing the padding
+// after the last block), or fp32 into hf [m, F_n] for int8/int4, quantized once the whole row is known.
+void store_h(const HyLayer* L, const HyNode& N, int e, const float* Cg, const float* Cu, int m, int r0, int nr,
              const uint8_t* const* hrow, float* hf) {
+  const float* bg = N.gate.bias ? N.gate.bias + e * N.gate.b_estride + r0 : nullptr;
+  const float* bu = N.up.bias ? N.up.bias + e * N.up.b_estride + r0 : nullptr;
+  alignas(64) float gb[64], ub[64];
   for (int i = 0; i < m; ++i) {
     const float* g = Cg + i * 64;
     const float* u = Cu + i * 64;
+    if (bg) { for (int r = 0; r < nr; ++r) gb[r] = g[r] + bg[r]; g = gb; }
+    if (bu) { for (int r = 0; r < nr; ++r) ub[r] = u[r] + bu[r]; u = ub; }
     if (L->dtype == HY_BF16) {
       float v[64];
       gated_act_row(L->act, g, u, v, nr, L->alpha, L->limit);
@@ -307,7 +312,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
         vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
       }
-      store_h(L, N, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
+      store_h(L, N, a.e, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
     });
   }, [&](int n) { return na * ((L->nodes[n].gate.rows_p + 63) / 64); });
 
@@ -382,11 +387,13 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         } else {
           vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, ldc);
         }
+        const float* bd = N.down.bias ? N.down.bias + a.e * N.down.b_estride + r0 : nullptr;  // node 0 only
         for (int i = 0; i < a.m; ++i) {
           float w = wt[a.off + i];
           float* dst = acc[n] + (int64_t)tok[a.off + i] * ldacc + r0;
           const float* c = C + (int64_t)i * ldc;
-          for (int r = 0; r < nr; ++r) dst[r] += w * c[r];
+          if (bd) for (int r = 0; r < nr; ++r) dst[r] += w * (c[r] + bd[r]);  // out += w * (W_down h + b_down)
+          else for (int r = 0; r < nr; ++r) dst[r] += w * c[r];
         }
       }
       if (nn == 1) write_out(acc[0] + r0, ldacc, r0, std::min(nr, D - r0));  // block still in cache

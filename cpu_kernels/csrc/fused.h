@@ -3,7 +3,7 @@
 //
 // Tasks of one node, in this order (experts heaviest first, as act[] is sorted):
 //   [0, na * nbu)            (expert j, rbu-row block of F_n): gate and up GEMMs, activation -> h rows
-//   [na * nbu, + na * nbd)   (expert j, rbd-row block of D):  down GEMM -> Y[j's rows, block], fp32
+//   [na * nbu, + na * nbd)   (expert j, rbd-row block of D):  down GEMM (+ b_down, node 0) -> Y[j's rows, block], fp32
 // A down task of expert j waits (spins) until j's gate/up blocks are all done; the thread that finishes
 // j's last gate/up block also quantizes j's h rows (int8/int4) before it publishes them. Tasks are taken
 // in index order, so every gate/up task is already running when the first down task is taken: a waiting
@@ -117,7 +117,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         float* Cu = Cg + (int64_t)m_max_pad * 64;
         vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
         vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
-        store_h(L, N, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
+        store_h(L, N, a.e, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
         const int x = n * na + j;
         if (S.gu_done[x].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nbu[n]) {  // j's h is complete
           if (dt != HY_BF16)
@@ -133,7 +133,13 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
       const Active& a = act[j];
       const int x = n * na + j;
       while (!S.ready[x].v.load(std::memory_order_acquire)) _mm_pause();
-      vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, Y[n] + (int64_t)a.off * Dp + r0, Dp);
+      float* y = Y[n] + (int64_t)a.off * Dp + r0;
+      vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, y, Dp);
+      if (N.down.bias) {  // Y = W_down h + b_down (node 0 only: the node sum in reduce_block adds it once)
+        const float* bd = N.down.bias + a.e * N.down.b_estride + r0;
+        for (int i = 0; i < a.m; ++i)
+          for (int r = 0; r < nr; ++r) y[(int64_t)i * Dp + r] += bd[r];
+      }
       if (S.blk_done[b].v.fetch_add(1, std::memory_order_acq_rel) + 1 == na * nn) reduce_block(b);
     });
   }, [&](int n) { return na * (nbu[n] + nbd); });

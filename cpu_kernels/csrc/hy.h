@@ -21,9 +21,12 @@ typedef struct {
   const uint8_t* w;
   const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
+  const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
+                         // node's F slice; down: set on node 0 only, so the node sum adds it once
   int64_t w_estride;     // bytes between experts
   int64_t s_estride;     // floats between experts in scale
   int64_t r_estride;     // int32s between experts in rsum
+  int64_t b_estride;     // floats between experts in bias
   int32_t rows, rows_p, k, ldk, group, dtype;
 } HyMat;
 
