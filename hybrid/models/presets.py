@@ -6,6 +6,24 @@ from __future__ import annotations
 
 import copy
 
+# deepseek-ai/DeepSeek-V3 (R1 and V3.1 share the shapes): MLA, 256 routed experts in 8 groups, top-8 from
+# 4 groups, 1 shared expert, the first 3 layers dense, YaRN x40; published weights block-FP8 (not part of
+# a preset: `make_checkpoint --fp8` writes them so). Its 1 multi-token-prediction layer is not modelled.
+_DEEPSEEK_V3: dict = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+    "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
+}
+
 PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
@@ -50,38 +68,16 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": None, "eos_token_id": 50279,
         "torch_dtype": "bfloat16",
     },
-    # deepseek-ai/DeepSeek-V3 (R1 and V3.1 share the shapes): MLA, 256 routed experts in 8 groups, top-8 from
-    # 4 groups, 1 shared expert, the first 3 layers dense, YaRN x40; published weights block-FP8 (not part of
-    # a preset: `make_checkpoint --fp8` writes them so). Its 1 multi-token-prediction layer is not modelled.
-    "deepseek-v3": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
-        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                              "type": "yarn"},
-        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-        "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
-    },
+    "deepseek-v3": _DEEPSEEK_V3,
     # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture with 384 routed experts, 64 heads, one group, one
     # dense layer, a 163840 vocabulary and YaRN x32 over rope_theta 50000; published weights block-FP8.
     "kimi-k2": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
-        "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
-        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
-        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-        "rope_theta": 50000.0, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                                "type": "yarn"},
-        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585,
-        "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
+        **_DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "bos_token_id": 163584, "eos_token_id": 163585, "num_nextn_predict_layers": 0,
     },
     # zai-org/GLM-4.5 (4.6 and 4.7 share the shapes; 4.6's context is 202752): 355B total / 32B active, 160 routed
     # experts top-8 in one group, 1 shared expert, the first 3 layers dense, half of each 128-dim head rotated,
@@ -106,6 +102,7 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
     },
 }
+
 
 
 def hf_config(name: str, layers: int | None = None) -> dict:
