@@ -7,7 +7,6 @@ every request batched with the bad one.
 """
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from hybrid.server.metrics import Metrics
 from hybrid.server.scheduler import Scheduler, Sequence
 from hybrid.server.schemas import SamplingParams
 from hybrid.server.testing import VOCAB, fake_runtime
+from test_server_scheduler import Collector
 
 TINY = [1e-40, 5e-324, 1e-300, 1e-12]  # temperatures / top_p that underflow float32 (some float64)
 TOP_K = [0, 1, 2, VOCAB - 1, VOCAB, VOCAB + 1, 10**30]
@@ -56,30 +56,12 @@ def test_filtered_logits_keep_the_best_token_finite_and_never_nan():
         EngineParams(temperature=float("nan"))
 
 
-class Sink:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if ev.kind in ("done", "error"):
-            self.done.set()
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.events if e.kind == "text")
-
-    @property
-    def kind(self):
-        return self.events[-1].kind
-
-
 def _run_together(rt, requests, max_tokens=12):
     """All requests queued before the engine starts, so they prefill and decode as one batch."""
     sched = Scheduler(rt, Metrics(), max_queue=64, prefill_chunk=512)
     sinks = []
     for ids, params in requests:
-        sinks.append(Sink())
+        sinks.append(Collector())
         sched.submit([Sequence(list(ids), max_tokens, params, sinks[-1])])
     sched.start()
     try:

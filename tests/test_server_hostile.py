@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hybrid.server.testing import fake_runtime
-from test_server_http import ServerThread, _completion
+from test_server_http import ServerThread, _completion, _raw, _wait_health
 
 
 @pytest.fixture
@@ -21,21 +21,6 @@ def server():
     s = ServerThread(fake_runtime(max_batch=4, max_context=128), max_queue=8, max_body_bytes=4 << 20)
     yield s
     s.close()
-
-
-def _raw(port, data: bytes, timeout=15.0) -> bytes:
-    """Send raw bytes, read until the server closes the connection."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    try:
-        s.sendall(data)
-        got = b""
-        while True:
-            more = s.recv(65536)
-            if not more:
-                return got
-            got += more
-    finally:
-        s.close()
 
 
 def _request(path, body: bytes, headers: bytes = b"Content-Type: application/json\r\n") -> bytes:
@@ -213,12 +198,10 @@ def test_cancelled_queued_requests_are_counted():
         rt.engine.gate.clear()  # the engine blocks inside the first prefill
         with cf.ThreadPoolExecutor(1) as pool:
             first = pool.submit(srv.post, "/v1/completions", {"prompt": "one", "max_tokens": 3})
-            while srv.health()["free_slots"] != 0:
-                time.sleep(0.01)
+            _wait_health(srv, "free_slots", 0)
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
             s.sendall(_request(b"/v1/completions", b'{"prompt": "two", "max_tokens": 3}'))
-            while srv.health()["waiting"] != 1:
-                time.sleep(0.01)
+            _wait_health(srv, "waiting", 1)
             s.close()  # leaves while queued
             deadline = time.monotonic() + 10  # the server noticed: its handler ended as "client closed"
             while 'status="499"} 1' not in srv.get("/metrics"):

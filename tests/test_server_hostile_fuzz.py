@@ -10,12 +10,11 @@ hook, tested elsewhere - so generated prompts avoid it.
 import concurrent.futures as cf
 import json
 import random
-import socket
 
 import pytest
 
 from hybrid.server.testing import FAIL_BYTE, fake_runtime
-from test_server_http import ServerThread, _completion
+from test_server_http import ServerThread, _completion, _raw
 
 SEED = 20240614
 N_CASES = 400
@@ -137,20 +136,6 @@ def _case(rng, i, key=None):
     return kind, head + body, kind != 7 or choice not in (2, 4, 5)
 
 
-def _exchange(port, data: bytes) -> bytes:
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)  # a hang fails the test (timeout)
-    try:
-        s.sendall(data)
-        got = b""
-        while True:
-            more = s.recv(65536)
-            if not more:
-                return got
-            got += more
-    finally:
-        s.close()
-
-
 def _check(kind, raw_response: bytes, app_level: bool) -> int:
     """Asserts the answer is well formed; returns its status."""
     if not raw_response:
@@ -213,7 +198,7 @@ def _barrage(server, key):
     rng = random.Random(SEED)
     cases = [_case(rng, i, key) for i in range(N_CASES)]
     with cf.ThreadPoolExecutor(4) as pool:  # concurrent: bad requests share batches with good ones
-        statuses = list(pool.map(lambda c: _check(c[0], _exchange(server.port, c[1]), c[2]), cases))
+        statuses = list(pool.map(lambda c: _check(c[0], _raw(server.port, c[1], timeout=30), c[2]), cases))
     assert len(statuses) == N_CASES
     counts = {s: statuses.count(s) for s in sorted(set(statuses))}
     print(f"{N_CASES} fuzzed requests, key={key is not None}: statuses {counts}")

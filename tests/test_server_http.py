@@ -93,6 +93,27 @@ def server():
     s.close()
 
 
+def _raw(port, data: bytes, timeout=15.0) -> bytes:
+    """Send raw bytes, read until the server closes the connection (a hang past `timeout` fails the test)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(data)
+        got = b""
+        while True:
+            more = s.recv(65536)
+            if not more:
+                return got
+            got += more
+    finally:
+        s.close()
+
+
+def _wait_health(srv, key, value):
+    """Polls /health until its `key` reads `value`."""
+    while srv.health()[key] != value:
+        time.sleep(0.01)
+
+
 def _completion(client, prompt, **kw):
     r = client.completions.create(model="fake", prompt=prompt, temperature=0, **kw)
     return r.choices[0].text, r.choices[0].finish_reason, r.usage
@@ -229,11 +250,9 @@ def test_full_queue_gets_429_and_accepted_requests_still_complete():
         rt.engine.gate.clear()  # the engine blocks inside the first prefill
         with cf.ThreadPoolExecutor(2) as pool:
             first = pool.submit(srv.post, "/v1/completions", {"prompt": "one", "max_tokens": 3})
-            while srv.health()["free_slots"] != 0:
-                time.sleep(0.01)
+            _wait_health(srv, "free_slots", 0)
             second = pool.submit(srv.post, "/v1/completions", {"prompt": "two", "max_tokens": 3})
-            while srv.health()["waiting"] != 1:
-                time.sleep(0.01)
+            _wait_health(srv, "waiting", 1)
             status, headers, body = srv.post("/v1/completions", {"prompt": "three", "max_tokens": 3})
             assert status == 429 and int(headers["Retry-After"]) >= 1
             assert body["error"]["type"] == "rate_limit_error"

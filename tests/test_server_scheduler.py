@@ -31,6 +31,11 @@ class Collector:
     def terminal(self):
         return [e for e in self.events if e.kind in ("done", "error")]
 
+    @property
+    def kind(self):
+        """The last event's kind ('done' or 'error' once the sequence ended)."""
+        return self.events[-1].kind
+
 
 def _seq(ids, max_tokens, params=GREEDY):
     c = Collector()
