@@ -17,6 +17,16 @@ if not torch.cuda.is_available():
 E, D, F_, K = 16, 512, 384, 4
 
 
+def demo_checkpoint(tmp_path, layers: int, seed: int):
+    """A random demo-shaped checkpoint (vocab 256, no EOS); std 0.1 keeps greedy tokens away from ties."""
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=256, num_hidden_layers=layers, eos_token_id=None, pad_token_id=None)
+    return write_random_checkpoint(tmp_path / "ckpt", cfg, seed=seed, std=0.1)
+
+
 def weights(seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(*s, generator=g) / s[-1] ** 0.5).to(torch.bfloat16) for s in ((E, F_, D), (E, F_, D), (E, D, F_))]
@@ -99,15 +109,11 @@ def test_compiled_isa_is_used_on_the_box():
 
 def test_captured_decode_matches_eager(tmp_path):
     """Decode in CUDA graphs (CPU lane as a host function) against eager decode of the same hybrid model."""
-    from hybrid.models.presets import hf_config
-    from hybrid.models.writer import write_random_checkpoint
     from hybrid.offload.build import HybridConfig, load_hybrid
     from hybrid.runtime.engine import Engine
     from hybrid.runtime.sampling import SamplingParams
 
-    cfg = hf_config("demo")
-    cfg.update(vocab_size=256, num_hidden_layers=3, eos_token_id=None, pad_token_id=None)
-    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=3, std=0.1)
+    ckpt = demo_checkpoint(tmp_path, layers=3, seed=3)
     prompts = [[5, 17, 99, 3, 250, 41, 7], [200, 1, 64], [9] * 12]
     outs, logits = [], []
     for eager in (True, False):
@@ -132,16 +138,12 @@ def test_captured_decode_matches_eager(tmp_path):
 @pytest.mark.parametrize("resident", [0, 4])
 def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resident):
     """Captured decode with the doorbell lane (mapped inputs and output, stream memory operations) gives the
-    logits the host-function lane gives, and the doorbell lane really served the captured layers."""
-    from hybrid.models.presets import hf_config
-    from hybrid.models.writer import write_random_checkpoint
+    greedy tokens the host-function lane gives, and the doorbell lane really served the captured layers."""
     from hybrid.offload.build import HybridConfig, load_hybrid
     from hybrid.runtime.engine import Engine
     from hybrid.runtime.sampling import SamplingParams
 
-    cfg = hf_config("demo")
-    cfg.update(vocab_size=256, num_hidden_layers=3, eos_token_id=None, pad_token_id=None)
-    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=4, std=0.1)
+    ckpt = demo_checkpoint(tmp_path, layers=3, seed=4)
     runs = {}
     for bell in ("1", "0"):
         monkeypatch.setenv("HYBRID_DOORBELL", bell)
@@ -162,15 +164,11 @@ def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resid
 def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
     """Expert deferral in decode graphs (the deferred CPU job on its own stream and doorbell, joined by the next
     layer) computes what eager deferral computes."""
-    from hybrid.models.presets import hf_config
-    from hybrid.models.writer import write_random_checkpoint
     from hybrid.offload.build import HybridConfig, load_hybrid
     from hybrid.runtime.engine import Engine
     from hybrid.runtime.sampling import SamplingParams
 
-    cfg = hf_config("demo")
-    cfg.update(vocab_size=256, num_hidden_layers=4, eos_token_id=None, pad_token_id=None)
-    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=6, std=0.1)
+    ckpt = demo_checkpoint(tmp_path, layers=4, seed=6)
     runs = []
     for eager in (True, False):
         model, off = load_hybrid(ckpt, "cuda", torch.bfloat16,

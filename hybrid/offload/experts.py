@@ -227,17 +227,16 @@ class HybridExperts(nn.Module):
             y = self._run(x, ids, w, captured=False, deferred=True).float()
             return lambda: y
         lane = self.offload.host_lane
-        T = x.shape[0]
+        cpu = None
+        if self.cold_ids.size:
+            cpu = lane.enqueue_deferred(self, x, ids, w, self.cold_mask)
+            if cpu is None:  # no deferred lane here: run them now, join at once
+                y = self._forward_captured(x, ids, w).float()
+                return lambda: y
         res = None
-        R = len(self.resident_ids)
-        if R:
-            res = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
-            add_resident_captured(res, x, ids, w, self.rank_dev, R,
-                                  lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
-        cpu = lane.enqueue_deferred(self, x, ids, w, self.cold_mask) if bool(self.cold_mask.any()) else None
-        if cpu is None and bool(self.cold_mask.any()):  # no deferred lane here: run them now, join at once
-            y = self._forward_captured(x, ids, w).float()
-            return lambda: y
+        if len(self.resident_ids):
+            res = torch.zeros(x.shape[0], self.D, device=x.device, dtype=torch.float32)
+            self._add_resident_captured(res, x, ids, w)
 
         def join():
             if cpu is None:
@@ -299,19 +298,20 @@ class HybridExperts(nn.Module):
         T, K = topk_ids.shape
         lane = self.offload.host_lane
         self.captured = True
-        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights, self.cold_mask) if bool(self.cold_mask.any()) else None
-        R = len(self.resident_ids)
-        if R == 0:  # nothing to merge: the lane's output as it is (3 fewer kernels per layer in the graph)
+        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights, self.cold_mask) if self.cold_ids.size else None
+        if not len(self.resident_ids):  # nothing to merge: the lane's output as it is (3 fewer kernels per layer)
             lane.join()
             return cpu_out
         out = torch.zeros(T, self.D, device=x.device, dtype=torch.float32)
-        if R:
-            add_resident_captured(out, x, topk_ids, topk_weights, self.rank_dev, R,
-                                  lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
+        self._add_resident_captured(out, x, topk_ids, topk_weights)
         if cpu_out is not None:
             lane.join()
             out += cpu_out.float()
         return out.to(x.dtype)
+
+    def _add_resident_captured(self, out, x, topk_ids, topk_weights) -> None:
+        add_resident_captured(out, x, topk_ids, topk_weights, self.rank_dev, len(self.resident_ids),
+                              lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
 
     def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:
         """Resident experts (one grouped GEMM) and shipped ones (one per arriving chunk) into out (fp32)."""

@@ -219,9 +219,8 @@ class HostFnLane:
         if pack is not None:  # doorbell lane in graphs: one kernel writes the inputs in place, output read in place
             block, xh, ih, wh, oh = pack
             fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
-            parts = [ids.to(torch.int64), w.to(torch.float32), x]
             with torch.cuda.stream(self.stream):
-                torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
+                self._write_packed(block, x, ids, w)
                 self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
             return self._alias(oh)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
@@ -261,8 +260,7 @@ class HostFnLane:
         jid = bell.add(job)
         self.defer_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.defer_stream):
-            parts = [ids.to(torch.int64), w.to(torch.float32), x]
-            torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
+            self._write_packed(block, x, ids, w)
             bell.ring(self.defer_stream, jid, wait=False, bell=1)
         # The inputs stay referenced until the next layer's join: the main stream must not reuse their memory
         # (the caching allocator would, once Python drops them) before the deferred stream has read them.
@@ -276,6 +274,11 @@ class HostFnLane:
             bell.wait_done(self.defer_stream, jid)
         torch.cuda.current_stream().wait_stream(self.defer_stream)
         self._deferred_wait = None  # the inputs may be freed now: every later use of their memory is ordered
+
+    def _write_packed(self, block, x, ids, w) -> None:
+        """One kernel on the current stream: ids (int64), weights (fp32) and x into a _packed block, in place."""
+        parts = [ids.to(torch.int64), w.to(torch.float32), x]
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
 
     def _alias(self, t: torch.Tensor) -> torch.Tensor:
         """The mapped CUDA alias of a pinned buffer view (made once per view; graphs hold its address)."""
