@@ -15,10 +15,9 @@ pytest.importorskip("transformers")
 from hybrid.models import load_model  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.writer import write_random_checkpoint  # noqa: E402
-from hybrid.offload.build import HybridConfig, load_hybrid, place_resident  # noqa: E402
+from hybrid.offload.build import HybridConfig, load_hybrid  # noqa: E402
 from hybrid.runtime import Engine  # noqa: E402
-from hybrid.runtime.sampling import SamplingParams  # noqa: E402
-from tiny_models import deepseek_raw, hf_greedy, hf_logits  # noqa: E402
+from tiny_models import check_hybrid_strategies, deepseek_raw, engine_greedy, hf_greedy, hf_logits  # noqa: E402
 
 BLOCK = (16, 16)  # several blocks per tiny matrix, and partial ones (q_lora_rank 24, kv_lora_rank + rope 40)
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [200, 1, 64], [9] * 12]
@@ -86,9 +85,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_ckpt, de
 
 
 def greedy(model, n=10):
-    eng = Engine(model, None, max_batch=4, max_context=64, eager=True)
-    outs = eng.generate(PROMPTS, max_new_tokens=n, sampling=SamplingParams(temperature=0), stop_token_ids=[])
-    return [o.token_ids for o in outs]
+    return engine_greedy(model, PROMPTS, n)
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +102,7 @@ def reference_tokens(bf16_ckpt):
 @pytest.mark.parametrize("schedule", ["cost", "cpu", "ship", "threshold:8"])
 @pytest.mark.parametrize("n_resident", [0, 3, 8])
 def test_hybrid_greedy_identical_across_strategies(bf16_ckpt, reference_tokens, schedule, n_resident):
-    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa="ref", profile="ktransformers-paper-amx")
-    model, off = load_hybrid(bf16_ckpt, "cpu", torch.float32, hcfg, progress=False)
-    eng = Engine(model, None, max_batch=1, max_context=128, eager=True)
-    slot = eng.allocate_slot()
-    place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), list(range(3, 200, 3)), fixed_vram_bytes=0)
-    assert len(off.layers) == model.cfg.num_moe_layers == 2  # the dense first layer has no hybrid experts
-    assert greedy(model) == reference_tokens
-    assert all(len(layer.resident_ids) == n_resident for layer in off.layers)
+    check_hybrid_strategies(bf16_ckpt, greedy, reference_tokens, schedule, n_resident)
 
 
 @pytest.mark.parametrize("cpu_dtype", ["bf16", "int8"])

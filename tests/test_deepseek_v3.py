@@ -17,7 +17,8 @@ from hybrid.models import load_model  # noqa: E402
 from hybrid.models.families import family_for  # noqa: E402
 from hybrid.models.mla import MLAttention  # noqa: E402
 from hybrid.runtime import Engine  # noqa: E402
-from tiny_models import DEEPSEEK_VARIANTS, VOCAB, batched_logits, hf_config, hf_greedy, hf_logits, make_checkpoint  # noqa: E402
+from tiny_models import (DEEPSEEK_VARIANTS, check_logits_and_greedy, check_topk_router, hf_config,  # noqa: E402
+                         hf_logits, make_checkpoint, single_logits)
 
 PROMPTS = ([5, 77, 3, 200, 41, 9, 17], [250, 1, 64, 33, 2, 8, 90, 100, 101, 7, 6, 5], [9, 9, 31])
 
@@ -38,22 +39,7 @@ def test_variant_logits_and_greedy_match_transformers(variant):
     assert cfg.mla.q_lora_rank == over.get("q_lora_rank", 24) and cfg.tie_word_embeddings == over.get(
         "tie_word_embeddings", False)
     assert cfg.router.n_group == over["n_group"] and cfg.moe_layers.count(False) == over["first_k_dense_replace"]
-    engine = Engine(model, max_batch=4, max_context=48)
-    slots = [2, 0, 3]
-    logits = batched_logits(engine, list(PROMPTS), slots)
-    for b, p in enumerate(PROMPTS):
-        assert (logits[b, :len(p)] - hf_logits(hf, p)).abs().max().item() <= 1e-4
-    seqs = [list(p) for p in PROMPTS]
-    for step in range(3):  # batched decode steps through the latent cache (absorbed attention)
-        nxt = [(13 * step + 29 * b + 1) % VOCAB for b in range(len(seqs))]
-        out = engine.decode_step(slots, nxt)
-        for b in range(len(seqs)):
-            seqs[b].append(nxt[b])
-            assert (out[b] - hf_logits(hf, seqs[b])[-1]).abs().max().item() <= 1e-4, (name, b, step)
-    results = Engine(model, max_batch=2, max_context=48).generate(list(PROMPTS[:2]), max_new_tokens=12,
-                                                                  stop_token_ids=[])
-    for p, r in zip(PROMPTS, results):
-        assert r.token_ids == hf_greedy(hf, p, 12)
+    check_logits_and_greedy(model, hf, PROMPTS, 2, name)
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +92,10 @@ def test_router_matches_transformers_topk_router():
     from hybrid.models.moe import select_experts
 
     cfg = hf_config("deepseek_v3", n_routed_experts=32, n_group=8, topk_group=3, num_experts_per_tok=6)
-    ref = DeepseekV3TopkRouter(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(32, 64, generator=g))
-        ref.e_score_correction_bias.copy_(torch.randn(32, generator=g))
-    x = torch.randn(50, 64, generator=g)
-    ours = family_for(cfg.to_dict()).parse_config(cfg.to_dict()).router
-    _, w_ref, ids_ref = ref(x)
-    ids, w = select_experts(x @ ref.weight.t(), ours, 6, True, ref.e_score_correction_bias)
-    order_ref, order = ids_ref.sort(-1), ids.sort(-1)
-    assert torch.equal(order_ref.values, order.values)
-    assert torch.allclose(w_ref.gather(1, order_ref.indices), w.gather(1, order.indices), atol=1e-6)
+    logits, ours, _, ids = check_topk_router(DeepseekV3TopkRouter, cfg, 6)
     # the bias must only steer the choice: unbiased and biased scores choose different experts here
-    ids_nobias, _ = select_experts(x @ ref.weight.t(), ours, 6, True, None)
-    assert not torch.equal(ids_nobias.sort(-1).values, order.values)
+    ids_nobias, _ = select_experts(logits, ours.router, 6, True, None)
+    assert not torch.equal(ids_nobias.sort(-1).values, ids)
 
 
 def _save(tensors: dict, path, config: dict):
@@ -144,9 +119,7 @@ def test_mtp_layer_is_skipped_with_a_log_line(base, tmp_path, caplog):
         model = load_model(tmp_path / "mtp", progress=False)
     assert "skipping 2 tensor(s): multi-token-prediction layer" in caplog.text
     p = list(PROMPTS[0])
-    out = Engine(model, max_batch=1, max_context=16).forward(torch.tensor([p]), torch.arange(len(p))[None],
-                                                             torch.tensor([0]))[0]
-    assert (out - hf_logits(hf, p)).abs().max().item() <= 1e-4
+    assert (single_logits(model, p) - hf_logits(hf, p)).abs().max().item() <= 1e-4
 
 
 def test_kimi_k2_config_maps_onto_deepseek_v3(base):
@@ -174,9 +147,7 @@ def test_kimi_k25_checkpoint_loads_its_text_model(base, tmp_path, caplog):
         model = load_model(tmp_path / "k25", progress=False)
     assert "skipping 2 tensor(s): not part of the text model" in caplog.text
     p = list(PROMPTS[2])
-    out = Engine(model, max_batch=1, max_context=16).forward(torch.tensor([p]), torch.arange(len(p))[None],
-                                                             torch.tensor([0]))[0]
-    assert (out - hf_logits(hf, p)).abs().max().item() <= 1e-4
+    assert (single_logits(model, p) - hf_logits(hf, p)).abs().max().item() <= 1e-4
 
 
 def test_config_validation():

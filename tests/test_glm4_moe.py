@@ -18,9 +18,8 @@ pytest.importorskip("transformers")
 from hybrid.models import load_model  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.families import family_for  # noqa: E402
-from hybrid.runtime import Engine  # noqa: E402
-from hybrid.runtime.sampling import SamplingParams  # noqa: E402
-from tiny_models import FAMILIES, GLM_VARIANTS, VOCAB, batched_logits, hf_config, hf_greedy, hf_logits, randomize_  # noqa: E402
+from tiny_models import (FAMILIES, GLM_VARIANTS, check_hybrid_strategies, check_logits_and_greedy,  # noqa: E402
+                         check_topk_router, engine_greedy, hf_config, hf_greedy, hf_logits, randomize_, single_logits)
 
 PROMPTS = ([5, 77, 3, 200, 41, 9, 17], [250, 1, 64, 33, 2, 8, 90, 100, 101, 7, 6, 5], [9, 9, 31])
 VARIANTS = {"base": {}, **GLM_VARIANTS}
@@ -75,23 +74,7 @@ def test_variant_config_maps_every_feature(variant):
 
 def test_variant_logits_and_greedy_match_transformers(variant):
     name, path, hf = variant
-    model = load_model(path, progress=False)
-    engine = Engine(model, max_batch=4, max_context=48)
-    slots = [2, 0, 3]
-    logits = batched_logits(engine, list(PROMPTS), slots)
-    for b, p in enumerate(PROMPTS):
-        assert (logits[b, :len(p)] - hf_logits(hf, p)).abs().max().item() <= 1e-4, (name, b)
-    seqs = [list(p) for p in PROMPTS]
-    for step in range(3):  # batched decode steps over the KV cache
-        nxt = [(13 * step + 29 * b + 1) % VOCAB for b in range(len(seqs))]
-        out = engine.decode_step(slots, nxt)
-        for b in range(len(seqs)):
-            seqs[b].append(nxt[b])
-            assert (out[b] - hf_logits(hf, seqs[b])[-1]).abs().max().item() <= 1e-4, (name, b, step)
-    results = Engine(model, max_batch=2, max_context=48).generate(list(PROMPTS), max_new_tokens=12,
-                                                                  stop_token_ids=[])
-    for p, r in zip(PROMPTS, results):
-        assert r.token_ids == hf_greedy(hf, p, 12), name
+    check_logits_and_greedy(load_model(path, progress=False), hf, PROMPTS, len(PROMPTS), name)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +82,6 @@ def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm")
     hf = make_glm(path, seed=6)
     return path, hf
-
-
-def _logits(model, p):
-    return Engine(model, max_batch=1, max_context=16).forward(torch.tensor([p]), torch.arange(len(p))[None],
-                                                              torch.tensor([0]))[0]
 
 
 def test_partial_rotary_and_score_bias_matter(base, tmp_path):
@@ -120,12 +98,12 @@ def test_partial_rotary_and_score_bias_matter(base, tmp_path):
     (tmp_path / "full" / "config.json").write_text(json.dumps(raw))
     tensors = load_file(str(path / "model.safetensors"))
     save_file(tensors, str(tmp_path / "full" / "model.safetensors"))
-    assert (_logits(load_model(tmp_path / "full", progress=False), p) - ref).abs().max().item() > 1e-2
+    assert (single_logits(load_model(tmp_path / "full", progress=False), p) - ref).abs().max().item() > 1e-2
     nobias = {k: (torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in tensors.items()}
     (tmp_path / "nobias").mkdir()
     (tmp_path / "nobias" / "config.json").write_text((path / "config.json").read_text())
     save_file(nobias, str(tmp_path / "nobias" / "model.safetensors"))
-    assert (_logits(load_model(tmp_path / "nobias", progress=False), p) - ref).abs().max().item() > 1e-2
+    assert (single_logits(load_model(tmp_path / "nobias", progress=False), p) - ref).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("factor,kind", [(0.5, "default"), (0.25, "default"), (1.0, "default"), (0.5, "yarn")])
@@ -153,21 +131,8 @@ def test_rotary_matches_transformers(factor, kind):
 def test_router_matches_transformers_topk_router():
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-    from hybrid.models.moe import select_experts
-
-    c = hf_config("glm4_moe", n_routed_experts=32, n_group=4, topk_group=2, num_experts_per_tok=6)
-    ref = Glm4MoeTopkRouter(c)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(32, 64, generator=g))
-        ref.e_score_correction_bias.copy_(torch.randn(32, generator=g))
-    x = torch.randn(50, 64, generator=g)
-    ours = family_for(c.to_dict()).parse_config(c.to_dict())
-    _, w_ref, ids_ref = ref(x)
-    ids, w = select_experts(x @ ref.weight.t(), ours.router, 6, ours.norm_topk_prob, ref.e_score_correction_bias)
-    order_ref, order = ids_ref.sort(-1), ids.sort(-1)
-    assert torch.equal(order_ref.values, order.values)
-    assert torch.allclose(w_ref.gather(1, order_ref.indices), w.gather(1, order.indices), atol=1e-6)
+    check_topk_router(Glm4MoeTopkRouter, hf_config("glm4_moe", n_routed_experts=32, n_group=4, topk_group=2,
+                                                   num_experts_per_tok=6), 6)
 
 
 def test_mtp_layer_is_skipped_with_a_log_line(base, tmp_path, caplog):
@@ -192,7 +157,7 @@ def test_mtp_layer_is_skipped_with_a_log_line(base, tmp_path, caplog):
         model = load_model(tmp_path / "mtp", progress=False)
     assert f"skipping {len(mtp)} tensor(s): multi-token-prediction layer" in caplog.text
     p = list(PROMPTS[0])
-    assert (_logits(model, p) - hf_logits(hf, p)).abs().max().item() <= 1e-4
+    assert (single_logits(model, p) - hf_logits(hf, p)).abs().max().item() <= 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +168,7 @@ def bf16_ckpt(tmp_path_factory):
 
 
 def _greedy(model, n=10):
-    eng = Engine(model, None, max_batch=4, max_context=64, eager=True)
-    outs = eng.generate(list(PROMPTS), max_new_tokens=n, sampling=SamplingParams(temperature=0), stop_token_ids=[])
-    return [o.token_ids for o in outs]
+    return engine_greedy(model, PROMPTS, n)
 
 
 @pytest.fixture(scope="module")
@@ -219,17 +182,8 @@ def reference_tokens(bf16_ckpt):
 @pytest.mark.parametrize("schedule", ["cost", "cpu", "ship", "threshold:8"])
 @pytest.mark.parametrize("n_resident", [0, 3, 8])
 def test_hybrid_greedy_identical_across_strategies(bf16_ckpt, reference_tokens, schedule, n_resident):
-    from hybrid.offload.build import HybridConfig, load_hybrid, place_resident
-
     path, _ = bf16_ckpt
-    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa="ref", profile="ktransformers-paper-amx")
-    model, off = load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)
-    eng = Engine(model, None, max_batch=1, max_context=128, eager=True)
-    slot = eng.allocate_slot()
-    place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), list(range(3, 200, 3)), fixed_vram_bytes=0)
-    assert len(off.layers) == model.cfg.num_moe_layers == 2  # the dense first layer has no hybrid experts
-    assert _greedy(model) == reference_tokens
-    assert all(len(layer.resident_ids) == n_resident for layer in off.layers)
+    check_hybrid_strategies(path, _greedy, reference_tokens, schedule, n_resident)
 
 
 def test_config_defaults_follow_transformers():

@@ -156,3 +156,85 @@ def batched_logits(engine, prompts, slots):
     for b, p in enumerate(prompts):
         engine.lengths[slots[b]] = len(p)
     return out
+
+
+def single_logits(model, ids: list[int]) -> "torch.Tensor":
+    """[len(ids), V] logits of our model for one sequence prefilled into slot 0 of a fresh engine."""
+    from hybrid.runtime import Engine
+
+    return Engine(model, max_batch=1, max_context=16).forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                                              torch.tensor([0]))[0]
+
+
+def engine_greedy(model, prompts, n: int = 10) -> list[list[int]]:
+    """n greedy tokens for each prompt from one batched, eager generate() of our model."""
+    from hybrid.runtime import Engine
+    from hybrid.runtime.sampling import SamplingParams
+
+    eng = Engine(model, None, max_batch=4, max_context=64, eager=True)
+    outs = eng.generate(list(prompts), max_new_tokens=n, sampling=SamplingParams(temperature=0), stop_token_ids=[])
+    return [o.token_ids for o in outs]
+
+
+def check_logits_and_greedy(model, hf, prompts, n_generate: int, name) -> None:
+    """Our model against the transformers model `hf`: a right-padded batch prefill of `prompts` and three
+    batched decode steps in fp32 within 1e-4, then the first n_generate prompts' 12 greedy tokens identical."""
+    from hybrid.runtime import Engine
+
+    engine = Engine(model, max_batch=4, max_context=48)
+    slots = [2, 0, 3]
+    logits = batched_logits(engine, list(prompts), slots)
+    for b, p in enumerate(prompts):
+        assert (logits[b, :len(p)] - hf_logits(hf, p)).abs().max().item() <= 1e-4, (name, b)
+    seqs = [list(p) for p in prompts]
+    for step in range(3):  # batched decode steps over the KV cache
+        nxt = [(13 * step + 29 * b + 1) % VOCAB for b in range(len(seqs))]
+        out = engine.decode_step(slots, nxt)
+        for b in range(len(seqs)):
+            seqs[b].append(nxt[b])
+            assert (out[b] - hf_logits(hf, seqs[b])[-1]).abs().max().item() <= 1e-4, (name, b, step)
+    results = Engine(model, max_batch=2, max_context=48).generate(list(prompts[:n_generate]), max_new_tokens=12,
+                                                                  stop_token_ids=[])
+    for p, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(hf, p, 12), name
+
+
+def check_topk_router(ref_cls, cfg, k: int):
+    """Our select_experts against transformers' top-k router `ref_cls(cfg)` (random weights and score
+    bias, 50 tokens): the same experts, weights within 1e-6. Returns (logits, ours: ModelConfig, bias,
+    sorted expert ids) for further checks."""
+    from hybrid.models.families import family_for
+    from hybrid.models.moe import select_experts
+
+    E = cfg.n_routed_experts
+    ref = ref_cls(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(E, cfg.hidden_size, generator=g))
+        ref.e_score_correction_bias.copy_(torch.randn(E, generator=g))
+    x = torch.randn(50, cfg.hidden_size, generator=g)
+    ours = family_for(cfg.to_dict()).parse_config(cfg.to_dict())
+    _, w_ref, ids_ref = ref(x)
+    logits = x @ ref.weight.t()
+    ids, w = select_experts(logits, ours.router, k, ours.norm_topk_prob, ref.e_score_correction_bias)
+    order_ref, order = ids_ref.sort(-1), ids.sort(-1)
+    assert torch.equal(order_ref.values, order.values)
+    assert torch.allclose(w_ref.gather(1, order_ref.indices), w.gather(1, order.indices), atol=1e-6)
+    return logits, ours, ref.e_score_correction_bias, order.values
+
+
+def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_resident: int) -> None:
+    """The hybrid layer over the checkpoint at `path` (CPU reference executor, fp32, n_resident experts
+    per layer placed from a profile run) gives `reference_tokens` under greedy(model); 2 MoE layers (the
+    dense first layer has none)."""
+    from hybrid.offload.build import HybridConfig, load_hybrid, place_resident
+    from hybrid.runtime import Engine
+
+    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa="ref", profile="ktransformers-paper-amx")
+    model, off = load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)
+    eng = Engine(model, None, max_batch=1, max_context=128, eager=True)
+    slot = eng.allocate_slot()
+    place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), list(range(3, 200, 3)), fixed_vram_bytes=0)
+    assert len(off.layers) == model.cfg.num_moe_layers == 2  # the dense first layer has no hybrid experts
+    assert greedy(model) == reference_tokens
+    assert all(len(layer.resident_ids) == n_resident for layer in off.layers)
