@@ -16,7 +16,6 @@ Results: DIR/deepseek_box_<cpu dtype>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench import hybrid_e2e
 from hybrid.models.presets import hf_config
 from hybrid.models.writer import write_random_checkpoint
 from hybrid.offload.build import HybridConfig, expert_shape, load_hybrid
+from placement.json_file import write_json
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
     args.preset, args.trace = "deepseek-v3", None
     res = hybrid_e2e.run(args)
     res.update(checkpoint=str(ckpt), checkpoint_written=written, load=load)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"deepseek_box_{args.cpu_dtype}.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(Path(args.out) / f"deepseek_box_{args.cpu_dtype}.json", res, indent=1)
     return 0
 
 

@@ -45,6 +45,7 @@ from bench.bounds import decode_step_bound, distinct_per_step, split_lower_bound
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
 from placement.hardware import resolve_profile
+from placement.json_file import write_json
 from placement.schedule import LayerScheduler
 
 
@@ -374,9 +375,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     apply_defaults(args, torch.cuda.is_available())
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"hybrid_e2e_{args.preset}.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(Path(args.out) / f"hybrid_e2e_{args.preset}.json", res, indent=1)
     return 0
 
 
