@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - only user errors are caught; everything else re-raised
         if not _user_error(exc):
             raise
-        name = command if command in COMMANDS or command == "bench" else "hybrid"
-        print(f"hybrid {name}: error: {exc}" if name != "hybrid" else f"hybrid: error: {exc}", file=sys.stderr)
+        prefix = f"hybrid {command}" if command in COMMANDS or command == "bench" else "hybrid"
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -168,15 +168,15 @@ class Metrics:
         except Exception:  # noqa: BLE001 - a broken hook must not take the other metrics down
             log.exception("reading the expert split failed")
             split = {}
-        if self.device is not None:
-            from hybrid.runtime.device_role import gpu_role
+        from hybrid.runtime.device_role import gpu_role, is_cuda
 
+        if self.device is not None:
             family("hybrid_device_info", "gauge",
                    "Device of the model's GPU side (1): cuda, or cpu when torch on the CPU plays the GPU's role "
                    "(no VRAM, no PCIe: the ship lane then copies weights within DRAM).",
                    [({"device": self.device, "gpu_role": gpu_role(self.device)}, 1)])
         if split:
-            cpu_only = self.device is not None and self.device != "cuda"
+            cpu_only = self.device is not None and not is_cuda(self.device)
             extra = {"device": self.device} if cpu_only else {}
             ship = ("shipped = copied within DRAM for torch on the CPU (no GPU on this run)" if cpu_only
                     else "shipped to the GPU")

@@ -286,11 +286,12 @@ class Scheduler:
                 self._fail(seq, f"decode step failed: {exc}", 500)
             self._running = []
             return True
-        for seq, token in zip(batch, self._sample(logits, batch)):
+        tokens = self._sample(logits, batch)
+        for seq, token in zip(batch, tokens):
             if token is not None:  # (None: its sampling failed, the sequence is answered and finished)
                 self._emit(seq, token)
         self._running = [s for s in batch if not s.finished]
-        self.metrics.generated(len(batch), batch_size=len(batch))
+        self.metrics.generated(sum(t is not None for t in tokens), batch_size=len(batch))
         return True
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[int | None]:
