@@ -27,7 +27,7 @@ def test_fused_qkv_matches_three_gemms_and_shares_the_weights():
     got = attn._qkv(x)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
-    w, b = attn._fused
+    w, b, _ = attn._fused
     assert attn.q_proj.weight.data_ptr() == w.data_ptr()  # views of one block: memory not doubled
     assert attn.v_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
     assert b is not None and attn.k_proj.bias.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -121,7 +121,7 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window
         self.scale = hd ** -0.5
-        self._fused = None  # (qkv weight, bias) once fused by _qkv
+        self._fused = None  # (qkv weight, bias, the three weights' addresses) once fused by _qkv
 
     def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict):
         """masks: per forward step, shared by the layers: the attention mask built by the first layer that
@@ -150,8 +150,10 @@ class Attention(nn.Module):
         in decode graphs, whose per-layer floor is launch-bound). The first call outside a graph capture
         moves the three weights (and biases) into one block and leaves the parameters as views of it, so
         the memory is not doubled and the loaded values stay where the parameters are."""
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if self._fused is not None and self._fused[2] != tuple(m.weight.data_ptr() for m in mods):
+            self._fused = None  # a weight was moved or replaced since: fuse again from the parameters
         if self._fused is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            mods = (self.q_proj, self.k_proj, self.v_proj)
             w = torch.cat([m.weight.detach() for m in mods])
             b = torch.cat([m.bias.detach() for m in mods]) if self.q_proj.bias is not None else None
             o = 0
@@ -161,15 +163,10 @@ class Attention(nn.Module):
                 if b is not None:
                     m.bias.data = b[o:o + n]
                 o += n
-            self._fused = (w, b)
+            self._fused = (w, b, tuple(m.weight.data_ptr() for m in mods))  # where the views must stay
         if self._fused is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        w, b = self._fused
-        rows = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-        ptrs = (w.data_ptr(), w[rows[0]].data_ptr(), w[rows[0] + rows[1]].data_ptr())
-        if ptrs != tuple(m.weight.data_ptr() for m in (self.q_proj, self.k_proj, self.v_proj)):
-            self._fused = None  # a weight was moved or replaced since: fuse again from the parameters
-            return self._qkv(x)
+        w, b, _ = self._fused
         return F.linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
 
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
