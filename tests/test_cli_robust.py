@@ -13,6 +13,7 @@ import pytest
 
 from hybrid.cli import main
 from loader_cases import write_tiny
+from test_cli_hermetic import _cpu_only_profile
 
 ENV = dict(os.environ, HYBRID_NO_PROGRESS="1")
 
@@ -80,13 +81,6 @@ def test_calibrate_unwritable_out_before_measuring(tmp_path):
     r = hybrid("calibrate", "--out", str(blocker / "sub" / "p.json"))  # a folder under a file: never writable
     one_line_exit_2(r, "--out")
     assert "DRAM" not in r.stdout
-
-
-def _cpu_only_profile(path):
-    from placement.hardware import HardwareProfile
-
-    HardwareProfile(name="cpu-box", cpu_flops={"avx2": 1e11}, dram_bw=2e10, gpu_flops=None, hbm_bw=None,
-                    link_bw=None, alpha=None).save(path)
 
 
 @pytest.mark.parametrize("bench", ["layer", "e2e"])
