@@ -57,7 +57,9 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
-    rope_interleave: bool = True  # rope dims stored as (x0, x1), (x2, x3) pairs (DeepSeek's checkpoints)
+    # rope dims stored as (x0, x1), (x2, x3) pairs (DeepSeek's checkpoints): the loader re-orders the rows once
+    # (MLAttention.rope_rows_from_interleaved_)
+    rope_interleave: bool = True
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

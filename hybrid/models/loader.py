@@ -318,6 +318,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             bar.set_postfix_str(f"layer {max(_layer_of(n), 0)}/{cfg.num_layers}", refresh=False)
             del src
         finish_layer()
+        if cfg.mla is not None and cfg.mla.rope_interleave:
+            for layer in model.layers:
+                layer.attn.rope_rows_from_interleaved_()
     handles.clear()
     bar.close()
     return model

@@ -39,12 +39,6 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1), (x2, x3), ... pairs -> (x0, x2, ...; x1, x3, ...): the half-split layout apply_rotary
-    rotates. Applied to both q and k, so their dot products are those of the interleaved rotation."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
 class MLAttention(nn.Module):
     """forward(x [B, T, D], cos/sin [B, T, rope], positions [B, T], slots [B], cache, ...) -> [B, T, D];
     the same contract as hybrid.models.layers.Attention."""
@@ -54,7 +48,6 @@ class MLAttention(nn.Module):
         m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
         self.layer, self.H = layer, H
         self.nope, self.rope, self.vd, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-        self.interleave = m.rope_interleave
         if m.q_lora_rank is None:
             self.q_proj = Linear(D, H * m.qk_head_dim, False)
         else:
@@ -67,6 +60,21 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(H * m.v_head_dim, D, cfg.o_bias)
         self.scale = softmax_scale(cfg)
         self.mode = "auto"
+
+    @torch.no_grad()
+    def rope_rows_from_interleaved_(self) -> None:
+        """The loader's once-per-model fix for rope_interleave checkpoints (DeepSeek's), whose rope dims come
+        out of q and kv_a_proj as (x0, x1), (x2, x3) pairs: re-orders the rows that produce them to the
+        half-split layout apply_rotary rotates (x0, x2, ...; x1, x3, ...). Done to both q and k, so their
+        dot products are those of the interleaved rotation; forward assumes the half-split layout."""
+        perm = torch.cat((torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)))
+        q = self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
+        w = q.weight.view(self.H, self.nope + self.rope, -1)
+        w[:, self.nope:] = w[:, self.nope:][:, perm.to(w.device)]
+        kv = self.kv_a_proj
+        for t in (kv.weight, kv.bias):
+            if t is not None:
+                t[self.rank:] = t[self.rank:][perm.to(t.device)]
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's rows per head: W_UK [H, nope, rank], W_UV [H, v, rank] (views, no copy)."""
@@ -81,8 +89,6 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
         ckv = self.kv_a_proj(x)  # [B, T, rank + rope]
         c, k_rope = self.kv_a_norm(ckv[..., :self.rank]), ckv[..., self.rank:]
-        if self.interleave:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         # one rotation over q and k together (as Attention does): [B, T, H + 1, rope]
         qk = apply_rotary(torch.cat((q_rope, k_rope[:, :, None]), dim=2), cos, sin)
         q_rope, k_rope = qk[:, :, :H], qk[:, :, H]
