@@ -74,11 +74,9 @@ class Stats:
 
 
 def kv_cache_bytes(cfg, max_batch: int, max_context: int, dtype: torch.dtype) -> int:
-    """Bytes of the static KV cache (one spare column per slot, see kv_cache.py)."""
-    per_token = getattr(cfg, "kv_values_per_token", None)
-    if per_token is None:
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    return per_token * max_batch * (max_context + 1) * torch.empty((), dtype=dtype).element_size()
+    """Bytes of the static KV cache (one spare column per slot, see kv_cache.py; the attention kind's
+    layout, as placement.memory counts it)."""
+    return cfg.kv_values_per_token * max_batch * (max_context + 1) * torch.empty((), dtype=dtype).element_size()
 
 
 def check_kv_cache_fits(cfg, max_batch: int, max_context: int, dtype: torch.dtype, device) -> None:
