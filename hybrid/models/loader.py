@@ -224,16 +224,26 @@ def _canonical(family: Family, ckpt: dict) -> dict[str, str]:
     return original
 
 
+def _open(path: Path):
+    """config.json and the headers, checked against each other (no tensor data, nothing allocated) ->
+    (family, cfg, quant, ckpt with our spellings and the skipped tensors and block scales taken out,
+    our spelling -> the file's, the block scales: fp8.pair_scales)."""
+    family, cfg, raw = read_config(path)
+    quant = fp8.quantization(raw)
+    ckpt = checkpoint_index(path)
+    original = _canonical(family, ckpt)
+    _skip(family, cfg, ckpt)
+    scales = fp8.pair_scales(ckpt, quant)
+    # Every size in config.json against the headers before a byte is allocated: first the counts and sizes
+    # that would make even the meta skeleton big, then (load_model) every tensor's shape on the meta skeleton.
+    checks.check_sizes(cfg, family, ckpt)
+    return family, cfg, quant, ckpt, original, scales
+
+
 def check_checkpoint(path: str | Path) -> ModelConfig:
     """config.json and the headers only (no tensor data, nothing allocated): the config's counts and sizes
     against what the tensors hold. What callers run before sizing anything else (the KV cache) by the config."""
-    path = Path(path)
-    family, cfg, _ = read_config(path)
-    ckpt = checkpoint_index(path)
-    _canonical(family, ckpt)
-    _skip(family, cfg, ckpt)
-    checks.check_sizes(cfg, family, ckpt)
-    return cfg
+    return _open(Path(path))[1]
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -248,15 +258,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     from tqdm import tqdm
 
     path = Path(path)
-    family, cfg, raw = read_config(path)
-    quant = fp8.quantization(raw)
-    ckpt = checkpoint_index(path)
-    original = _canonical(family, ckpt)
-    _skip(family, cfg, ckpt)
-    scales = fp8.pair_scales(ckpt, quant)
-    # Every size in config.json against the headers before a byte is allocated: first the counts and sizes
-    # that would make even the meta skeleton big, then every tensor's shape on the meta skeleton.
-    checks.check_sizes(cfg, family, ckpt)
+    family, cfg, quant, ckpt, original, scales = _open(path)
     with torch.device("meta"):
         skeleton = MoETransformer(cfg, build_experts=False)
     _plan(skeleton, family, ckpt, frozenset(scales))
