@@ -95,6 +95,9 @@ def refine_crossover(rig: CrossoverRig, lo: int, hi: int, points: dict) -> int:
     return hi
 
 
+PREDICTION_KIND = {True: "hold-out", False: "in-sample", None: "unknown"}  # by calibration_match's holdout
+
+
 def calibration_match(profile: HardwareProfile | None, shape: ExpertShape) -> dict:
     """Was the profile calibrated on this shape? holdout None = the profile does not say (built-ins)."""
     machine = (profile.machine or {}) if profile is not None else {}
@@ -165,7 +168,7 @@ def run_sweep(shape: ExpertShape, profile: HardwareProfile | None, experts: int 
 
 def print_table(res: dict, log=print) -> None:
     pred = "predicted_t_cpu_ms" in res
-    kind = {True: "hold-out", False: "in-sample", None: "unknown"}[res.get("holdout")]
+    kind = PREDICTION_KIND[res.get("holdout")]
     log(f"# prediction: {kind} (profile calibrated on {res.get('calibrated_shape') or 'an unrecorded shape'}, "
         f"swept {res['shape']['name']})")
     log(f"{'m':>6} {'T_C meas ms':>12} {'T_C pred ms':>12} {'T_G meas ms':>12} {'T_G pred ms':>12}  winner")
@@ -253,7 +256,7 @@ def main(argv=None) -> int:
     lines = [f"| shape | prediction | crossover measured / predicted | T_C median error | T_G median error |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        kind = {True: "hold-out", False: "in-sample", None: "unknown"}[r.get("holdout")]
+        kind = PREDICTION_KIND[r.get("holdout")]
         err = {k: (f"{100 * r[k]:.1f}%" if k in r else "-") for k in ("t_cpu_relative_error_median",
                                                                       "t_gpu_relative_error_median")}
         lines.append(f"| {r['shape']['name']} | {kind} (calibrated on {r.get('calibrated_shape')}) | "
