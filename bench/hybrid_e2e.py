@@ -136,17 +136,30 @@ def prefill_bound(off, shape, gpu_shape, hw, routed_delta) -> float:
     return total
 
 
+def routed_during(off, fn):
+    """Runs fn() -> (its result, per MoE layer the [E] routing counts the hybrid layers added meanwhile)."""
+    before = [layer.stats.routed.copy() for layer in off.layers]
+    out = fn()
+    return out, [layer.stats.routed - b for layer, b in zip(off.layers, before)]
+
+
 def decode_steps(eng, off, slots, first, steps, device, count: bool):
     """`steps` timed decode steps, each row fed its own greedy next token. -> (seconds per step, tokens
     fed per step, greedy next tokens per step, per-step routing [steps][layers] of [E] if count)."""
     fed, nxt, times, routing = [], [], [], []
     tokens = list(first)
     for _ in range(steps):
-        before = [layer.stats.routed.copy() for layer in off.layers] if count else None
         out = {}
-        times.append(timed(lambda: out.setdefault("logits", eng.decode_step(slots, tokens)), device))
+
+        def step():
+            return timed(lambda: out.setdefault("logits", eng.decode_step(slots, tokens)), device)
+
         if count:
-            routing.append([layer.stats.routed - b for layer, b in zip(off.layers, before)])
+            dt, routed = routed_during(off, step)
+            routing.append(routed)
+        else:
+            dt = step()
+        times.append(dt)
         fed.append(tokens)
         tokens = out["logits"].argmax(-1).tolist()  # consume before the next step reuses the buffer
         nxt.append(tokens)
@@ -162,9 +175,8 @@ def replay_routing(eng, off, slots, lengths, fed, nxt):
             eng.lengths[s] = n
         routing, agree = [], 0
         for toks, expect in zip(fed, nxt):
-            before = [layer.stats.routed.copy() for layer in off.layers]
-            logits = eng.decode_step(slots, toks)
-            routing.append([layer.stats.routed - b for layer, b in zip(off.layers, before)])
+            logits, routed = routed_during(off, lambda: eng.decode_step(slots, toks))
+            routing.append(routed)
             agree += logits.argmax(-1).tolist() == expect
     finally:
         eng.graphs = graphs
@@ -199,10 +211,9 @@ def run(args) -> dict:
     gen = torch.Generator().manual_seed(2)
     calib = torch.randint(0, cfg.vocab_size, (calib_len,), generator=gen).tolist()
     slot = eng.allocate_slot()
-    before = [layer.stats.routed.copy() for layer in off.layers]
-    eng.prefill(slot, calib)
-    for layer, b in zip(off.layers, before):
-        layer.set_resident(np.argsort(-(layer.stats.routed - b), kind="stable")[:resident].tolist())
+    _, routed = routed_during(off, lambda: eng.prefill(slot, calib))
+    for layer, counts in zip(off.layers, routed):
+        layer.set_resident(np.argsort(-counts, kind="stable")[:resident].tolist())
     eng.free_slot(slot)
     mem = off.memory()
     header = (f"# hybrid e2e | {cpu_name()} ({platform.node()}), GPU "
@@ -246,10 +257,8 @@ def run(args) -> dict:
                 eng.free_slot(s)
             s = eng.allocate_slot()
             snap = snapshot(off)
-            before = [layer.stats.routed.copy() for layer in off.layers]
-            dt = timed(lambda: eng.prefill(s, ids), device)
+            dt, delta = routed_during(off, lambda: timed(lambda: eng.prefill(s, ids), device))
             eng.free_slot(s)
-            delta = [layer.stats.routed - b for layer, b in zip(off.layers, before)]
             bound = prefill_bound(off, shape, gpu_shape, hw, delta)
             row[f"prefill_{n}_bound_tok_s"] = n / bound if bound else float("inf")
             row[f"prefill_{n}_of_bound"] = bound / dt
