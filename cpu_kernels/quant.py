@@ -6,6 +6,11 @@ int4: per row and group of `group` reduction values (32, 64 or 128): s = max|w_g
       q = clamp(round(w / s), -8, 7), stored as the nibble q + 8. Within each 64-value chunk of a row the
       32 bytes hold values 0..31 in their low nibbles and 32..63 in their high nibbles, so one 32-byte
       load unpacks to 64 consecutive values with one AND and one shift. w ~ (nibble - 8) * s.
+mxfp4: the OCP microscaling format gpt-oss checkpoints are published in: blocks uint8 [..., R, K/32, 16] and
+      scales uint8 [..., R, K/32]. Each byte holds two FP4 (e2m1) codes, the low nibble first (value 2j), the
+      high nibble second (value 2j+1); a code maps through FP4_VALUES and the block of 32 is multiplied by
+      2^(scale - 127). w = FP4_VALUES[code] * 2^(e - 127), exactly representable in fp32 (and in bf16 for
+      exponents in bf16's range).
 Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantization.
 """
 
@@ -60,3 +65,45 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     q = unpack_nibbles(packed).float() - 8.0
     return q * scale.repeat_interleave(group, dim=-1)
+
+
+# e2m1 code -> value: sign bit 3, two exponent bits, one mantissa bit (0, 0.5 subnormal; 1, 1.5; 2, 3; 4, 6).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """blocks uint8 [..., R, G, 16], scales uint8 [..., R, G] -> w [..., R, G * 32] in dtype (module doc)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} must be scales' shape {tuple(scales.shape)} + (16,)")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*scales.shape, MXFP4_BLOCK)
+    w = torch.ldexp(lut[codes.long()], (scales.to(torch.int32) - 127)[..., None].float())
+    return w.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 32 == 0) -> (blocks uint8 [..., R, K/32, 16], scales uint8 [..., R, K/32]).
+
+    The shared exponent is the smallest e with max|w_block| <= 6 * 2^(e - 127) (so nothing saturates); each
+    value takes the nearest of the 16 codes (ties to the even code). Values that are already mxfp4 come back
+    unchanged through dequantize_mxfp4 (their codes and exponents may differ: a block whose largest value is 3
+    can take the next smaller exponent). Used to write test checkpoints in the published format.
+    """
+    *lead, R, K = w.shape
+    if K % MXFP4_BLOCK:
+        raise ValueError(f"mxfp4: reduction length {K} must be a multiple of {MXFP4_BLOCK}")
+    wb = w.float().reshape(*lead, R, K // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = wb.abs().amax(-1)
+    e = torch.ceil(torch.log2(torch.where(amax > 0, amax / 6.0, torch.ones_like(amax))))
+    e = e.clamp(-127, 127)
+    e = torch.where(amax > 6.0 * torch.exp2(e), e + 1, e).clamp(-127, 128)  # log2 rounding at the edge
+    v = wb / torch.exp2(e)[..., None]
+    mags = torch.tensor(FP4_VALUES[:8])
+    idx = (v.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude; argmin takes the first (even) on ties
+    codes = (idx | ((v < 0).long() << 3)).to(torch.uint8)
+    codes = codes.reshape(*lead, R, K // MXFP4_BLOCK, MXFP4_BLOCK // 2, 2)
+    blocks = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+    return blocks, (e + 127).to(torch.uint8)

@@ -75,3 +75,22 @@ def test_topology_validation():
         Topology(((0,), ()))
     with pytest.raises(ValueError):
         Topology(((0,),)).limit(0)
+
+
+def test_mxfp4_dequantize_matches_transformers_and_round_trips():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from cpu_kernels.quant import dequantize_mxfp4, quantize_mxfp4
+    torch.manual_seed(3)
+    w = torch.randn(3, 40, 96) * torch.logspace(-3, 1, 40)[:, None]  # rows over four decades of scale
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 40, 3, 16) and scales.shape == (3, 40, 3)
+    d = dequantize_mxfp4(blocks, scales)
+    # transformers' own unpacking of the published layout ([E, R, G, 16] -> [E, K, R])
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2), d)
+    # within half a step of the 4-bit grid: |w - d| <= 1 * 2^(e-127) (the widest gap, 4 -> 6, halved)
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
+    assert ((w - d).abs() <= step + 1e-30).all()
+    b2, s2 = quantize_mxfp4(d)
+    assert torch.equal(dequantize_mxfp4(b2, s2), d)
+    with pytest.raises(ValueError):
+        quantize_mxfp4(torch.randn(2, 48))
