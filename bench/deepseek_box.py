@@ -16,6 +16,8 @@ Results: DIR/deepseek_box_<cpu dtype>.json.
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import resource
 import time
 from pathlib import Path
@@ -38,13 +40,23 @@ def rss_bytes() -> tuple[int, int]:
     return cur, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def ensure_checkpoint(path: Path, layers: int) -> dict:
+def write_checkpoint(path: Path, raw: dict) -> None:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    write_random_checkpoint(path, raw, seed=0, device=dev, progress=True, fp8_block=(128, 128))
+
+
+def ensure_checkpoint(path: Path, layers: int, config: str | None = None) -> dict:
+    """Writes the checkpoint in a child process, so that the load's peak resident memory measured in this
+    one is the loader's own (the writer holds host copies of a whole layer and its shard)."""
     if (path / "config.json").is_file():
         return {"written": False}
     t0 = time.perf_counter()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    write_random_checkpoint(path, hf_config("deepseek-v3", layers=layers), seed=0, device=dev, progress=True,
-                            fp8_block=(128, 128))
+    raw = json.loads(Path(config).read_text()) if config else hf_config("deepseek-v3", layers=layers)
+    child = multiprocessing.get_context("spawn").Process(target=write_checkpoint, args=(path, raw))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"writing {path} failed (exit code {child.exitcode})")
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"# wrote {path}: {size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     return {"written": True, "write_s": time.perf_counter() - t0, "disk_bytes": size}
@@ -54,6 +66,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="/tmp/dsv3-5l", help="checkpoint directory (written if missing)")
     p.add_argument("--layers", type=int, default=5, help="decoder layers of the written checkpoint")
+    p.add_argument("--config", help="a config.json to write instead of the deepseek-v3 preset (tests, variants)")
     p.add_argument("--cpu-dtype", default="int8", choices=["bf16", "int8", "int4"])
     p.add_argument("--profile", required=True)
     p.add_argument("--isa")
@@ -67,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     ckpt = Path(args.ckpt)
-    written = ensure_checkpoint(ckpt, args.layers)
+    written = ensure_checkpoint(ckpt, args.layers, args.config)
     load = {}
 
     def build(a, hw, device, dtype):  # bench.hybrid_e2e.run's model builder, from the checkpoint instead
@@ -84,7 +97,8 @@ def main(argv=None) -> int:
         return model, model.cfg, expert_shape(model.cfg, a.cpu_dtype, dtype), off
 
     hybrid_e2e.build = build
-    args.preset, args.trace = "deepseek-v3", None
+    args.preset, args.trace, args.defer_experts, args.isolate = "deepseek-v3", None, 0, False
+    hybrid_e2e.apply_defaults(args, torch.cuda.is_available())
     res = hybrid_e2e.run(args)
     res.update(checkpoint=str(ckpt), checkpoint_written=written, load=load)
     write_json(Path(args.out) / f"deepseek_box_{args.cpu_dtype}.json", res, indent=1)
