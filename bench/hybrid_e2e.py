@@ -41,6 +41,7 @@ from hybrid.models.presets import hf_config
 from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_stacks
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
+from hybrid.runtime.config import RuntimeConfig
 from bench.bounds import decode_step_bound, distinct_per_step, split_lower_bound
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
@@ -207,7 +208,13 @@ def run(args) -> dict:
     resident = args.resident if args.resident is not None else cfg.num_experts // 4
     calib_len = CPU_ONLY_CALIBRATION if args.reduced else 512
     max_ctx = max(max(args.prefill), calib_len) + 64
-    eng = Engine(model, None, max_batch=max(args.decode_batch), max_context=max_ctx, eager=not args.graphs)
+    if getattr(args, "max_context", None):
+        if args.max_context < max_ctx:
+            raise SystemExit(f"--max-context {args.max_context} is below what the run needs ({max_ctx})")
+        max_ctx = args.max_context
+    eng = Engine(model, None, config=RuntimeConfig(max_batch=max(args.decode_batch), max_context=max_ctx,
+                                                   eager=not args.graphs,
+                                                   context_buckets=not getattr(args, "no_context_buckets", False)))
     gen = torch.Generator().manual_seed(2)
     calib = torch.randint(0, cfg.vocab_size, (calib_len,), generator=gen).tolist()
     slot = eng.allocate_slot()
@@ -225,6 +232,8 @@ def run(args) -> dict:
               + (f"VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB" if device.type == "cuda" else
                  f"'resident' torch copies {mem['vram_resident_bytes'] / 2**30:.2f} GiB (DRAM; no CUDA device: the "
                  f"'GPU' side is torch on the CPU, the ship lane a copy within DRAM)"))
+    if eng.graphs is not None:
+        header += f" | max context {max_ctx}, graph context buckets {list(eng.graphs.contexts)}"
     if args.defer_experts:
         header += f" | EXPERT DEFERRAL: {args.defer_experts} of each token's experts one layer late (changes the math)"
     if args.reduced:
@@ -370,6 +379,10 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", action="store_true", help="decode in CUDA graphs (every cold expert on the CPU "
                    "lane as a host function; the strategy then only affects prefill)")
     p.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all cores but one)")
+    p.add_argument("--max-context", type=int, help="KV positions per slot (default: the longest prefill + 64); "
+                   "graph decode's cache reads grow with it unless graphs are keyed by context bucket")
+    p.add_argument("--no-context-buckets", action="store_true",
+                   help="decode graphs attend over the whole --max-context (the behaviour before context buckets)")
     p.add_argument("--prefill", type=ints, help="prompt lengths (default 2048,8192; CPU-only 128)")
     p.add_argument("--decode-batch", type=ints, help="decode batch sizes (default 1,8; CPU-only 1)")
     p.add_argument("--steps", type=int, help="timed decode steps per batch (default 16; CPU-only 4)")

@@ -11,6 +11,7 @@ from hybrid.models import StackedExperts, build_empty, init_random_
 from hybrid.models.families import family_for
 from hybrid.models.presets import hf_config
 from hybrid.runtime import Engine
+from hybrid.runtime.config import RuntimeConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU box)")]
@@ -44,6 +45,20 @@ def test_graph_decode_matches_eager():
     b = eager.generate(prompts, 24, stop_token_ids=[])
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert graph.graphs.graphs  # graphs were captured and used
+
+
+def test_graph_decode_across_context_buckets_matches_eager():
+    """Sequences that grow past the 256-position context bucket: the graphs of two context buckets (the second
+    captured mid-generation) give the eager tokens, and so do graphs over the whole cache."""
+    model = tiny_model()
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (240, 250)]
+    engines = {name: Engine(model, config=RuntimeConfig(max_batch=2, max_context=600, eager=name == "eager",
+                                                        context_buckets=name != "whole"))
+               for name in ("buckets", "whole", "eager")}
+    out = {name: [r.token_ids for r in e.generate(prompts, 24, stop_token_ids=[])] for name, e in engines.items()}
+    assert out["buckets"] == out["eager"] and out["whole"] == out["eager"]
+    assert {L for _, L in engines["buckets"].graphs.graphs} == {256, 512}
+    assert {L for _, L in engines["whole"].graphs.graphs} == {600}
 
 
 @pytest.mark.parametrize("mode", ["grouped", "dense"])

@@ -89,7 +89,7 @@ class DoorbellLane:
 
     Off CUDA (tests) ring_from_host() plays the stream's part."""
 
-    CAP = 4096  # jobs per lane: layers x decode buckets x captures; a full lane falls back to host functions
+    CAP = 16384  # jobs per lane: layers x decode graphs (batch x context buckets) x captures; a full lane falls back to host functions
 
     def __init__(self, isa: str, pin_cpu: int = -1, device: torch.device | None = None):
         self.isa = isa

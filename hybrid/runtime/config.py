@@ -10,6 +10,7 @@ class RuntimeConfig:
     max_batch: int = 8  # KV-cache slots = sequences decoded together
     max_context: int = 4096  # positions per slot (prompt + generated)
     eager: bool | None = None  # None: CUDA graphs for decode on a GPU, eager elsewhere
+    context_buckets: bool = True  # decode graphs per context bucket (False: each attends over max_context)
 
     def __post_init__(self):
         if self.max_batch < 1:

@@ -1,11 +1,18 @@
-"""Decode in CUDA graphs: one graph per batch-size bucket, captured once, replayed every step.
+"""Decode in CUDA graphs: one graph per batch-size bucket and context bucket, captured once, replayed every step.
 
 A Python loop of small CUDA ops costs ~25-30 us per op on the GPU box (DESIGN.md sec. 6), a decode
 step is thousands of them, so decode is captured whole: embedding, attention over the static cache,
 router, the expert executor (it must not sync with the host) and the head. A step with B rows runs
 the smallest bucket >= B; unused rows get position -1 (their K/V land in the cache's spare column) and
-slot 0 (read but never written), so they disturb nothing. The graphs attend over the whole cache
-(kv_len = max_context) because their shapes are fixed at capture.
+slot 0 (read but never written), so they disturb nothing.
+
+A graph's shapes are fixed at capture, so it attends over a fixed number of cache positions. Attending over
+all of max_context in every step would make each layer gather and read the whole cache (at --max-context
+32768 that is 67 MB per layer of a Qwen3-30B-shaped model, tens of microseconds of a step's fixed cost) however
+short the sequences are. So graphs are also keyed by a context bucket: the first power of two >= 256 that
+holds every row's position (max_context last). The first decode step captures every batch bucket at its
+context bucket; a step that needs a (batch, context) pair not captured yet captures it then (Engine.decode_step
+keeps that out of the timed step). All graphs share one memory pool (only one replays at a time).
 """
 
 from __future__ import annotations
@@ -13,15 +20,30 @@ from __future__ import annotations
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CONTEXT_MIN = 256  # smallest context bucket: below it the cache read is a few microseconds anyway
+
+
+def context_buckets(max_context: int, enabled: bool = True) -> tuple[int, ...]:
+    """Cache positions a graph may attend over: 256, 512, ... below max_context, then max_context itself
+    (only max_context when disabled)."""
+    out, L = [], CONTEXT_MIN
+    while enabled and L < max_context:
+        out.append(L)
+        L *= 2
+    return (*out, max_context)
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, buckets: tuple[int, ...] | None = None):
+    def __init__(self, model, cache, buckets: tuple[int, ...] | None = None, context: bool = True):
+        """context: key graphs by context bucket too (False: every graph attends over max_context)."""
         self.model, self.cache = model, cache
         mb = cache.max_batch
         self.buckets = tuple(sorted(set(b for b in (buckets or BUCKETS) if b < mb) | {mb}))
+        self.contexts = context_buckets(cache.max_context, context)
         self.device = model.device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self._pool = None
+        # (batch bucket, context bucket) -> (graph, static inputs, output logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
 
     def _static(self, b: int) -> dict[str, torch.Tensor]:
         dev = self.device
@@ -31,27 +53,38 @@ class DecodeGraphs:
             "slots": torch.zeros(b, dtype=torch.long, device=dev),  # [b]
         }
 
-    def _run(self, s):
-        return self.model(s["ids"], s["pos"], s["slots"], self.cache, last_only=True, kv_len=None)
+    def _run(self, s, L: int):
+        kv_len = None if L >= self.cache.max_context else L
+        return self.model(s["ids"], s["pos"], s["slots"], self.cache, last_only=True, kv_len=kv_len)
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool."""
-        pool = None
+    def capture(self, context: int | None = None) -> None:
+        """Capture every batch bucket (largest first) at one context bucket (default the smallest)."""
+        L = self.contexts[0] if context is None else context
         for b in sorted(self.buckets, reverse=True):
-            s = self._static(b)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, cuBLAS workspaces
-                for _ in range(2):
-                    self._run(s)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._run(s)  # [b, V]
-            pool = g.pool()
-            self.graphs[b] = (g, s, out)
+            self.ensure((b, L), sync=False)
         torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def ensure(self, key: tuple[int, int], sync: bool = True) -> None:
+        """Capture the graph of (batch bucket, context bucket) unless it exists."""
+        if key in self.graphs:
+            return
+        b, L = key
+        s = self._static(b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, cuBLAS workspaces
+            for _ in range(2):
+                self._run(s, L)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = self._run(s, L)  # [b, V]
+        self._pool = g.pool()
+        self.graphs[key] = (g, s, out)
+        if sync:
+            torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -59,14 +92,21 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"decode batch {n} exceeds the largest graph bucket {self.buckets[-1]}")
 
+    def key(self, n: int, positions: list[int]) -> tuple[int, int]:
+        """(batch bucket, context bucket) of a step of n rows at these positions."""
+        need = max(positions) + 1
+        return self.bucket(n), next(L for L in self.contexts if L >= need)
+
     @torch.no_grad()
     def step(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """-> logits [B, V] (a view of the graph's output buffer: consume before the next step)."""
-        if not self.graphs:
-            self.capture()
         n = len(ids)
-        b = self.bucket(n)
-        g, s, out = self.graphs[b]
+        key = self.key(n, positions)
+        if not self.graphs:
+            self.capture(key[1])
+        self.ensure(key)
+        b = key[0]
+        g, s, out = self.graphs[key]
         pad = b - n
         host = torch.tensor([ids + [0] * pad, positions + [-1] * pad, slots + [0] * pad], dtype=torch.long)
         s["ids"].copy_(host[0, :, None])

@@ -128,7 +128,7 @@ class Engine:
             eager = True
         if not eager:
             from hybrid.runtime.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(model, self.cache)
+            self.graphs = DecodeGraphs(model, self.cache, context=config.context_buckets)
         # Hybrid executors pin the GPU-launching thread off the CPU executor's cores while a step runs
         # (hybrid.offload.shared.Offload.launcher_pinned); a graph replay's CPU lane runs inside the step.
         self._step_context = next((layer.moe.experts.launcher_pinned for layer in model.layers if layer.moe is not None
@@ -233,9 +233,13 @@ class Engine:
         if max(positions) >= self.max_context:
             raise ValueError(f"a slot reached max_context {self.max_context}")
         t0 = time.perf_counter()
-        if self.graphs is not None and not self.graphs.graphs:  # capture outside the timed region
-            self.graphs.capture()
-            t0 = time.perf_counter()
+        if self.graphs is not None:  # capture outside the timed region
+            key = self.graphs.key(len(slots), positions)
+            if key not in self.graphs.graphs:
+                if not self.graphs.graphs:
+                    self.graphs.capture(key[1])  # the first step: every batch bucket at this context
+                self.graphs.ensure(key)
+                t0 = time.perf_counter()
         with self._step_context():
             if self.graphs is not None:
                 logits = self.graphs.step(list(last_tokens), positions, list(slots))

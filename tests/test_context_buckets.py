@@ -1,0 +1,34 @@
+"""Decode graphs keyed by context bucket (hybrid.runtime.cuda_graphs): which graph a step replays. The graphs
+themselves need CUDA (tests/test_generate_gpu.py); the bucket choice is plain Python and checked here."""
+
+import types
+
+import pytest
+
+from hybrid.runtime.cuda_graphs import DecodeGraphs, context_buckets
+
+
+def test_context_buckets_double_from_256_and_end_at_max_context():
+    assert context_buckets(4096) == (256, 512, 1024, 2048, 4096)
+    assert context_buckets(600) == (256, 512, 600)
+    assert context_buckets(200) == (200,)
+    assert context_buckets(256) == (256,)
+    assert context_buckets(4096, enabled=False) == (4096,)
+
+
+def fake_graphs(max_batch, max_context, context=True):
+    model = types.SimpleNamespace(device="cpu")
+    cache = types.SimpleNamespace(max_batch=max_batch, max_context=max_context)
+    return DecodeGraphs(model, cache, context=context)
+
+
+def test_step_key_is_the_smallest_buckets_that_hold_the_rows():
+    g = fake_graphs(8, 4096)
+    assert g.buckets == (1, 2, 4, 8)
+    assert g.key(1, [0]) == (1, 256)
+    assert g.key(3, [10, 255, 3]) == (4, 256)  # position 255 is the 256th column: still fits
+    assert g.key(3, [10, 256, 3]) == (4, 512)
+    assert g.key(8, [4095]) == (8, 4096)
+    with pytest.raises(ValueError):
+        g.key(9, [0])
+    assert fake_graphs(8, 4096, context=False).key(1, [0]) == (1, 4096)
