@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import logging
 import threading
 
 import torch
@@ -22,7 +23,8 @@ from . import _native, knee, quant
 from .reference import ACTIVATIONS, moe_forward
 from .topology import Topology
 
-DTYPES = {"bf16": 0, "int8": 1, "int4": 2}
+DTYPES = {"bf16": 0, "int8": 1, "int4": 2, "mxfp4": 3}
+log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROW_ALIGN = 32
@@ -30,9 +32,53 @@ _ROW_ALIGN = 32
 # measured. The knee moves between runs (Xeon EMR host, Qwen3-235B expert, 8 experts, bench.cpu_moe knee
 # sweep: run2 bf16 8 / int8 16, run4 bf16 16 / int8 32, bench/results/h200-cpu_moe/): `hybrid calibrate`
 # measures it into the profile (machine["amx_knee"]) and the hybrid runtime applies it with
-# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4 always runs on the
-# vector path.
+# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4 and mxfp4 always
+# run on the vector path (no AMX kernel: with an AMX ISA, mxfp4 says so once, _say_vector_only).
 AMX_KNEE = {"bf16": 16, "int8": 32}
+_SAID_VECTOR_ONLY: set = set()
+
+
+def _say_vector_only(dtype: str, isa: str) -> None:
+    """The AMX build declines mxfp4 (and int4): every call runs its AVX-512 (amx_emu: AVX2) vector kernels,
+    so prefill-sized batches run well below AMX speed. Said once per (dtype, ISA) and process."""
+    if (dtype, isa) in _SAID_VECTOR_ONLY:
+        return
+    _SAID_VECTOR_ONLY.add((dtype, isa))
+    log.warning("cpu_kernels: %s has no AMX kernel; ISA %s runs it on the vector (VNNI) path at every batch "
+                "size, so large prefills run below AMX speed (int8 or bf16 use the AMX tiles)", dtype, isa)
+
+
+class _Mx4:
+    """Published mxfp4 weights of E experts, blocks uint8 [E, R, K/32, 16] and scales [E, R, K/32], sliced
+    like the float matrices [E, R, K] they stand for (K slices on 32-value block boundaries), without a copy."""
+
+    def __init__(self, name, blocks, scales):
+        for what, t, nd in ((f"{name} blocks", blocks, 4), (f"{name} scales", scales, 3)):
+            _check_tensor(what, t, nd, (torch.uint8,))
+        if blocks.shape[-1] != quant.MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+            raise ValueError(f"{name}: mxfp4 blocks {tuple(blocks.shape)} must be [E, R, K/32, 16] with scales "
+                             f"[E, R, K/32], got scales {tuple(scales.shape)}")
+        self.blocks, self.scales = blocks, scales
+        E, R, G = scales.shape
+        self.shape = torch.Size((E, R, G * quant.MXFP4_BLOCK))
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (3 - len(key))
+        if not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
+            raise TypeError("mxfp4 weights slice by ranges only")
+        se, sr, sk = key
+        k0, k1, _ = sk.indices(self.shape[2])
+        if k0 % quant.MXFP4_BLOCK or (k1 % quant.MXFP4_BLOCK and k1 != self.shape[2]):
+            raise ValueError(f"mxfp4 weights slice K on {quant.MXFP4_BLOCK}-value blocks, got {k0}:{k1}")
+        g = slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
+        out = _Mx4.__new__(_Mx4)
+        out.blocks, out.scales = self.blocks[se, sr, g], self.scales[se, sr, g]
+        out.shape = torch.Size((*out.scales.shape[:2], out.scales.shape[2] * quant.MXFP4_BLOCK))
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        return quant.dequantize_mxfp4(self.blocks, self.scales)
 
 
 def _align(v: int, a: int) -> int:
@@ -112,7 +158,8 @@ class CpuMoE:
     w_gate, w_up [E, F, D] and w_down [E, D, F] (fp32/bf16/fp16, contiguous) are the experts held here,
     whose global ids are expert_ids (default 0..E-1) out of num_experts (default max id + 1); tokens
     routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
-    32/64/128). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
+    32/64/128) | "mxfp4" (quantize_mxfp4 of the weights; D and F multiples of 32; CpuMoE.from_mxfp4 packs
+    published blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
     per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
@@ -125,8 +172,14 @@ class CpuMoE:
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None):
+        mx_source = isinstance(w_gate, _Mx4)  # from_mxfp4: the published blocks, never a float copy
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            _check_tensor(name, w, 3, _WEIGHT_DTYPES)
+            if mx_source != isinstance(w, _Mx4):
+                raise ValueError("w_gate, w_up and w_down must all be float tensors (from_mxfp4 takes blocks)")
+            if not mx_source:
+                _check_tensor(name, w, 3, _WEIGHT_DTYPES)
+        if mx_source and dtype != "mxfp4":
+            raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -146,6 +199,11 @@ class CpuMoE:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         if dtype == "int4" and group_size not in quant.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
+        if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
+            raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
+                             f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
+        if dtype == "mxfp4":
+            group_size = quant.MXFP4_BLOCK  # the activations' group sums and the kernels' block
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if amx_min_tokens is None:
@@ -167,6 +225,8 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
+        if dtype == "mxfp4" and self.isa in ("amx", "amx_emu"):
+            _say_vector_only(dtype, self.isa)
         topo = topology if topology is not None else Topology.discover()
         if not isinstance(topo, Topology):
             raise ValueError("topology must be a cpu_kernels.Topology")
@@ -177,7 +237,37 @@ class CpuMoE:
         else:
             self._pack_native(w_gate, w_up, w_down)
 
+    @classmethod
+    def from_mxfp4(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over published mxfp4 experts (gpt-oss), packed without a float copy of the weights.
+
+        gate, up: (blocks uint8 [E, F, D/32, 16], scales uint8 [E, F, D/32]) (gate/up rows already apart);
+        down: (blocks [E, D, F/32, 16], scales [E, D, F/32]); D and F multiples of 32. The codes are only
+        re-ordered into the kernels' layout (cpu_kernels.quant, module doc), a chunk of experts at a time; the
+        exponents are kept as they are. kwargs: CpuMoE's (threads, topology, expert_ids, activation, alpha,
+        limit, b_gate, b_up, b_down, isa, num_experts, ...); dtype, if given, must be "mxfp4".
+        """
+        mats = []
+        for name, pair in (("gate", gate), ("up", up), ("down", down)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(f"from_mxfp4: {name} must be a (blocks, scales) pair")
+            mats.append(_Mx4(name, *pair))
+        kwargs.setdefault("dtype", "mxfp4")
+        return cls(*mats, **kwargs)
+
     # ---- packing -------------------------------------------------------------------------------
+    def _mx4_parts(self, w, rows_p: int, ldk: int):
+        """A chunk of experts (float [c, rows, k] or _Mx4) -> (codes [c, rows_p, ldk/2], exponents [c, rows_p,
+        ldk/32], None) in the kernels' layout; padding blocks are zero codes with exponent 127 (what
+        quantize_mxfp4 gives an all-zero block)."""
+        blocks, scales = (w.blocks, w.scales) if isinstance(w, _Mx4) else quant.quantize_mxfp4(w)
+        _, rows, G = scales.shape
+        gp = ldk // quant.MXFP4_BLOCK
+        blocks = torch.nn.functional.pad(blocks, (0, 0, 0, gp - G, 0, rows_p - rows))
+        scales = torch.nn.functional.pad(scales, (0, gp - G, 0, rows_p - rows), value=127)
+        q, e = quant.pack_mxfp4(blocks, scales)
+        return q, e, None
+
     def _quantized(self, w: torch.Tensor):
         """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
         if self.dtype == "bf16":
@@ -190,6 +280,10 @@ class CpuMoE:
 
     def _dequantized(self, w: torch.Tensor) -> torch.Tensor:
         """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
+        if isinstance(w, _Mx4):
+            return w.dequantized()
+        if self.dtype == "mxfp4":
+            return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w))
         if self.dtype == "bf16":
             return w.to(torch.bfloat16)
         if self.dtype == "int8":
@@ -222,9 +316,9 @@ class CpuMoE:
     _PACK_CHUNK = 8
 
     def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
-        """Bytes of one expert's packed matrix [rows_p, ldk] (int4: two values per byte)."""
+        """Bytes of one expert's packed matrix [rows_p, ldk] (int4, mxfp4: two values per byte)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2}[self.dtype]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2}[self.dtype]
 
     def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple) -> _native.HyMat:
         """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk], its bytes for
@@ -237,7 +331,9 @@ class CpuMoE:
         bufs, strides = None, None
         for e0 in range(0, self.E, self._PACK_CHUNK):
             wc = w[e0:e0 + self._PACK_CHUNK]
-            if self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
+            if self.dtype == "mxfp4":
+                parts = list(self._mx4_parts(wc, rows_p, ldk))
+            elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
                 parts = [wc.to(torch.bfloat16).contiguous(), None, None]
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
@@ -255,8 +351,8 @@ class CpuMoE:
                     lib.hy_pool_copy(pool, buf.data_ptr() + e0 * s, t.data_ptr(), t.numel() * t.element_size())
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
-        if bufs[1] is not None:
-            m.scale, m.s_estride = bufs[1].data_ptr(), strides[1] // 4
+        if bufs[1] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes
+            m.scale, m.s_estride = bufs[1].data_ptr(), strides[1] if self.dtype == "mxfp4" else strides[1] // 4
         if bufs[2] is not None:
             m.rsum, m.r_estride = bufs[2].data_ptr(), strides[2] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
@@ -306,7 +402,8 @@ class CpuMoE:
     def packed_weights(self) -> list[dict]:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
-        bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group}; bias
+        bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group}
+        (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]); bias
         fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
         b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
         into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
@@ -318,16 +415,18 @@ class CpuMoE:
                      for t, b in zip((g, u, d), self._bias)]
             return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
-        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.dtype]
+        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8}[self.dtype]
         out = []
         for n, (f0, f1) in enumerate(self._slices):
             node, mats, blk = self._layer.nodes[n], {}, self._blocks[n]
             for name in ("gate", "up", "down"):
                 mm = getattr(node, name)
-                cols = mm.ldk // 2 if self.dtype == "int4" else mm.ldk
+                cols = mm.ldk // 2 if self.dtype in ("int4", "mxfp4") else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1)].view(qdtype).view(self.E, mm.rows_p, cols)
-                if self.dtype == "int4":
+                if self.dtype == "mxfp4":  # uint8 exponents, one per 32-value block
+                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // mm.group)
+                elif self.dtype == "int4":
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None

@@ -11,6 +11,13 @@ mxfp4: the OCP microscaling format gpt-oss checkpoints are published in: blocks 
       high nibble second (value 2j+1); a code maps through FP4_VALUES and the block of 32 is multiplied by
       2^(scale - 127). w = FP4_VALUES[code] * 2^(e - 127), exactly representable in fp32 (and in bf16 for
       exponents in bf16's range).
+      The executor's packed mxfp4 (CpuMoE dtype "mxfp4"; pack_mxfp4 / unpack_mxfp4 below): per row, the codes
+      in int4's chunk layout: per 64 K values (two 32-value blocks) 32 bytes, byte i holding block 2c's value
+      i in its low nibble and block 2c+1's value i in its high nibble (so one 32-byte load unpacks to 64
+      consecutive codes with one AND and one shift, exactly as int4); plus the uint8 exponents [R, K/32] as
+      published, one per block. 16 + 1 bytes per 32 weights = 0.53125 bytes a weight. Rows are zero padded
+      to a multiple of 64 values (a zero code is 0.0 whatever the exponent), so the format asks K % 32 == 0
+      (D and F of an expert, the reduction lengths of gate/up and down) and the executor refuses other shapes.
 Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantization.
 """
 
@@ -107,3 +114,34 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes.reshape(*lead, R, K // MXFP4_BLOCK, MXFP4_BLOCK // 2, 2)
     blocks = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
     return blocks, (e + 127).to(torch.uint8)
+
+
+def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Published mxfp4 (blocks uint8 [..., R, G, 16], scales [..., R, G], G even) -> the executor's layout
+    (module doc): (codes uint8 [..., R, G * 16], exponents uint8 [..., R, G]). Integer ops only (the largest
+    temporary is one code byte per weight), on any device."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} must be scales' shape {tuple(scales.shape)} + (16,)")
+    *lead, G = scales.shape
+    if G % 2:
+        raise ValueError(f"pack_mxfp4: the block count {G} must be even (rows of 64 values)")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*lead, G * MXFP4_BLOCK)  # value order
+    return pack_nibbles(codes), scales.contiguous()
+
+
+def unpack_mxfp4(q: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_mxfp4: the executor's (codes, exponents) -> published (blocks, scales)."""
+    *lead, H = q.shape
+    codes = unpack_nibbles(q).reshape(*lead, H // 16, MXFP4_BLOCK // 2, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).contiguous(), e
+
+
+def dequantize_mxfp4_packed(q: torch.Tensor, e: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The executor's packed mxfp4 (codes [..., R, K/2], exponents [..., R, K/32]) -> w [..., R, K], on q's device."""
+    *lead, H = q.shape
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=q.device)
+    w = lut[unpack_nibbles(q).long()].reshape(*lead, H // 16, MXFP4_BLOCK)
+    w = torch.ldexp(w, (e.to(torch.int32) - 127)[..., None].float())
+    return w.reshape(*lead, H * 2).to(dtype)

@@ -9,7 +9,7 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -19,12 +19,13 @@ enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  //
 // rows and columns contribute nothing; the GPU lane can use w[:, :rows, :k] as a strided view.
 typedef struct {
   const uint8_t* w;
-  const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]
+  const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]; mxfp4: uint8
+                         // shared exponents [E, rows_p, ldk/32] (read through mx4_exps; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
   int64_t w_estride;     // bytes between experts
-  int64_t s_estride;     // floats between experts in scale
+  int64_t s_estride;     // floats (mxfp4: bytes) between experts in scale
   int64_t r_estride;     // int32s between experts in rsum
   int64_t b_estride;     // floats between experts in bias
   int32_t rows, rows_p, k, ldk, group, dtype;
@@ -109,7 +110,25 @@ inline void gated_act_row(int act, const float* __restrict g, const float* __res
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
-// Activation row layout. bf16: uint16 [ldk]. int8/int4: int8 [ldk] | fp32 scale | int32 group sums
+// mxfp4 (cpu_kernels/quant.py, module doc): nibble-packed e2m1 codes in int4's chunk layout (per 64 K values
+// 32 bytes: low nibbles K 0..31 = one 32-value block, high nibbles K 32..63 the next) and one uint8 exponent
+// e per block. The kernels map a code through MX4_LUT to 2 * FP4 value + 12, an unsigned byte in [0, 24]
+// (the VNNI / maddubs unsigned operand; the int8 activations are the signed one), take 12 * (sum of the 4
+// activations of each int32 lane) off every lane, which leaves the exact integer dot of 2 * FP4 values
+// with the activations, and scale each block by mx4_scale(e) = 2^(e - 128) (2^(e-127) of the format,
+// halved for the doubled codes). Every e in 0..255 is a finite fp32 (2^-128 is subnormal, 2^127 normal).
+#define HY_MX4_LUT 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+struct Mx4Scales {
+  float v[256];
+  Mx4Scales() { for (int e = 0; e < 256; ++e) v[e] = std::ldexp(1.0f, e - 128); }
+};
+const Mx4Scales g_mx4_scales;
+inline float mx4_scale(uint8_t e) { return g_mx4_scales.v[e]; }
+inline const uint8_t* mx4_exps(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 32);
+}
+
+// Activation row layout. bf16: uint16 [ldk]. int8/int4/mxfp4: int8 [ldk] | fp32 scale | int32 group sums
 // [ldk/group] (the int4 kernels need sum(a) per group to undo the +8 offset of the stored nibbles).
 inline int64_t act_stride(int dtype, int ldk, int group) {
   if (dtype == HY_BF16) return align_up((int64_t)ldk * 2, 64);

@@ -17,6 +17,9 @@ inline float hsum8(__m256 v) {
 inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline __m256i dot_u8s8_i32(__m256i u, __m256i s) {  // 32 u8*s8 products -> 8 int32 lanes of 4-products
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
 inline __m256 dot_u8s8(__m256i u, __m256i s) {  // 32 u8*s8 products -> 8 fp32 lanes of 4-products
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -90,16 +93,52 @@ void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* co
     }
 }
 
+// mxfp4 (hy.h, HY_MX4_LUT): per 64 K values 32 bytes, low nibbles one 32-value block, high nibbles the next.
+// Codes -> 2 * FP4 + 12 (u8, <= 24) by VPSHUFB, maddubs with the int8 activations (pair sums <= 2*24*127, no
+// saturation), minus 12 * each lane's activation sum: the exact integer dot per lane, then one scale per block.
+template <int MT>
+void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* se, float* C,
+               int ldc) {
+  const int G = k / 32;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(HY_MX4_LUT));
+  const __m256i twelve = _mm256_set1_epi8(12);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int c = 0; c < k / 64; ++c) {
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+      lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, lo4));
+      hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4));
+    }
+    for (int t = 0; t < MT; ++t) {
+      __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
+      __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
+      __m256i olo = dot_u8s8_i32(twelve, alo), ohi = dot_u8s8_i32(twelve, ahi);
+      for (int j = 0; j < 4; ++j) {
+        __m256 slo = _mm256_set1_ps(mx4_scale(se[j * G + 2 * c])), shi = _mm256_set1_ps(mx4_scale(se[j * G + 2 * c + 1]));
+        acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot_u8s8_i32(lo[j], alo), olo)), slo, acc[j][t]);
+        acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot_u8s8_i32(hi[j], ahi), ohi)), shi, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     const uint16_t* w = (const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
     bf16_block<MT>(w, M.ldk, M.ldk, rows, C, ldc);
   } else if (M.dtype == HY_INT8) {
     const int8_t* w = (const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
     i8_block<MT>(w, M.ldk, M.ldk, rows, sw, C, ldc);
+  } else if (M.dtype == HY_MXFP4) {
+    mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
   } else {
     const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
     i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);

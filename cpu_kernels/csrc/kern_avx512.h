@@ -4,7 +4,9 @@
 // into int32) with the activations offset by +128 to make them unsigned, undone with the precomputed
 // row sums: sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned
 // operand, the int8 activations the signed one; the +8 offset is undone per group with the
-// activation group sums.
+// activation group sums. mxfp4: the same nibble unpacking, then VPSHUFB through the 16-entry code table
+// (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the sum of
+// its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
@@ -91,6 +93,42 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     }
 }
 
+// mxfp4, 4 rows x MT tokens: per 64-value chunk (two 32-value blocks, lanes 0-7 and 8-15 of each int32
+// vector) one 32-byte load per row, a shift + AND to the codes, one VPSHUFB to the unsigned operand; per
+// token one VPDPBUSD of the activations with 12s (the offset) and per row and token one VPDPBUSD, a
+// convert and an FMA with the blocks' scales. The lane values are exact integers times a power of two, so
+// blocks written with other (code, exponent) pairs of the same values give bit-identical sums.
+template <int MT>
+void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* se, float* C,
+               int ldc) {
+  const int G = k / 32;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high half: >> 4
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(HY_MX4_LUT));
+  const __m512i twelve = _mm512_set1_epi8(12);
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int c = 0; c < k / 64; ++c) {
+    __m512i wq[4];
+    __m512 sv[4];
+    for (int j = 0; j < 4; ++j) {
+      __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
+      wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
+      sv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(mx4_scale(se[j * G + 2 * c]))),
+                                 _mm256_set1_ps(mx4_scale(se[j * G + 2 * c + 1])), 1);  // lanes 0-7: K 0..31
+    }
+    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+    for (int t = 0; t < MT; ++t) {
+      __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+      __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), twelve, a));
+      for (int j = 0; j < 4; ++j)
+        acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
               float* C, int ldc) {
@@ -104,12 +142,14 @@ void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* co
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc);
   } else if (M.dtype == HY_INT8) {
     i8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, sw,
                  M.rsum + e * M.r_estride + r, C, ldc);
+  } else if (M.dtype == HY_MXFP4) {
+    mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);
   }
