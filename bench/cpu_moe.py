@@ -1,8 +1,9 @@
 """Benchmark of the CPU expert executor (cpu_kernels.CpuMoE) on this machine.
 
 Decode (1-4 tokens per expert): effective weight GB/s (bytes of the active experts' weights and
-scales / time) against the DRAM read bandwidth measured here by a multithreaded streaming read.
-Prefill (many tokens per expert): TFLOP/s (TOPS for int8/int4; 2*m*P_e per expert) against torch's own
+scales / time: bf16 2, int8 1 + scales, int4 0.5 + scales, mxfp4 0.53125 bytes a weight) against the DRAM
+read bandwidth measured here by a multithreaded streaming read.
+Prefill (many tokens per expert): TFLOP/s (TOPS for int8/int4/mxfp4; 2*m*P_e per expert) against torch's own
 bf16 per-expert loop on the same experts and threads.
 Experts are rotated call to call over a pool of `--pool-experts` distinct experts (default: >= 4x the
 last-level cache, a multiple of 64 so the rotations tile it), so decode reads come from DRAM rather than
@@ -12,6 +13,7 @@ excludes the warm-up call.
 
     python -m bench.cpu_moe --out cpu_moe.json            # default sweep (~3-4 min on a 16-core host)
     python -m bench.cpu_moe --quick                       # small shapes, seconds (smoke test)
+    python -m bench.cpu_moe --shapes qwen3-30b-a3b --dtypes mxfp4,int4,int8 --decode 8x1,8x4 --prefill ''
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import time
 import torch
 
 import cpu_kernels
-from cpu_kernels import CpuMoE, _native
+from cpu_kernels import CpuMoE, _native, quant
 from cpu_kernels.bandwidth import available_bytes, default_read_bytes, llc_bytes
 from cpu_kernels.knee import knee_from_times
 
+# Packed bytes per weight, scales aside except mxfp4's (its exponent byte per 32 values is part of the format).
+BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.53125}
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "tiny": (512, 256)}
 
 
@@ -110,7 +114,7 @@ def pool_size(D, F, dtype, target_bytes=None) -> int:
     after the whole pool, and decode reads come from DRAM, not from a large last-level cache (~300 MiB
     on the box host)."""
     target = target_bytes or max(0.75e9, 4 * llc_bytes())
-    per = 3 * D * F * {"bf16": 2, "int8": 1, "int4": 0.5}[dtype]
+    per = 3 * D * F * BYTES_PER_WEIGHT[dtype]
     return max(64, -(-int(target / per) // 64) * 64)
 
 
@@ -118,8 +122,12 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
     g = torch.Generator().manual_seed(0)
     uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
     reps = -(-pool_experts // uniq)  # exactly pool_experts experts: routing uses ids up to pool_experts - 1
-    ws = [((torch.rand(uniq, r, c, generator=g) - 0.5) * 0.05).repeat(reps, 1, 1)[:pool_experts].bfloat16()
-          for r, c in ((F, D), (F, D), (D, F))]
+    ws = [((torch.rand(uniq, r, c, generator=g) - 0.5) * 0.05) for r, c in ((F, D), (F, D), (D, F))]
+    if dtype == "mxfp4":  # as a checkpoint publishes them: quantized once, the blocks packed as they are
+        pub = [quant.quantize_mxfp4(w) for w in ws]
+        return CpuMoE.from_mxfp4(*[tuple(t.repeat(reps, *[1] * (t.dim() - 1))[:pool_experts] for t in p) for p in pub],
+                                 isa=isa, threads=threads, amx_min_tokens=knee)
+    ws = [w.repeat(reps, 1, 1)[:pool_experts].bfloat16() for w in ws]
     return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
 
 
@@ -189,7 +197,7 @@ def main(argv=None) -> int:
                 if second and shape != a.shapes.split(",")[0]:
                     continue  # the second ISA's decode check: first shape only (keeps the default run short)
                 for dtype in a.dtypes.split(","):
-                    if second and dtype == "int4":
+                    if second and dtype in ("int4", "mxfp4"):
                         continue
                     pool_e = a.pool_experts or pool_size(D, F, dtype)
                     moe = build(D, F, pool_e, dtype, isa, th, a.knee)

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", default="/tmp/dsv3-5l", help="checkpoint directory (written if missing)")
     p.add_argument("--layers", type=int, default=5, help="decoder layers of the written checkpoint")
     p.add_argument("--config", help="a config.json to write instead of the deepseek-v3 preset (tests, variants)")
-    p.add_argument("--cpu-dtype", default="int8", choices=["bf16", "int8", "int4"])
+    p.add_argument("--cpu-dtype", default="int8", choices=["bf16", "int8", "int4", "mxfp4"])
     p.add_argument("--profile", required=True)
     p.add_argument("--isa")
     p.add_argument("--cpu-threads", type=int)

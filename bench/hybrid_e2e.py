@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("--defer-experts", type=int, default=0, metavar="N",
                    help="expert deferral (changes the output): each token's N lowest-ranked experts one layer late")
     p.add_argument("--profile", required=True)
-    p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4"])
+    p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4", "mxfp4"])
     p.add_argument("--isa")
     p.add_argument("--graphs", action="store_true", help="decode in CUDA graphs (every cold expert on the CPU "
                    "lane as a host function; the strategy then only affects prefill)")

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--skews", type=lambda s: s.split(","), default=DEFAULT_SKEWS)
     p.add_argument("--strategies", type=lambda s: s.split(","), default=DEFAULT_STRATEGIES)
     p.add_argument("--resident", type=int, default=0, help="resident experts in VRAM (default 0)")
-    p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4"])
+    p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4", "mxfp4"])
     p.add_argument("--isa", help="force the CPU ISA")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="bench/results")

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="", help="GPU budgets, comma separated (default: three spread between "
                    "the fixed part and all experts resident)")
     p.add_argument("--cpu-budget", default="1TiB")
-    p.add_argument("--cpu-dtype", default="bf16", choices=("bf16", "int8", "int4"))
+    p.add_argument("--cpu-dtype", default="bf16", choices=("bf16", "int8", "int4", "mxfp4"))
     p.add_argument("--max-context", type=int, default=256)
     p.add_argument("--max-batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")

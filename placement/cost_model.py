@@ -28,7 +28,8 @@ class ExpertShape:
     """One routed expert (gate, up: [F, D]; down: [D, F]) and the MoE layer it sits in.
 
     `params` defaults to the three gated-MLP matrices, 3*D*F. `bytes_per_weight` is the stored weight
-    size (2 = bf16, 1 = int8, 0.5 + scales for int4); `act_bytes` is the activation element size on the
+    size (2 = bf16, 1 = int8, 0.5 + scales for int4, 0.53125 for mxfp4: 4-bit codes + an 8-bit exponent per
+    32 values, the CPU executor's dtype "mxfp4" and gpt-oss's published format); `act_bytes` is the activation element size on the
     link (b in DESIGN section 3).
     """
 

@@ -15,7 +15,7 @@ GPU (VRAM):
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
-and row sums, int4 group scales), including the resident ones: the runtime keeps one packed copy of
+and row sums, int4 group scales, mxfp4 one exponent byte per 32 values), including the resident ones: the runtime keeps one packed copy of
 every expert so that eviction and re-placement never reload from disk; plus the CPU lanes' pinned
 activation buffers.
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from hybrid.errors import UsageError
 
-CPU_DTYPES = ("bf16", "int8", "int4")
+CPU_DTYPES = ("bf16", "int8", "int4", "mxfp4")
+MXFP4_BLOCK = 32  # cpu_kernels.quant.MXFP4_BLOCK: values per shared exponent
 ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
 INT4_GROUP = 128  # hybrid.offload.Offload default group size
 DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
@@ -65,6 +66,8 @@ def packed_matrix_bytes(rows: int, k: int, cpu_dtype: str, row_align: int, group
         return rows_p * ldk + rows_p * 4 + rows_p * 4  # int8 values, fp32 scale and int32 row sum per row
     if cpu_dtype == "int4":
         return rows_p * ldk // 2 + rows_p * (ldk // group) * 4  # nibbles, fp32 scale per group
+    if cpu_dtype == "mxfp4":
+        return rows_p * ldk // 2 + rows_p * (ldk // MXFP4_BLOCK)  # e2m1 nibbles, uint8 exponent per 32: 0.53125 B
     raise UsageError(f"cpu dtype must be one of {', '.join(CPU_DTYPES)}, got {cpu_dtype!r}")
 
 

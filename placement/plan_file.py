@@ -61,8 +61,8 @@ def _check_types(plan) -> None:
     for name in _SETTINGS_INTS:
         if name in plan.settings and not (_is_int(plan.settings[name]) and plan.settings[name] >= 1):
             raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
-    if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in ("bf16", "int8", "int4"):
-        raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8 or int4, got {plan.settings['cpu_dtype']!r}")
+    if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in ("bf16", "int8", "int4", "mxfp4"):
+        raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8, int4 or mxfp4, got {plan.settings['cpu_dtype']!r}")
     if "stats" in plan.settings and not isinstance(plan.settings["stats"], dict):
         raise UsageError(f"plan: settings.stats must be an object, got {plan.settings['stats']!r}")
     for lp in plan.layers:

@@ -282,3 +282,24 @@ def test_amx_declines_mxfp4_loudly_once(isa, caplog, monkeypatch, fused_knob):
         assert p["calls"] == 1 and p["gate_up"] > 0 and p["down"] == 0, p
     finally:
         _native.profile_enable(isa, False)
+
+
+def test_bench_cpu_moe_prices_mxfp4_at_its_bytes(tmp_path):
+    """bench.cpu_moe --dtypes mxfp4: the DRAM-% of a decode row counts 0.53125 bytes a weight (the tiny shape
+    needs no padding), and the pool is sized by the same figure."""
+    import json
+
+    from bench.cpu_moe import BYTES_PER_WEIGHT, main, pool_size
+
+    isa = COMPILED[0] if COMPILED else "ref"
+    out = tmp_path / "cpu_moe.json"
+    assert main(["--quick", "--isas", isa, "--dtypes", "mxfp4", "--threads", "1", "--scaling", "", "--prefill", "",
+                 "--dram-bytes", str(64 << 20), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["dtype"] == "mxfp4" for r in rows)
+    for r in rows:
+        per_expert = r["pool_bytes"] / r["pool_experts"]
+        if isa != "ref":
+            assert per_expert == 0.53125 * 3 * r["D"] * r["F"]
+        assert r["weight_gbps"] == pytest.approx(r["experts"] * per_expert / (r["ms"] / 1e3) / 1e9)
+    assert BYTES_PER_WEIGHT["mxfp4"] == 0.53125 and pool_size(2048, 768, "mxfp4") % 64 == 0

@@ -42,6 +42,8 @@ def test_packed_bytes_by_hand():
     assert packed_expert_bytes(256, 128, "int8") == 2 * (128 * 256 + 128 * 8) + (256 * 128 + 256 * 8)
     # int4 (group 128): nibbles + one fp32 scale per 128 values; K pads to 128
     assert packed_expert_bytes(256, 128, "int4") == 2 * (128 * 128 + 128 * 2 * 4) + (256 * 64 + 256 * 1 * 4)
+    # mxfp4: nibbles + one uint8 exponent per 32 values; K pads to 64
+    assert packed_expert_bytes(256, 128, "mxfp4") == 2 * (128 * 128 + 128 * 8) + (256 * 64 + 256 * 4)
 
 
 def test_decode_saving_by_hand():
@@ -175,7 +177,7 @@ def test_numa_bytes_match_the_cpu_executor():
     g = torch.randn(3, 192, 320) * 0.1  # F 192 and D 320: padding on both
     u = torch.randn(3, 192, 320) * 0.1
     d = torch.randn(3, 320, 192) * 0.1
-    for dtype in ("bf16", "int8", "int4"):
+    for dtype in ("bf16", "int8", "int4", "mxfp4"):
         for nodes in (((cpus[0],),), ((cpus[0],), (cpus[1],))):
             moe = cpu_kernels.CpuMoE(g, u, d, dtype=dtype, topology=Topology(nodes), isa=isas[0])
             want = packed_expert_bytes(320, 192, dtype, [1] * len(nodes))

@@ -96,33 +96,49 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
 // mxfp4, 4 rows x MT tokens: per 64-value chunk (two 32-value blocks, lanes 0-7 and 8-15 of each int32
 // vector) one 32-byte load per row, a shift + AND to the codes, one VPSHUFB to the unsigned operand; per
 // token one VPDPBUSD of the activations with 12s (the offset) and per row and token one VPDPBUSD, a
-// convert and an FMA with the blocks' scales. The lane values are exact integers times a power of two, so
-// blocks written with other (code, exponent) pairs of the same values give bit-identical sums.
+// convert and an FMA with the blocks' scales. The scales of 8 chunks (16 exponents) are made at once per
+// row (VSCALEFPS: 2^(e - 128), exact for every e, subnormal 2^-128 included) and each chunk's pair is
+// picked by one VPERMPS. The lane values are exact integers times a power of two, so blocks written with
+// other (code, exponent) pairs of the same values give bit-identical sums.
 template <int MT>
 void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* se, float* C,
                int ldc) {
-  const int G = k / 32;
+  const int G = k / 32, nc = k / 64;
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high half: >> 4
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(HY_MX4_LUT));
   const __m512i twelve = _mm512_set1_epi8(12);
+  const __m512i bias = _mm512_set1_epi32(128);
+  const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
+  const __m512 one = _mm512_set1_ps(1.f);
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
-  for (int c = 0; c < k / 64; ++c) {
-    __m512i wq[4];
-    __m512 sv[4];
+  for (int c0 = 0; c0 < nc; c0 += 8) {
+    const int nb = std::min(16, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
+    const __mmask16 bm = (__mmask16)((1u << nb) - 1);
+    __m512 s16[4];  // scales of blocks 2 c0 .. 2 c0 + 15 of each row
     for (int j = 0; j < 4; ++j) {
-      __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
-      wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
-      sv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(mx4_scale(se[j * G + 2 * c]))),
-                                 _mm256_set1_ps(mx4_scale(se[j * G + 2 * c + 1])), 1);  // lanes 0-7: K 0..31
+      __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bm, se + j * G + 2 * c0));
+      s16[j] = _mm512_scalef_ps(one, _mm512_cvtepi32_ps(_mm512_sub_epi32(e, bias)));
     }
-    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
-    for (int t = 0; t < MT; ++t) {
-      __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
-      __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), twelve, a));
-      for (int j = 0; j < 4; ++j)
-        acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+    __m512i idx = pair0;  // chunk c's lanes 0-7: block 2(c - c0), lanes 8-15: block 2(c - c0) + 1
+    for (int c = c0; c < std::min(nc, c0 + 8); ++c, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      __m512i wq[4];
+      for (int j = 0; j < 4; ++j) {
+        __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
+        wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
+      }
+      if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+      __m512i a[MT], off[MT];
+      for (int t = 0; t < MT; ++t) {
+        a[t] = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        off[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), twelve, a[t]));
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512 sv = _mm512_permutexvar_ps(idx, s16[j]);
+        for (int t = 0; t < MT; ++t)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off[t], wq[j], a[t])), sv, acc[j][t]);
+      }
     }
   }
   for (int j = 0; j < 4; ++j)

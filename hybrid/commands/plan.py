@@ -34,8 +34,8 @@ def register(subparsers) -> None:
                    "machine's calibrated one, else the built-in ktransformers-paper-amx)")
     p.add_argument("--max-context", type=int, default=d.max_context, help="KV positions per sequence (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=("bf16", "int8", "int4"),
-                   help="dtype of the experts in DRAM (default %(default)s)")
+    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=("bf16", "int8", "int4", "mxfp4"),
+                   help="dtype of the experts in DRAM (default %(default)s; mxfp4: 0.53125 bytes a weight)")
     p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
                    help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")

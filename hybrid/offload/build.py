@@ -29,7 +29,7 @@ from placement.schedule import LayerScheduler, parse_strategy
 
 log = logging.getLogger("hybrid.offload")
 
-CPU_DTYPES = ("bf16", "int8", "int4")
+CPU_DTYPES = ("bf16", "int8", "int4", "mxfp4")
 FALLBACK_PROFILE = "ktransformers-paper-amx"
 # Routing calibration text: varied prose, code and numbers so that many experts see tokens.
 CALIBRATION_TEXT = (
@@ -105,7 +105,7 @@ def add_hybrid_arguments(p) -> None:
     g.add_argument("--schedule", default=None, help="cold-expert split per batch: cost (default: the calibrated "
                    "cost model), cpu (llama.cpp -ot exps=CPU), ship (always ship weights), threshold:N")
     g.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPES, help="dtype of the CPU-resident experts "
-                   "(default bf16)")
+                   "(default bf16; mxfp4: 4-bit e2m1 + one exponent per 32 values, gpt-oss's published format)")
     g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
     g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
                    f"profile, else the built-in {FALLBACK_PROFILE})")
@@ -172,7 +172,7 @@ def warn_shape_mismatch(hw, shape: ExpertShape) -> bool:
 
 def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
     """The cost model's view of one cold expert of this model (weights priced in the CPU dtype)."""
-    bpw = {"bf16": 2.0, "int8": 1.0 + 4.0 / cfg.hidden_size, "int4": 0.5 + 4.0 / 128}[cpu_dtype]
+    bpw = {"bf16": 2.0, "int8": 1.0 + 4.0 / cfg.hidden_size, "int4": 0.5 + 4.0 / 128, "mxfp4": 0.53125}[cpu_dtype]
     return ExpertShape(cfg.family, hidden=cfg.hidden_size, intermediate=cfg.expert_intermediate_size,
                        num_experts=cfg.num_experts, topk=cfg.experts_per_token,
                        layers=max(1, sum(cfg.moe_layers)), bytes_per_weight=bpw,
@@ -206,8 +206,8 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     bar = tqdm(total=sum(cfg.moe_layers), unit="layer", desc=f"packing experts ({hcfg.cpu_dtype}) for the CPU",
                disable=not progress or os.environ.get("HYBRID_NO_PROGRESS") == "1")
 
-    def make(i, g, u, d):
-        layer = HybridExperts(i, g, u, d, offload)
+    def make(i, g, u, d, biases=None):
+        layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases)
         bar.update(1)
         return layer
 
