@@ -42,6 +42,29 @@ FAMILIES = {
         n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # gpt-oss: sinks, sliding layers alternating with full ones (sliding first, window 4), YaRN (not truncated),
+    # q/k/v/o biases, router bias, expert biases and a clamped SwiGLU whose limit the tiny weights reach;
+    # more variants in GPT_OSS_VARIANTS.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=4, swiglu_limit=0.25,
+        swiglu_alpha=1.702, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "truncate": False})),
+}
+
+# gpt-oss variants beyond FAMILIES["gpt_oss"]: overrides of its kwargs.
+GPT_OSS_VARIANTS = {
+    # every layer full attention, plain rope, tied head, no attention biases, the published SwiGLU constants
+    "all_full_tied": dict(layer_types=["full_attention"] * 3, tie_word_embeddings=True, attention_bias=False,
+                          swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # full first, then two sliding layers of window 3, top-3 of 16 experts, 4 layers, truncated YaRN
+    "full_first_window3": dict(layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                            "full_attention"], num_hidden_layers=4, sliding_window=3,
+                               num_local_experts=16, num_experts_per_tok=3, swiglu_alpha=1.2,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 16, "truncate": True}),
+    # the window wider than every prompt (the sliding layers see everything), one kv head
+    "wide_window_mqa": dict(sliding_window=64, num_key_value_heads=1),
 }
 
 # GLM-4.5 family variants beyond FAMILIES["glm4_moe"]: overrides of its kwargs.
@@ -176,6 +199,16 @@ def engine_greedy(model, prompts, n: int = 10) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
+def reference_tokens_of(path, hf, prompts, n: int = 10) -> list[list[int]]:
+    """engine_greedy of the checkpoint at `path` (loaded fp32), asserted equal to transformers' `hf` greedy
+    tokens: the reference the hybrid-strategy checks compare with."""
+    from hybrid.models import load_model
+
+    tokens = engine_greedy(load_model(path, progress=False), prompts, n)
+    assert tokens == [hf_greedy(hf, p, n) for p in prompts]
+    return tokens
+
+
 def check_logits_and_greedy(model, hf, prompts, n_generate: int, name) -> None:
     """Our model against the transformers model `hf`: a right-padded batch prefill of `prompts` and three
     batched decode steps in fp32 within 1e-4, then the first n_generate prompts' 12 greedy tokens identical."""
@@ -223,18 +256,19 @@ def check_topk_router(ref_cls, cfg, k: int):
     return logits, ours, ref.e_score_correction_bias, order.values
 
 
-def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_resident: int) -> None:
+def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_resident: int, moe_layers: int = 2,
+                            cpu_isa: str = "ref") -> None:
     """The hybrid layer over the checkpoint at `path` (CPU reference executor, fp32, n_resident experts
-    per layer placed from a profile run) gives `reference_tokens` under greedy(model); 2 MoE layers (the
-    dense first layer has none)."""
+    per layer placed from a profile run) gives `reference_tokens` under greedy(model); `moe_layers` MoE layers
+    (DeepSeek / GLM: 2, the dense first layer has none)."""
     from hybrid.offload.build import HybridConfig, load_hybrid, place_resident
     from hybrid.runtime import Engine
 
-    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa="ref", profile="ktransformers-paper-amx")
+    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa=cpu_isa, profile="ktransformers-paper-amx")
     model, off = load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)
     eng = Engine(model, None, max_batch=1, max_context=128, eager=True)
     slot = eng.allocate_slot()
     place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), list(range(3, 200, 3)), fixed_vram_bytes=0)
-    assert len(off.layers) == model.cfg.num_moe_layers == 2  # the dense first layer has no hybrid experts
+    assert len(off.layers) == model.cfg.num_moe_layers == moe_layers  # a dense layer has no hybrid experts
     assert greedy(model) == reference_tokens
     assert all(len(layer.resident_ids) == n_resident for layer in off.layers)

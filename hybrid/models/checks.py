@@ -31,7 +31,8 @@ INT_FIELDS = {
 }
 BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "attention_bias", "use_qk_norm")
 # floats that must be > 0 (a zero or negative rms_norm_eps loads and then divides by ~0 or takes a root of < 0)
-POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "clip_qkv", "routed_scaling_factor")
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "clip_qkv", "routed_scaling_factor", "swiglu_alpha",
+                         "swiglu_limit")
 
 
 def read_text(file: Path) -> str:
@@ -227,12 +228,14 @@ def check_sizes(cfg, family, ckpt: dict) -> None:
             raise ModelLoadError(f"config.json: {name} is {v} but no tensor of the checkpoint has a dimension that "
                                  f"large (largest: {largest})")
     moe = cfg.moe_layer_indices
-    if not moe or "w_gate" not in family.experts:
+    if not moe or not ("w_gate" in family.experts or family.fused_experts):
         return
     first = moe[0]
     fused = family.fused_experts.get("gate_up", "").format(i=first) if family.fused_experts else ""
-    n = ckpt[fused][1]["shape"][0] if fused in ckpt and ckpt[fused][1]["shape"] else \
-        _count_experts(family.experts["w_gate"], first, ckpt)
+    fused = next((f for f in (fused, fused + "_blocks") if f in ckpt and ckpt[f][1]["shape"]), None)
+    if fused is None and "w_gate" not in family.experts:
+        return  # stored fused only and missing: the loader names the missing tensor
+    n = ckpt[fused][1]["shape"][0] if fused else _count_experts(family.experts["w_gate"], first, ckpt)
     if cfg.num_experts > n:
         raise ModelLoadError(f"config.json: {cfg.num_experts} experts per layer, but layer {first} of the checkpoint "
                              f"has {n}")

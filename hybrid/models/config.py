@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 ROPE_KINDS = ("default", "linear", "yarn", "llama3")
 QK_NORMS = ("none", "head", "full")  # Qwen3: RMSNorm per head over hd; OLMoE: over all heads (H*hd)
 ROUTER_KINDS = ("softmax", "sigmoid")  # softmax over E (Qwen, Mixtral, OLMoE); sigmoid scores (DeepSeek-V3)
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")  # down(silu(gate) * up); gpt-oss's clamped SwiGLU (ExpertFn)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,29 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class ExpertFn:
+    """What one routed expert computes: down(act(gate x + b_gate, up x + b_up)) + b_down. silu: act(g, u) =
+    silu(g) * u (no biases in the published families). swiglu_oai (gpt-oss): g = min(g, limit), u = clamp(u,
+    -limit, limit), act = g * sigmoid(alpha * g) * (u + 1), with per-expert biases (cpu_kernels.reference's
+    gated_activation; transformers' GptOssExperts)."""
+
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {self.activation!r}")
+        if not (self.limit > 0 and self.alpha > 0):
+            raise ValueError(f"swiglu alpha and limit must be positive, got {self.alpha}, {self.limit}")
+
+    def cpu_kwargs(self) -> dict:
+        """The same function's arguments for cpu_kernels.CpuMoE (the biases are passed with the weights)."""
+        return dict(activation=self.activation, alpha=self.alpha, limit=self.limit)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # Hugging Face model_type, e.g. "qwen3_moe"
     vocab_size: int
@@ -123,6 +147,11 @@ class ModelConfig:
     o_bias: bool = False
     clip_qkv: float | None = None  # OLMoE clamps q, k, v to [-c, c]
     sliding_window: int | None = None
+    # per layer: whether sliding_window applies (gpt-oss layer_types); None = every layer (Mixtral, Qwen)
+    sliding_layers: tuple[bool, ...] | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax denominator
+    router_bias: bool = False  # gpt-oss: the router is a linear layer with a bias
+    expert_fn: ExpertFn = field(default_factory=ExpertFn)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
@@ -152,6 +181,15 @@ class ModelConfig:
         if rot < 2 or rot % 2:
             raise ValueError(f"rotary dims int(head_dim {self.head_dim} x partial_rotary_factor "
                              f"{self.rope.partial_rotary_factor}) = {rot} must be even and >= 2")
+        if self.sliding_layers is not None:
+            if len(self.sliding_layers) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+            if any(self.sliding_layers) and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if (self.attention_sinks or self.expert_fn.bias) and self.mla is not None:
+            raise ValueError("attention sinks and expert biases are gpt-oss's (grouped-query attention only)")
         r = self.router
         if r.n_group > 1:
             if self.num_experts % r.n_group:
@@ -166,6 +204,17 @@ class ModelConfig:
                 raise ValueError(f"MLA: head_dim {self.head_dim} must equal qk_rope_head_dim {self.mla.qk_rope_head_dim}")
             if self.num_kv_heads != self.num_heads:
                 raise ValueError("MLA expands keys and values for every query head: num_kv_heads must equal num_heads")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: it attends to every earlier position)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def smallest_window(self) -> int | None:
+        windows = [w for w in map(self.window_of, range(self.num_layers)) if w is not None]
+        return min(windows) if windows else None
 
     @property
     def attention_kind(self) -> str:
@@ -207,8 +256,9 @@ class ModelConfig:
     # Sizes the benchmarks and the placement planner use.
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert (gate, up, down): 3 * D * F."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """Parameters of one routed expert (gate, up, down): 3 * D * F (+ 2F + D with gpt-oss's biases)."""
+        D, F_ = self.hidden_size, self.expert_intermediate_size
+        return 3 * D * F_ + ((2 * F_ + D) if self.expert_fn.bias else 0)
 
     @property
     def num_moe_layers(self) -> int:
@@ -233,12 +283,14 @@ class ModelConfig:
                 attn += 2 * hd
             elif self.qk_norm == "full":
                 attn += hd * (self.num_heads + self.num_kv_heads)
+            attn += D if self.o_bias else 0
+            attn += self.num_heads if self.attention_sinks else 0
         per_layer = attn + 2 * D
         other = 0
         for moe in self.moe_layers:
             other += per_layer
             if moe:
-                other += self.num_experts * (D + int(self.router.score_bias))
+                other += self.num_experts * (D + int(self.router.score_bias) + int(self.router_bias))
                 if self.shared_expert_intermediate_size:
                     other += 3 * D * self.shared_expert_intermediate_size + D * int(self.shared_expert_gate)
             else:

@@ -37,14 +37,17 @@ class BlockFP8:
 
 def quantization(raw: dict) -> BlockFP8 | None:
     """The checkpoint's weight quantization from config.json (a nested text_config's too); None if the
-    weights are plain. Anything but block-wise e4m3 FP8 is refused with what was found."""
+    weights are plain or MXFP4 (hybrid.models.mxfp4). Anything else is refused with what was found."""
     q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: hybrid.models.mxfp4
+        return None
     if method != "fp8":
         raise ModelLoadError(f"config.json: quantization_config quant_method {method!r} is not supported "
-                             "(supported: block-wise fp8 as DeepSeek-V3 publishes it; or de-quantize to bf16)")
+                             "(supported: block-wise fp8 as DeepSeek-V3 publishes it, mxfp4 experts as gpt-oss; or de-quantize "
+                              "to bf16)")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"config.json: fp8 format {q.get('fmt')!r} is not supported (only e4m3)")
     block = q.get("weight_block_size")

@@ -119,7 +119,8 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(H * hd, cfg.rms_norm_eps), RMSNorm(Hkv * hd, cfg.rms_norm_eps)
         self.clip = cfg.clip_qkv
-        self.window = cfg.sliding_window
+        self.window = cfg.window_of(layer)
+        self.sinks = param(H) if cfg.attention_sinks else None  # [H] gpt-oss: sink logit per head
         self.scale = hd ** -0.5
         self._fused = None  # (qkv weight, bias, the three weights' addresses) once fused by _qkv
 
@@ -172,6 +173,8 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""
         B, T = q.shape[:2]
+        if self.sinks is not None:
+            return self._attend_sinks(q, k, v, positions, slots, cache, kv_len, fresh, masks)
         if fresh:
             # Whole prompts starting at position 0 with no padding: the new K/V are all there is to
             # see, so causal attention over them (flash kernels) replaces reading the cache back.
@@ -191,3 +194,50 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
             return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
         return out.transpose(1, 2).reshape(B, T, self.H * self.hd)
+
+    def _attend_sinks(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
+        """Attention with a sink logit per head (sink_attention) over the cache (or, fresh, this step's keys,
+        which are then all there is), the query heads folded as in _attend."""
+        B, T = q.shape[:2]
+        if fresh:
+            kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # key j is position j: whole prompts from 0
+        else:
+            kc, vc = (t.transpose(1, 2) for t in cache.read(self.layer, slots, kv_len))  # [B, Hkv, L, hd]
+        rep = self.H // self.Hkv
+        qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
+        mask = folded_causal_mask(positions, kc.shape[2], rep, self.window, masks)
+        out = sink_attention(qg, kc, vc, mask, self.sinks, self.scale, rep)
+        return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
+
+
+# Scores of one sink_attention chunk: [B, Hkv, rep * chunk, L] fp32 values at most (1 GiB).
+SINK_CHUNK_VALUES = 2**28
+
+
+def sink_attention(qg, kc, vc, mask, sinks, scale: float, rep: int, chunk_values: int = SINK_CHUNK_VALUES):
+    """gpt-oss's attention: softmax over the keys' scores and one more logit per head (the sink, whose value is
+    zero), i.e. out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)).
+
+    qg [B, Hkv, rep*T, hd] (query head h = kv head * rep + r folded into the query axis, head-major), kc, vc
+    [B, Hkv, L, hd], mask bool [B, 1, rep*T, L], sinks [H] -> [B, Hkv, rep*T, hd]. Scores and softmax in fp32;
+    the queries are taken in chunks so that no more than `chunk_values` scores exist at once (long prefills).
+    No host sync (CUDA-graph decode)."""
+    B, Hkv, RT, hd = qg.shape
+    L, T = kc.shape[2], RT // rep
+    c = max(1, min(T, chunk_values // max(1, B * Hkv * rep * L)))
+    q5, m5 = qg.view(B, Hkv, rep, T, hd), mask.view(B, 1, rep, T, L)
+    sink = sinks.float().view(1, Hkv, rep, 1)  # [1, Hkv, rep, 1]
+    kt = kc.transpose(-1, -2)  # [B, Hkv, hd, L]
+    outs = []
+    for t0 in range(0, T, c):
+        qc = q5[:, :, :, t0:t0 + c]
+        tc = qc.shape[3]
+        s = torch.matmul(qc.reshape(B, Hkv, rep * tc, hd), kt).float().mul_(scale).view(B, Hkv, rep, tc, L)
+        s = s.masked_fill_(~m5[:, :, :, t0:t0 + tc], float("-inf"))
+        top = torch.maximum(s.amax(-1), sink)  # [B, Hkv, rep, tc]
+        e = torch.exp(s - top[..., None])
+        p = e / (e.sum(-1) + torch.exp(sink - top))[..., None]
+        o = torch.matmul(p.to(vc.dtype).view(B, Hkv, rep * tc, L), vc)  # [B, Hkv, rep*tc, hd]
+        outs.append(o.view(B, Hkv, rep, tc, hd))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(B, Hkv, RT, hd)

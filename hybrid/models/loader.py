@@ -8,7 +8,8 @@ target device, so the model is never held twice. Only safetensors is read (no pi
 Expert placement hook: `expert_device`/`expert_dtype` choose where the stacked expert tensors
 w_gate, w_up [E, F, D], w_down [E, D, F] are allocated (e.g. "cpu" while the rest sits on the GPU), and
 `experts_factory(layer, w_gate, w_up, w_down) -> executor` (optional) builds each MoE layer's executor
-from them once loaded; by default a StackedExperts wraps them without a copy.
+from them once loaded (with expert biases, gpt-oss: also `biases=(b_gate [E, F], b_up [E, F], b_down [E, D])`
+fp32); by default a StackedExperts wraps them without a copy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from hybrid.models import checks, fp8
+from hybrid.models import checks, fp8, mxfp4
 from hybrid.models.config import ModelConfig
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.families import Family, family_for
@@ -121,22 +122,24 @@ def build_empty(cfg: ModelConfig, device, dtype, expert_device=None, expert_dtyp
         for i, layer in enumerate(model.layers):
             if layer.moe is not None:
                 layer.moe.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
-                                                   device=expert_device or device, dtype=expert_dtype or dtype)
+                                                   device=expert_device or device, dtype=expert_dtype or dtype,
+                                                   fn=cfg.expert_fn)
     return model.eval()
 
 
 class _Slot(NamedTuple):
     """Where an expert tensor goes in its layer's stack (allocated when the layer is streamed): which = 0 gate,
-    1 up, 2 down, or "gate_up" (the fused [E, 2F, D] tensor); expert None = the whole stack."""
+    1 up, 2 down, "gate_up" (the fused tensor), "gate_up_bias" or "down_bias"; expert None = the whole stack."""
 
     layer: int
     which: int | str
     expert: int | None
 
 
-def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset()) -> dict[str, tuple]:
+def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset(), mx=frozenset()) -> dict[str, tuple]:
     """checkpoint name -> (destination tensor or _Slot, expected shape). Raises on missing/unexpected/shape.
-    `scaled`: names of float8 weights with block scales (hybrid.models.fp8), de-quantized as they are read."""
+    `scaled`: names of float8 weights with block scales (hybrid.models.fp8), de-quantized as they are read;
+    `mx`: names of MXFP4 blocks (hybrid.models.mxfp4)."""
     cfg = model.cfg
     plan: dict[str, tuple[torch.Tensor, tuple]] = {}
     for name, p in model.named_parameters():
@@ -147,11 +150,20 @@ def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset())
             raise AssertionError(f"no checkpoint name for parameter {name} in {family.model_type}")
         plan[family.weights[key].format(i=layer)] = (p, tuple(p.shape))
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    inter = family.fused_layout == "interleaved"
     for i in cfg.moe_layer_indices:
         fused = {k: v.format(i=i) for k, v in family.fused_experts.items()}
-        if fused and fused["gate_up"] in ckpt:
-            plan[fused["gate_up"]] = (_Slot(i, "gate_up", None), (E, 2 * F_, D))
-            plan[fused["down"]] = (_Slot(i, 2, None), (E, D, F_))
+        if cfg.expert_fn.bias:
+            plan[fused["gate_up_bias"]] = (_Slot(i, "gate_up_bias", None), (E, 2 * F_))
+            plan[fused["down_bias"]] = (_Slot(i, "down_bias", None), (E, D))
+        if fused and fused["gate_up"] + mxfp4.BLOCKS in mx:
+            gu, dn = fused["gate_up"] + mxfp4.BLOCKS, fused["down"] + mxfp4.BLOCKS
+            plan[gu] = (_Slot(i, "gate_up", None), mxfp4.blocks_shape(E, 2 * F_, D, gu))
+            plan[dn] = (_Slot(i, 2, None), mxfp4.blocks_shape(E, D, F_, dn))
+            continue
+        if fused and (fused["gate_up"] in ckpt or not family.experts):
+            plan[fused["gate_up"]] = (_Slot(i, "gate_up", None), (E, D, 2 * F_) if inter else (E, 2 * F_, D))
+            plan[fused["down"]] = (_Slot(i, 2, None), (E, F_, D) if inter else (E, D, F_))
             continue
         for e in range(E):
             for k, (w, shape) in enumerate((("w_gate", (F_, D)), ("w_up", (F_, D)), ("w_down", (D, F_)))):
@@ -171,6 +183,8 @@ def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset())
         found = tuple(ckpt[n][1]["shape"])
         if found != shape:
             raise ModelLoadError(f"tensor {n!r}: shape mismatch, expected {list(shape)}, found {list(found)}")
+        if n in mx:
+            continue  # U8 blocks, checked against their scales by mxfp4.pair_scales
         if ckpt[n][1]["dtype"] not in DTYPES and n not in scaled:
             raise ModelLoadError(f"tensor {n!r}: dtype {ckpt[n][1]['dtype']} not supported "
                                  f"(supported: {', '.join(DTYPES)}; quantized checkpoints are not)")
@@ -227,23 +241,54 @@ def _canonical(family: Family, ckpt: dict) -> dict[str, str]:
 def _open(path: Path):
     """config.json and the headers, checked against each other (no tensor data, nothing allocated) ->
     (family, cfg, quant, ckpt with our spellings and the skipped tensors and block scales taken out,
-    our spelling -> the file's, the block scales: fp8.pair_scales)."""
+    our spelling -> the file's, the block scales: fp8.pair_scales, the MXFP4 scales: mxfp4.pair_scales)."""
     family, cfg, raw = read_config(path)
     quant = fp8.quantization(raw)
     ckpt = checkpoint_index(path)
     original = _canonical(family, ckpt)
     _skip(family, cfg, ckpt)
     scales = fp8.pair_scales(ckpt, quant)
+    mx = mxfp4.pair_scales(ckpt, mxfp4.declared(raw))
     # Every size in config.json against the headers before a byte is allocated: first the counts and sizes
     # that would make even the meta skeleton big, then (load_model) every tensor's shape on the meta skeleton.
     checks.check_sizes(cfg, family, ckpt)
-    return family, cfg, quant, ckpt, original, scales
+    return family, cfg, quant, ckpt, original, scales, mx
 
 
 def check_checkpoint(path: str | Path) -> ModelConfig:
     """config.json and the headers only (no tensor data, nothing allocated): the config's counts and sizes
     against what the tensors hold. What callers run before sizing anything else (the KV cache) by the config."""
     return _open(Path(path))[1]
+
+
+def _fill_stack(stack: list, dst: _Slot, src: torch.Tensor, mx_scales, inter: bool, F_: int) -> list:
+    """Copies one checkpoint tensor into its layer's expert stack [gate, up, down(, b_gate, b_up, b_down)];
+    returns what to check for NaN/Inf. mx_scales: src is MXFP4 blocks with these scales (gate/up rows
+    selected on the packed bytes, then de-quantized a few experts at a time). inter: gpt-oss's fused layout."""
+    if mx_scales is not None:
+        if dst.which == "gate_up":  # [E, 2F, D/32, 16]: even rows gate, odd rows up
+            mxfp4.dequantize_into(stack[0], src, mx_scales, slice(0, None, 2))
+            mxfp4.dequantize_into(stack[1], src, mx_scales, slice(1, None, 2))
+            return stack[:2]
+        mxfp4.dequantize_into(stack[dst.which], src, mx_scales)
+        return [stack[dst.which]]
+    if dst.which == "gate_up":
+        if inter:  # [E, D, 2F]: even columns gate, odd columns up
+            stack[0].copy_(src[:, :, 0::2].transpose(1, 2))
+            stack[1].copy_(src[:, :, 1::2].transpose(1, 2))
+        else:  # [E, 2F, D]: gate rows, then up rows
+            stack[0].copy_(src[:, :F_])
+            stack[1].copy_(src[:, F_:])
+    elif dst.which == "gate_up_bias":
+        stack[3].copy_(src[:, 0::2] if inter else src[:, :F_])
+        stack[4].copy_(src[:, 1::2] if inter else src[:, F_:])
+    elif dst.which == "down_bias":
+        stack[5].copy_(src)
+    elif dst.which == 2 and inter and dst.expert is None:  # [E, F, D]
+        stack[2].copy_(src.transpose(1, 2))
+    else:
+        (stack[dst.which] if dst.expert is None else stack[dst.which][dst.expert]).copy_(src)
+    return [src]
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -258,16 +303,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     from tqdm import tqdm
 
     path = Path(path)
-    family, cfg, quant, ckpt, original, scales = _open(path)
+    family, cfg, quant, ckpt, original, scales, mx = _open(path)
     with torch.device("meta"):
         skeleton = MoETransformer(cfg, build_experts=False)
-    _plan(skeleton, family, ckpt, frozenset(scales))
+    _plan(skeleton, family, ckpt, frozenset(scales), frozenset(mx))
     del skeleton
     model = build_empty(cfg, device, dtype, build_experts=False)
     edev, edt = expert_device or device, expert_dtype or dtype
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
-    plan = _plan(model, family, ckpt, frozenset(scales))
-    make = experts_factory or (lambda _i, g, u, d: StackedExperts.from_weights(g, u, d))
+    plan = _plan(model, family, ckpt, frozenset(scales), frozenset(mx))
+    make = experts_factory or (lambda _i, g, u, d, biases=None: StackedExperts.from_weights(g, u, d, cfg.expert_fn,
+                                                                                             biases))
+    inter = family.fused_layout == "interleaved"
 
     # Layer order (non-layer tensors first), then file order within a layer: one pass over each shard's
     # part of a layer; file handles stay open (memory maps) because a layer may span shards.
@@ -291,7 +338,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     def finish_layer():
         nonlocal stack, stack_layer
         if stack is not None:
-            model.layers[stack_layer].moe.experts = make(stack_layer, *stack)
+            extra = {"biases": tuple(stack[3:])} if cfg.expert_fn.bias else {}
+            model.layers[stack_layer].moe.experts = make(stack_layer, *stack[:3], **extra)
             stack, stack_layer = None, None
 
     with torch.no_grad():
@@ -306,16 +354,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if isinstance(dst, _Slot):
                 if stack is None:
                     stack_layer = dst.layer
-                    stack = (torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
-                             torch.empty(E, D, F_, device=edev, dtype=edt))
-                if dst.which == "gate_up":  # fused [E, 2F, D]: gate rows, then up rows
-                    stack[0].copy_(src[:, :F_])
-                    stack[1].copy_(src[:, F_:])
-                else:
-                    (stack[dst.which] if dst.expert is None else stack[dst.which][dst.expert]).copy_(src)
+                    stack = [torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
+                             torch.empty(E, D, F_, device=edev, dtype=edt)]
+                    if cfg.expert_fn.bias:  # fp32, as the CPU executor keeps them
+                        stack += [torch.empty(E, n_, device=edev, dtype=torch.float32) for n_ in (F_, F_, D)]
+                checked = _fill_stack(stack, dst, src, read(n[: -len(mxfp4.BLOCKS)] + mxfp4.SCALES, mx[n])
+                                      if n in mx else None, inter, F_)
             else:
                 dst.copy_(src)
-            _check_finite(n, ckpt[n][0], src if isinstance(dst, _Slot) else dst)
+                checked = [dst]
+            for t in checked:
+                _check_finite(n, ckpt[n][0], t)
             bar.update(nbytes)
             bar.set_postfix_str(f"layer {max(_layer_of(n), 0)}/{cfg.num_layers}", refresh=False)
             del src

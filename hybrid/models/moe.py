@@ -11,6 +11,8 @@ Expert executor interface (what the hybrid layer implements and swaps in per lay
 
     out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, k]
 
+(with the config's ExpertFn: gpt-oss's clamped SwiGLU and per-expert biases; `expert_forward`)
+
 the same contract as cpu_kernels.reference.moe_forward. It must not synchronise with the host if it
 is to run inside the captured decode graph. The default, StackedExperts, holds the expert weights
 stacked as w_gate, w_up [E, F, D] and w_down [E, D, F] (rows of nn.Linear weights, as checkpoints
@@ -23,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.models.config import ModelConfig, RouterConfig
+from hybrid.models.config import ExpertFn, ModelConfig, RouterConfig
 from hybrid.models.layers import GatedMLP, param
+
+SILU = ExpertFn()
+Biases = tuple  # (b_gate [E, F], b_up [E, F], b_down [E, D]) of the experts a call computes, or None
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -48,13 +53,40 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+def gated(fn: ExpertFn, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """act(gate, up) of ExpertFn `fn` (cpu_kernels.reference.gated_activation: the CPU executor's own)."""
+    if fn.activation == "silu":
+        return F.silu(g) * u
+    from cpu_kernels.reference import gated_activation
+
+    return gated_activation(g, u, fn.activation, fn.alpha, fn.limit)
+
+
+def expert_forward(x: torch.Tensor, w_gate, w_up, w_down, fn: ExpertFn = SILU, b_gate=None, b_up=None,
+                   b_down=None) -> torch.Tensor:
+    """One expert: x [m, D] -> down(act(gate x + b_gate, up x + b_up)) + b_down [m, D] (biases optional)."""
+    g, u = F.linear(x, w_gate, _cast(b_gate, x)), F.linear(x, w_up, _cast(b_up, x))
+    return F.linear(gated(fn, g, u), w_down, _cast(b_down, x))
+
+
+def _cast(b, x):
+    return None if b is None else b.to(x.dtype)
+
+
 def grouped_swiglu(rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                   offs: torch.Tensor) -> torch.Tensor:
+                   offs: torch.Tensor, fn: ExpertFn = SILU, biases: Biases | None = None) -> torch.Tensor:
     """rows [n, D] grouped by expert (offs [G] int32: end row of each group) through G experts'
-    down(silu(gate(x)) * up(x)); w_gate, w_up [G, F, D], w_down [G, D, F] -> [n, D]. Three grouped GEMMs."""
+    down(act(gate(x)) * up(x)); w_gate, w_up [G, F, D], w_down [G, D, F] -> [n, D]. Three grouped GEMMs;
+    biases (b_gate, b_up [G, F], b_down [G, D]) are gathered per row by its group (no host sync)."""
     g = torch._grouped_mm(rows, w_gate.transpose(1, 2), offs=offs)  # [n, F]
     u = torch._grouped_mm(rows, w_up.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)
+    if biases is not None:
+        # group of each row: how many groups end at or before it (rows past offs[-1] are not computed)
+        grp = torch.searchsorted(offs, torch.arange(rows.shape[0], device=rows.device, dtype=offs.dtype), right=True)
+        grp = grp.clamp(max=offs.shape[0] - 1)
+        g, u = g + biases[0][grp].to(g.dtype), u + biases[1][grp].to(u.dtype)
+    y = torch._grouped_mm(gated(fn, g, u), w_down.transpose(1, 2), offs=offs)
+    return y if biases is None else y + biases[2][grp].to(y.dtype)
 
 
 class StackedExperts(nn.Module):
@@ -64,27 +96,39 @@ class StackedExperts(nn.Module):
     torch._grouped_mm that is three grouped GEMMs with no host sync (decode is graph-capturable).
     Without it, a loop over the experts that received tokens (host sync; eager only)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None, dtype=None,
+                 fn: ExpertFn = SILU):
         super().__init__()
         E, D, F_ = num_experts, hidden, intermediate
         kw = {"device": device, "dtype": dtype}
-        self.w_gate = nn.Parameter(torch.empty(E, F_, D, **kw), requires_grad=False)  # [E, F, D]
-        self.w_up = nn.Parameter(torch.empty(E, F_, D, **kw), requires_grad=False)  # [E, F, D]
-        self.w_down = nn.Parameter(torch.empty(E, D, F_, **kw), requires_grad=False)  # [E, D, F]
-        self.num_experts = E
+        biases = None
+        if fn.bias:  # fp32 whatever the weights' dtype, as the CPU executor keeps them
+            biases = tuple(torch.empty(E, n, device=device, dtype=torch.float32) for n in (F_, F_, D))
+        self._init(torch.empty(E, F_, D, **kw), torch.empty(E, F_, D, **kw), torch.empty(E, D, F_, **kw), fn, biases)
+
+    def _init(self, w_gate, w_up, w_down, fn: ExpertFn, biases: Biases | None) -> None:
+        self.w_gate = nn.Parameter(w_gate, requires_grad=False)  # [E, F, D]
+        self.w_up = nn.Parameter(w_up, requires_grad=False)  # [E, F, D]
+        self.w_down = nn.Parameter(w_down, requires_grad=False)  # [E, D, F]
+        self.fn = fn
+        self.gate_bias = self.up_bias = self.down_bias = None  # [E, F], [E, F], [E, D] fp32 (gpt-oss)
+        if biases is not None:
+            self.gate_bias, self.up_bias, self.down_bias = (nn.Parameter(b, requires_grad=False) for b in biases)
+        self.num_experts = w_gate.shape[0]
         self.mode = "auto"
 
     @classmethod
-    def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "StackedExperts":
-        """Wraps existing stacked tensors without copying them."""
+    def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, fn: ExpertFn = SILU,
+                     biases: Biases | None = None) -> "StackedExperts":
+        """Wraps existing stacked tensors (and biases) without copying them."""
         ex = cls.__new__(cls)
         nn.Module.__init__(ex)
-        ex.w_gate = nn.Parameter(w_gate, requires_grad=False)
-        ex.w_up = nn.Parameter(w_up, requires_grad=False)
-        ex.w_down = nn.Parameter(w_down, requires_grad=False)
-        ex.num_experts = w_gate.shape[0]
-        ex.mode = "auto"
+        ex._init(w_gate, w_up, w_down, fn, biases)
         return ex
+
+    @property
+    def biases(self) -> Biases | None:
+        return None if self.gate_bias is None else (self.gate_bias, self.up_bias, self.down_bias)
 
     # mode: "grouped" (sort + grouped GEMMs; the default, "auto") or "dense" (every expert on every
     # token, weighted by a [T, E] matrix that is zero where a token did not route; plain batched
@@ -97,8 +141,13 @@ class StackedExperts(nn.Module):
         comb = torch.zeros(T, E, dtype=torch.float32, device=x.device)
         comb.scatter_(1, topk_ids, topk_weights.float())  # [T, E]
         xe = x.unsqueeze(0).expand(E, T, D)  # [E, T, D]
-        h = F.silu(torch.bmm(xe, self.w_gate.transpose(1, 2))) * torch.bmm(xe, self.w_up.transpose(1, 2))  # [E, T, F]
-        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, T, D]
+        g, u = torch.bmm(xe, self.w_gate.transpose(1, 2)), torch.bmm(xe, self.w_up.transpose(1, 2))  # [E, T, F]
+        b = self.biases
+        if b is not None:
+            g, u = g + b[0][:, None].to(g.dtype), u + b[1][:, None].to(u.dtype)
+        y = torch.bmm(gated(self.fn, g, u), self.w_down.transpose(1, 2))  # [E, T, D]
+        if b is not None:
+            y = y + b[2][:, None].to(y.dtype)
         return (y.float() * comb.t()[:, :, None]).sum(0)  # [T, D] fp32
 
     @property
@@ -124,16 +173,16 @@ class StackedExperts(nn.Module):
             counts = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's block
-            y = grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs)  # [T*K, D]
+            y = grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs, self.fn, self.biases)  # [T*K, D]
         else:
             y = torch.empty(T * K, D, dtype=xin.dtype, device=dev)
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync
             start = 0
             for e, n in enumerate(counts):
                 if n:
-                    r = rows[start:start + n]
-                    h = F.silu(F.linear(r, self.w_gate[e])) * F.linear(r, self.w_up[e])
-                    y[start:start + n] = F.linear(h, self.w_down[e])
+                    b = () if self.biases is None else tuple(t[e] for t in self.biases)
+                    y[start:start + n] = expert_forward(rows[start:start + n], self.w_gate[e], self.w_up[e],
+                                                        self.w_down[e], self.fn, *b)
                     start += n
         # Weight in fp32 and sum the K contributions of each token without atomics (deterministic).
         y = y.float() * topk_weights.reshape(-1).to(dev)[order, None]  # [T*K, D]
@@ -187,6 +236,7 @@ class MoEBlock(nn.Module):
         self.router_cfg = cfg.router
         self.router = param(cfg.num_experts, cfg.hidden_size)  # [E, D]
         self.score_bias = param(cfg.num_experts) if cfg.router.score_bias else None  # [E]
+        self.router_bias = param(cfg.num_experts) if cfg.router_bias else None  # [E] (gpt-oss)
         # The sigmoid router scores in fp32 from fp32 weights, as its reference keeps them
         # (DeepseekV3 _keep_in_fp32_modules_strict); the loader allocates these names in fp32.
         self.fp32_params = ("router", "score_bias") if cfg.router.kind == "sigmoid" else ()
@@ -203,7 +253,7 @@ class MoEBlock(nn.Module):
         if self.fp32_params:
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         else:
-            logits = F.linear(x, self.router).float()
+            logits = F.linear(x, self.router, self.router_bias).float()
         return select_experts(logits, self.router_cfg, self.top_k, self.norm_topk_prob, self.score_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

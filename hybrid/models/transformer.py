@@ -56,7 +56,7 @@ class MoETransformer(nn.Module):
             experts = None
             if cfg.moe_layers[i] and build_experts:
                 experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
-                                         device=expert_device)
+                                         device=expert_device, fn=cfg.expert_fn)
             layers.append(DecoderLayer(cfg, i, experts))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -74,8 +74,9 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids, positions, slots, cache, last_only: bool = False,
                 kv_len: int | None = None, fresh: bool = False) -> torch.Tensor:
         B, T = input_ids.shape
-        if fresh and self.cfg.sliding_window is not None and T > self.cfg.sliding_window:
-            fresh = False  # the fast path has no window; take the masked path
+        window = self.cfg.smallest_window
+        if fresh and window is not None and T > window and not self.cfg.attention_sinks:
+            fresh = False  # the fast path has no window; take the masked path (sink attention masks either way)
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {}  # attention masks of this step, built once and shared by the layers

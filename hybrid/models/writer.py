@@ -1,8 +1,9 @@
 """Write a Hugging Face-layout checkpoint with random weights for any supported config.
 
 The tensor names come from the same family weight map the loader reads (per-expert names, as real
-checkpoints store them), so a written checkpoint loads back through the normal path. One shard per
-decoder layer keeps peak memory at one layer's weights; an index file lists the shards.
+checkpoints store them; gpt-oss's fused tensors, optionally in MXFP4 as published), so a written checkpoint
+loads back through the normal path. One shard per decoder layer keeps peak memory at one layer's weights; an
+index file lists the shards.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hybrid.models.families import family_for
+from hybrid.models import mxfp4 as mx
 from hybrid.models.fp8 import SCALE_SUFFIX, quantize
 from hybrid.models.transformer import MoETransformer
 
@@ -30,7 +32,11 @@ def _tensors_by_layer(raw_config: dict) -> tuple[dict[int | None, list[tuple[str
         groups.setdefault(layer, []).append((family.weights[key].format(i=layer), tuple(p.shape)))
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     for i, moe in enumerate(cfg.moe_layers):
-        if moe:
+        if moe and family.fused_layout == "interleaved":  # gpt-oss: fused only, as transformers stores it
+            fused = {k: v.format(i=i) for k, v in family.fused_experts.items()}
+            groups[i] += [(fused["gate_up"], (E, D, 2 * F_)), (fused["down"], (E, F_, D)),
+                          (fused["gate_up_bias"], (E, 2 * F_)), (fused["down_bias"], (E, D))]
+        elif moe:
             for e in range(E):
                 for w, shape in (("w_gate", (F_, D)), ("w_up", (F_, D)), ("w_down", (D, F_))):
                     groups[i].append((family.experts[w].format(i=i, e=e), shape))
@@ -47,18 +53,25 @@ def fp8_quantized(name: str, shape: tuple) -> bool:
 @torch.no_grad()
 def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                             std: float = 0.02, device: str = "cpu", progress: bool = False,
-                            fp8_block: tuple[int, int] | None = None) -> Path:
+                            fp8_block: tuple[int, int] | None = None, mxfp4: bool = False) -> Path:
     """Writes config.json, model-XXXXX-of-YYYYY.safetensors shards and their index into out_dir.
     Norm scales are 1, biases 0, everything else N(0, std). `device` generates the numbers (a GPU
     is much faster for big presets); they are written from host memory. fp8_block (e.g. (128, 128)):
     linear weights as float8_e4m3fn with `weight_scale_inv` block scales and the quantization_config
-    DeepSeek-V3 publishes (hybrid.models.fp8); the de-quantized values are what a loader must see."""
+    DeepSeek-V3 publishes (hybrid.models.fp8); the de-quantized values are what a loader must see. mxfp4
+    (gpt-oss): the experts' gate_up / down as MXFP4 `_blocks` + `_scales` (cpu_kernels.quant.quantize_mxfp4 of
+    the random weights, one expert at a time) with the quantization_config openai/gpt-oss publishes."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups, cfg = _tensors_by_layer(raw_config)
+    family = family_for(raw_config)
+    if mxfp4 and family.fused_layout != "interleaved":
+        raise ValueError(f"mxfp4 checkpoints are gpt-oss's; {cfg.family} is not written in MXFP4")
+    mx_names = {family.fused_experts[k].format(i=i) for i in cfg.moe_layer_indices for k in ("gate_up", "down")} \
+        if mxfp4 else set()
     gen = torch.Generator(device=device).manual_seed(seed)
     order = [None] + [i for i in range(cfg.num_layers)]
     n = len(order)
@@ -70,6 +83,11 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
                 t = torch.ones(shape, dtype=dtype)
             elif name.endswith(".bias"):
                 t = torch.zeros(shape, dtype=dtype)
+            elif name in mx_names:
+                for k, v in _mxfp4_experts(shape, std, gen, device).items():
+                    tensors[name + k] = v
+                    total += v.numel()
+                continue
             else:
                 t = torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
                 if fp8_block is not None and fp8_quantized(name, shape):
@@ -86,8 +104,27 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
         del tensors
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if mxfp4:
+        raw_config = dict(raw_config, quantization_config={
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]})
     if fp8_block is not None:
         raw_config = dict(raw_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                            "quant_method": "fp8", "weight_block_size": list(fp8_block)})
     (out / "config.json").write_text(json.dumps(raw_config, indent=2))
     return out
+
+
+def _mxfp4_experts(shape: tuple, std: float, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """A fused expert tensor of transformers' layout ([E, D, 2F] gate_up / [E, F, D] down: inputs first) as
+    published MXFP4 {"_blocks": [E, R, K/32, 16], "_scales": [E, R, K/32]} of its rows [E, R, K] (R outputs,
+    K inputs), quantized one expert at a time on the host (quantize_mxfp4 runs on the CPU)."""
+    from cpu_kernels.quant import quantize_mxfp4
+
+    E, K, R = shape
+    blocks = torch.empty(E, R, K // mx.BLOCK, mx.BLOCK // 2, dtype=torch.uint8)
+    scales = torch.empty(E, R, K // mx.BLOCK, dtype=torch.uint8)
+    for e in range(E):
+        w = torch.empty(R, K, device=device).normal_(0.0, std, generator=gen).cpu()
+        blocks[e], scales[e] = quantize_mxfp4(w)
+    return {mx.BLOCKS: blocks, mx.SCALES: scales}

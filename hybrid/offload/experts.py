@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybrid.models.moe import grouped_mm_works, grouped_swiglu
+from hybrid.models.config import ExpertFn
+from hybrid.models.moe import SILU, expert_forward, grouped_mm_works, grouped_swiglu
 from hybrid.offload.sources import expert_weights, packed_sources, pin, unpin
-from placement.measure import torch_expert
 
 if TYPE_CHECKING:
     from hybrid.offload.shared import Offload
@@ -89,7 +89,10 @@ class HybridExperts(nn.Module):
     split of hybrid.offload.host_lane."""
 
     def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                 offload: "Offload"):
+                 offload: "Offload", fn: ExpertFn = SILU, biases=None):
+        """fn: the experts' function (gpt-oss: clamped SwiGLU); biases: (b_gate [E, F], b_up [E, F], b_down
+        [E, D]) or None. The CPU executor computes the same function; the GPU lanes keep the biases (fp32,
+        E x (2F + D) values) on the device."""
         super().__init__()
         import cpu_kernels
 
@@ -97,10 +100,13 @@ class HybridExperts(nn.Module):
         self.offload = offload
         E, F_, D = w_gate.shape
         self.num_experts, self.F, self.D = E, F_, D
+        self.fn = fn
+        b = dict(zip(("b_gate", "b_up", "b_down"), biases)) if biases is not None else {}
         self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
                                           dtype=offload.cpu_dtype, group_size=offload.group_size,
                                           threads=None if offload.topology else offload.threads,
-                                          topology=offload.topology, isa=offload.cpu_isa)
+                                          topology=offload.topology, isa=offload.cpu_isa, **fn.cpu_kwargs(), **b)
+        self.bias_dev = None if biases is None else tuple(t.float().to(offload.device) for t in biases)
         self.sources = packed_sources(self.cpu_moe)
         self._pinned = []
         if offload.device.type == "cuda":
@@ -151,6 +157,14 @@ class HybridExperts(nn.Module):
         rank[self.resident_ids] = np.arange(R)
         # a pageable host->device copy could wait behind the compute stream
         self.rank_dev = _to_device(torch.from_numpy(rank), self.offload.device)
+        self.resident_bias = self._biases_of(self.resident_ids)  # in slot order
+
+    def _biases_of(self, ids) -> tuple | None:
+        """(b_gate, b_up, b_down) of experts `ids` (in that order) on the device, or None without biases."""
+        if self.bias_dev is None:
+            return None
+        idx = _to_device(torch.from_numpy(np.asarray(ids, dtype=np.int64)), self.offload.device)
+        return tuple(b[idx] for b in self.bias_dev)
 
     def swap_resident(self, evict: int, add: int, weights) -> None:
         """Replace resident expert `evict` by cold expert `add` in evict's VRAM slot (online re-placement,
@@ -311,7 +325,8 @@ class HybridExperts(nn.Module):
 
     def _add_resident_captured(self, out, x, topk_ids, topk_weights) -> None:
         add_resident_captured(out, x, topk_ids, topk_weights, self.rank_dev, len(self.resident_ids),
-                              lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs))
+                              lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs,
+                                                                self.fn, self.resident_bias))
 
     def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:
         """Resident experts (one grouped GEMM) and shipped ones (one per arriving chunk) into out (fp32)."""
@@ -331,7 +346,8 @@ class HybridExperts(nn.Module):
         rows = x[token]  # [n, D]
         y = torch.empty_like(rows)
         if n_res:
-            y[:n_res] = self._grouped(rows[:n_res], hist[res], self.w_gate, self.w_up, self.w_down)
+            y[:n_res] = self._grouped(rows[:n_res], hist[res], self.w_gate, self.w_up, self.w_down, self.fn,
+                                      self.resident_bias)
         pending = [int(e) for e in ship_ids]
         chunks = [pending[i:i + lane.chunk] for i in range(0, len(pending), lane.chunk)]
         dims = (self.F, self.D)
@@ -342,7 +358,7 @@ class HybridExperts(nn.Module):
             g, u, d = lane.weights(self.sources, slot, off.dtype)
             counts = hist[c]
             n = int(counts.sum())
-            y[start:start + n] = self._grouped(rows[start:start + n], counts, g, u, d)
+            y[start:start + n] = self._grouped(rows[start:start + n], counts, g, u, d, self.fn, self._biases_of(c))
             start += n
             lane.release(slot)
             if i + lane.n_slots < len(chunks):  # refill the slot just read
@@ -350,16 +366,18 @@ class HybridExperts(nn.Module):
         out.index_add_(0, token, y.float() * flat_w[order, None])
 
     @staticmethod
-    def _grouped(rows, counts, w_gate, w_up, w_down):
-        """rows [n, D] grouped by expert (counts [G]) through G experts' weights [G, F, D] / [G, D, F]."""
+    def _grouped(rows, counts, w_gate, w_up, w_down, fn: ExpertFn = SILU, biases=None):
+        """rows [n, D] grouped by expert (counts [G]) through G experts' weights [G, F, D] / [G, D, F] (and
+        biases [G, F], [G, F], [G, D])."""
         if _grouped_ok(rows):
             offs = _to_device(torch.from_numpy(np.cumsum(counts).astype(np.int32)), rows.device)
-            return grouped_swiglu(rows, w_gate, w_up, w_down, offs)  # [n, D]
+            return grouped_swiglu(rows, w_gate, w_up, w_down, offs, fn, biases)  # [n, D]
         out = torch.empty_like(rows)
         a = 0
         for i, n in enumerate(np.asarray(counts).tolist()):
             if n:
-                out[a:a + n] = torch_expert(rows[a:a + n], w_gate[i], w_up[i], w_down[i])
+                b = () if biases is None else tuple(t[i] for t in biases)
+                out[a:a + n] = expert_forward(rows[a:a + n], w_gate[i], w_up[i], w_down[i], fn, *b)
                 a += n
         return out
 

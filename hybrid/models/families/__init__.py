@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from hybrid.models.errors import ModelLoadError
-from hybrid.models.families import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from hybrid.models.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from hybrid.models.families.common import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen3_moe, mixtral, qwen2_moe, olmoe, deepseek_v3,
-                                                                   glm4_moe)}
+                                                                   glm4_moe, gpt_oss)}
 FAMILIES.update({f.model_type: f for f in (deepseek_v3.KIMI_K2, deepseek_v3.KIMI_K25)})  # DeepSeek-V3 text models
 
 

@@ -138,7 +138,11 @@ class Family:
     weights:  our parameter name -> checkpoint name ("{i}" = layer)
     experts:  {"w_gate"|"w_up"|"w_down": checkpoint name of one expert's matrix ("{i}", "{e}")}
     fused_experts: the stacked layout transformers 5 uses in memory and some converted checkpoints
-        carry: {"gate_up": name of [E, 2F, D] (gate rows first), "down": name of [E, D, F]}
+        carry: {"gate_up": name of [E, 2F, D] (gate rows first), "down": name of [E, D, F]}; with
+        expert biases also "gate_up_bias" [E, 2F] and "down_bias" [E, D]
+    fused_layout: "gate_first" (above) or "interleaved" (gpt-oss): gate_up [E, D, 2F] with gate in the even
+        and up in the odd columns, down [E, F, D]; its MXFP4 form (hybrid.models.mxfp4) `gate_up_blocks`
+        [E, 2F, D/32, 16] (even rows gate, odd rows up) and `down_blocks` [E, D, F/32, 16], with `_scales`
     """
 
     model_type: str
@@ -147,6 +151,7 @@ class Family:
     weights: dict[str, str]
     experts: dict[str, str]
     fused_experts: dict[str, str] = field(default_factory=dict)
+    fused_layout: str = "gate_first"
     # (regex, replacement) renaming other spellings of a tensor (e.g. transformers 5's in-memory names)
     # to the one in `weights` before matching.
     aliases: tuple[tuple[str, str], ...] = ()
