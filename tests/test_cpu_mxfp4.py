@@ -49,8 +49,11 @@ def biases(seed=20, e=E, f=F, d=D):
 
 
 def topology(nodes):
+    """1 node; 2 nodes with a pool each (one cpu each, the same cpu on a 1-cpu machine); "shared": 2 nodes
+    whose slices one pool runs one after the other."""
     cpus = sorted(os.sched_getaffinity(0))
-    return Topology(((cpus[0],), (cpus[-1],))) if nodes == 2 else Topology(((cpus[0],),))
+    return {1: Topology(((cpus[0],),)), 2: Topology(((cpus[0],), (cpus[-1],))),
+            "shared": Topology(((cpus[0],), (cpus[0],)))}[nodes]
 
 
 @pytest.fixture
@@ -76,15 +79,15 @@ def both_paths(moe, x, ids, w, fused_knob):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("knee", [1, 10**9], ids=["knee1", "vector"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("nodes", [1, 2, "shared"])
 @pytest.mark.parametrize("T", [1, 5, 320])
 def test_matches_reference(isa, knee, with_bias, activation, nodes, T, fused_knob):
     pub = published(seed=1, scale=3.0)  # pre-activations of order 3: the SwiGLU clamp (7) is reached
     bias = biases() if with_bias else {}
     moe = CpuMoE.from_mxfp4(*pub, isa=isa, topology=topology(nodes), activation=activation, amx_min_tokens=knee,
                             **bias)
-    assert moe.dtype == "mxfp4" and len(moe.packed_weights()) == nodes
+    assert moe.dtype == "mxfp4" and len(moe.packed_weights()) == (1 if nodes == 1 else 2)
     ids, w = ragged_routing(T, seed=2)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = moe_forward(x, *plain(pub), ids, w, activation=activation, **bias)
@@ -215,6 +218,30 @@ def test_packed_weights_are_the_published_codes(isa):
         mats = [m for n in moe.packed_weights() for m in (n["gate"], n["up"], n["down"])]
         held = sum(m["q"].numel() + m["scale"].numel() for m in mats)
         assert moe.nbytes == held == 0.53125 * sum(m["q"].numel() * 2 for m in mats)  # per padded weight
+
+
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_expert_subset_and_mask(isa, fused_knob):
+    """A layer's cold experts only (expert_ids of num_experts), with resident ones masked off per call."""
+    pub = published(seed=19, e=E)
+    held = [0, 2, 5]
+    sub = [tuple(t[held].contiguous() for t in p) for p in pub]
+    moe = CpuMoE.from_mxfp4(*sub, isa=isa, expert_ids=held, num_experts=E, activation="swiglu_oai")
+    ids, w = ragged_routing(320, seed=20)
+    x = torch.randn(320, D, generator=torch.Generator().manual_seed(21)).bfloat16()
+    mask = torch.tensor([True, True, True, True, True, False])
+    only = torch.zeros(E, dtype=torch.bool)
+    only[held] = True
+    ref = moe_forward(x, *plain(pub), ids, w, expert_mask=only & mask, activation="swiglu_oai")
+    assert rel_err(moe_forward(x, *plain(pub), ids, w, expert_mask=only, activation="swiglu_oai"), ref) > 0.05
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w, expert_mask=mask), ref) < 1e-6
+        return
+    for fused in (1, 0):
+        fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
+        for T in (1, 9, 320):  # decode-sized and prefill-sized calls
+            r = moe_forward(x[:T], *plain(pub), ids[:T], w[:T], expert_mask=only & mask, activation="swiglu_oai")
+            assert rel_err(moe.forward(x[:T], ids[:T], w[:T], expert_mask=mask), r) < TOL_MX, (fused, T)
 
 
 def test_pack_layout_roundtrip():
