@@ -257,14 +257,15 @@ def check_topk_router(ref_cls, cfg, k: int):
 
 
 def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_resident: int, moe_layers: int = 2,
-                            cpu_isa: str = "ref") -> None:
+                            cpu_isa: str = "ref", cpu_dtype: str = "bf16") -> None:
     """The hybrid layer over the checkpoint at `path` (CPU reference executor, fp32, n_resident experts
     per layer placed from a profile run) gives `reference_tokens` under greedy(model); `moe_layers` MoE layers
     (DeepSeek / GLM: 2, the dense first layer has none)."""
     from hybrid.offload.build import HybridConfig, load_hybrid, place_resident
     from hybrid.runtime import Engine
 
-    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa=cpu_isa, profile="ktransformers-paper-amx")
+    hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa=cpu_isa, profile="ktransformers-paper-amx",
+                        cpu_dtype=cpu_dtype)
     model, off = load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)
     eng = Engine(model, None, max_batch=1, max_context=128, eager=True)
     slot = eng.allocate_slot()

@@ -9,7 +9,9 @@ Expert placement hook: `expert_device`/`expert_dtype` choose where the stacked e
 w_gate, w_up [E, F, D], w_down [E, D, F] are allocated (e.g. "cpu" while the rest sits on the GPU), and
 `experts_factory(layer, w_gate, w_up, w_down) -> executor` (optional) builds each MoE layer's executor
 from them once loaded (with expert biases, gpt-oss: also `biases=(b_gate [E, F], b_up [E, F], b_down [E, D])`
-fp32); by default a StackedExperts wraps them without a copy.
+fp32); by default a StackedExperts wraps them without a copy. `mxfp4_experts=True` (with a factory): an
+MXFP4 checkpoint's experts reach the factory as (blocks, scales) pairs instead (gate and up rows selected
+on the packed bytes; cpu_kernels.CpuMoE.from_mxfp4 packs them without a float copy).
 """
 
 from __future__ import annotations
@@ -293,7 +295,8 @@ def _fill_stack(stack: list, dst: _Slot, src: torch.Tensor, mx_scales, inter: bo
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
-               experts_factory: ExpertsFactory | None = None, progress: bool = True) -> MoETransformer:
+               experts_factory: ExpertsFactory | None = None, progress: bool = True,
+               mxfp4_experts: bool = False) -> MoETransformer:
     """Load the checkpoint in directory `path`; see the module docstring for the expert hook.
 
     Streams layer by layer: a MoE layer's expert stack is allocated when the layer is reached, filled, and
@@ -354,12 +357,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             if isinstance(dst, _Slot):
                 if stack is None:
                     stack_layer = dst.layer
-                    stack = [torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
-                             torch.empty(E, D, F_, device=edev, dtype=edt)]
+                    stack = [None] * 3 if mx and mxfp4_experts else [
+                        torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
+                        torch.empty(E, D, F_, device=edev, dtype=edt)]
                     if cfg.expert_fn.bias:  # fp32, as the CPU executor keeps them
                         stack += [torch.empty(E, n_, device=edev, dtype=torch.float32) for n_ in (F_, F_, D)]
-                checked = _fill_stack(stack, dst, src, read(n[: -len(mxfp4.BLOCKS)] + mxfp4.SCALES, mx[n])
-                                      if n in mx else None, inter, F_)
+                mx_scales = read(n[: -len(mxfp4.BLOCKS)] + mxfp4.SCALES, mx[n]) if n in mx else None
+                if mx_scales is not None and mxfp4_experts:
+                    mxfp4.check_scales(n, ckpt[n][0], mx_scales)
+                    if dst.which == "gate_up":  # [E, 2F, D/32, 16]: even rows gate, odd rows up
+                        stack[0], stack[1] = ((src[:, r::2].contiguous(), mx_scales[:, r::2].contiguous()) for r in (0, 1))
+                    else:
+                        stack[dst.which] = (src, mx_scales)
+                    checked = []
+                else:
+                    checked = _fill_stack(stack, dst, src, mx_scales, inter, F_)
             else:
                 dst.copy_(src)
                 checked = [dst]

@@ -70,3 +70,12 @@ def dequantize_into(dst: torch.Tensor, blocks: torch.Tensor, scales: torch.Tenso
     for e0 in range(0, dst.shape[0], DEQUANT_CHUNK):
         e1 = e0 + DEQUANT_CHUNK
         dst[e0:e1].copy_(dequantize_mxfp4(blocks[e0:e1, rows], scales[e0:e1, rows], dst.dtype))
+
+
+def check_scales(name: str, file: Path, scales: torch.Tensor) -> None:
+    """Exponent 255 is NaN in the format (OCP E8M0); de-quantized it would be Inf. Refused as the loader refuses
+    NaN/Inf weights (where the blocks are kept packed, so no float copy shows it)."""
+    bad = int((scales == 255).sum())
+    if bad:
+        raise ModelLoadError(f"tensor {name!r} in {file.name}: {bad} MXFP4 scale(s) of 255 (NaN) of {scales.numel()}; "
+                             "the checkpoint is corrupt")

@@ -84,8 +84,8 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
             elif name.endswith(".bias"):
                 t = torch.zeros(shape, dtype=dtype)
             elif name in mx_names:
-                for k, v in _mxfp4_experts(shape, std, gen, device).items():
-                    tensors[name + k] = v
+                for suffix, v in _mxfp4_experts(shape, std, gen, device).items():
+                    tensors[name + suffix] = v
                     total += v.numel()
                 continue
             else:

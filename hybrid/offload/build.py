@@ -58,6 +58,8 @@ class HybridConfig:
     gpu_budget: int | None = None  # bytes of VRAM for everything; resident experts get what is left
     schedule: str = "cost"
     cpu_dtype: str = "bf16"
+    # False: cpu_dtype is the default, not the user's choice; an MXFP4 checkpoint then keeps its experts in mxfp4
+    cpu_dtype_chosen: bool = True
     cpu_isa: str | None = None
     cpu_threads: int | None = None
     profile: str | None = None
@@ -137,6 +139,7 @@ def hybrid_config_from_args(args) -> HybridConfig | None:
     return HybridConfig(gpu_experts=args.gpu_experts,
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
+                        cpu_dtype_chosen=cpu_dtype is not None,
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
                         plan=plan, replace=getattr(args, "replace", None) or "off",
                         defer_experts=getattr(args, "defer_experts", None) or 0,
@@ -186,7 +189,15 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     from hybrid.offload import HybridExperts, Offload
 
     device = torch.device(device)
-    _, cfg, _ = read_config(model_dir)
+    _, cfg, raw = read_config(model_dir)
+    from hybrid.models.mxfp4 import declared
+
+    if declared(raw) and not hcfg.cpu_dtype_chosen and hcfg.cpu_dtype != "mxfp4":
+        from dataclasses import replace as _replace
+
+        log.warning("MXFP4 checkpoint: the CPU experts stay mxfp4 as published (the default for MXFP4 checkpoints; "
+                 "--cpu-dtype bf16|int8|int4 converts them)")
+        hcfg = _replace(hcfg, cpu_dtype="mxfp4")
     hw = scheduler_profile(hcfg.profile)
     from cpu_kernels.knee import set_default_knee
 
@@ -214,7 +225,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     try:
         model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
                            expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
-                           experts_factory=make, progress=progress)
+                           experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4")
     finally:
         bar.close()
     offload.profile_name = hw.name

@@ -92,20 +92,26 @@ class HybridExperts(nn.Module):
                  offload: "Offload", fn: ExpertFn = SILU, biases=None):
         """fn: the experts' function (gpt-oss: clamped SwiGLU); biases: (b_gate [E, F], b_up [E, F], b_down
         [E, D]) or None. The CPU executor computes the same function; the GPU lanes keep the biases (fp32,
-        E x (2F + D) values) on the device."""
+        E x (2F + D) values) on the device. w_gate, w_up, w_down may be published MXFP4 (blocks, scales) pairs
+        ([E, F, D/32, 16], [E, F, D/32]; down [E, D, F/32, 16]) for cpu_dtype mxfp4: packed without a float copy."""
         super().__init__()
         import cpu_kernels
 
         self.layer = layer
         self.offload = offload
-        E, F_, D = w_gate.shape
+        mx = isinstance(w_gate, tuple)
+        E, F_, D = (w_gate[0].shape[0], w_gate[0].shape[1], w_gate[0].shape[2] * 32) if mx else w_gate.shape
         self.num_experts, self.F, self.D = E, F_, D
         self.fn = fn
-        b = dict(zip(("b_gate", "b_up", "b_down"), biases)) if biases is not None else {}
-        self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
-                                          dtype=offload.cpu_dtype, group_size=offload.group_size,
-                                          threads=None if offload.topology else offload.threads,
-                                          topology=offload.topology, isa=offload.cpu_isa, **fn.cpu_kwargs(), **b)
+        kw = dict(dtype=offload.cpu_dtype, group_size=offload.group_size,
+                  threads=None if offload.topology else offload.threads, topology=offload.topology,
+                  isa=offload.cpu_isa, **fn.cpu_kwargs())
+        if biases is not None:
+            kw.update(zip(("b_gate", "b_up", "b_down"), biases))
+        if mx:
+            self.cpu_moe = cpu_kernels.CpuMoE.from_mxfp4(w_gate, w_up, w_down, **kw)
+        else:
+            self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), **kw)
         self.bias_dev = None if biases is None else tuple(t.float().to(offload.device) for t in biases)
         self.sources = packed_sources(self.cpu_moe)
         self._pinned = []
