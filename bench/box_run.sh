@@ -40,7 +40,8 @@ case "$stage" in
   tests)
     for f in tests/test_cpu_moe.py tests/test_cpu_decode_path.py tests/test_doorbell_lane.py tests/test_hybrid_gpu.py \
              tests/test_hybrid_layer.py tests/test_hybrid_model.py tests/test_generate_gpu.py tests/test_model_equality.py \
-             tests/test_replace_gpu.py tests/test_deepseek_gpu.py tests/test_decode_fusions.py tests/test_expert_deferral.py; do
+             tests/test_replace_gpu.py tests/test_deepseek_gpu.py tests/test_decode_fusions.py tests/test_expert_deferral.py \
+             tests/test_gpt_oss_gpu.py; do
       echo "$f $(timeout 150 python3 -m pytest -q -x "$f" 2>&1 | tail -1)"
     done | tee "$OUT/gpu_tests.txt"
     ;;

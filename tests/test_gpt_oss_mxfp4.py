@@ -185,12 +185,15 @@ def test_writer_refuses_mxfp4_for_other_families(tmp_path):
         write_random_checkpoint(tmp_path, hf_config("qwen3_moe").to_dict(), mxfp4=True)
 
 
-def test_hybrid_compiled_mxfp4_kernels_give_the_same_tokens(ckpt, reference_tokens):
+@pytest.mark.parametrize("schedule,n_resident", [("cpu", 0), ("ship", 3)])
+def test_hybrid_compiled_mxfp4_kernels_give_the_same_tokens(ckpt, reference_tokens, schedule, n_resident):
     """This machine's compiled mxfp4 kernels (codes and exponents as published, biases, clamped SwiGLU) with
-    every cold expert on the CPU lane."""
+    every cold expert on the CPU lane; and resident / shipped experts de-quantized from the kernels' own packed
+    codes (cpu_kernels.quant.dequantize_mxfp4_packed), which the reference executor does not exercise."""
     import cpu_kernels
 
     isa = cpu_kernels.available_isas()[0]
     if isa == "ref":
         pytest.skip("no compiled ISA on this machine")
-    check_hybrid_strategies(ckpt[0], _greedy, reference_tokens, "cpu", 0, moe_layers=2, cpu_isa=isa, cpu_dtype="mxfp4")
+    check_hybrid_strategies(ckpt[0], _greedy, reference_tokens, schedule, n_resident, moe_layers=2, cpu_isa=isa,
+                            cpu_dtype="mxfp4")
