@@ -2,10 +2,11 @@
 
     python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 8 --out /tmp/q3-30b-8l
     python -m bench.make_checkpoint --preset deepseek-v3 --layers 5 --fp8 --device cuda --out /tmp/dsv3-5l
+    python -m bench.make_checkpoint --preset gpt-oss-120b --layers 4 --mxfp4 --device cuda --out /tmp/gpt-oss-4l
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
-Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2 and GLM-4.5; --layers keeps the first N decoder layers (the GPU
+Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2, GLM-4.5 and gpt-oss-120b; --layers keeps the first N decoder layers (the GPU
 box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
 in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--fp8", action="store_true", help="linear weights as block-FP8 (float8_e4m3fn + 128x128 "
                    "weight_scale_inv), as DeepSeek-V3 / Kimi-K2 publish them; the rest in --dtype")
+    p.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts as MXFP4 blocks + scales with the "
+                   "quantization_config openai publishes (quantized on the host, one expert at a time: ~1 s per "
+                   "gpt-oss-120b expert on 2 cores); the rest in --dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
     p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
@@ -62,10 +66,13 @@ def main(argv=None) -> int:
                   f"top-{cfg.experts_per_token}  params: experts {n['experts'] / 1e9:7.2f} B, "
                   f"other {n['non_expert'] / 1e9:6.2f} B")
         return 0 if args.list else 2
+    if args.fp8 and args.mxfp4:
+        p.error("give --fp8 or --mxfp4, not both")
     raw = hf_config(args.preset, layers=args.layers)
     t0 = time.perf_counter()
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
-                                  device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None)
+                                  device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None,
+                                  mxfp4=args.mxfp4)
     if args.tokenizer == "demo":
         import shutil
 
@@ -74,7 +81,8 @@ def main(argv=None) -> int:
         demo = ensure_demo_checkpoint()
         shutil.copy(demo / "tokenizer_config.json", out / "tokenizer_config.json")
         pad_tokenizer(demo / "tokenizer.json", out / "tokenizer.json", raw["vocab_size"])
-    print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}{' + fp8' if args.fp8 else ''}, "
+    quant = " + fp8" if args.fp8 else " + mxfp4 experts" if args.mxfp4 else ""
+    print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}{quant}, "
           "random weights) "
           f"in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -256,3 +256,65 @@ def test_missing_expert_tensors_are_named(base, tmp_path):
     save_file(t, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.1.mlp.experts.down_proj'"):
         load_model(tmp_path / "m", progress=False)
+
+
+def test_gpt_oss_120b_preset_parses_to_the_published_size():
+    """openai/gpt-oss-120b's model card: 116.8B parameters in total, 5.1B active per token (the input embedding
+    table not counted as active)."""
+    from hybrid.models.presets import hf_config as preset
+
+    raw = preset("gpt-oss-120b")
+    cfg = family_for(raw).parse_config(raw)
+    assert (cfg.num_layers, cfg.num_moe_layers, cfg.num_experts, cfg.experts_per_token) == (36, 36, 128, 4)
+    assert cfg.sliding_layers == (True, False) * 18 and cfg.sliding_window == 128 and cfg.attention_sinks
+    assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.original_max_position, cfg.rope.truncate) == ("yarn", 32.0, 4096,
+                                                                                                    False)
+    n = cfg.param_counts()
+    total = n["experts"] + n["non_expert"]
+    assert 116.7e9 < total < 116.9e9, total
+    active = n["non_expert"] - cfg.vocab_size * cfg.hidden_size + cfg.num_moe_layers * cfg.experts_per_token * \
+        cfg.expert_params
+    assert 5.08e9 < active < 5.18e9, active
+    cut = preset("gpt-oss-120b", layers=3)
+    assert family_for(cut).parse_config(cut).sliding_layers == (True, False, True)
+
+
+def test_plan_and_cost_for_the_gpt_oss_preset(capsys):
+    """`hybrid plan --preset gpt-oss-120b` (only the config) prices DRAM experts at the CPU dtype (mxfp4: 0.53125
+    bytes a weight, bf16: 2) and VRAM residents at bf16; `hybrid cost layer --shape gpt-oss-120b`."""
+    from hybrid.cli import main
+
+    argv = ["plan", "--profile", "ktransformers-paper-amx", "--preset", "gpt-oss-120b", "--gpu-budget", "80GiB",
+            "--cpu-budget", "256GiB", "--json"]
+    dram = {}
+    for dtype in ("mxfp4", "bf16"):
+        assert main([*argv, "--cpu-dtype", dtype]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["model"]["num_experts"] == 128 and len(out["layers"]) == 36
+        assert out["memory"]["gpu"]["per_resident_expert"] == 3 * 2880 * 2880 * 2
+        assert 0 < out["gpu_bytes"] <= out["gpu_budget_bytes"]
+        dram[dtype] = out["memory"]["cpu"]["per_expert"]
+        assert out["memory"]["cpu"]["experts"] == 36 * 128 * dram[dtype]
+    assert dram == {"mxfp4": 3 * 2880 * 2880 * 0.53125, "bf16": 3 * 2880 * 2880 * 2}
+    assert main(argv[:-1] + ["--cpu-dtype", "mxfp4"]) == 0
+    text = capsys.readouterr().out
+    assert "model preset gpt-oss-120b: 36 MoE layers x 128 experts" in text and "predicted" in text
+    assert main(["cost", "layer", "--shape", "gpt-oss-120b", "--profile", "ktransformers-paper-avx512"]) == 0
+    assert "gpt-oss-120b: E=128 top-4" in capsys.readouterr().out
+
+
+def test_make_checkpoint_writes_mxfp4(tmp_path, monkeypatch):
+    """bench.make_checkpoint --preset gpt-oss-120b --mxfp4 (the preset swapped for the tiny config: a real layer is
+    3.2B weights) writes a checkpoint that loads; --fp8 with --mxfp4 is refused."""
+    import bench.make_checkpoint as mk
+
+    tiny = hf_config("gpt_oss").to_dict()
+    monkeypatch.setattr(mk, "hf_config", lambda name, layers=None: dict(tiny, num_hidden_layers=layers,
+                                                                         layer_types=tiny["layer_types"][:layers]))
+    assert mk.main(["--preset", "gpt-oss-120b", "--layers", "2", "--mxfp4", "--tokenizer", "none",
+                    "--out", str(tmp_path / "ck")]) == 0
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert raw["quantization_config"]["quant_method"] == "mxfp4" and raw["num_hidden_layers"] == 2
+    assert load_model(tmp_path / "ck", progress=False).cfg.num_layers == 2
+    with pytest.raises(SystemExit):
+        mk.main(["--preset", "gpt-oss-120b", "--fp8", "--mxfp4", "--out", str(tmp_path / "x")])

@@ -25,8 +25,10 @@ def register(subparsers) -> None:
                               "and predicted tokens/s. Fails before loading anything if the budgets cannot work.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
+    from hybrid.models.presets import PRESETS
+
     src.add_argument("--preset", help="plan for a published model's config without its checkpoint "
-                     "(qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, qwen1.5-moe-a2.7b, olmoe-1b-7b)")
+                     f"({', '.join(n for n in PRESETS if n != 'demo')})")
     p.add_argument("--gpu-budget", required=True, metavar="SIZE", help="VRAM for everything (24GiB, 24000MB, bytes)")
     p.add_argument("--cpu-budget", required=True, metavar="SIZE", help="DRAM for the experts and pinned buffers")
     p.add_argument("--stats", metavar="FILE", help="routing statistics from `hybrid profile-routing` (default: uniform)")

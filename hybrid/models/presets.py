@@ -92,6 +92,22 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 1000000, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
         "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "torch_dtype": "bfloat16",
     },
+    # openai/gpt-oss-120b: 116.8B total / 5.1B active, 128 experts top-4 in all 36 layers, 64 query heads of 64 with
+    # 8 kv heads, sliding window 128 on every other layer (sliding first), attention sinks, YaRN x32, biases
+    # everywhere, clamped SwiGLU (limit 7). Published experts are MXFP4 (not part of the preset:
+    # `make_checkpoint --mxfp4` writes them so and adds the quantization_config).
+    "gpt-oss-120b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 18, "sliding_window": 128,
+        "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "initial_context_length": 4096,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "eos_token_id": 200002,
+        "pad_token_id": 199999, "torch_dtype": "bfloat16",
+    },
     # The demo model: a real Qwen3-MoE config, small enough to write in a second on 2 cores.
     "demo": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1088,
@@ -113,4 +129,6 @@ def hf_config(name: str, layers: int | None = None) -> dict:
         if not 1 <= layers <= cfg["num_hidden_layers"]:
             raise ValueError(f"layers must be in 1..{cfg['num_hidden_layers']}, got {layers}")
         cfg["num_hidden_layers"] = layers
+        if "layer_types" in cfg:  # gpt-oss: one entry per layer
+            cfg["layer_types"] = cfg["layer_types"][:layers]
     return cfg

@@ -107,7 +107,8 @@ def add_hybrid_arguments(p) -> None:
     g.add_argument("--schedule", default=None, help="cold-expert split per batch: cost (default: the calibrated "
                    "cost model), cpu (llama.cpp -ot exps=CPU), ship (always ship weights), threshold:N")
     g.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPES, help="dtype of the CPU-resident experts "
-                   "(default bf16; mxfp4: 4-bit e2m1 + one exponent per 32 values, gpt-oss's published format)")
+                   "(default bf16, and mxfp4 for MXFP4 checkpoints: 4-bit e2m1 + one exponent per 32 values, "
+                   "gpt-oss's published format, kept as published; bf16/int8/int4 convert them)")
     g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
     g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
                    f"profile, else the built-in {FALLBACK_PROFILE})")
