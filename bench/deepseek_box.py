@@ -40,19 +40,22 @@ def rss_bytes() -> tuple[int, int]:
     return cur, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def write_checkpoint(path: Path, raw: dict) -> None:
+def write_checkpoint(path: Path, raw: dict, quant: str = "fp8") -> None:
+    """quant: "fp8" (block-FP8, DeepSeek's) or "mxfp4" (the experts, gpt-oss's)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    write_random_checkpoint(path, raw, seed=0, device=dev, progress=True, fp8_block=(128, 128))
+    write_random_checkpoint(path, raw, seed=0, device=dev, progress=True,
+                            fp8_block=(128, 128) if quant == "fp8" else None, mxfp4=quant == "mxfp4")
 
 
-def ensure_checkpoint(path: Path, layers: int, config: str | None = None) -> dict:
+def ensure_checkpoint(path: Path, layers: int, config: str | None = None, preset: str = "deepseek-v3",
+                      quant: str = "fp8") -> dict:
     """Writes the checkpoint in a child process, so that the load's peak resident memory measured in this
     one is the loader's own (the writer holds host copies of a whole layer and its shard)."""
     if (path / "config.json").is_file():
         return {"written": False}
     t0 = time.perf_counter()
-    raw = json.loads(Path(config).read_text()) if config else hf_config("deepseek-v3", layers=layers)
-    child = multiprocessing.get_context("spawn").Process(target=write_checkpoint, args=(path, raw))
+    raw = json.loads(Path(config).read_text()) if config else hf_config(preset, layers=layers)
+    child = multiprocessing.get_context("spawn").Process(target=write_checkpoint, args=(path, raw, quant))
     child.start()
     child.join()
     if child.exitcode != 0:
@@ -62,12 +65,13 @@ def ensure_checkpoint(path: Path, layers: int, config: str | None = None) -> dic
     return {"written": True, "write_s": time.perf_counter() - t0, "disk_bytes": size}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", default="/tmp/dsv3-5l", help="checkpoint directory (written if missing)")
-    p.add_argument("--layers", type=int, default=5, help="decoder layers of the written checkpoint")
-    p.add_argument("--config", help="a config.json to write instead of the deepseek-v3 preset (tests, variants)")
-    p.add_argument("--cpu-dtype", default="int8", choices=["bf16", "int8", "int4", "mxfp4"])
+def arguments(doc: str, ckpt: str, layers: int, preset: str, cpu_dtype: str) -> argparse.ArgumentParser:
+    """The command line of a box script over a preset-shaped checkpoint (deepseek_box, gpt_oss_box)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--ckpt", default=ckpt, help="checkpoint directory (written if missing)")
+    p.add_argument("--layers", type=int, default=layers, help="decoder layers of the written checkpoint")
+    p.add_argument("--config", help=f"a config.json to write instead of the {preset} preset (tests, variants)")
+    p.add_argument("--cpu-dtype", default=cpu_dtype, choices=["bf16", "int8", "int4", "mxfp4"])
     p.add_argument("--profile", required=True)
     p.add_argument("--isa")
     p.add_argument("--cpu-threads", type=int)
@@ -78,9 +82,21 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--strategies", type=lambda s: s.split(","), default=["cost", "cpu", "ship", "threshold:32"])
     p.add_argument("--out", default="bench/results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__, "/tmp/dsv3-5l", 5, "deepseek-v3", "int8").parse_args(argv)
+    res = run_box(args, "deepseek-v3", "fp8")
+    write_json(Path(args.out) / f"deepseek_box_{args.cpu_dtype}.json", res, indent=1)
+    return 0
+
+
+def run_box(args, preset: str, quant: str) -> dict:
+    """Writes the checkpoint if missing (`preset` cut to --layers, `quant` as published), loads it with the hybrid
+    experts and runs bench.hybrid_e2e's measurements; returns its results with the checkpoint and load figures."""
     ckpt = Path(args.ckpt)
-    written = ensure_checkpoint(ckpt, args.layers, args.config)
+    written = ensure_checkpoint(ckpt, args.layers, args.config, preset, quant)
     load = {}
 
     def build(a, hw, device, dtype):  # bench.hybrid_e2e.run's model builder, from the checkpoint instead
@@ -97,12 +113,11 @@ def main(argv=None) -> int:
         return model, model.cfg, expert_shape(model.cfg, a.cpu_dtype, dtype), off
 
     hybrid_e2e.build = build
-    args.preset, args.trace, args.defer_experts, args.isolate = "deepseek-v3", None, 0, False
+    args.preset, args.trace, args.defer_experts, args.isolate = preset, None, 0, False
     hybrid_e2e.apply_defaults(args, torch.cuda.is_available())
     res = hybrid_e2e.run(args)
     res.update(checkpoint=str(ckpt), checkpoint_written=written, load=load)
-    write_json(Path(args.out) / f"deepseek_box_{args.cpu_dtype}.json", res, indent=1)
-    return 0
+    return res
 
 
 if __name__ == "__main__":
