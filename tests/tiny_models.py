@@ -96,6 +96,16 @@ DEEPSEEK_VARIANTS = {
 }
 
 
+def _oracle_swiglu_constants(cfg) -> None:
+    """Older transformers (5.17, the GPU box's) hard-code gpt-oss's SwiGLU alpha 1.702 and limit 7.0 instead of
+    reading config.swiglu_alpha / swiglu_limit as later ones do: the config then takes the oracle's constants,
+    so that both sides compute the same function (ours reads the config, as the published checkpoints need)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    probe = GptOssExperts(cfg)
+    cfg.swiglu_alpha, cfg.swiglu_limit = float(probe.alpha), float(probe.limit)
+
+
 def hf_config(model_type: str, **overrides):
     import transformers
 
@@ -108,6 +118,8 @@ def hf_config(model_type: str, **overrides):
     kw.update(overrides)
     cfg = getattr(transformers, cfg_cls)(**kw)
     cfg._attn_implementation = "eager"
+    if model_type == "gpt_oss":
+        _oracle_swiglu_constants(cfg)
     return cfg
 
 
