@@ -33,11 +33,38 @@ from placement.json_file import write_json
 
 def rss_bytes() -> tuple[int, int]:
     """(current, peak) resident set of this process."""
-    cur = 0
+    return status_kib("VmRSS") * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            cur = int(line.split()[1]) * 1024
-    return cur, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class AnonPeak:
+    """The largest anonymous resident memory (RssAnon) seen while the block runs, sampled every 20 ms. The
+    kernel's peak RSS also counts the checkpoint's memory-mapped file pages the loader touched (page cache,
+    given back under pressure), which overstate what a load needs; RssAnon is the memory the process owns."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._stop = status_kib("RssAnon") * 1024, threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.02):
+                self.peak = max(self.peak, status_kib("RssAnon") * 1024)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status_kib("RssAnon") * 1024)
 
 
 def write_checkpoint(path: Path, raw: dict, quant: str = "fp8") -> None:
@@ -104,12 +131,16 @@ def run_box(args, preset: str, quant: str) -> dict:
         t0 = time.perf_counter()
         hcfg = HybridConfig(gpu_experts=0, schedule="cost", cpu_dtype=a.cpu_dtype, cpu_isa=a.isa,
                             cpu_threads=a.cpu_threads, profile=a.profile)
-        model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
+        with AnonPeak() as anon:
+            model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
         cur, peak = rss_bytes()
         load.update(load_s=time.perf_counter() - t0, rss_before=rss0, rss_after=cur, rss_peak=peak,
+                    anon_after=status_kib("RssAnon") * 1024, anon_peak=anon.peak,
                     dram_expert_bytes=off.memory()["dram_expert_bytes"])
         print(f"# loaded {ckpt} ({a.cpu_dtype}) in {load['load_s']:.0f} s; RSS {cur / 2**30:.1f} GiB (peak "
-              f"{peak / 2**30:.1f} GiB), executor experts {load['dram_expert_bytes'] / 2**30:.1f} GiB", flush=True)
+              f"{peak / 2**30:.1f} GiB, with mapped checkpoint pages); anonymous {load['anon_after'] / 2**30:.1f} "
+              f"GiB (peak {anon.peak / 2**30:.1f} GiB); executor experts {load['dram_expert_bytes'] / 2**30:.1f} GiB",
+              flush=True)
         return model, model.cfg, expert_shape(model.cfg, a.cpu_dtype, dtype), off
 
     hybrid_e2e.build = build

@@ -41,7 +41,9 @@ def table(res: dict) -> str:
     load = res.get("load") or {}
     if load:
         lines += ["", f"load {load['load_s']:.0f} s, RSS settled {load['rss_after'] / 2**30:.1f} GiB / peak "
-                  f"{load['rss_peak'] / 2**30:.1f} GiB, executor experts {load['dram_expert_bytes'] / 2**30:.2f} GiB"]
+                  f"{load['rss_peak'] / 2**30:.1f} GiB (with mapped checkpoint pages), anonymous settled "
+                  f"{load['anon_after'] / 2**30:.1f} / peak {load['anon_peak'] / 2**30:.1f} GiB, executor experts "
+                  f"{load['dram_expert_bytes'] / 2**30:.2f} GiB"]
     return "\n".join(lines) + "\n"
 
 
