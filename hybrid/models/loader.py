@@ -306,6 +306,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     from tqdm import tqdm
 
     path = Path(path)
+    if mxfp4_experts and experts_factory is None:
+        raise ValueError("mxfp4_experts hands (blocks, scales) pairs to an experts_factory; none was given")
     family, cfg, quant, ckpt, original, scales, mx = _open(path)
     with torch.device("meta"):
         skeleton = MoETransformer(cfg, build_experts=False)
