@@ -14,8 +14,7 @@ pytest.importorskip("transformers")
 from hybrid.models import load_model  # noqa: E402
 from hybrid.models.writer import write_random_checkpoint  # noqa: E402
 from hybrid.offload.build import HybridConfig, load_hybrid  # noqa: E402
-from hybrid.runtime import Engine  # noqa: E402
-from tiny_models import hf_config, hf_logits, make_checkpoint  # noqa: E402
+from tiny_models import cuda_bf16_errors, generated_tokens, hf_config, make_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 77, 3, 200, 41, 9, 17], [250, 1, 64], [9, 9, 31, 8, 100]]
 
@@ -34,21 +33,12 @@ def mxfp4_ckpt(tmp_path_factory):
 
 
 def test_bf16_cuda_close_to_reference(ckpt):
-    path, hf = ckpt
-    p = PROMPTS[0] * 2  # longer than the sliding window (4)
-    truth = hf_logits(hf, p)
-    hf_bf16 = hf_logits(hf.to(torch.bfloat16), p)
-    hf.float()
-    model = load_model(path, device="cuda", dtype=torch.bfloat16, progress=False)
-    ours = Engine(model, max_batch=1, max_context=32, eager=True).forward(
-        torch.tensor([p]), torch.arange(len(p))[None], torch.tensor([0]))[0].cpu()
-    err_hf, err_ours = (hf_bf16 - truth).abs().max().item(), (ours - truth).abs().max().item()
+    err_ours, err_hf, _ = cuda_bf16_errors(*ckpt, PROMPTS[0] * 2)  # longer than the sliding window (4)
     assert err_ours <= 2 * err_hf + 1e-3, (err_ours, err_hf)
 
 
 def _tokens(model, eager):
-    eng = Engine(model, max_batch=4, max_context=64, eager=eager)
-    return [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=16, stop_token_ids=[])], eng
+    return generated_tokens(model, PROMPTS, eager)
 
 
 def test_cuda_graph_decode_matches_eager(ckpt):

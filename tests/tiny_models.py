@@ -285,3 +285,26 @@ def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_res
     assert len(off.layers) == model.cfg.num_moe_layers == moe_layers  # a dense layer has no hybrid experts
     assert greedy(model) == reference_tokens
     assert all(len(layer.resident_ids) == n_resident for layer in off.layers)
+
+
+def cuda_bf16_errors(path, hf, prompt):
+    """Our model from `path` in bf16 on CUDA and transformers' `hf` cast to bf16, each against `hf`'s fp32 logits
+    for one prompt: (our max error, transformers' max error, our model). `hf` is left in fp32."""
+    from hybrid.models import load_model
+    from hybrid.runtime import Engine
+
+    truth = hf_logits(hf, prompt)
+    hf_bf16 = hf_logits(hf.to(torch.bfloat16), prompt)
+    hf.float()
+    model = load_model(path, device="cuda", dtype=torch.bfloat16, progress=False)
+    ours = Engine(model, max_batch=1, max_context=32, eager=True).forward(
+        torch.tensor([prompt]), torch.arange(len(prompt))[None], torch.tensor([0]))[0].cpu()
+    return (ours - truth).abs().max().item(), (hf_bf16 - truth).abs().max().item(), model
+
+
+def generated_tokens(model, prompts, eager: bool):
+    """16 greedy tokens per prompt from one batched generate() (eager, or CUDA-graph decode); (tokens, engine)."""
+    from hybrid.runtime import Engine
+
+    eng = Engine(model, max_batch=4, max_context=64, eager=eager)
+    return [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, stop_token_ids=[])], eng

@@ -1,5 +1,5 @@
-"""Layers every supported family shares: RMSNorm, grouped-query attention over the static KV cache,
-and the gated (SwiGLU) MLP. Weights are plain tensors created empty (no init pass: a 60 GB model must
+"""Layers every supported family shares: RMSNorm, grouped-query attention over the static KV cache (with
+per-layer sliding windows and gpt-oss's attention sinks), and the gated (SwiGLU) MLP. Weights are plain tensors created empty (no init pass: a 60 GB model must
 not be initialised and then overwritten) and filled by the loader or `init_random_`.
 """
 
