@@ -22,7 +22,9 @@ PROMPTS = [[5, 77, 3, 200, 41, 9, 17], [250, 1, 64], [9, 9, 31, 8, 100]]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss_gpu")
-    return path, make_checkpoint("gpt_oss", path, seed=7)
+    # the published SwiGLU constants: older transformers (the box's) hard-code alpha 1.702 and may not read the
+    # config's swiglu_limit (the CPU tests reach the clamp with transformers 5.24)
+    return path, make_checkpoint("gpt_oss", path, seed=7, swiglu_limit=7.0, swiglu_alpha=1.702)
 
 
 @pytest.fixture(scope="module")
