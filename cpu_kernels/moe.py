@@ -50,11 +50,12 @@ def _say_vector_only(dtype: str, isa: str) -> None:
 
 class _Mx4:
     """Published mxfp4 weights of E experts, blocks uint8 [E, R, K/32, 16] and scales [E, R, K/32], sliced
-    like the float matrices [E, R, K] they stand for (K slices on 32-value block boundaries), without a copy."""
+    like the float matrices [E, R, K] they stand for (K slices on 32-value block boundaries), without a copy.
+    Strided views (a loader's row de-interleave) are taken as they are: packing copies a chunk at a time."""
 
     def __init__(self, name, blocks, scales):
         for what, t, nd in ((f"{name} blocks", blocks, 4), (f"{name} scales", scales, 3)):
-            _check_tensor(what, t, nd, (torch.uint8,))
+            _check_tensor(what, t, nd, (torch.uint8,), contiguous=False)
         if blocks.shape[-1] != quant.MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
             raise ValueError(f"{name}: mxfp4 blocks {tuple(blocks.shape)} must be [E, R, K/32, 16] with scales "
                              f"[E, R, K/32], got scales {tuple(scales.shape)}")
@@ -85,7 +86,7 @@ def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
-def _check_tensor(name, t, ndim, dtypes):
+def _check_tensor(name, t, ndim, dtypes, contiguous: bool = True):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -94,7 +95,7 @@ def _check_tensor(name, t, ndim, dtypes):
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
