@@ -34,7 +34,8 @@ from cpu_kernels.knee import knee_from_times
 
 # Packed bytes per weight, scales aside except mxfp4's (its exponent byte per 32 values is part of the format).
 BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.53125}
-SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "tiny": (512, 256)}
+SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "gpt-oss-120b": (2880, 2880),
+          "tiny": (512, 256)}
 
 
 def cpu_model() -> str:
