@@ -66,3 +66,26 @@ def test_cuda_graph_decode_hybrid_experts(ckpt, mxfp4_ckpt, cpu_dtype):
     assert eng.graphs is not None and eng.graphs.graphs
     assert graphs == eager
 
+
+
+@pytest.mark.parametrize("cpu_dtype", ["bf16", "mxfp4"])
+def test_ship_lane_matches_cpu_lane(ckpt, mxfp4_ckpt, cpu_dtype):
+    """Eager prefill logits with every cold expert shipped to the GPU (de-quantized there from the packed codes for
+    mxfp4; biases and the clamped SwiGLU) against every cold expert on the CPU lane, in fp32: in bf16 a router
+    near-tie picks another expert at a position or two (seen on the box and on the CPU alike), which says nothing
+    about the lanes."""
+    from hybrid.runtime import Engine
+
+    path = ckpt[0] if cpu_dtype == "bf16" else mxfp4_ckpt
+    logits = {}
+    for schedule in ("cpu", "ship"):
+        hcfg = HybridConfig(gpu_experts=2, schedule=schedule, cpu_dtype=cpu_dtype, cpu_isa="ref",
+                            profile="ktransformers-paper-amx")
+        model, off = load_hybrid(path, "cuda", torch.float32, hcfg, progress=False)
+        for layer in off.layers:
+            layer.set_resident([0, 5])
+        prompt = PROMPTS[0] * 3
+        logits[schedule] = Engine(model, max_batch=1, max_context=64, eager=True).forward(
+            torch.tensor([prompt]), torch.arange(len(prompt))[None], torch.tensor([0]))[0].float().cpu()
+    scale = logits["cpu"].abs().max().item()
+    assert (logits["ship"] - logits["cpu"]).abs().max().item() <= 1e-3 * scale
