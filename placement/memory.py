@@ -145,11 +145,19 @@ class MemoryBreakdown:
         return self.dram_experts_all + self.pinned_buffers
 
 
+def expert_bias_bytes(cfg) -> int:
+    """VRAM of the routed experts' biases (gpt-oss): kept on the GPU in fp32 for every expert, resident or not
+    (hybrid.offload.experts.HybridExperts.bias_dev; the ship and resident lanes read them). 0 without biases."""
+    if not cfg.expert_fn.bias:
+        return 0
+    return cfg.num_moe_layers * cfg.num_experts * (2 * cfg.expert_intermediate_size + cfg.hidden_size) * 4
+
+
 def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     """The fixed memory of model `cfg` (a hybrid.models.ModelConfig) under settings `s`."""
     D, F, K = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
     gb = s.gpu_dtype_bytes
-    non_expert = cfg.param_counts()["non_expert"] * gb
+    non_expert = cfg.param_counts()["non_expert"] * gb + expert_bias_bytes(cfg)
     kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * gb
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)

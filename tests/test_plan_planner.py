@@ -285,3 +285,28 @@ def test_decode_routing_recorded_apart_places_decode_and_prices_prefill_by_promp
         RoutingStats(4, 1, (0, 1), s.counts, tokens=100, decode_counts=s.counts + 1, decode_tokens=20)
     with pytest.raises(UsageError, match="decode tokens"):
         RoutingStats(4, 1, (0, 1), s.counts, tokens=100, decode_counts=decode, decode_tokens=101)
+
+
+def test_expert_biases_counted_in_vram_by_plan_and_runtime(tmp_path):
+    """gpt-oss keeps every expert's biases on the GPU (fp32): the plan's fixed VRAM and the runtime's both count
+    them, and they agree with what the loaded layers hold."""
+    import torch
+    from tiny_models import make_checkpoint
+
+    from hybrid.offload.build import HybridConfig, fixed_vram, load_hybrid
+    from placement.memory import expert_bias_bytes
+
+    make_checkpoint("gpt_oss", tmp_path, seed=0)
+    hcfg = HybridConfig(gpu_experts=0, schedule="cpu", cpu_isa="ref", profile="ktransformers-paper-amx")
+    model, off = load_hybrid(tmp_path, "cpu", torch.float32, hcfg, progress=False)
+    cfg = model.cfg
+    held = sum(t.numel() * t.element_size() for layer in off.layers for t in layer.bias_dev)
+    want = cfg.num_moe_layers * cfg.num_experts * (2 * cfg.expert_intermediate_size + cfg.hidden_size) * 4
+    assert held == expert_bias_bytes(cfg) == want > 0
+    mem = breakdown(cfg, MemorySettings(max_context=32, max_batch=1, gpu_dtype_bytes=4, reserve=0))
+    params = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    assert mem.non_expert == params + held
+    lane = off.ship_lane
+    staging = lane.n_slots * lane.chunk * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
+    assert fixed_vram(model, 0, off) == params + held + staging
+    assert expert_bias_bytes(model_cfg(experts=8, topk=2, layers=2)) == 0  # no biases, nothing added

@@ -285,8 +285,11 @@ def place_resident(model, offload, hcfg: HybridConfig, run_prompt: Callable[[lis
 
 
 def fixed_vram(model, cache_bytes: int, offload) -> int:
-    """VRAM that is not resident experts: non-expert weights, KV cache, ship-lane staging slots."""
+    """VRAM that is not resident experts: non-expert weights (with the experts' biases), KV cache, ship-lane
+    staging slots."""
     params = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".moe.experts." not in name)
+    # the experts' biases (gpt-oss) stay on the GPU for every expert, fp32 (placement.memory.expert_bias_bytes)
+    params += sum(t.numel() * t.element_size() for layer in offload.layers for t in (layer.bias_dev or ()))
     # ShipLane holds n_slots chunks of `chunk` experts each (dense; + raw packed bytes when the packed
     # layout is not the dense one, which placement.memory prices exactly for `hybrid plan`)
     lane = offload.ship_lane
