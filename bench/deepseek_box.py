@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import resource
 import time
 from pathlib import Path
 
@@ -32,8 +31,9 @@ from placement.json_file import write_json
 
 
 def rss_bytes() -> tuple[int, int]:
-    """(current, peak) resident set of this process."""
-    return status_kib("VmRSS") * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """(current, peak) resident set of this process. The peak is VmHWM, which the kernel reports as at least
+    the current RSS; getrusage's ru_maxrss is updated lazily and was seen below VmRSS read just after it."""
+    return status_kib("VmRSS") * 1024, status_kib("VmHWM") * 1024
 
 
 def status_kib(field: str) -> int:

@@ -32,3 +32,21 @@ def test_step_key_is_the_smallest_buckets_that_hold_the_rows():
     with pytest.raises(ValueError):
         g.key(9, [0])
     assert fake_graphs(8, 4096, context=False).key(1, [0]) == (1, 4096)
+
+
+def test_prepare_captures_each_graph_once_and_says_so(monkeypatch):
+    g = fake_graphs(4, 1024)
+    captured = []
+
+    def ensure(key, sync=True):
+        if key not in g.graphs:
+            captured.append(key)
+            g.graphs[key] = None
+
+    monkeypatch.setattr(g, "ensure", ensure)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda: None)
+    assert g.prepare(3, [5, 9, 2]) == ((4, 256), True)
+    assert captured == [(4, 256), (2, 256), (1, 256)]  # the first step: every batch bucket, largest first
+    assert g.prepare(1, [100]) == ((1, 256), False)
+    assert g.prepare(2, [300, 7]) == ((2, 512), True) and captured[-1] == (2, 512) and len(captured) == 4
+    assert g.prepare(2, [511, 7]) == ((2, 512), False)

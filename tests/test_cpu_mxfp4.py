@@ -22,6 +22,7 @@ from cpu_kernels import CpuMoE, _native, moe as moe_mod, quant
 from cpu_kernels.reference import gated_activation, moe_forward
 from cpu_kernels.topology import Topology
 from test_cpu_moe import COMPILED, EMU, TOL, ragged_routing, rel_err
+from test_cpu_moe_bias import biases as bias_tensors, fused_knob  # noqa: F401 (fused_knob: a fixture)
 
 E, F, D = 6, 224, 160
 TOL_MX = TOL["int4"]  # int8 activations, exact weights: the int8/int4 bound
@@ -43,9 +44,7 @@ def plain(pub):
 
 
 def biases(seed=20, e=E, f=F, d=D):
-    g = torch.Generator().manual_seed(seed)
-    return dict(b_gate=2 * torch.randn(e, f, generator=g), b_up=2 * torch.randn(e, f, generator=g),
-                b_down=8 * torch.randn(e, d, generator=g))
+    return dict(zip(("b_gate", "b_up", "b_down"), bias_tensors(seed, e, f, d)))
 
 
 def topology(nodes):
@@ -54,14 +53,6 @@ def topology(nodes):
     cpus = sorted(os.sched_getaffinity(0))
     return {1: Topology(((cpus[0],),)), 2: Topology(((cpus[0],), (cpus[-1],))),
             "shared": Topology(((cpus[0],), (cpus[0],)))}[nodes]
-
-
-@pytest.fixture
-def fused_knob():
-    saved = []
-    yield saved
-    for isa, value in reversed(saved):
-        _native.tune(isa, "fused", value)
 
 
 def both_paths(moe, x, ids, w, fused_knob):

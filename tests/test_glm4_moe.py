@@ -19,31 +19,18 @@ from hybrid.models import load_model  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.families import family_for  # noqa: E402
 from tiny_models import (FAMILIES, GLM_VARIANTS, check_hybrid_strategies, check_logits_and_greedy,  # noqa: E402
-                         check_topk_router, engine_greedy, hf_config, hf_greedy, hf_logits, randomize_, single_logits)
+                         check_topk_router, edited_checkpoint, engine_greedy, hf_config, hf_greedy, hf_logits,
+                         make_checkpoint, single_logits)
 
 PROMPTS = ([5, 77, 3, 200, 41, 9, 17], [250, 1, 64, 33, 2, 8, 90, 100, 101, 7, 6, 5], [9, 9, 31])
 VARIANTS = {"base": {}, **GLM_VARIANTS}
 
 
-@torch.no_grad()
 def make_glm(out, seed: int, bf16_values: bool = False, **overrides):
-    """tiny_models.make_checkpoint for glm4_moe with a random e_score_correction_bias too (a buffer, which
-    randomize_ leaves at zero: a bias the loader dropped would go unnoticed). bf16_values: every weight
-    rounded to a bf16 value (kept fp32), so the CPU executor's bf16 packing is exact."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(hf_config("glm4_moe", **overrides)).eval()
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    if bf16_values:
-        for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "correction_bias" in n]:
-            t.copy_(t.to(torch.bfloat16).float())
-    model.save_pretrained(str(out))
-    return model
+    """tiny_models.make_checkpoint for glm4_moe with a random e_score_correction_bias (a buffer, which randomize_
+    leaves at zero: a bias the loader dropped would go unnoticed)."""
+    return make_checkpoint("glm4_moe", out, seed, extra={"e_score_correction_bias": 0.3}, bf16_values=bf16_values,
+                           **overrides)
 
 
 
@@ -87,23 +74,14 @@ def base(tmp_path_factory):
 def test_partial_rotary_and_score_bias_matter(base, tmp_path):
     """The checks above would pass by accident if half the head were rotated or the bias ignored anyway:
     changing either in config.json / the weights changes the logits far beyond the tolerance."""
-    from safetensors.torch import load_file, save_file
-
     path, hf = base
     p = list(PROMPTS[1])
     ref = hf_logits(hf, p)
-    raw = json.loads((path / "config.json").read_text())
-    raw["rope_parameters"] = dict(raw["rope_parameters"], partial_rotary_factor=1.0)
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "config.json").write_text(json.dumps(raw))
-    tensors = load_file(str(path / "model.safetensors"))
-    save_file(tensors, str(tmp_path / "full" / "model.safetensors"))
-    assert (single_logits(load_model(tmp_path / "full", progress=False), p) - ref).abs().max().item() > 1e-2
-    nobias = {k: (torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in tensors.items()}
-    (tmp_path / "nobias").mkdir()
-    (tmp_path / "nobias" / "config.json").write_text((path / "config.json").read_text())
-    save_file(nobias, str(tmp_path / "nobias" / "model.safetensors"))
-    assert (single_logits(load_model(tmp_path / "nobias", progress=False), p) - ref).abs().max().item() > 1e-2
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    full = edited_checkpoint(path, tmp_path, "full", config={"rope_parameters": dict(rope, partial_rotary_factor=1.0)})
+    assert (single_logits(load_model(full, progress=False), p) - ref).abs().max().item() > 1e-2
+    nobias = edited_checkpoint(path, tmp_path, "nobias", tensors={"e_score_correction_bias": torch.zeros_like})
+    assert (single_logits(load_model(nobias, progress=False), p) - ref).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("factor,kind", [(0.5, "default"), (0.25, "default"), (1.0, "default"), (0.5, "yarn")])

@@ -19,31 +19,17 @@ from hybrid.models import load_model  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.families import family_for  # noqa: E402
 from tiny_models import (GPT_OSS_VARIANTS, check_hybrid_strategies, check_logits_and_greedy,  # noqa: E402
-                         engine_greedy, hf_config, hf_logits, randomize_, reference_tokens_of, single_logits)
+                         engine_greedy, hf_config, hf_logits, edited_checkpoint, make_checkpoint,
+                         reference_tokens_of, single_logits)
 
 PROMPTS = ([5, 77, 3, 200, 41, 9, 17], [250, 1, 64, 33, 2, 8, 90, 100, 101, 7, 6, 5], [9, 9, 31])
 VARIANTS = {"base": {}, **GPT_OSS_VARIANTS}
 
 
-@torch.no_grad()
 def make_gpt_oss(out, seed: int, bf16_values: bool = False, **overrides):
-    """A tiny random GptOssForCausalLM saved with save_pretrained (fp32); sinks drawn N(0, 1) so that they move
-    the softmax well beyond the tolerance. bf16_values: every weight rounded to a bf16 value (kept fp32), so
-    the CPU executor's bf16 packing is exact."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(hf_config("gpt_oss", **overrides)).eval()
-    randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, p in model.named_parameters():
-        if name.endswith("sinks"):
-            p.copy_(torch.randn(p.shape, generator=g))
-    if bf16_values:
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    model.save_pretrained(str(out))
-    return model
+    """tiny_models.make_checkpoint for gpt_oss with sinks drawn N(0, 1) so that they move the softmax well beyond
+    the tolerance."""
+    return make_checkpoint("gpt_oss", out, seed, extra={"sinks": 1.0}, bf16_values=bf16_values, **overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -82,22 +68,6 @@ def base(tmp_path_factory):
     return path, hf
 
 
-def _edited(path, tmp_path, name, config=None, tensors=None):
-    """A copy of the checkpoint at `path` with config.json fields and tensors replaced."""
-    from safetensors.torch import load_file, save_file
-
-    raw = json.loads((path / "config.json").read_text())
-    raw.update(config or {})
-    t = load_file(str(path / "model.safetensors"))
-    for k, fn in (tensors or {}).items():
-        t = {n: (fn(v) if n.endswith(k) else v) for n, v in t.items()}
-    out = tmp_path / name
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(raw))
-    save_file(t, str(out / "model.safetensors"))
-    return out
-
-
 @pytest.mark.parametrize("edit", ["no_sinks", "no_window", "limit_7", "no_expert_bias", "no_router_bias"])
 def test_each_feature_changes_the_logits(base, tmp_path, edit):
     """The equality checks would pass by accident if a feature did nothing on these weights: undoing each one
@@ -112,7 +82,7 @@ def test_each_feature_changes_the_logits(base, tmp_path, edit):
     p = list(PROMPTS[1])
     ref = hf_logits(hf, p)
     assert (single_logits(load_model(path, progress=False), p) - ref).abs().max().item() <= 1e-4
-    changed = single_logits(load_model(_edited(path, tmp_path, edit, **edits[edit]), progress=False), p)
+    changed = single_logits(load_model(edited_checkpoint(path, tmp_path, edit, **edits[edit]), progress=False), p)
     assert (changed - ref).abs().max().item() > 1e-2, edit
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import torch
 
 VOCAB = 256
@@ -136,16 +138,48 @@ def randomize_(model, seed: int = 0, std: float = 0.08) -> None:
             p.copy_(std * noise)
 
 
-def make_checkpoint(model_type: str, out: Path, seed: int = 0, **overrides):
-    """Saves a tiny random model with save_pretrained; returns the (fp32, eval) transformers model."""
+@torch.no_grad()
+def make_checkpoint(model_type: str, out: Path, seed: int = 0, extra: dict[str, float] | None = None,
+                    bf16_values: bool = False, **overrides):
+    """Saves a tiny random model with save_pretrained; returns the (fp32, eval) transformers model.
+    extra: name suffix -> std: the parameters and buffers whose names end so are then drawn N(0, std^2) from a
+    generator seeded seed + 100 (buffers randomize_ leaves at zero, e.g. GLM's e_score_correction_bias; tensors
+    that must be large to matter, e.g. gpt-oss's sinks). bf16_values: every parameter and every `extra` tensor
+    rounded to a bf16 value (kept fp32), so the CPU executor's bf16 packing is exact."""
     import transformers
 
     _, model_cls, _ = FAMILIES[model_type]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(hf_config(model_type, **overrides)).eval()
     randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    drawn = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        std = next((v for k, v in (extra or {}).items() if name.endswith(k)), None)
+        if std is not None:
+            t.copy_(std * torch.randn(t.shape, generator=g))
+            drawn.append(t)
+    if bf16_values:
+        for t in [*model.parameters(), *drawn]:
+            t.copy_(t.to(torch.bfloat16).float())
     model.save_pretrained(str(out))
     return model
+
+
+def edited_checkpoint(path, tmp_path, name, config=None, tensors=None):
+    """A copy of the checkpoint at `path` with config.json fields and tensors replaced."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(config or {})
+    t = load_file(str(path / "model.safetensors"))
+    for k, fn in (tensors or {}).items():
+        t = {n: (fn(v) if n.endswith(k) else v) for n, v in t.items()}
+    out = tmp_path / name
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    save_file(t, str(out / "model.safetensors"))
+    return out
 
 
 @torch.no_grad()

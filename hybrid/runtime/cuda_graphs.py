@@ -97,14 +97,22 @@ class DecodeGraphs:
         need = max(positions) + 1
         return self.bucket(n), next(L for L in self.contexts if L >= need)
 
+    def prepare(self, n: int, positions: list[int]) -> tuple[tuple[int, int], bool]:
+        """The key of a step of n rows at these positions, its graph captured if missing (the first capture
+        takes every batch bucket at that context); -> (key, whether anything was captured)."""
+        key = self.key(n, positions)
+        if key in self.graphs:
+            return key, False
+        if not self.graphs:
+            self.capture(key[1])
+        self.ensure(key)
+        return key, True
+
     @torch.no_grad()
     def step(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """-> logits [B, V] (a view of the graph's output buffer: consume before the next step)."""
         n = len(ids)
-        key = self.key(n, positions)
-        if not self.graphs:
-            self.capture(key[1])
-        self.ensure(key)
+        key, _ = self.prepare(n, positions)
         b = key[0]
         g, s, out = self.graphs[key]
         pad = b - n

@@ -233,13 +233,8 @@ class Engine:
         if max(positions) >= self.max_context:
             raise ValueError(f"a slot reached max_context {self.max_context}")
         t0 = time.perf_counter()
-        if self.graphs is not None:  # capture outside the timed region
-            key = self.graphs.key(len(slots), positions)
-            if key not in self.graphs.graphs:
-                if not self.graphs.graphs:
-                    self.graphs.capture(key[1])  # the first step: every batch bucket at this context
-                self.graphs.ensure(key)
-                t0 = time.perf_counter()
+        if self.graphs is not None and self.graphs.prepare(len(slots), positions)[1]:
+            t0 = time.perf_counter()  # capture stays outside the timed step
         with self._step_context():
             if self.graphs is not None:
                 logits = self.graphs.step(list(last_tokens), positions, list(slots))
