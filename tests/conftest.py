@@ -26,6 +26,21 @@ def pytest_configure(config):
 
     _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="hybrid-test-cache-"))
     os.environ["HYBRID_CACHE"] = str(_SESSION_CACHE)
+    _interpret_triton_without_cuda()
+
+
+def _interpret_triton_without_cuda():
+    """Without CUDA the fused decode kernels (hybrid.gpu_kernels) are checked by Triton's interpreter, which
+    must be chosen before Triton is first imported (its own library functions are decorated at import)."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before tests/conftest.py could select its interpreter")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_unconfigure(config):

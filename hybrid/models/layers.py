@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybrid import gpu_kernels
 from hybrid.models.config import ModelConfig
 from hybrid.models.rope import apply_rotary
 
@@ -56,6 +57,16 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): the residual add and this norm, one fused kernel where the fused
+        decode kernels are on (hybrid.gpu_kernels; the same roundings)."""
+        if gpu_kernels.fused_enabled(h):
+            from hybrid.gpu_kernels.norm import add_rms_norm
+
+            return add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
 
 
 class GatedMLP(nn.Module):
@@ -129,6 +140,10 @@ class Attention(nn.Module):
         needs it is reused by the others (the same positions and cache length; fewer kernels per layer).
         The caller picks the SDPA backends for the step (sdpa_backends)."""
         B, T, _ = x.shape
+        if T == 1 and not fresh and self.qk_norm != "full" and gpu_kernels.fused_enabled(x):
+            fused = self._fuse_qkv(x)
+            if fused is not None:
+                return self.o_proj(self._decode_fused(x, fused, cos, sin, positions, slots, cache, kv_len))
         q, k, v = self._qkv(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -148,9 +163,17 @@ class Attention(nn.Module):
 
     def _qkv(self, x):
         """q, k, v from one GEMM over the three weights laid back to back (two kernel launches fewer per layer
-        in decode graphs, whose per-layer floor is launch-bound). The first call outside a graph capture
-        moves the three weights (and biases) into one block and leaves the parameters as views of it, so
-        the memory is not doubled and the loaded values stay where the parameters are."""
+        in decode graphs, whose per-layer floor is launch-bound)."""
+        fused = self._fuse_qkv(x)
+        if fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        w, b = fused
+        return F.linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
+
+    def _fuse_qkv(self, x):
+        """(weight, bias) of q/k/v laid back to back, or None. The first call outside a graph capture moves the
+        three weights (and biases) into one block and leaves the parameters as views of it, so the memory is
+        not doubled and the loaded values stay where the parameters are."""
         mods = (self.q_proj, self.k_proj, self.v_proj)
         if self._fused is not None and self._fused[2] != tuple(m.weight.data_ptr() for m in mods):
             self._fused = None  # a weight was moved or replaced since: fuse again from the parameters
@@ -165,10 +188,24 @@ class Attention(nn.Module):
                     m.bias.data = b[o:o + n]
                 o += n
             self._fused = (w, b, tuple(m.weight.data_ptr() for m in mods))  # where the views must stay
-        if self._fused is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        w, b, _ = self._fused
-        return F.linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
+        return None if self._fused is None else self._fused[:2]
+
+    def _decode_fused(self, x, fused, cos, sin, positions, slots, cache, kv_len):
+        """One new token per row through the fused kernels (hybrid.gpu_kernels.attention): the q/k/v GEMM, then
+        norms + rotary + cache write in one kernel, then attention over each row's slot -> [B, 1, H*hd]."""
+        from hybrid.gpu_kernels.attention import decode_attention, qk_rope_write
+
+        B = x.shape[0]
+        w, b = fused
+        qkv = F.linear(x.reshape(B, -1), w, b)  # [B, (H + 2 Hkv) hd]
+        norm = self.qk_norm == "head"
+        pos = positions.reshape(B).contiguous()
+        kc, vc = cache.k[self.layer], cache.v[self.layer]  # [S, C + 1, Hkv, hd]
+        q = qk_rope_write(qkv, cos, sin, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                          self.q_norm.eps if norm else 0.0, self.clip, kc, vc, slots, pos, self.H, self.Hkv)
+        L = cache.max_context if kv_len is None else min(kv_len, cache.max_context)
+        out = decode_attention(q, kc, vc, slots, pos, L, self.scale, self.window, self.sinks)
+        return out.view(B, 1, self.H * self.hd)
 
     def _attend(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """q [B, T, H, hd], k, v [B, T, Hkv, hd] (this step's, already in the cache) -> [B, T, H*hd]."""

@@ -34,12 +34,16 @@ class DecoderLayer(nn.Module):
         self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
         self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, h, cos, sin, positions, slots, cache, kv_len, fresh, masks):
-        h = h + self.attn(self.attn_norm(h), cos, sin, positions, slots, cache, kv_len, fresh, masks)
+    def forward(self, h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks):
+        """-> (h, this layer's MLP output): the caller adds the output (the next layer's input norm does it in
+        the same kernel, add_norm; the model's last layer's is added before the final norm)."""
+        x = self.attn_norm(h) if pending is None else None
+        if x is None:
+            h, x = self.attn_norm.add_norm(h, pending)
+        h, x = self.mlp_norm.add_norm(h, self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks))
         B, T, D = h.shape
-        x = self.mlp_norm(h).view(B * T, D)  # [T, D] for the MoE interface (T = all tokens of the batch)
         ffn = self.moe if self.moe is not None else self.mlp
-        return h + ffn(x).view(B, T, D)
+        return h, ffn(x.reshape(B * T, D)).view(B, T, D)  # [T, D] for the MoE interface (T = the batch's tokens)
 
 
 class MoETransformer(nn.Module):
@@ -80,9 +84,12 @@ class MoETransformer(nn.Module):
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {}  # attention masks of this step, built once and shared by the layers
+        pending = None  # the last layer's MLP output, not yet added to h
         with sdpa_backends(h, fresh):
             for layer in self.layers:
-                h = layer(h, cos, sin, positions, slots, cache, kv_len, fresh, masks)
+                h, pending = layer(h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks)
+        if pending is not None:
+            h = h + pending
         if last_only:
             last = ((positions >= 0).sum(1) - 1).clamp(min=0)  # [B]
             h = h[torch.arange(B, device=h.device), last]  # [B, D]

@@ -1,0 +1,194 @@
+"""The fused decode kernels (hybrid.gpu_kernels) against the unfused torch chain they replace. Without CUDA
+they run in Triton's interpreter on CPU tensors (tests/conftest.py selects it); on the GPU box the same tests
+run compiled, on CUDA tensors (the `cuda` cases, marked gpu). Ragged shapes: non-power-of-two head dims,
+partial rotary, one to twelve query heads per K/V head, padding rows, sliding windows, sinks, contexts over
+several 256-position chunks; and whole models decoding through the fused path against the unfused one.
+
+Where a bf16 value is rounded, the interpreter truncates (Triton 3.6's numpy cast) where the GPU rounds to
+nearest even, so bf16 results are compared exactly on CUDA and within one bf16 step on the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="Triton is a test dependency (pyproject [test]); install it")
+
+from hybrid.gpu_kernels.attention import SPLIT, decode_attention, qk_rope_write  # noqa: E402
+from hybrid.gpu_kernels.norm import add_rms_norm  # noqa: E402
+from hybrid.models.layers import folded_causal_mask, sink_attention  # noqa: E402
+from hybrid.models.rope import apply_rotary  # noqa: E402
+from hybrid.runtime.kv_cache import StaticKVCache  # noqa: E402
+
+DEVICES = ([pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA (GPU box)")])]
+           + (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []))
+
+
+def close(a, b, dtype, device, exact_on_cuda=False):
+    """fp32: 1e-5; bf16: exact on CUDA where asked, else a couple of bf16 steps (roundings in another order)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    elif exact_on_cuda and device == "cuda":
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def rms(x, w, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,D,dtype", [(1, 2048, torch.float32), (5, 96, torch.float32), (3, 200, torch.bfloat16),
+                                          (2, 2880, torch.bfloat16)])
+def test_add_rms_norm_matches_the_unfused_pair(rows, D, dtype, device):
+    g = torch.Generator().manual_seed(rows * D)
+    h = torch.randn(rows, 1, D, generator=g).to(dtype)
+    delta = torch.randn(rows, 1, D, generator=g)  # fp32 delta, as a lane's output may be
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    s, y = (t.cpu() for t in add_rms_norm(h.to(device), delta.to(device), w.to(device), 1e-6))
+    ref_s = (h.float() + delta).to(dtype)
+    assert s.shape == h.shape and s.dtype == dtype
+    close(s, ref_s, dtype, device, exact_on_cuda=True)
+    close(y, rms(s, w, 1e-6), dtype, device)
+
+
+def unfused_qk(qkv, cos, sin, qw, kw, eps, clip, H, Hkv, hd):
+    """The model's unfused order: split, clip, per-head norm, rotary over q and k."""
+    B = qkv.shape[0]
+    q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    if clip is not None:
+        q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
+    q, k, v = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd), v.view(B, 1, Hkv, hd)
+    if qw is not None:
+        q, k = rms(q, qw, eps), rms(k, kw, eps)
+    qk = apply_rotary(torch.cat((q, k), dim=2), cos[:, None], sin[:, None])
+    return qk[:, :, :H], qk[:, :, H:], v
+
+
+CASES = [  # H, Hkv, hd, rd, norm, clip
+    (8, 2, 16, 16, True, None),
+    (6, 3, 24, 12, True, None),  # GLM: partial rotary, head dim not a power of two
+    (4, 4, 32, 32, False, 0.5),  # OLMoE-style clip, no head norm, one query head per K/V head
+    (12, 1, 64, 64, False, None),  # MQA: twelve query heads on one K/V head
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H,Hkv,hd,rd,norm,clip", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_rope_write_matches_norm_rotary_and_cache_write(H, Hkv, hd, rd, norm, clip, dtype, device):
+    g = torch.Generator().manual_seed(H * hd + rd)
+    B, S, C = 4, 5, 40
+    qkv = torch.randn(B, (H + 2 * Hkv) * hd, generator=g).to(dtype)
+    ang = torch.rand(B, rd // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    qw = (1 + 0.2 * torch.randn(hd, generator=g)).to(dtype) if norm else None
+    kw = (1 + 0.2 * torch.randn(hd, generator=g)).to(dtype) if norm else None
+    slots = torch.tensor([3, 0, 4, 1])
+    positions = torch.tensor([7, 0, -1, 39])  # row 2 is padding: it writes the spare column C
+    fused = StaticKVCache(1, S, C, Hkv, hd, dtype=dtype, device=device)
+    ref = StaticKVCache(1, S, C, Hkv, hd, dtype=dtype)
+    for c in (fused, ref):
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    q = qk_rope_write(on(qkv), on(cos), on(sin), on(qw), on(kw), 1e-6, clip, fused.k[0], fused.v[0], on(slots),
+                      on(positions), H, Hkv).cpu()
+    rq, rk, rv = unfused_qk(qkv, cos, sin, qw, kw, 1e-6, clip, H, Hkv, hd)
+    ref.write(0, slots, positions[:, None], rk, rv)
+    close(q, rq[:, 0], dtype, device)
+    close(fused.k.cpu(), ref.k, dtype, device)
+    assert torch.equal(fused.v.cpu(), ref.v)  # v is only copied (and clipped)
+
+
+def unfused_attention(q, cache, slots, positions, L, scale, window, sinks):
+    """The model's unfused path: cache read of L positions, GQA folded into the query axis, the causal (and
+    window) mask, SDPA or sink attention."""
+    B, H, hd = q.shape
+    Hkv = cache.k.shape[3]
+    rep = H // Hkv
+    kc, vc = (t.transpose(1, 2) for t in cache.read(0, slots, L))
+    qg = q.view(B, 1, Hkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep, hd)
+    mask = folded_causal_mask(positions[:, None], L, rep, window, {})
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qg.float(), kc.float(), vc.float(), attn_mask=mask, scale=scale)
+    else:
+        out = sink_attention(qg.float(), kc.float(), vc.float(), mask, sinks, scale, rep)
+    return out.reshape(B, H * hd)
+
+
+ATTN = [  # H, Hkv, hd, L, window, sinks
+    (8, 2, 16, 40, None, False),
+    (6, 3, 24, 300, None, True),  # two chunks, sinks, hd not a power of two
+    (12, 1, 64, 700, 90, False),  # three chunks, a window narrower than the chunk
+    (4, 4, 32, 520, 300, True),  # a window over a chunk boundary, sinks, rep 1
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H,Hkv,hd,L,window,sinks", ATTN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_masked_sdpa_and_sink_attention(H, Hkv, hd, L, window, sinks, dtype, device):
+    g = torch.Generator().manual_seed(H * L + hd)
+    B, S = 4, 6
+    cache = StaticKVCache(1, S, L + 10, Hkv, hd, dtype=dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    q = torch.randn(B, H, hd, generator=g).to(dtype)
+    slots = torch.tensor([5, 2, 0, 3])
+    positions = torch.tensor([L - 1, 0, -1, SPLIT + 3 if L > SPLIT + 3 else L // 2])
+    sk = torch.randn(H, generator=g).to(dtype) if sinks else None
+    scale = hd ** -0.5
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out = decode_attention(on(q), on(cache.k[0]), on(cache.v[0]), on(slots), on(positions), L, scale, window,
+                           on(sk)).cpu()
+    ref = unfused_attention(q, cache, slots, positions, L, scale, window, sk)
+    assert out.dtype == dtype
+    close(out.float(), ref, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_does_not_depend_on_the_context_bucket(device):
+    """Eager decode attends over max position + 1 and captured decode over the bucket: the same values, since
+    the chunks' boundaries are fixed and chunks past a row's position contribute exactly nothing."""
+    g = torch.Generator().manual_seed(3)
+    cache = StaticKVCache(1, 2, 1024, 2, 16, device=device)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    q = torch.randn(2, 4, 16, generator=g).to(device)
+    slots, positions = torch.tensor([1, 0], device=device), torch.tensor([300, 40], device=device)
+    outs = [decode_attention(q, cache.k[0], cache.v[0], slots, positions, L, 0.25) for L in (301, 512, 1024)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("family,extra", [("qwen3_moe", None), ("gpt_oss", {"sinks": 1.0}), ("glm4_moe", None),
+                                          ("mixtral", None), ("olmoe", None)])
+def test_models_decode_the_same_through_the_fused_kernels(family, extra, tmp_path, monkeypatch):
+    """Greedy tokens and decode logits of tiny random models (fp32, on the CPU through the interpreter) with the
+    fused kernels forced on equal the unfused chain's: q/k norm and YaRN (Qwen3), sinks and sliding windows
+    (gpt-oss), partial rotary with a 24-dim head and biases (GLM), a window (Mixtral), full-width q/k norm with
+    clipping (OLMoE: declines the fused attention, keeps the fused residual norms)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
+    from hybrid import gpu_kernels
+    from hybrid.gpu_kernels import attention
+    from hybrid.models import load_model
+    from tiny_models import engine_greedy, make_checkpoint
+
+    make_checkpoint(family, tmp_path, seed=3, extra=extra)
+    model = load_model(tmp_path, progress=False)
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [8, 1, 60]]
+    want = engine_greedy(model, prompts, n=6)
+    calls = []
+    real = attention.decode_attention
+    monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
+    monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert engine_greedy(model, prompts, n=6) == want
+    fused_attention = family != "olmoe"
+    assert bool(calls) == fused_attention
