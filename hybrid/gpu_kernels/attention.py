@@ -42,9 +42,9 @@ def _qk_rope_write(qkv, cos, sin, qw, kw, pos_ptr, slot_ptr, q_out, kc, vc,
     x = tl.load(base + d, mask=dm, other=0.0).to(tl.float32)
     if CLIP:
         x = tl.minimum(tl.maximum(x, -clip), clip)
+    half: tl.constexpr = RD // 2
     if j < H + HKV:
         # the partner of dim d in the rotation: d + rd/2 (first half, negated) or d - rd/2 (second half)
-        half: tl.constexpr = RD // 2
         rot = d < RD
         partner = tl.where(d < half, d + half, tl.where(rot, d - half, d))
         xp = tl.load(base + partner, mask=dm, other=0.0).to(tl.float32)
@@ -85,7 +85,7 @@ def _decode_attn(q, kc, vc, slot_ptr, pos_ptr, sinks, out, part_o, part_ml,
     sp = tl.program_id(1)
     b = bg // HKV
     g = bg % HKV
-    pos = tl.maximum(tl.load(pos_ptr + b), 0)  # padding (-1) attends key 0
+    pos = tl.maximum(tl.load(pos_ptr + b).to(tl.int32), 0)  # padding (-1) attends key 0
     slot = tl.load(slot_ptr + b)
     lo = sp * SPLIT
     if window > 0:
