@@ -72,20 +72,10 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     }
 
 
-def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
-                              device: str = "cuda", resident: str = "half") -> dict:
-    """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
-    hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 tiny experts, 8 of
-    them resident, so the CPU lane runs in every layer but its kernel has almost nothing to read). The
-    result is the per-layer latency floor of graph decode that weight traffic does not explain; the
-    planner's decode prediction adds it per layer (placement.predict.decode_floor). On a CPU device the
-    same model decodes eagerly (tests of this code; the figure then means nothing for a GPU).
-    resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an all-DRAM
-    placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
+def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: str = "cuda", resident: str = "half"):
+    """The model measure_graph_layer_floor times: (engine, slot prefilled with 16 tokens, config)."""
     if resident not in ("half", "none", "all"):
         raise ValueError(f"resident must be half, none or all, got {resident!r}")
-    import numpy as np
-
     from hybrid.models import build_empty, init_random_
     from hybrid.models.families import family_for
     from hybrid.models.presets import hf_config
@@ -111,9 +101,14 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     eng = Engine(model, None, max_batch=1, max_context=256, eager=dev.type != "cuda")
     if dev.type == "cuda" and eng.graphs is None:
         raise RuntimeError("decode graphs are off for this model; no graph floor to measure")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     slot = eng.allocate_slot()
     eng.prefill(slot, list(range(1, 17)))
+    return eng, slot, cfg
+
+
+def time_decode_steps(eng, slot, steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps at batch 1 (after 3 untimed ones), host-synchronised."""
+    sync = torch.cuda.synchronize if eng.model.device.type == "cuda" else (lambda: None)
     times = []
     for i in range(steps + 3):
         sync()
@@ -121,7 +116,24 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
         eng.decode_step([slot], [1 + i % 100])
         sync()
         times.append(time.perf_counter() - t0)
-    step = float(np.median(times[3:]))
+    return times[3:]
+
+
+def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
+                              device: str = "cuda", resident: str = "half") -> dict:
+    """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
+    hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 tiny experts, 8 of
+    them resident, so the CPU lane runs in every layer but its kernel has almost nothing to read). The
+    result is the per-layer latency floor of graph decode that weight traffic does not explain (the step's
+    own fixed costs, embedding to sampling, divided among the layers); the planner's decode prediction adds
+    it per layer (placement.predict.decode_floor). On a CPU device the same model decodes eagerly (tests of
+    this code; the figure then means nothing for a GPU).
+    resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an all-DRAM
+    placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
+    import numpy as np
+
+    eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident)
+    step = float(np.median(time_decode_steps(eng, slot, steps)))
     return {"graph_layer_floor": step / cfg.num_layers, "raw_s": {"decode_step": step, "layers": cfg.num_layers}}
 
 

@@ -1,0 +1,96 @@
+"""Where a captured decode layer's fixed cost goes: the GPU kernels of one graph replay, per layer.
+
+    python -m bench.decode_timeline [--layers 2,8] [--resident none] [--out FILE.json]
+
+The model is hybrid.offload.overheads' floor model (the 30B width, tiny experts, batch 1, CUDA graphs).
+Two figures:
+- the floor as a slope: decode step time at two layer counts, (t_long - t_short) / (layers difference), the
+  cost one more layer adds, apart from the step's own fixed part (embedding, head, sampling, graph launch,
+  host sync), which `measure_graph_layer_floor` divides among the layers;
+- torch.profiler over replays of the longer model: per kernel, launches and GPU microseconds per layer, and how
+  much of a layer's span no kernel covers (waits on the CPU lane, launch gaps between dependent kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import torch
+
+from hybrid.offload.overheads import floor_engine, time_decode_steps
+
+
+def kernel_table(eng, slot, layers: int, steps: int = 5) -> dict:
+    """Kernels of `steps` profiled decode steps: {name: (launches per layer, us per launch)}, and per layer
+    the busy (kernel) and spanned microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_decode_steps(eng, slot, 2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_decode_steps(eng, slot, steps)  # 3 warm-up steps + steps, all profiled
+    total = steps + 3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = defaultdict(list)
+    for e in kernels:
+        per[e.name].append(e.time_range.elapsed_us())
+    table = {name: (len(ts) / (total * layers), statistics.median(ts)) for name, ts in per.items()}
+    busy = sum(sum(ts) for ts in per.values()) / (total * layers)
+    spans = []
+    by_start = sorted(kernels, key=lambda e: e.time_range.start)
+    # a step's span: from its first kernel to its last; steps are separated by host syncs (gaps > 200 us)
+    start = prev_end = None
+    for e in by_start:
+        if start is None:
+            start = e.time_range.start
+        elif e.time_range.start - prev_end > 200:
+            spans.append(prev_end - start)
+            start = e.time_range.start
+        prev_end = max(prev_end or 0, e.time_range.end)
+    if start is not None:
+        spans.append(prev_end - start)
+    span = statistics.median(spans) / layers if spans else float("nan")
+    return {"kernels": table, "busy_us_per_layer": busy, "span_us_per_layer": span, "steps_seen": len(spans)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", default="2,8", help="two layer counts for the slope")
+    p.add_argument("--resident", default="none", choices=("none", "half", "all"))
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_timeline needs CUDA (it profiles captured decode steps)")
+    short, long_ = (int(n) for n in a.layers.split(","))
+    med = {}
+    built = {}
+    for n in (short, long_):
+        eng, slot, _ = floor_engine(a.hidden, layers=n, resident=a.resident)
+        med[n] = statistics.median(time_decode_steps(eng, slot, a.steps))
+        built[n] = (eng, slot)
+        print(f"# {n} layers: decode step {med[n] * 1e6:.1f} us ({med[n] / n * 1e6:.1f} us per layer, the step's "
+              f"fixed part included)", flush=True)
+    slope = (med[long_] - med[short]) / (long_ - short)
+    fixed = med[short] - short * slope
+    print(f"# floor per layer (slope {short}->{long_} layers): {slope * 1e6:.1f} us; per step besides the layers: "
+          f"{fixed * 1e6:.1f} us", flush=True)
+    tab = kernel_table(*built[long_], long_)
+    print(f"# profiled {long_}-layer steps: kernels busy {tab['busy_us_per_layer']:.1f} us per layer, span "
+          f"{tab['span_us_per_layer']:.1f} us per layer ({tab['steps_seen']} steps)")
+    print(f"{'launches/layer':>14} {'us each':>8} {'us/layer':>9}  kernel")
+    rows = sorted(tab["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1])
+    for name, (n, us) in rows:
+        print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name[:90]}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"step_s": med, "slope_s": slope, "step_fixed_s": fixed, "resident": a.resident, **tab}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
