@@ -192,3 +192,22 @@ def test_models_decode_the_same_through_the_fused_kernels(family, extra, tmp_pat
     assert engine_greedy(model, prompts, n=6) == want
     fused_attention = family != "olmoe"
     assert bool(calls) == fused_attention
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,K,norm,scaling,dtype", [(1, 128, 8, True, 1.0, torch.bfloat16),
+                                                     (5, 32, 4, False, 1.0, torch.float32),
+                                                     (3, 60, 6, True, 2.5, torch.float32),
+                                                     (4, 16, 1, False, 1.0, torch.bfloat16)])
+def test_router_topk_matches_select_experts(T, E, K, norm, scaling, dtype, device):
+    from hybrid.gpu_kernels.router import router_topk
+    from hybrid.models.config import RouterConfig
+    from hybrid.models.moe import select_experts
+
+    g = torch.Generator().manual_seed(T * E + K)
+    logits = torch.randn(T, E, generator=g).to(dtype)
+    ids, w = (t.cpu() for t in router_topk(logits.to(device), K, norm, scaling))
+    ref_ids, ref_w = select_experts(logits.float(), RouterConfig(kind="softmax", scaling=scaling), K, norm)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)  # the same experts in the same (descending) order
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid import gpu_kernels
 from hybrid.models.config import ExpertFn, ModelConfig, RouterConfig
 from hybrid.models.layers import GatedMLP, param
 
@@ -253,7 +254,12 @@ class MoEBlock(nn.Module):
         if self.fp32_params:
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         else:
-            logits = F.linear(x, self.router, self.router_bias).float()
+            logits = F.linear(x, self.router, self.router_bias)
+            if self.router_cfg.kind == "softmax" and gpu_kernels.fused_enabled(logits):
+                from hybrid.gpu_kernels.router import router_topk  # cast, top-k and softmax in one kernel
+
+                return router_topk(logits, self.top_k, self.norm_topk_prob, self.router_cfg.scaling)
+            logits = logits.float()
         return select_experts(logits, self.router_cfg, self.top_k, self.norm_topk_prob, self.score_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
