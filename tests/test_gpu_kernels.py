@@ -167,13 +167,15 @@ def test_decode_attention_does_not_depend_on_the_context_bucket(device):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("family,extra", [("qwen3_moe", None), ("gpt_oss", {"sinks": 1.0}), ("glm4_moe", None),
-                                          ("mixtral", None), ("olmoe", None)])
+@pytest.mark.parametrize("family,extra", [("qwen3_moe", None), ("gpt_oss", {"sinks": 1.0}),
+                                          ("glm4_moe", {"e_score_correction_bias": 0.3}), ("mixtral", None),
+                                          ("olmoe", None), ("deepseek_v3", {"e_score_correction_bias": 0.3})])
 def test_models_decode_the_same_through_the_fused_kernels(family, extra, tmp_path, monkeypatch):
     """Greedy tokens and decode logits of tiny random models (fp32, on the CPU through the interpreter) with the
     fused kernels forced on equal the unfused chain's: q/k norm and YaRN (Qwen3), sinks and sliding windows
     (gpt-oss), partial rotary with a 24-dim head and biases (GLM), a window (Mixtral), full-width q/k norm with
-    clipping (OLMoE: declines the fused attention, keeps the fused residual norms)."""
+    clipping (OLMoE: declines the fused attention, keeps the fused residual norms), DeepSeek-V3's MLA (not fused)
+    with its group-limited sigmoid router (fused) and a dense first layer."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
     from hybrid import gpu_kernels
@@ -190,7 +192,7 @@ def test_models_decode_the_same_through_the_fused_kernels(family, extra, tmp_pat
     monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
     monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert engine_greedy(model, prompts, n=6) == want
-    fused_attention = family != "olmoe"
+    fused_attention = family not in ("olmoe", "deepseek_v3")
     assert bool(calls) == fused_attention
 
 
@@ -210,4 +212,27 @@ def test_router_topk_matches_select_experts(T, E, K, norm, scaling, dtype, devic
     ref_ids, ref_w = select_experts(logits.float(), RouterConfig(kind="softmax", scaling=scaling), K, norm)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     assert torch.equal(ids, ref_ids)  # the same experts in the same (descending) order
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,K,groups,topk_group,bias,norm,scaling", [
+    (1, 256, 8, 8, 4, True, True, 2.5),  # DeepSeek-V3's router shape
+    (3, 16, 4, 8, 3, True, True, 1.0),  # groups of two (Kimi-K2 style variant of the tiny tests)
+    (5, 64, 6, 1, 1, True, False, 1.0),  # GLM-4.5: one group
+    (2, 24, 3, 4, 2, False, True, 1.5),  # no score bias, groups of six (not a power of two)
+])
+def test_router_sigmoid_topk_matches_select_experts(T, E, K, groups, topk_group, bias, norm, scaling, device):
+    from hybrid.gpu_kernels.router import router_sigmoid_topk
+    from hybrid.models.config import RouterConfig
+    from hybrid.models.moe import select_experts
+
+    g = torch.Generator().manual_seed(T * E + K + groups)
+    logits = torch.randn(T, E, generator=g) * 2
+    sb = torch.randn(E, generator=g) * 0.3 if bias else None
+    cfg = RouterConfig(kind="sigmoid", n_group=groups, topk_group=topk_group, scaling=scaling, score_bias=bias)
+    ids, w = (t.cpu() for t in router_sigmoid_topk(logits.to(device), None if sb is None else sb.to(device), K, norm,
+                                                   groups, topk_group, scaling))
+    ref_ids, ref_w = select_experts(logits, cfg, K, norm, sb)
+    assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)

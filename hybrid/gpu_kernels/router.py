@@ -1,11 +1,15 @@
-"""Softmax routers' top-k in one kernel: logits [T, E] -> (ids [T, K] int64, weights [T, K] fp32).
+"""Routers' top-k in one kernel: logits [T, E] -> (ids [T, K] int64, weights [T, K] fp32).
+
+router_topk (softmax routers: Qwen, Mixtral, OLMoE, gpt-oss):
 
 Replaces the unfused chain's cast to fp32, torch.topk (two kernels on the GPU box: a radix select and a
 bitonic sort, ~8 us together at E = 128) and the softmax: one program per token takes the K largest logits by
 K rounds of argmax (descending, ties to the lower index, as torch.topk orders them), then
 - norm_topk_prob: the softmax over those K logits (= softmax over all E, top-K, renormalised);
 - otherwise: the K probabilities of the softmax over all E;
-times the routed scaling factor. Reference: hybrid.models.moe.select_experts (its softmax branches).
+times the routed scaling factor.
+router_sigmoid_topk (DeepSeek-V3, Kimi-K2, GLM-4.5): see its docstring.
+Reference: hybrid.models.moe.select_experts.
 """
 
 from __future__ import annotations
@@ -54,4 +58,74 @@ def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling:
     if T:
         _router_topk[(T,)](logits, ids, wts, E, logits.stride(0), float(scaling), K=top_k, K_PAD=next_pow2(top_k),
                            E_PAD=next_pow2(E), NORM=bool(norm_topk_prob))
+    return ids, wts
+
+
+@triton.jit
+def _router_sigmoid_topk(logits, bias, ids, wts, E, stride, scaling, G, NG, K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    em = e < E
+    s1 = tl.sigmoid(tl.load(logits + t * stride + e, mask=em, other=0.0).to(tl.float32))  # the weights' scores
+    c1 = s1
+    if HAS_BIAS:
+        c1 = s1 + tl.load(bias + e, mask=em, other=0.0).to(tl.float32)  # the choice's scores
+    work = tl.where(em, c1, float("-inf"))
+    if GROUPED:
+        # each group's score: the sum of its two best choice scores; only the TOPK_GROUP best groups stay eligible
+        g = tl.arange(0, NG_PAD)
+        j = tl.arange(0, G_PAD)
+        m2 = (g < NG)[:, None] & (j < G)[None, :]
+        off = g[:, None] * G + j[None, :]
+        c2 = tl.sigmoid(tl.load(logits + t * stride + off, mask=m2, other=0.0).to(tl.float32))
+        if HAS_BIAS:
+            c2 = c2 + tl.load(bias + off, mask=m2, other=0.0).to(tl.float32)
+        c2 = tl.where(m2, c2, float("-inf"))
+        best = tl.max(c2, axis=1)
+        at = tl.argmax(c2, axis=1, tie_break_left=True)
+        second = tl.max(tl.where(j[None, :] == at[:, None], float("-inf"), c2), axis=1)
+        gs = tl.where(g < NG, best + second, float("-inf"))
+        keep = e < 0
+        for r in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(gs, axis=0, tie_break_left=True)
+            keep = keep | ((e // G) == gi)
+            gs = tl.where(g == gi, float("-inf"), gs)
+        work = tl.where(keep, work, float("-inf"))
+    k = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], tl.float32)
+    idx = tl.zeros([K_PAD], tl.int32)
+    for jj in tl.static_range(K):
+        i = tl.argmax(work, axis=0, tie_break_left=True)
+        w = tl.where(k == jj, tl.sum(tl.where(e == i, s1, 0.0), axis=0), w)
+        idx = tl.where(k == jj, i, idx)
+        work = tl.where(e == i, float("-inf"), work)
+    if NORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)  # the reference's epsilon
+    km = k < K
+    tl.store(ids + t * K + k, idx.to(tl.int64), mask=km)
+    tl.store(wts + t * K + k, w * scaling, mask=km)
+
+
+def router_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
+                        n_group: int = 1, topk_group: int = 1, scaling: float = 1.0):
+    """Sigmoid routers (DeepSeek-V3 "noaux_tc", GLM-4.5): logits [T, E] -> (ids [T, K] int64, weights [T, K]
+    fp32), select_experts' sigmoid branch in one kernel (its ~12 kernels otherwise): the choice by sigmoid
+    score + score_bias among the topk_group groups whose two best choice scores sum highest, the weights the
+    unbiased scores, optionally renormalised, times the scaling factor."""
+    T, E = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if E % n_group:
+        raise ValueError(f"{E} experts do not split into {n_group} groups")
+    G = E // n_group
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    wts = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        _router_sigmoid_topk[(T,)](
+            logits, logits if score_bias is None else score_bias, ids, wts, E, logits.stride(0), float(scaling), G,
+            n_group, K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(E), NG_PAD=next_pow2(n_group),
+            G_PAD=next_pow2(G), TOPK_GROUP=topk_group, GROUPED=n_group > 1, HAS_BIAS=score_bias is not None,
+            NORM=bool(norm_topk_prob))
     return ids, wts

@@ -253,6 +253,12 @@ class MoEBlock(nn.Module):
         """x [T, D] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
         if self.fp32_params:
             logits = F.linear(x.float(), self.router.float())  # [T, E]
+            r = self.router_cfg
+            if r.kind == "sigmoid" and gpu_kernels.fused_enabled(logits):
+                from hybrid.gpu_kernels.router import router_sigmoid_topk  # ~12 kernels in one
+
+                return router_sigmoid_topk(logits, self.score_bias, self.top_k, self.norm_topk_prob, r.n_group,
+                                           r.topk_group, r.scaling)
         else:
             logits = F.linear(x, self.router, self.router_bias)
             if self.router_cfg.kind == "softmax" and gpu_kernels.fused_enabled(logits):
