@@ -236,3 +236,29 @@ def test_router_sigmoid_topk_matches_select_experts(T, E, K, groups, topk_group,
     ref_ids, ref_w = select_experts(logits, cfg, K, norm, sb)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_kernels_are_chosen_once_and_only_for_cuda(monkeypatch, caplog):
+    """CPU tensors never take the fused path; HYBRID_FUSED_DECODE=0 is honoured and logged; =1 without Triton
+    is an error, not a silent fallback."""
+    import logging
+
+    from hybrid import gpu_kernels
+
+    assert not gpu_kernels.fused_enabled(torch.zeros(1))
+
+    class FakeCuda:
+        is_cuda = True
+        device = "cuda:0"
+
+    monkeypatch.setattr(gpu_kernels, "_STATE", {})
+    monkeypatch.setenv(gpu_kernels.ENV, "0")
+    with caplog.at_level(logging.INFO, logger="hybrid.gpu_kernels"):
+        assert not gpu_kernels.fused_enabled(FakeCuda())
+    assert "HYBRID_FUSED_DECODE=0" in caplog.text and gpu_kernels.describe() == "off"
+    monkeypatch.setenv(gpu_kernels.ENV, "1")
+    assert not gpu_kernels.fused_enabled(FakeCuda())  # decided once: the environment is read at the first call
+    monkeypatch.setattr(gpu_kernels, "_STATE", {})
+    monkeypatch.setattr(gpu_kernels, "_triton_version", lambda: None)
+    with pytest.raises(RuntimeError, match="Triton does not import"):
+        gpu_kernels.fused_enabled(FakeCuda())

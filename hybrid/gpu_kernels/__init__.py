@@ -17,7 +17,7 @@ microseconds even inside a CUDA graph, and nothing of it overlaps the CPU expert
 Each kernel has a pure-PyTorch reference (the model's own layers) and is tested against it over ragged shapes
 with Triton's interpreter on the CPU (tests/test_gpu_kernels.py) and compiled on the GPU box.
 
-Chosen once per process: on when the device is CUDA and Triton imports; `HYBRID_FUSED_DECODE=0` turns it
+Chosen once per process: on when the device is CUDA (compute capability 8.0 or later) and Triton imports; `HYBRID_FUSED_DECODE=0` turns it
 off (the unfused torch chain, as before), `=1` insists (an error if Triton is missing). The choice is logged
 once; a CUDA run without Triton says so loudly (a warning) and runs the unfused chain.
 """
@@ -57,6 +57,11 @@ def fused_enabled(x: torch.Tensor) -> bool:
             if want in ("1", "on", "true", "yes"):
                 raise RuntimeError(f"{ENV}=1 but Triton does not import: install triton (torch's CUDA builds ship it)")
             on, why = False, "unavailable: Triton does not import; decode runs the unfused torch chain"
+            log.warning("fused decode kernels %s", why)
+        elif torch.cuda.get_device_capability(x.device)[0] < 8:
+            # the kernels' dot products take bf16 tensor-core operands (Ampere and later)
+            on, why = False, (f"off: {torch.cuda.get_device_name(x.device)} is older than compute capability 8.0; "
+                              "decode runs the unfused torch chain")
             log.warning("fused decode kernels %s", why)
         else:
             on, why = True, f"on (Triton {version}; {ENV}=0 turns them off)"
