@@ -37,8 +37,9 @@ class DecoderLayer(nn.Module):
     def forward(self, h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks):
         """-> (h, this layer's MLP output): the caller adds the output (the next layer's input norm does it in
         the same kernel, add_norm; the model's last layer's is added before the final norm)."""
-        x = self.attn_norm(h) if pending is None else None
-        if x is None:
+        if pending is None:
+            x = self.attn_norm(h)
+        else:
             h, x = self.attn_norm.add_norm(h, pending)
         h, x = self.mlp_norm.add_norm(h, self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks))
         B, T, D = h.shape
