@@ -1,12 +1,13 @@
 // AVX-512 kernels: the vector (GEMV-like) path for few tokens per expert, reading row-major weights.
 // Blocks of 4 weight rows x up to 4 tokens: 16 zmm accumulators + 4 weight + 1 activation registers
-// of the 32. bf16: VDPBF16PS (pairs of bf16 products into fp32). int8: VPDPBUSD (u8 x s8, 4 products
-// into int32) with the activations offset by +128 to make them unsigned, undone with the precomputed
-// row sums: sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned
-// operand, the int8 activations the signed one; the +8 offset is undone per group with the
-// activation group sums. mxfp4: the same nibble unpacking, then VPSHUFB through the 16-entry code table
-// (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the sum of
-// its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
+// of the 32 (int4 at 3-4 tokens: two passes of 2 rows, as it needs int32 and fp32 accumulators).
+// bf16: VDPBF16PS (pairs of bf16 products into fp32). int8: VPDPBUSD (u8 x s8, 4 products into int32)
+// with the activations offset by +128 to make them unsigned, undone with the precomputed row sums:
+// sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned operand, the
+// int8 activations the signed one; the +8 offset is undone per group in int32 with the activation group
+// sums. mxfp4: nibble unpacking, then VPSHUFB through the 16-entry code table (hy.h, HY_MX4_LUT) to
+// 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the sum of its 4 activations, so
+// VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
@@ -51,32 +52,52 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 
 // int4, group size GS a compile-time constant (no division in the loop): the products of one group are
 // summed in int32 and scaled once per group (GS >= 64: per 1-2 chunks of 64 K values), instead of a
-// convert + FMA per chunk. The nibbles of a chunk's 32 bytes are split by one variable shift of the
-// byte pair broadcast to both halves. MT <= 2 keeps int32 and fp32 accumulators in the 32 zmm registers.
-template <int MT, int GS>
-void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+// convert + FMA per chunk. Per row and chunk (32 bytes, 64 nibbles) the unpacking is one broadcast load and
+// one AND: the low 256 bits keep the low nibbles (K 0..31), the high 256 bits keep the high nibbles where
+// they are, i.e. 16 x their value (K 32..63; <= 240 is still a valid unsigned VPDPBUSD operand). A shift
+// to bring them down cost one more instruction per row and chunk, on the port VPDPBUSD needs (Intel p0).
+// So lanes 8-15 hold 16 x their sums throughout, and one multiply by 1/16 before the final reduction
+// restores them: a power-of-two factor does not change any fp32 rounding (no over/underflow here).
+// The +8 of the stored nibbles is undone in the int32 domain: each group's accumulators start with
+// -8 * (the group's activation sum, from the activation row) in one lane (x16 in a high lane for the high
+// half's group when GS = 32), so every lane total is the exact signed dot of the group. That replaced a
+// scalar loop per row and token after the K loop (sum_g s_g * gsum_g, ~20% of the kernel's time at G = 16)
+// and its fp32 cancellation against the offset dot; outputs move by fp32 rounding only (~1e-6 relative).
+// NR rows (4; 2 for 3-4 tokens) x MT tokens: NR * MT int32 and as many fp32 accumulators stay in the 32 zmm
+// registers, and each row is unpacked once for all MT tokens.
+// Prefetch (int4 and mxfp4): the same columns 8 rows down (two 4-row blocks ahead), once per 64-byte line,
+// into L2 (T1) rather than L1. A 4-bit row is half as long as an int8 one, so one block ahead is half the
+// lead time, and L1 prefetches are bounded by the few L1 miss buffers, L2 ones by the larger L2 queue: on a
+// 2-core EPYC (1 thread, 30B expert, 8 experts x 1 token, weights from DRAM) int4 went from 11 GB/s with
+// T0 4 rows ahead to 17 with T1 4 rows ahead and 20 with T1 8 rows ahead; mxfp4 from 11 to 16.
+template <int NR, int MT, int GS>
+void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
   constexpr int CPG = GS >= 64 ? GS / 64 : 1;  // 64-value chunks per scaling step
   const int G = k / GS;
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high half: >> 4
-  __m512 acc[4][MT];
-  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  __m512 acc[NR][MT];
+  for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int c0 = 0; c0 < k / 64; c0 += CPG) {
-    __m512i iacc[4][MT];
-    for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) iacc[j][t] = _mm512_setzero_si512();
-    for (int c = c0; c < c0 + CPG; ++c) {
-      __m512i wq[4];
-      for (int j = 0; j < 4; ++j) {
-        __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
-        wq[j] = _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4);  // K c*64+0..31 | c*64+32..63
-      }
-      if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+    __m512i iacc[NR][MT];
+    for (int t = 0; t < MT; ++t) {
+      const int32_t* gs = act_gsum(rows[t], k);
+      __m512i off = _mm512_maskz_set1_epi32(1, -8 * gs[GS >= 64 ? c0 / CPG : 2 * c0]);  // lane 0: 1 x
+      if (GS < 64) off = _mm512_mask_set1_epi32(off, 0x100, -128 * gs[2 * c0 + 1]);   // lane 8: 16 x
+      for (int j = 0; j < NR; ++j) iacc[j][t] = off;
+    }
+    for (int i = 0; i < CPG; ++i) {
+      const int c = c0 + i;
+      __m512i wq[NR];
+      for (int j = 0; j < NR; ++j)
+        wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
+      if (g_prefetch && (CPG > 1 ? i % 2 == 0 : c % 2 == 0))
+        for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
       for (int t = 0; t < MT; ++t) {
-        __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
-        for (int j = 0; j < 4; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
       }
     }
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NR; ++j) {
       __m512 sv;
       if (GS >= 64) sv = _mm512_set1_ps(sw[j * G + c0 / CPG]);
       else sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[j * G + 2 * c0])),
@@ -84,13 +105,23 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
       for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j][t]), sv, acc[j][t]);
     }
   }
-  for (int j = 0; j < 4; ++j)
-    for (int t = 0; t < MT; ++t) {
-      const int32_t* gs = act_gsum(rows[t], k);
-      float corr = 0.f;  // sum_g s_g * sum(a in g): undoes the +8 of the stored nibbles
-      for (int g = 0; g < G; ++g) corr += sw[j * G + g] * (float)gs[g];
-      C[t * ldc + j] = (_mm512_reduce_add_ps(acc[j][t]) - 8.f * corr) * act_scale(rows[t], k);
-    }
+  const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  for (int j = 0; j < NR; ++j)
+    for (int t = 0; t < MT; ++t)
+      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
+}
+
+// A 4-row block: one pass for up to 2 tokens, two 2-row passes for 3-4 tokens (4 rows x 4 tokens of int32
+// and fp32 accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
+template <int MT, int GS>
+void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+  if (MT <= 2) {
+    i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc);
+  } else {
+    const int G = k / GS;
+    i4_rows_g<2, MT, GS>(w, ldw, k, rows, sw, C, ldc);
+    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * G, C + 2, ldc);
+  }
 }
 
 // mxfp4, 4 rows x MT tokens: per 64-value chunk (two 32-value blocks, lanes 0-7 and 8-15 of each int32
@@ -128,7 +159,12 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
         __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
         wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
       }
-      if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+      // 1-2 tokens: 2 blocks ahead, into L2, once per 64-byte line (see i4_rows_g). 3-4 tokens, where the
+      // per-block scaling makes this kernel compute-bound: the next block into L1 at every chunk, as before
+      // (into L2 was no faster there, 8 experts x 4 tokens, 1 thread, and if anything a little slower).
+      if (g_prefetch && MT <= 2 && c % 2 == 0)
+        for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
+      if (g_prefetch && MT > 2) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
       __m512i a[MT], off[MT];
       for (int t = 0; t < MT; ++t) {
         a[t] = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
@@ -172,7 +208,7 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
 }
 
 void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
-  const int mt = M.dtype == HY_INT4 ? 2 : 4;  // int4 needs int32 and fp32 accumulators (i4_block_g)
+  const int mt = 4;  // every dtype: int4 splits its 4-row block itself (i4_block_g)
   for (int r = 0; r < nr; r += 4)
     for (int t = 0; t < m; t += mt) {
       float* c = C + t * ldc + r;
