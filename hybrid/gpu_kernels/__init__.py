@@ -12,7 +12,9 @@ microseconds even inside a CUDA graph, and nothing of it overlaps the CPU expert
   windows skip the keys before the window, gpt-oss sinks join the softmax denominator), grouped-query heads
   sharing each K/V tile; split over the keys in fixed 256-position chunks plus one combine kernel when a
   context bucket holds more than one chunk. The splits' boundaries do not depend on the bucket, so eager and
-  captured decode give the same values.
+  captured decode give the same values;
+- `router_topk` / `router_sigmoid_topk`: the routers' top-k (softmax; DeepSeek/GLM's group-limited sigmoid) in
+  one kernel each instead of 3 and ~12.
 
 Each kernel has a pure-PyTorch reference (the model's own layers) and is tested against it over ragged shapes
 with Triton's interpreter on the CPU (tests/test_gpu_kernels.py) and compiled on the GPU box.
