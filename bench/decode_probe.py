@@ -31,6 +31,12 @@ VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch
             "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0)}
 
 
+def random_experts(E: int, D: int, F: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 gate, up [E, F, D] and down [E, D, F] stacks drawn N(0, 0.02^2)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(E, *shape, generator=g) * 0.02).bfloat16() for shape in ((F, D), (F, D), (D, F)))
+
+
 def parse_case(text: str) -> tuple[int, int, bool]:
     """'TxK' (T tokens, K experts each, drawn at random) or 'TxKsame' (every token the same K experts)."""
     same = text.endswith("same")
@@ -126,10 +132,7 @@ def main(argv=None) -> int:
     _native.tune(isa, "spin_us", a.spin_us)
     print(f"# decode_probe: {platform.node()} isa={isa} threads={threads} shape={a.shape} (D={D}, F={F}) "
           f"experts={a.experts}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
-    g = torch.Generator().manual_seed(0)
-    wg = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
-    wu = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
-    wd = (torch.randn(a.experts, D, F, generator=g) * 0.02).bfloat16()
+    wg, wu, wd = random_experts(a.experts, D, F)
     rows = []
     print(f"{'dtype':5} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
     for dtype in a.dtypes.split(","):

@@ -16,12 +16,10 @@ import argparse
 import os
 import statistics
 
-import torch
-
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native
 
-from bench.decode_probe import SHAPES, time_case
+from bench.decode_probe import SHAPES, random_experts, time_case
 
 CASES = {"8x1": (1, 8, True), "8x4": (4, 8, True)}
 
@@ -39,10 +37,7 @@ def main(argv=None) -> int:
     D, F = SHAPES[a.shape]
     isa = cpu_kernels.default_isa()
     _native.tune(isa, "spin_us", 2000)
-    g = torch.Generator().manual_seed(0)
-    wg = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
-    wu = (torch.randn(a.experts, F, D, generator=g) * 0.02).bfloat16()
-    wd = (torch.randn(a.experts, D, F, generator=g) * 0.02).bfloat16()
+    wg, wu, wd = random_experts(a.experts, D, F)
     print(f"# int4_core_probe isa={isa} shape={a.shape} (D={D}, F={F}) pool={a.experts} cpus={len(os.sched_getaffinity(0))}")
     print(f"{'dtype':6} {'case':5} {'thr':>3} {'us':>8} {'GB/s':>7} {'GB/s/core':>9}  spread")
     for dtype in a.dtypes.split(","):

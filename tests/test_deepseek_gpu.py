@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from hybrid.models import load_model  # noqa: E402
 from hybrid.offload.build import HybridConfig, load_hybrid  # noqa: E402
-from tiny_models import cuda_bf16_errors, generated_tokens, make_checkpoint  # noqa: E402
+from tiny_models import cuda_bf16_errors, eager_and_graph_tokens, make_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 77, 3, 200, 41, 9, 17], [250, 1, 64], [9, 9, 31, 8, 100]]
 
@@ -29,16 +29,10 @@ def test_bf16_cuda_close_to_reference(ckpt):
     assert err_ours <= 2 * err_hf + 1e-3, (err_ours, err_hf)
 
 
-def _tokens(model, eager):
-    return generated_tokens(model, PROMPTS, eager)
-
-
 def test_cuda_graph_decode_with_latent_cache_matches_eager(ckpt):
     path, _ = ckpt
     model = load_model(path, device="cuda", dtype=torch.bfloat16, progress=False)
-    eager, _ = _tokens(model, True)
-    graphs, eng = _tokens(model, False)
-    assert eng.graphs is not None and eng.graphs.graphs  # really captured
+    eager, graphs, eng = eager_and_graph_tokens(model, PROMPTS)
     assert list(eng.cache.buffers) == (["latent"] if model.cfg.mla is not None else ["k", "v"])
     assert graphs == eager
 
@@ -50,7 +44,5 @@ def test_cuda_graph_decode_hybrid_experts(ckpt):
     model, off = load_hybrid(path, "cuda", torch.bfloat16, hcfg, progress=False)
     for layer in off.layers:
         layer.set_resident([0, 5])
-    eager, _ = _tokens(model, True)
-    graphs, eng = _tokens(model, False)
-    assert eng.graphs is not None and eng.graphs.graphs
+    eager, graphs, eng = eager_and_graph_tokens(model, PROMPTS)
     assert graphs == eager

@@ -342,3 +342,12 @@ def generated_tokens(model, prompts, eager: bool):
 
     eng = Engine(model, max_batch=4, max_context=64, eager=eager)
     return [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, stop_token_ids=[])], eng
+
+
+def eager_and_graph_tokens(model, prompts):
+    """generated_tokens of `model` eager and with CUDA-graph decode: (eager tokens, graph tokens, the graph
+    engine); asserts that the graphs were really captured."""
+    eager, _ = generated_tokens(model, prompts, True)
+    graphs, eng = generated_tokens(model, prompts, False)
+    assert eng.graphs is not None and eng.graphs.graphs  # really captured
+    return eager, graphs, eng
