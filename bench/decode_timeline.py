@@ -39,7 +39,25 @@ def kernel_table(eng, slot, layers: int, steps: int = 5) -> dict:
         per[e.name].append(e.time_range.elapsed_us())
     table = {name: (len(ts) / (total * layers), statistics.median(ts)) for name, ts in per.items()}
     busy = sum(sum(ts) for ts in per.values()) / (total * layers)
-    return {"kernels": table, "busy_us_per_layer": busy}
+    return {"kernels": table, "busy_us_per_layer": busy, "gaps": gap_table(kernels, total * layers)}
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("<")[0].replace("void ", "").split("::")[-1][:40]
+
+
+def gap_table(kernels, per: int, step_gap_us: float = 300.0) -> dict:
+    """Idle GPU time between consecutive kernels, by (kernel before, kernel after): {"a -> b": (times per
+    layer, median us)}. Gaps longer than step_gap_us are a step's host sync, not a layer's, and are left out.
+    What sits in a gap: the launch of the next node, stream memory operations (the CPU lane's doorbell and
+    wait: the gap after the kernel that writes the lane's inputs is the lane's round trip)."""
+    ev = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps = defaultdict(list)
+    for a, b in zip(ev, ev[1:]):
+        g = b.time_range.start - a.time_range.end
+        if 0 <= g < step_gap_us:
+            gaps[f"{_short(a.name)} -> {_short(b.name)}"].append(g)
+    return {k: (len(v) / per, statistics.median(v)) for k, v in gaps.items()}
 
 
 def main(argv=None) -> int:
@@ -72,6 +90,11 @@ def main(argv=None) -> int:
     rows = sorted(tab["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1])
     for name, (n, us) in rows:
         print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name[:90]}")
+    gaps = sorted(tab["gaps"].items(), key=lambda kv: -kv[1][0] * kv[1][1])
+    print(f"# idle between kernels: {sum(n * us for n, us in tab['gaps'].values()):.1f} us per layer (medians)")
+    print(f"{'gaps/layer':>14} {'us each':>8} {'us/layer':>9}  kernel before -> kernel after")
+    for name, (n, us) in gaps[:16]:
+        print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"step_s": med, "slope_s": slope, "step_fixed_s": fixed, "resident": a.resident, **tab}, f,

@@ -78,3 +78,25 @@ def test_host_job_takes_int64_ids_as_the_router_writes_them():
     ids[1, 2] = 1 << 40  # beyond int32: refused, not wrapped into a valid expert id
     job.run()
     assert job.failures == 1 and torch.isnan(out.float()).all()
+
+
+@pytest.mark.parametrize("bell", [0, 1])
+def test_lane_rearms_the_previous_id_so_the_stream_need_not(bell):
+    """A stream that never rings one id twice in a row may skip its re-arm write (ring(rearm=False)): the lane
+    clears the previous id's done word when it answers the next doorbell of the same bell, before it runs."""
+    isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
+    lane = DoorbellLane(isa)
+    try:
+        a, b, c = 11, 12, 13  # unregistered ids: the lane runs nothing but answers
+        lane.ring_from_host(a, bell=bell, rearm=False)
+        assert lane.done_word(a) == 1  # nobody has re-armed it yet
+        lane.ring_from_host(b, bell=bell, rearm=False)
+        assert (lane.done_word(a), lane.done_word(b)) == (0, 1)  # the lane re-armed a on answering b
+        lane.ring_from_host(1 - bell + 20, bell=1 - bell, rearm=False)  # the other doorbell keeps its own history
+        assert lane.done_word(b) == 1
+        for jid in (c, a, b, c):  # a graph's replays: ids cycle, never twice in a row
+            lane.ring_from_host(jid, bell=bell, rearm=False)
+            assert lane.done_word(jid) == 1 and sum(lane.done_word(j) for j in (a, b, c)) == 1
+        assert lane.served == 7
+    finally:
+        lane.close()

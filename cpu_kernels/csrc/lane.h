@@ -1,8 +1,11 @@
 // The doorbell lane: a persistent CPU thread that runs layer calls (HyJob, api.h) when a GPU stream asks,
 // through two words of page-locked host memory, instead of through CUDA host functions.
 //
-//   GPU stream:  ... input copies -> write doorbell := id -> wait until done[id] == 1 -> write done[id] := 0 -> output copy
-//   this thread: spin until doorbell != 0 -> doorbell := 0 -> run job id -> done[id] := 1
+//   GPU stream:  ... input copies -> write doorbell := id -> wait until done[id] == 1 [-> write done[id] := 0] -> output copy
+//   this thread: spin until doorbell != 0 -> doorbell := 0, done[previous id] := 0 -> run job id -> done[id] := 1
+//
+// The stream's own re-arm write is needed only where it may ring the same id twice in a row (a model with
+// one CPU-lane layer replaying one graph): otherwise this thread's re-arm of the previous id comes first.
 //
 // Two doorbells: [0] for jobs the stream waits for at once, [1] for deferred jobs (expert deferral: rung
 // by one layer, waited for by the next), each with at most one ring outstanding; [0] is served first.
@@ -60,6 +63,7 @@ struct Lane {
     }
     auto last = std::chrono::steady_clock::now();
     long nap_ns = 0;
+    uint32_t prev[2] = {0, 0};  // per doorbell: the id answered last
     for (int spins = 0; !stop.load(std::memory_order_relaxed);) {
       int bell = 0;
       uint32_t id = __atomic_load_n(doorbell, __ATOMIC_ACQUIRE);
@@ -79,6 +83,11 @@ struct Lane {
       }
       nap_ns = 0;
       __atomic_store_n(doorbell + bell, 0u, __ATOMIC_RELAXED);
+      // Re-arm the previous job's done word: the stream rang this doorbell only after its wait on that word
+      // passed, so nothing waits on it any more. This is what lets a stream skip its own re-arm write when
+      // it never rings the same id twice in a row (hybrid.offload.doorbell, ring(rearm=False)).
+      if (prev[bell] && prev[bell] <= (uint32_t)cap) __atomic_store_n(done + prev[bell] - 1, 0u, __ATOMIC_RELAXED);
+      prev[bell] = id;
       void* job = nullptr;
       {
         std::lock_guard<std::mutex> lk(mu);

@@ -121,20 +121,25 @@ class DoorbellLane:
         self._jobs.append(job)
         return jid
 
-    def ring(self, stream: torch.cuda.Stream, jid: int, wait: bool = True, bell: int = 0) -> None:
+    def ring(self, stream: torch.cuda.Stream, jid: int, wait: bool = True, bell: int = 0, rearm: bool = True) -> None:
         """Enqueue on `stream`: run job `jid` on the lane thread (doorbell `bell`: 0 now, 1 deferred) and,
-        with `wait`, wait for it (else call wait_done later, on a stream ordered after this one)."""
+        with `wait`, wait for it (else call wait_done later, on a stream ordered after this one).
+
+        rearm=False leaves the done word for the lane thread to clear when it answers the next doorbell: one
+        stream memory operation fewer, correct only if this doorbell never rings the same id twice in a row
+        (the caller's promise: a captured step whose layers each ring their own id, two or more of them)."""
         cu, s = _driver(), ctypes.c_void_p(stream.cuda_stream)
         _check(cu.cuStreamWriteValue32_v2(s, self._dev_base + 4 * bell, jid, 0), "cuStreamWriteValue32")
         if wait:
-            self.wait_done(stream, jid)
+            self.wait_done(stream, jid, rearm)
 
-    def wait_done(self, stream: torch.cuda.Stream, jid: int) -> None:
-        """Enqueue on `stream`: wait until job `jid` has run, then re-arm its done word."""
+    def wait_done(self, stream: torch.cuda.Stream, jid: int, rearm: bool = True) -> None:
+        """Enqueue on `stream`: wait until job `jid` has run, then (with `rearm`) re-arm its done word."""
         cu, s = _driver(), ctypes.c_void_p(stream.cuda_stream)
         done = self._dev_base + 4 * (jid + 1)  # done[jid - 1] sits after the two doorbell words
         _check(cu.cuStreamWaitValue32_v2(s, done, 1, _WAIT_EQ), "cuStreamWaitValue32")
-        _check(cu.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
+        if rearm:
+            _check(cu.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
 
     def set(self, jid: int, job) -> None:
         """Re-point id `jid` at `job` (every stream use of the old job must have run)."""
@@ -142,7 +147,7 @@ class DoorbellLane:
             raise RuntimeError(f"doorbell lane has no id {jid}")
         self._jobs[jid - 1] = job
 
-    def ring_from_host(self, jid: int, bell: int = 0, timeout_s: float = 10.0) -> None:
+    def ring_from_host(self, jid: int, bell: int = 0, timeout_s: float = 10.0, rearm: bool = True) -> None:
         """What ring() enqueues, done by this thread (tests and CPU-only hosts)."""
         import time
 
@@ -152,7 +157,12 @@ class DoorbellLane:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"doorbell lane did not answer job {jid}")
             time.sleep(0)
-        self._words[jid + 1] = 0
+        if rearm:
+            self._words[jid + 1] = 0
+
+    def done_word(self, jid: int) -> int:
+        """Job `jid`'s done word as it is now (1: answered and not re-armed yet)."""
+        return int(self._words[jid + 1])
 
     def close(self) -> None:
         """Stop the lane thread. Every stream that rings it must have finished."""

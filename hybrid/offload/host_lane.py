@@ -221,7 +221,7 @@ class HostFnLane:
             fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
             with torch.cuda.stream(self.stream):
                 self._write_packed(block, x, ids, w)
-                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid)
+                self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid, rearm=not self._rings_differ(layer))
             return self._alias(oh)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
         if jid and captured:  # doorbell lane in graphs, buffers of this size not packed: three writes in place
@@ -242,6 +242,16 @@ class HostFnLane:
                 _launch_host_func(self.stream, fn, arg)
             od.copy_(oh, non_blocking=True)
         return od
+
+    @staticmethod
+    def _rings_differ(layer) -> bool:
+        """Whether captured steps never ring one doorbell id twice in a row: each CPU-lane layer rings its own
+        job, so with two or more of them consecutive rings differ (within a step, and from one step's last
+        layer to the next step's first, whichever graph replays). Then the lane thread re-arms each done
+        word and the graph needs no re-arm node. A model with one CPU-lane layer keeps the re-arm, and so does
+        expert deferral (its layers' rings are not one per layer)."""
+        off = getattr(layer, "offload", None)
+        return off is not None and not off.defer and sum(1 for other in off.layers if other.cold_ids.size) >= 2
 
     def enqueue_deferred(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor):
         """Captured steps with expert deferral: put the deferred CPU experts of `layer` on the deferred
