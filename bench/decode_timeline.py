@@ -2,11 +2,14 @@
 
     python -m bench.decode_timeline [--layers 2,8] [--resident none] [--out FILE.json]
 
-The model is hybrid.offload.overheads' floor model (the 30B width, tiny experts, batch 1, CUDA graphs).
-Two figures:
+The model is hybrid.offload.overheads' floor model (the 30B width, small experts, batch 1, CUDA graphs).
+Figures:
 - the floor as a slope: decode step time at two layer counts, (t_long - t_short) / (layers difference), the
   cost one more layer adds, apart from the step's own fixed part (embedding, head, sampling, graph launch,
   host sync), which `measure_graph_layer_floor` divides among the layers;
+- that slope at two expert widths (64 and 128 by default) and extrapolated to zero expert bytes: at the 30B
+  width even 64-wide experts are 0.79 MB each, ~6 MB per layer with every expert cold, ~50 us of DRAM reads
+  that are not a fixed cost;
 - torch.profiler over replays of the longer model: per kernel, launches and GPU microseconds per layer; the
   slope minus the kernels' busy time is what no kernel covers (launch gaps, the CPU lane's round trip).
 """
@@ -66,24 +69,40 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="2,8", help="two layer counts for the slope")
     p.add_argument("--resident", default="none", choices=("none", "half", "all"))
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--intermediate", default="64,128",
+                   help="expert widths of the floor model: one, or two to extrapolate the slope to zero expert bytes")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_timeline needs CUDA (it profiles captured decode steps)")
     short, long_ = (int(n) for n in a.layers.split(","))
-    med = {}
-    built = {}
-    for n in (short, long_):
-        eng, slot, _ = floor_engine(a.hidden, layers=n, resident=a.resident)
-        med[n] = statistics.median(time_decode_steps(eng, slot, a.steps))
-        built[n] = (eng, slot)
-        print(f"# {n} layers: decode step {med[n] * 1e6:.1f} us ({med[n] / n * 1e6:.1f} us per layer, the step's "
-              f"fixed part included)", flush=True)
-    slope = (med[long_] - med[short]) / (long_ - short)
-    fixed = med[short] - short * slope
-    print(f"# floor per layer (slope {short}->{long_} layers): {slope * 1e6:.1f} us; per step besides the layers: "
-          f"{fixed * 1e6:.1f} us", flush=True)
-    tab = kernel_table(*built[long_], long_)
+    widths = [int(f) for f in a.intermediate.split(",")]
+    slopes, med_all = {}, {}
+    built = None
+    for f in widths:
+        med = {}
+        for n in (short, long_):
+            eng, slot, _ = floor_engine(a.hidden, layers=n, resident=a.resident, intermediate=f)
+            med[n] = statistics.median(time_decode_steps(eng, slot, a.steps))
+            if f == widths[0] and n == long_:
+                built = (eng, slot)  # profiled below
+            else:
+                del eng, slot
+            print(f"# experts {f} wide, {n} layers: decode step {med[n] * 1e6:.1f} us ({med[n] / n * 1e6:.1f} us per "
+                  f"layer, the step's fixed part included)", flush=True)
+        slopes[f] = (med[long_] - med[short]) / (long_ - short)
+        fixed = med[short] - short * slopes[f]
+        med_all[f] = med
+        print(f"# experts {f} wide: floor per layer (slope {short}->{long_} layers): {slopes[f] * 1e6:.1f} us; per step "
+              f"besides the layers: {fixed * 1e6:.1f} us", flush=True)
+    zero = None
+    if len(widths) == 2:
+        # Expert bytes scale with the width and nothing else does: the slope at zero expert bytes.
+        fa, fb = widths
+        zero = slopes[fa] - (slopes[fb] - slopes[fa]) * fa / (fb - fa)
+        print(f"# floor per layer at zero expert bytes (extrapolated from {fa} and {fb} wide): {zero * 1e6:.1f} us; "
+              f"{(slopes[fb] - slopes[fa]) * 1e6:.1f} us per layer for the {fb - fa} more", flush=True)
+    tab = kernel_table(*built, long_)
     print(f"# profiled {long_}-layer steps: kernels busy {tab['busy_us_per_layer']:.1f} us per layer (the rest of the "
           f"slope: launch gaps and the CPU lane's round trip)")
     print(f"{'launches/layer':>14} {'us each':>8} {'us/layer':>9}  kernel")
@@ -97,7 +116,7 @@ def main(argv=None) -> int:
         print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"step_s": med, "slope_s": slope, "step_fixed_s": fixed, "resident": a.resident, **tab}, f,
+            json.dump({"step_s": med_all, "slope_s": slopes, "zero_bytes_slope_s": zero, "resident": a.resident, **tab}, f,
                       indent=1)
     return 0
 

@@ -72,8 +72,14 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     }
 
 
-def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: str = "cuda", resident: str = "half"):
-    """The model measure_graph_layer_floor times: (engine, slot prefilled with 16 tokens, config)."""
+FLOOR_F = (64, 128)  # the floor model's two expert widths (the CPU kernels pad the down projection's K to 64)
+
+
+def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: str = "cuda", resident: str = "half",
+                 intermediate: int = FLOOR_F[0]):
+    """The model measure_graph_layer_floor times: (engine, slot prefilled with 16 tokens, config). Its 16
+    experts (top-8) are `intermediate` wide: at the 30B width each is 0.79 MB at 64, so a layer still reads
+    ~6 MB of experts; measure_graph_layer_floor extrapolates over two widths to take that out."""
     if resident not in ("half", "none", "all"):
         raise ValueError(f"resident must be half, none or all, got {resident!r}")
     from hybrid.models import build_empty, init_random_
@@ -86,7 +92,7 @@ def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: s
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     raw = hf_config("qwen3-235b-a22b" if hidden >= 4096 else "qwen3-30b-a3b", layers=layers)
-    raw.update(hidden_size=hidden, num_experts=16, moe_intermediate_size=64, vocab_size=1024)
+    raw.update(hidden_size=hidden, num_experts=16, moe_intermediate_size=intermediate, vocab_size=1024)
     cfg = family_for(raw).parse_config(raw)
     model = build_empty(cfg, dev, dtype, build_experts=False)
     init_random_(model, seed=0)
@@ -121,20 +127,40 @@ def time_decode_steps(eng, slot, steps: int) -> list[float]:
 
 def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
                               device: str = "cuda", resident: str = "half") -> dict:
-    """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
-    hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 tiny experts, 8 of
-    them resident, so the CPU lane runs in every layer but its kernel has almost nothing to read). The
-    result is the per-layer latency floor of graph decode that weight traffic does not explain (the step's
-    own fixed costs, embedding to sampling, divided among the layers); the planner's decode prediction adds
-    it per layer (placement.predict.decode_floor). On a CPU device the same model decodes eagerly (tests of
-    this code; the figure then means nothing for a GPU).
+    """Seconds per decoder layer of a captured decode step at batch 1 that expert bytes do not explain, from a
+    small random Qwen3-MoE-shaped hybrid model at this hidden size (attention as in the Qwen3 model of that
+    width; 16 experts, top-8, half of them resident, so the CPU lane runs in every layer). The result is the
+    per-layer latency floor of graph decode (the step's own fixed costs, embedding to sampling, divided among
+    the layers); the planner's decode prediction adds it per layer (placement.predict.decode_floor) to the
+    expert reads it prices itself.
+
+    Even tiny experts are not free at a real width (0.79 MB each at 2048 x 64: ~3 MB of CPU-lane reads per
+    layer, ~25 us at 130 GB/s), and counting them here would count them twice. So the model is timed at two
+    expert widths, FLOOR_F = 64 and 128 (every expert byte doubles, nothing else changes), and the floor is the
+    step extrapolated to zero expert bytes: 2 t(64) - t(128), per layer (clamped at 0 with a warning, which
+    means noise larger than the floor). On a CPU device the same models decode eagerly (tests of this code;
+    the figure then means nothing for a GPU).
     resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an all-DRAM
     placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
+    import logging
+
     import numpy as np
 
-    eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident)
-    step = float(np.median(time_decode_steps(eng, slot, steps)))
-    return {"graph_layer_floor": step / cfg.num_layers, "raw_s": {"decode_step": step, "layers": cfg.num_layers}}
+    per_layer = {}
+    raw = {}
+    for f in FLOOR_F:
+        eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident, intermediate=f)
+        step = float(np.median(time_decode_steps(eng, slot, steps)))
+        per_layer[f], raw[f"decode_step_f{f}"] = step / cfg.num_layers, step
+        del eng, slot
+    a, b = FLOOR_F
+    floor = per_layer[a] - (per_layer[b] - per_layer[a]) * a / (b - a)
+    if floor < 0:
+        logging.getLogger("hybrid.offload").warning(
+            "graph floor extrapolated below zero (%.1f us per layer at F=%d, %.1f at F=%d): noise; stored as 0",
+            per_layer[a] * 1e6, a, per_layer[b] * 1e6, b)
+    return {"graph_layer_floor": max(0.0, floor),
+            "raw_s": {**raw, "layers": cfg.num_layers, **{f"per_layer_f{f}": t for f, t in per_layer.items()}}}
 
 
 def _probe_profile():
