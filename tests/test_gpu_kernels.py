@@ -215,6 +215,49 @@ def test_router_topk_matches_select_experts(T, E, K, norm, scaling, dtype, devic
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+CUDA_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="bf16 rounding differs in Triton's interpreter (it truncates)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,D,K,bias,norm,scaling,dtype", [
+    (1, 128, 2048, 8, False, True, 1.0, torch.float32),  # Qwen3-30B-A3B's router
+    (8, 60, 96, 6, False, True, 2.5, torch.float32),  # E not a multiple of the 4 experts per program
+    (3, 32, 2880, 4, True, False, 1.0, torch.float32),  # gpt-oss: bias, D over two 2048 chunks
+    pytest.param(2, 128, 2048, 8, False, True, 1.0, torch.bfloat16, marks=CUDA_ONLY),
+    pytest.param(5, 32, 2880, 4, True, True, 1.0, torch.bfloat16, marks=CUDA_ONLY),
+])
+def test_router_gemv_topk_matches_linear_and_select_experts(T, E, D, K, bias, norm, scaling, dtype, device):
+    """The router GEMV + top-k kernel gives F.linear's logits' experts, in order, and their weights; with
+    `into` it writes the same row, ids and weights to the CPU lane's targets too; its arrival counters are
+    back at zero after each launch, so a second launch (a graph replay) with the same scratch agrees."""
+    from hybrid.gpu_kernels.router import RouterScratch, router_gemv_supported, router_gemv_topk
+    from hybrid.models.config import RouterConfig
+    from hybrid.models.moe import select_experts
+
+    g = torch.Generator().manual_seed(T * E + D + K)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
+    b = (torch.randn(E, generator=g) * 0.1).to(dtype) if bias else None
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    assert router_gemv_supported(dev(x), dev(w))
+    scratch = RouterScratch(E, device)
+    into = (torch.zeros(T, D, dtype=dtype, device=device), torch.zeros(T, K, dtype=torch.int64, device=device),
+            torch.zeros(T, K, dtype=torch.float32, device=device))
+    logits = F.linear(dev(x), dev(w), dev(b)).float().cpu()  # cuBLAS on the box: the dtype's rounding
+    ref_ids, ref_w = select_experts(logits, RouterConfig(kind="softmax", scaling=scaling), K, norm)
+    for launch in range(2):
+        ids, wts = (t.cpu() for t in router_gemv_topk(dev(x), dev(w), dev(b), K, norm, scaling, scratch,
+                                                      into=into if launch else None))
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(wts, ref_w, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-5)
+        assert torch.equal(scratch.cnt.cpu(), torch.zeros_like(scratch.cnt.cpu()))
+    px, pi, pw = (t.cpu() for t in into)
+    assert torch.equal(px, x) and torch.equal(pi, ids) and torch.equal(pw, wts)
+    assert not router_gemv_supported(dev(torch.randn(9, D).to(dtype)), dev(w))  # more rows than decode takes
+    assert not router_gemv_supported(dev(x), dev(w.float() if dtype != torch.float32 else w.bfloat16()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,E,K,groups,topk_group,bias,norm,scaling", [
     (1, 256, 8, 8, 4, True, True, 2.5),  # DeepSeek-V3's router shape

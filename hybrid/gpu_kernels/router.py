@@ -22,11 +22,8 @@ from hybrid.gpu_kernels.launch import next_pow2
 
 
 @triton.jit
-def _router_topk(logits, ids, wts, E, stride, scaling, K: tl.constexpr, K_PAD: tl.constexpr,
-                 E_PAD: tl.constexpr, NORM: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, E_PAD)
-    x = tl.load(logits + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+def _softmax_topk(x, e, K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr):
+    """x [E_PAD] fp32 logits (-inf past E) -> (ids [K_PAD] int32, weights [K_PAD] fp32, 0 past K)."""
     top = tl.max(x, axis=0)
     k = tl.arange(0, K_PAD)
     vals = tl.full([K_PAD], float("-inf"), tl.float32)
@@ -43,6 +40,17 @@ def _router_topk(logits, ids, wts, E, stride, scaling, K: tl.constexpr, K_PAD: t
         w = p / tl.sum(p, axis=0)
     else:
         w = p / tl.sum(tl.exp(x - top), axis=0)
+    return idx, w
+
+
+@triton.jit
+def _router_topk(logits, ids, wts, E, stride, scaling, K: tl.constexpr, K_PAD: tl.constexpr,
+                 E_PAD: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    x = tl.load(logits + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    idx, w = _softmax_topk(x, e, K, K_PAD, NORM)
+    k = tl.arange(0, K_PAD)
     km = k < K
     tl.store(ids + t * K + k, idx.to(tl.int64), mask=km)
     tl.store(wts + t * K + k, w * scaling, mask=km)
@@ -128,4 +136,89 @@ def router_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, t
             n_group, K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(E), NG_PAD=next_pow2(n_group),
             G_PAD=next_pow2(G), TOPK_GROUP=topk_group, GROUPED=n_group > 1, HAS_BIAS=score_bias is not None,
             NORM=bool(norm_topk_prob))
+    return ids, wts
+
+
+GEMV_MAX_T = 8  # rows router_gemv_topk takes (decode batches); larger batches: F.linear + router_topk
+_EB = 4  # experts per program of the GEMV
+
+
+@triton.jit
+def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, D, sx, scaling,
+                      K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr,
+                      BD: tl.constexpr, ND: tl.constexpr, NB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr, PACK: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    r = j * EB + tl.arange(0, EB)
+    rm = r < E
+    acc = tl.zeros([EB], tl.float32)
+    for it in tl.static_range(ND):
+        d = it * BD + tl.arange(0, BD)
+        dm = d < D
+        xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
+        wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xr.to(tl.float32)[None, :], axis=1)
+        if PACK:
+            if j == 0:
+                tl.store(pk_x + t * D + d, xr, mask=dm)  # the CPU lane's copy of the row
+    if HAS_BIAS:
+        acc += tl.load(bias + r, mask=rm, other=0.0).to(tl.float32)
+    acc = acc.to(x.dtype.element_ty).to(tl.float32)  # the logits F.linear returns: rounded to the model's dtype
+    tl.store(logits + t * E_PAD + r, acc, mask=rm)
+    # The last of the row's NB programs to finish picks the top K (its acquire sees the others' logits).
+    if tl.atomic_add(cnt + t, 1, sem="acq_rel") == NB - 1:
+        e = tl.arange(0, E_PAD)
+        lg = tl.load(logits + t * E_PAD + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+        idx, wk = _softmax_topk(lg, e, K, K_PAD, NORM)
+        k = tl.arange(0, K_PAD)
+        km = k < K
+        tl.store(ids + t * K + k, idx.to(tl.int64), mask=km)
+        tl.store(wts + t * K + k, wk * scaling, mask=km)
+        if PACK:
+            tl.store(pk_ids + t * K + k, idx.to(tl.int64), mask=km)
+            tl.store(pk_w + t * K + k, wk * scaling, mask=km)
+        tl.store(cnt + t, 0)  # re-armed for the next launch (graphs replay this kernel as it is)
+
+
+class RouterScratch:
+    """A router's kernel-owned buffers for router_gemv_topk: fp32 logits [GEMV_MAX_T, E_PAD] and one arrival
+    counter per row (zero between launches: the last program of a row resets it). One per router, made
+    outside graph capture and kept as long as the router (captured graphs hold their addresses); a router
+    runs on one stream at a time, so launches never share them concurrently."""
+
+    def __init__(self, E: int, device):
+        self.e_pad = next_pow2(E)
+        self.logits = torch.empty(GEMV_MAX_T, self.e_pad, dtype=torch.float32, device=device)
+        self.cnt = torch.zeros(GEMV_MAX_T, dtype=torch.int32, device=device)
+
+
+def router_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether router_gemv_topk takes these: decode-sized rows, contiguous router weights, one dtype."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_T and x.stride(-1) == 1 and w.is_contiguous()
+            and w.dtype == x.dtype and x.shape[1] == w.shape[1])
+
+
+def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
+                     scaling: float, scratch: RouterScratch, into: tuple | None = None):
+    """Softmax routers at decode sizes, the logits GEMV included: x [T, D] (T <= GEMV_MAX_T), router weights
+    w [E, D] (+ bias [E]) -> (ids [T, K] int64, weights [T, K] fp32), as F.linear + router_topk give them
+    (logits rounded to the model's dtype before the top-k; the sums' order differs from cuBLAS's).
+
+    Replaces the router's cuBLAS GEMM (5.0 us at batch 1 on the GPU box for 128 x 2048: one small tile on a
+    few SMs) and the top-k kernel: T x ceil(E / 4) programs each reduce 4 experts' rows over the whole D, and
+    the row's last program to finish (an arrival counter in `scratch`) takes the top K.
+    into = (x, ids, weights) targets (the CPU lane's page-locked inputs through their mapped aliases): the
+    kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel."""
+    T, D = x.shape
+    E = w.shape[0]
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    wts = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    BD = min(next_pow2(D), 2048)
+    nb = -(-E // _EB)
+    px, pi, pw = into if into is not None else (x, ids, wts)
+    _router_gemv_topk[(T, nb)](
+        x, w, bias if bias is not None else w, scratch.logits, scratch.cnt, ids, wts, px, pi, pw, E, D, x.stride(0),
+        float(scaling), K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=_EB, BD=BD, ND=-(-D // BD), NB=nb,
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, num_warps=4)
     return ids, wts

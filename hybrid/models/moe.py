@@ -241,6 +241,7 @@ class MoEBlock(nn.Module):
         # The sigmoid router scores in fp32 from fp32 weights, as its reference keeps them
         # (DeepseekV3 _keep_in_fp32_modules_strict); the loader allocates these names in fp32.
         self.fp32_params = ("router", "score_bias") if cfg.router.kind == "sigmoid" else ()
+        self._router_scratch = None  # router_gemv_topk's buffers, made by its first call
         # None while loading with experts kept elsewhere; the loader installs the executor.
         self.experts = experts
         self.shared = self.shared_gate = None
@@ -260,6 +261,8 @@ class MoEBlock(nn.Module):
                 return router_sigmoid_topk(logits, self.score_bias, self.top_k, self.norm_topk_prob, r.n_group,
                                            r.topk_group, r.scaling)
         else:
+            if self._gemv_router(x):
+                return self._route_gemv(x)
             logits = F.linear(x, self.router, self.router_bias)
             if self.router_cfg.kind == "softmax" and gpu_kernels.fused_enabled(logits):
                 from hybrid.gpu_kernels.router import router_topk  # cast, top-k and softmax in one kernel
@@ -268,9 +271,33 @@ class MoEBlock(nn.Module):
             logits = logits.float()
         return select_experts(logits, self.router_cfg, self.top_k, self.norm_topk_prob, self.score_bias)
 
+    def _gemv_router(self, x: torch.Tensor) -> bool:
+        """Softmax routers at decode sizes with the fused kernels on: the logits GEMV joins the top-k kernel."""
+        if self.router_cfg.kind != "softmax" or self.fp32_params or not gpu_kernels.fused_enabled(x):
+            return False
+        from hybrid.gpu_kernels.router import router_gemv_supported
+
+        return router_gemv_supported(x, self.router)
+
+    def _route_gemv(self, x: torch.Tensor, into: tuple | None = None):
+        from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
+
+        if self._router_scratch is None:  # made once, by the first call (an eager one, before any capture)
+            self._router_scratch = RouterScratch(self.router.shape[0], x.device)
+        return router_gemv_topk(x, self.router, self.router_bias, self.top_k, self.norm_topk_prob,
+                                self.router_cfg.scaling, self._router_scratch, into=into)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        out = self.experts(x, ids, weights)  # [T, D]
+        # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router
+        # kernel, written into its page-locked buffers: then it needs no packing kernel of its own.
+        ask = getattr(self.experts, "lane_inputs", None)
+        into = ask(x, self.top_k) if ask is not None and self._gemv_router(x) else None
+        if into is not None:
+            ids, weights = self._route_gemv(x, into)
+            out = self.experts(x, ids, weights, inputs_written=True)
+        else:
+            ids, weights = self.route(x)
+            out = self.experts(x, ids, weights)  # [T, D]
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared)

@@ -206,19 +206,34 @@ class HybridExperts(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def lane_inputs(self, x: torch.Tensor, K: int):
+        """Where a captured step's CPU lane reads its inputs, as device-writable (mapped) tensors (x [T, D],
+        ids int64 [T, K], weights fp32 [T, K]), for the router kernel to write them in place; None where the
+        lane writes them itself (not capturing, deferral, no cold expert, no doorbell lane or buffers)."""
+        off = self.offload
+        if (off.defer or not self.cold_ids.size or x.device != off.device or x.dtype != off.dtype
+                or not torch.cuda.is_current_stream_capturing()):
+            return None
+        return off.host_lane.inputs_in_place(self, *x.shape, K, x.dtype)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                inputs_written: bool = False) -> torch.Tensor:
+        """inputs_written: the router already wrote x, ids and weights where lane_inputs said (captured only)."""
         off = self.offload
         dev = off.device
         x = x.to(device=dev, dtype=off.dtype)
         topk_ids, topk_weights = topk_ids.to(dev), topk_weights.to(dev)
         captured = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if inputs_written and (not captured or off.defer):
+            raise RuntimeError("inputs_written is for captured steps without deferral (see lane_inputs)")
         if not off.defer:
-            return self._run(x, topk_ids, topk_weights, captured)
+            return self._run(x, topk_ids, topk_weights, captured, inputs_written=inputs_written)
         return self._forward_deferring(x, topk_ids, topk_weights, captured)
 
-    def _run(self, x, topk_ids, topk_weights, captured: bool, deferred: bool = False) -> torch.Tensor:
+    def _run(self, x, topk_ids, topk_weights, captured: bool, deferred: bool = False,
+             inputs_written: bool = False) -> torch.Tensor:
         if captured:
-            return self._forward_captured(x, topk_ids, topk_weights)
+            return self._forward_captured(x, topk_ids, topk_weights, inputs_written)
         with self.offload.launcher_pinned():
             return self._forward_eager(x, topk_ids, topk_weights, deferred)
 
@@ -313,12 +328,13 @@ class HybridExperts(nn.Module):
             replacer.after_batch(self, hist)
         return out.to(x.dtype)
 
-    def _forward_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
+    def _forward_captured(self, x, topk_ids, topk_weights, inputs_written: bool = False) -> torch.Tensor:
         """No host sync: resident experts on the GPU, all cold experts through the graph's CPU lane."""
         T, K = topk_ids.shape
         lane = self.offload.host_lane
         self.captured = True
-        cpu_out = lane.enqueue(self, x, topk_ids, topk_weights, self.cold_mask) if self.cold_ids.size else None
+        cpu_out = (lane.enqueue(self, x, topk_ids, topk_weights, self.cold_mask, inputs_written)
+                   if self.cold_ids.size else None)
         if not len(self.resident_ids):  # nothing to merge: the lane's output as it is (3 fewer kernels per layer)
             lane.join()
             return cpu_out

@@ -206,9 +206,25 @@ class HostFnLane:
         bell.set(ids[n], job)
         return ids[n]
 
-    def enqueue(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def inputs_in_place(self, layer, T: int, D: int, K: int, dtype):
+        """Inside a capture: the mapped aliases (x, ids, weights) of the page-locked block the next enqueue of
+        `layer` at this size will hand the lane, for a kernel before it to write (then enqueue(...,
+        inputs_written=True)); None where enqueue would not read them from there."""
+        if not torch.cuda.is_current_stream_capturing() or T > self.MAX_ROWS:
+            return None
+        if self.doorbell(layer.cpu_moe.isa) is None:
+            return None
+        pack = self._packed(T, D, K, dtype)
+        if pack is None:
+            return None
+        _block, xh, ih, wh, _oh = pack
+        return self._alias(xh), self._alias(ih), self._alias(wh)
+
+    def enqueue(self, layer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor,
+                inputs_written: bool = False) -> torch.Tensor:
         """Put the CPU lane of `layer` (experts in `mask`, bool [E] on the host) on the side stream; returns
-        its output [T, D] on the device, valid on the main stream after `join`."""
+        its output [T, D] on the device, valid on the main stream after `join`. inputs_written: a kernel on
+        the current stream already wrote x, ids and weights to inputs_in_place's targets."""
         T, D = x.shape
         K = ids.shape[1]
         captured = torch.cuda.is_current_stream_capturing()
@@ -216,11 +232,14 @@ class HostFnLane:
         self.stream.wait_stream(torch.cuda.current_stream())
         xh, ih, wh, oh, od = self.buffers(T, D, K, x.dtype)
         pack = self._packed(T, D, K, x.dtype) if captured and self.doorbell(layer.cpu_moe.isa) is not None else None
+        if inputs_written and pack is None:
+            raise RuntimeError("inputs_written, but this call has no page-locked block to read them from")
         if pack is not None:  # doorbell lane in graphs: one kernel writes the inputs in place, output read in place
             block, xh, ih, wh, oh = pack
             fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
             with torch.cuda.stream(self.stream):
-                self._write_packed(block, x, ids, w)
+                if not inputs_written:
+                    self._write_packed(block, x, ids, w)
                 self._doorbells[layer.cpu_moe.isa].ring(self.stream, jid, rearm=not self._rings_differ(layer))
             return self._alias(oh)
         fn, arg, jid = self.job(layer, xh, ih, wh, oh, mask, captured)
