@@ -22,19 +22,25 @@ from hybrid.gpu_kernels.launch import next_pow2
 
 
 @triton.jit
-def _softmax_topk(x, e, K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr):
-    """x [E_PAD] fp32 logits (-inf past E) -> (ids [K_PAD] int32, weights [K_PAD] fp32, 0 past K)."""
-    top = tl.max(x, axis=0)
+def _softmax_topk(x, e, K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, E_LAST: tl.constexpr):
+    """x [E_PAD] fp32 logits (-inf past E, no NaN), e = arange(E_PAD), E_LAST = E_PAD - 1 -> (ids [K_PAD]
+    int32, weights [K_PAD] fp32, 0 past K)."""
     k = tl.arange(0, K_PAD)
     vals = tl.full([K_PAD], float("-inf"), tl.float32)
     idx = tl.zeros([K_PAD], tl.int32)
-    work = x
+    # One max per round over int64 keys: the logit's bits made order-preserving as a signed int, above the
+    # index reversed (so ties go to the lower index, as torch.topk orders them); not a max and an argmax.
+    bits = x.to(tl.int32, bitcast=True)
+    keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (E_LAST - e).to(tl.int64)
     for j in tl.static_range(K):
-        v = tl.max(work, axis=0)
-        i = tl.argmax(work, axis=0, tie_break_left=True)
+        top_key = tl.max(keys, axis=0)
+        i = E_LAST - (top_key & 0xFFFFFFFF).to(tl.int32)
+        sv = (top_key >> 32).to(tl.int32)
+        v = (sv ^ ((sv >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         vals = tl.where(k == j, v, vals)
         idx = tl.where(k == j, i, idx)
-        work = tl.where(e == i, float("-inf"), work)
+        keys = tl.where(e == i, -9223372036854775807 - 1, keys)
+    top = tl.max(vals, axis=0)
     p = tl.exp(vals - top)  # 0 past K
     if NORM:
         w = p / tl.sum(p, axis=0)
@@ -49,7 +55,7 @@ def _router_topk(logits, ids, wts, E, stride, scaling, K: tl.constexpr, K_PAD: t
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     x = tl.load(logits + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    idx, w = _softmax_topk(x, e, K, K_PAD, NORM)
+    idx, w = _softmax_topk(x, e, K, K_PAD, NORM, E_PAD - 1)
     k = tl.arange(0, K_PAD)
     km = k < K
     tl.store(ids + t * K + k, idx.to(tl.int64), mask=km)
@@ -140,7 +146,7 @@ def router_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, t
 
 
 GEMV_MAX_T = 8  # rows router_gemv_topk takes (decode batches); larger batches: F.linear + router_topk
-_EB = 4  # experts per program of the GEMV
+GEMV_CONFIG = (4, 2048, 4)  # (experts per program, D chunk, warps): bench.router_probe times the alternatives
 
 
 @triton.jit
@@ -170,7 +176,7 @@ def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, 
     if tl.atomic_add(cnt + t, 1, sem="acq_rel") == NB - 1:
         e = tl.arange(0, E_PAD)
         lg = tl.load(logits + t * E_PAD + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
-        idx, wk = _softmax_topk(lg, e, K, K_PAD, NORM)
+        idx, wk = _softmax_topk(lg, e, K, K_PAD, NORM, E_PAD - 1)
         k = tl.arange(0, K_PAD)
         km = k < K
         tl.store(ids + t * K + k, idx.to(tl.int64), mask=km)
@@ -200,25 +206,27 @@ def router_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
-                     scaling: float, scratch: RouterScratch, into: tuple | None = None):
+                     scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None):
     """Softmax routers at decode sizes, the logits GEMV included: x [T, D] (T <= GEMV_MAX_T), router weights
     w [E, D] (+ bias [E]) -> (ids [T, K] int64, weights [T, K] fp32), as F.linear + router_topk give them
     (logits rounded to the model's dtype before the top-k; the sums' order differs from cuBLAS's).
 
     Replaces the router's cuBLAS GEMM (5.0 us at batch 1 on the GPU box for 128 x 2048: one small tile on a
-    few SMs) and the top-k kernel: T x ceil(E / 4) programs each reduce 4 experts' rows over the whole D, and
-    the row's last program to finish (an arrival counter in `scratch`) takes the top K.
+    few SMs) and the top-k kernel: T x ceil(E / EB) programs each reduce EB experts' rows over the whole D, and
+    the row's last program to finish (an arrival counter in `scratch`) takes the top K. config = (EB, D chunk,
+    warps), GEMV_CONFIG by default.
     into = (x, ids, weights) targets (the CPU lane's page-locked inputs through their mapped aliases): the
     kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel."""
     T, D = x.shape
     E = w.shape[0]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     wts = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    BD = min(next_pow2(D), 2048)
-    nb = -(-E // _EB)
+    eb, bd, warps = config or GEMV_CONFIG
+    BD = min(next_pow2(D), bd)
+    nb = -(-E // eb)
     px, pi, pw = into if into is not None else (x, ids, wts)
     _router_gemv_topk[(T, nb)](
         x, w, bias if bias is not None else w, scratch.logits, scratch.cnt, ids, wts, px, pi, pw, E, D, x.stride(0),
-        float(scaling), K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=_EB, BD=BD, ND=-(-D // BD), NB=nb,
-        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, num_warps=4)
+        float(scaling), K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, num_warps=warps)
     return ids, wts

@@ -211,7 +211,7 @@ class HybridExperts(nn.Module):
         ids int64 [T, K], weights fp32 [T, K]), for the router kernel to write them in place; None where the
         lane writes them itself (not capturing, deferral, no cold expert, no doorbell lane or buffers)."""
         off = self.offload
-        if (off.defer or not self.cold_ids.size or x.device != off.device or x.dtype != off.dtype
+        if (off.defer or not self.cold_ids.size or x.device.type != "cuda" or x.dtype != off.dtype
                 or not torch.cuda.is_current_stream_capturing()):
             return None
         return off.host_lane.inputs_in_place(self, *x.shape, K, x.dtype)
