@@ -82,6 +82,16 @@ class GatedMLP(nn.Module):
         return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
 
 
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The fused decode path's dense projections: x [B, K] (B <= 8) through the decode GEMV
+    (hybrid.gpu_kernels.gemv, where its table has a config for the shape), else F.linear."""
+    from hybrid.gpu_kernels.gemv import linear_small, linear_small_supported
+
+    if linear_small_supported(x, w, b):
+        return linear_small(x, w, b)
+    return F.linear(x, w, b)
+
+
 class Linear(nn.Module):
     def __init__(self, fan_in: int, fan_out: int, bias: bool):
         super().__init__()
@@ -143,7 +153,8 @@ class Attention(nn.Module):
         if T == 1 and not fresh and self.qk_norm != "full" and gpu_kernels.fused_enabled(x):
             fused = self._fuse_qkv(x)
             if fused is not None:
-                return self.o_proj(self._decode_fused(x, fused, cos, sin, positions, slots, cache, kv_len))
+                out = self._decode_fused(x, fused, cos, sin, positions, slots, cache, kv_len)  # [B, 1, H*hd]
+                return decode_linear(out.view(B, -1), self.o_proj.weight, self.o_proj.bias).view(B, 1, -1)
         q, k, v = self._qkv(x)  # [B, T, H*hd], [B, T, Hkv*hd] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -197,7 +208,7 @@ class Attention(nn.Module):
 
         B = x.shape[0]
         w, b = fused
-        qkv = F.linear(x.reshape(B, -1), w, b)  # [B, (H + 2 Hkv) hd]
+        qkv = decode_linear(x.reshape(B, -1), w, b)  # [B, (H + 2 Hkv) hd]
         norm = self.qk_norm == "head"
         pos = positions.reshape(B).contiguous()
         kc, vc = cache.k[self.layer], cache.v[self.layer]  # [S, C + 1, Hkv, hd]
