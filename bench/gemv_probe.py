@@ -13,8 +13,11 @@ graphs over distinct copies are replayed in turn. --footprint-mb 0: one weight, 
 
 Printed per shape and T: cuBLAS's us and TB/s (weight + x + y bytes / time), the table's config (what
 linear_small picks with config=None), the best config of the grid with its us and TB/s, and the max abs error
-of each against F.linear's output. --full sweeps a wider grid (over the ~60 s the default takes);
---budget-s stops trying further configs once spent (the row says how many it tried).
+of each against F.linear's output (the JSON has the error against fp32 too, and each config's repr to paste
+into the table). --budget-s (default 50) stops trying further configs once spent, shared out among the
+cases still to run; each case runs its table config at least, and its row says how many it tried. A first
+run spends most of it compiling (each config is a fresh Triton compile); Triton's cache makes a rerun fast,
+so run it twice, or raise --budget-s, for the whole grid. --full sweeps a wider grid (minutes).
 """
 
 from __future__ import annotations
@@ -127,14 +130,15 @@ def probe(name, N, K, T, dtype, args, deadline, dev="cuda"):
         if time.monotonic() > deadline and row["configs"]:
             break
         try:
-            err = float((linear_small(x, weights[0], config=cfg).float() - ref.float()).abs().max())
+            y = linear_small(x, weights[0], config=cfg).float()
+            err, err32 = float((y - ref.float()).abs().max()), float((y - ref32).abs().max())
             us = time_graphs(graphs_of(lambda a, w, c=cfg: linear_small(a, w, config=c), x, weights, CALLS),
                              args.rounds) / CALLS
         except Exception as e:  # a config that does not compile (registers, shared memory) is reported, not fatal
             row["configs"].append({"config": cfg.short(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        row["configs"].append({"config": cfg.short(), "table": cfg == table, "us": round(us, 3),
-                               "tbs": round(tbs(us), 3), "max_abs_err_vs_f_linear": err})
+        row["configs"].append({"config": cfg.short(), "repr": repr(cfg), "table": cfg == table, "us": round(us, 3),
+                               "tbs": round(tbs(us), 3), "max_abs_err_vs_f_linear": err, "max_abs_err_vs_fp32": err32})
     row["tried"] = f"{len(row['configs'])}/{len(grid)}"
     ok = [c for c in row["configs"] if "us" in c]
     if ok:
@@ -186,6 +190,7 @@ def main(argv=None) -> int:
         print(f"{name:>7} {T:>2} {r['cublas_us']:9.2f} {r['cublas_tbs']:5.2f} | {tus} | {b['config']:<34} "
               f"{b['us']:7.2f} {b['tbs']:5.2f} {r['cublas_us'] / b['us']:7.2f}x {b['max_abs_err_vs_f_linear']:8.1e} "
               f"{r['tried']:>6}", flush=True)
+        print(f"        best: {b['repr']}")
         failed = [c for c in r["configs"] if "error" in c]
         for c in failed:
             print(f"        {c['config']}: {c['error']}")

@@ -10,13 +10,13 @@ the kernel is built for that, not for FLOPs.
 
 Design. One program per BLOCK_N rows of W (optionally times `split` slices of K); each streams its rows in
 BLOCK_K-wide tiles (16-byte vector loads: K is a compile-time constant and a multiple of 16, rows past N are
-clamped to row N-1 rather than masked so the loads stay unmasked) and accumulates in fp32. Two ways to do the
+clamped to row N-1 rather than masked, so only a K tail is ever masked) and accumulates in fp32. Two ways to do the
 multiply-adds, picked by the config:
 - FMA (`dot=False`): CUDA-core multiply-adds, accumulated element-wise in fp32 ([BLOCK_N, BLOCK_K] at T = 1,
   [T, BLOCK_N, BLOCK_K] at T > 1, T padded to a power of two) and reduced over K once after the loop, so the
   loop has no shuffles. At T = 1 x's row is loaded with W's tile shape (pointers broadcast over the rows), so
   both loads share one layout and nothing goes through shared memory: per tile, 16-byte loads and FMAs only
-  (checked in the sm_90 SASS). The K loop is unrolled (`unroll`), so ptxas issues most of a program's W loads
+  (read off the sm_90 SASS when this was written). The K loop is unrolled (`unroll`), so ptxas issues most of a program's W loads
   before the first FMA: Triton pipelines only loads that feed a dot, and a rolled loop would keep one tile in
   flight. At T > 1 Triton re-lays x and W through shared memory for the 3-D products every tile, which is why
   the table takes the dot there.
