@@ -7,9 +7,10 @@ Figures:
 - the floor as a slope: decode step time at two layer counts, (t_long - t_short) / (layers difference), the
   cost one more layer adds, apart from the step's own fixed part (embedding, head, sampling, graph launch,
   host sync), which `measure_graph_layer_floor` divides among the layers;
-- that slope at two expert widths (64 and 128 by default) and extrapolated to zero expert bytes: at the 30B
-  width even 64-wide experts are 0.79 MB each, ~6 MB per layer with every expert cold, ~50 us of DRAM reads
-  that are not a fixed cost;
+- with --intermediate 64,128: that slope at two expert widths, extrapolated to zero expert bytes (at the 30B
+  width even 64-wide experts are 0.79 MB each, ~6 MB per layer with every expert cold). Read it with care: on
+  the GPU box's host part of the floor model's experts sits in the large L3, so the 64 more cost 37 us in one
+  call and 14 us in the next (box run 9); the slope at 64 alone is an upper bound of the fixed cost;
 - torch.profiler over replays of the longer model: per kernel, launches and GPU microseconds per layer; the
   slope minus the kernels' busy time is what no kernel covers (launch gaps, the CPU lane's round trip).
 """
@@ -69,8 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="2,8", help="two layer counts for the slope")
     p.add_argument("--resident", default="none", choices=("none", "half", "all"))
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--intermediate", default="64,128",
-                   help="expert widths of the floor model: one, or two to extrapolate the slope to zero expert bytes")
+    p.add_argument("--intermediate", default="64",
+                   help="expert widths of the floor model: one, or two to extrapolate the slope to zero expert bytes "
+                        "(noisy where the experts partly fit the host's L3)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -137,17 +137,14 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
                      "ship expert +{:.0f} us".format(*(1e6 * ov[k] for k in keys)))
         except Exception as exc:  # noqa: BLE001 - the profile stays usable without them; say so loudly
             progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
-        step("latency floor of graph decode per layer (small hybrid model, batch 1, two expert widths "
-             "extrapolated to zero expert bytes)...")
+        step("latency floor of graph decode per layer (small hybrid model, batch 1)...")
         try:
             from hybrid.offload.overheads import measure_graph_layer_floor
 
             fl = measure_graph_layer_floor(shape.hidden)
             raw["graph_floor"] = fl
             gpu["graph_layer_floor"] = fl["graph_layer_floor"]
-            r = fl["raw_s"]
-            progress(f"  {fl['graph_layer_floor'] * 1e6:.0f} us per decoder layer (measured {r['per_layer_f64'] * 1e6:.0f}"
-                     f" / {r['per_layer_f128'] * 1e6:.0f} us with experts 64 / 128 wide)")
+            progress(f"  {fl['graph_layer_floor'] * 1e6:.0f} us per decoder layer")
         except Exception as exc:  # noqa: BLE001 - as above
             progress(f"  WARNING: could not measure the graph decode floor ({exc}); left at 0")
     else:

@@ -138,16 +138,13 @@ def test_graph_floor_enters_the_decode_prediction_by_hand():
 
 
 def test_graph_floor_model_builds_and_decodes_on_the_cpu():
-    """The calibration's floor models (CUDA on the box) built and decoded eagerly here: the code path runs at
-    both expert widths, and the figure is the per-layer step extrapolated to zero expert bytes."""
-    from hybrid.offload.overheads import FLOOR_F, measure_graph_layer_floor
+    """The calibration's floor model (CUDA on the box) built and decoded eagerly here: the code path runs
+    and the figure is the measured step split over the layers."""
+    from hybrid.offload.overheads import measure_graph_layer_floor
 
     r = measure_graph_layer_floor(256, layers=2, steps=2, device="cpu")
-    raw = r["raw_s"]
-    a, b = (raw[f"per_layer_f{f}"] for f in FLOOR_F)
-    for f in FLOOR_F:
-        assert raw[f"per_layer_f{f}"] * raw["layers"] == pytest.approx(raw[f"decode_step_f{f}"])
-    assert r["graph_layer_floor"] == pytest.approx(max(0.0, 2 * a - b))  # FLOOR_F = (64, 128): F -> 0
+    assert r["graph_layer_floor"] > 0
+    assert r["graph_layer_floor"] * r["raw_s"]["layers"] == pytest.approx(r["raw_s"]["decode_step"])
 
 
 def test_numa_split_balanced_on_two_fake_nodes():

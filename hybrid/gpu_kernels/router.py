@@ -146,7 +146,11 @@ def router_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, t
 
 
 GEMV_MAX_T = 8  # rows router_gemv_topk takes (decode batches); larger batches: F.linear + router_topk
-GEMV_CONFIG = (4, 2048, 4)  # (experts per program, D chunk, warps): bench.router_probe times the alternatives
+# (experts per program, D chunk, warps). bench.router_probe on the GPU box (router weights past L2, box run 9
+# call 3): one expert a program with one warp was fastest at every shape tried: 4.6 us at 128 x 2048 (T = 1;
+# 5.2 at T = 8), 5.5 at 128 x 4096, 4.1 at gpt-oss-20b's 32 x 2880, against 7.7 / 7.8 / 11.4 / 6.5 us for
+# (4, 2048, 4) and 8.2 / 8.5 / 9.8 / 8.2 us for cuBLAS's GEMM + router_topk.
+GEMV_CONFIG = (1, 2048, 1)
 
 
 @triton.jit

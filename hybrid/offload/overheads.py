@@ -72,14 +72,11 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
     }
 
 
-FLOOR_F = (64, 128)  # the floor model's two expert widths (the CPU kernels pad the down projection's K to 64)
-
-
 def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: str = "cuda", resident: str = "half",
-                 intermediate: int = FLOOR_F[0]):
+                 intermediate: int = 64):
     """The model measure_graph_layer_floor times: (engine, slot prefilled with 16 tokens, config). Its 16
-    experts (top-8) are `intermediate` wide: at the 30B width each is 0.79 MB at 64, so a layer still reads
-    ~6 MB of experts; measure_graph_layer_floor extrapolates over two widths to take that out."""
+    experts (top-8) are `intermediate` wide (64: the CPU kernels pad the down projection's K to 64 anyway): at
+    the 30B width each is then 0.79 MB, so a layer with every expert cold still reads ~6 MB of them."""
     if resident not in ("half", "none", "all"):
         raise ValueError(f"resident must be half, none or all, got {resident!r}")
     from hybrid.models import build_empty, init_random_
@@ -127,40 +124,24 @@ def time_decode_steps(eng, slot, steps: int) -> list[float]:
 
 def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int = 4, steps: int = 30,
                               device: str = "cuda", resident: str = "half") -> dict:
-    """Seconds per decoder layer of a captured decode step at batch 1 that expert bytes do not explain, from a
-    small random Qwen3-MoE-shaped hybrid model at this hidden size (attention as in the Qwen3 model of that
-    width; 16 experts, top-8, half of them resident, so the CPU lane runs in every layer). The result is the
-    per-layer latency floor of graph decode (the step's own fixed costs, embedding to sampling, divided among
-    the layers); the planner's decode prediction adds it per layer (placement.predict.decode_floor) to the
-    expert reads it prices itself.
+    """Seconds per decoder layer of a captured decode step at batch 1, from a small random Qwen3-MoE-shaped
+    hybrid model at this hidden size (attention as in the Qwen3 model of that width; 16 experts 64 wide,
+    top-8, half of them resident, so the CPU lane runs in every layer). The result is the per-layer latency
+    floor of graph decode (the step's own fixed costs, embedding to sampling, divided among the layers); the
+    planner's decode prediction adds it per layer (placement.predict.decode_floor).
 
-    Even tiny experts are not free at a real width (0.79 MB each at 2048 x 64: ~3 MB of CPU-lane reads per
-    layer, ~25 us at 130 GB/s), and counting them here would count them twice. So the model is timed at two
-    expert widths, FLOOR_F = 64 and 128 (every expert byte doubles, nothing else changes), and the floor is the
-    step extrapolated to zero expert bytes: 2 t(64) - t(128), per layer (clamped at 0 with a warning, which
-    means noise larger than the floor). On a CPU device the same models decode eagerly (tests of this code;
-    the figure then means nothing for a GPU).
-    resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an all-DRAM
-    placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
-    import logging
-
+    An upper bound of the fixed cost, by the small experts' reads: at the 30B width each is 0.79 MB, so a
+    layer's cold ones are ~3 MB (~25 us from DRAM). Extrapolating over two expert widths to zero bytes was
+    tried (bench.decode_timeline --intermediate 64,128) and is not used here: on the GPU box's host the floor
+    model's experts partly sit in the large L3, so the extra bytes' cost swung 14-37 us between two calls.
+    On a CPU device the same model decodes eagerly (tests of this code; the figure then means nothing for a
+    GPU). resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an
+    all-DRAM placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
     import numpy as np
 
-    per_layer = {}
-    raw = {}
-    for f in FLOOR_F:
-        eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident, intermediate=f)
-        step = float(np.median(time_decode_steps(eng, slot, steps)))
-        per_layer[f], raw[f"decode_step_f{f}"] = step / cfg.num_layers, step
-        del eng, slot
-    a, b = FLOOR_F
-    floor = per_layer[a] - (per_layer[b] - per_layer[a]) * a / (b - a)
-    if floor < 0:
-        logging.getLogger("hybrid.offload").warning(
-            "graph floor extrapolated below zero (%.1f us per layer at F=%d, %.1f at F=%d): noise; stored as 0",
-            per_layer[a] * 1e6, a, per_layer[b] * 1e6, b)
-    return {"graph_layer_floor": max(0.0, floor),
-            "raw_s": {**raw, "layers": cfg.num_layers, **{f"per_layer_f{f}": t for f, t in per_layer.items()}}}
+    eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident)
+    step = float(np.median(time_decode_steps(eng, slot, steps)))
+    return {"graph_layer_floor": step / cfg.num_layers, "raw_s": {"decode_step": step, "layers": cfg.num_layers}}
 
 
 def _probe_profile():
