@@ -21,6 +21,10 @@ Bounds (bench/bounds.py says why no strategy can beat them):
   hybrid layers' routing histograms; captured (graph) steps are re-run eagerly on the same tokens and
   positions to read their routing (`decode_bB_replay_token_agreement` says how often the replay
   predicted the same next tokens, i.e. how faithful that routing is).
+- decode's CPU lane (compiled ISA on CUDA): `decode_bB_cpu_lane_ms_per_step` is the time the lane's jobs spent
+  computing per step (their own clock), `_cpu_lane_share` its share of the step and `_cpu_lane_GBps` the cold
+  experts' bytes over that time: against the DRAM ceiling it says whether the CPU kernel or the rest of the
+  step (GPU kernels, the hand-off) is what a step below its roofline lost.
 """
 
 from __future__ import annotations
@@ -295,7 +299,9 @@ def run(args) -> dict:
             lengths = [eng.lengths[s] for s in slots]
             snap = snapshot(off)
             captured = eng.graphs is not None
+            busy0 = off.cpu_lane_busy_s()
             times, fed, nxt, routing = decode_steps(eng, off, slots, first, args.steps, device, count=not captured)
+            lane_s = (off.cpu_lane_busy_s() - busy0) / args.steps
             row[f"decode_b{b}_sched"] = describe(snapshot(off) - snap, args.steps)
             if captured:  # captured steps do not count routing on the host: re-run them eagerly
                 routing, agree = replay_routing(eng, off, slots, lengths, fed, nxt)
@@ -314,6 +320,11 @@ def run(args) -> dict:
             row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
             row[f"decode_b{b}_roofline_tok_s"] = b / bound
             row[f"decode_b{b}_of_roofline"] = bound / step
+            if lane_s > 0:  # the host lane's jobs (doorbell or host functions): their share and read rate
+                cold = sum(c for c, _ in per_layer) * shape.weight_bytes
+                row[f"decode_b{b}_cpu_lane_ms_per_step"] = lane_s * 1e3
+                row[f"decode_b{b}_cpu_lane_share"] = lane_s / step
+                row[f"decode_b{b}_cpu_lane_GBps"] = cold / lane_s / 1e9
         results.append(row)
         print("  " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                               if not isinstance(v, dict)), flush=True)

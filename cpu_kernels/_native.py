@@ -64,7 +64,8 @@ class HyJob(ctypes.Structure):
                 ("lmap", ctypes.c_void_p), ("out", ctypes.c_void_p), ("x_dtype", ctypes.c_int32),
                 ("T", ctypes.c_int32), ("K", ctypes.c_int32), ("n_global", ctypes.c_int32),
                 ("out_dtype", ctypes.c_int32), ("pin_cpu", ctypes.c_int32), ("rc", ctypes.c_int32),
-                ("ids64", ctypes.c_int32), ("runs", ctypes.c_int64), ("failures", ctypes.c_int64)]
+                ("ids64", ctypes.c_int32), ("runs", ctypes.c_int64), ("failures", ctypes.c_int64),
+                ("busy_ns", ctypes.c_int64)]
 
 
 def _lib_path(name: str) -> str | None:

@@ -127,6 +127,11 @@ class HostJob:
     def failures(self) -> int:
         return self.job.failures
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent computing over all runs (the C function's own clock, wherever it ran)."""
+        return self.job.busy_ns * 1e-9
+
 
 class MoEHandle:
     """Result of CpuMoE.submit; .wait() returns the output tensor (or raises the call's error)."""

@@ -65,6 +65,25 @@ def test_set_repoints_an_id():
         lane.close()
 
 
+def test_host_job_counts_the_time_it_computes():
+    """busy_s (the C function's own clock) grows with every run, by no more than the wall time around it."""
+    import time
+
+    isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
+    moe, g = small_moe(isa, 3)
+    x = torch.randn(4, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(4)]).to(torch.int32)
+    w = torch.rand(4, K, generator=g)
+    job = moe.host_job(x, ids, w, torch.zeros(4, D, dtype=torch.bfloat16))
+    assert job.busy_s == 0.0
+    t0 = time.perf_counter()
+    job.run()
+    one = job.busy_s
+    job.run()
+    wall = time.perf_counter() - t0
+    assert 0 < one < job.busy_s <= wall
+
+
 def test_host_job_takes_int64_ids_as_the_router_writes_them():
     isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
     moe, g = small_moe(isa, 2)

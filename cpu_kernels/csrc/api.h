@@ -75,6 +75,7 @@ struct HyJob {
   int32_t rc;
   int32_t ids64;
   int64_t runs, failures;
+  int64_t busy_ns;  // time spent in forward over all runs (steady clock): what the lane costs in a step
 };
 
 namespace {
@@ -100,7 +101,9 @@ void run_host_job(void* p) {
       for (int64_t i = 0; i < n; ++i) narrow[i] = wide[i] >= 0 && wide[i] <= INT32_MAX ? (int32_t)wide[i] : -1;
       ids = narrow.data();
     }
+    const auto t0 = std::chrono::steady_clock::now();
     rc = forward(j->L, j->x, j->x_dtype, j->T, j->K, ids, j->wts, j->lmap, j->n_global, j->out, j->out_dtype);
+    j->busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {  // nothing may unwind into the CUDA driver
     rc = HY_EEXC;  // e.g. bad_alloc
   }

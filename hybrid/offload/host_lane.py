@@ -75,6 +75,7 @@ class HostFnLane:
         self.big = HostBuffers(pin=self.stream is not None)
         self._graph_jobs: list = []  # jobs captured graphs point at: alive as long as the lane
         self._eager_jobs: collections.deque = collections.deque()
+        self._retired_busy = 0.0  # busy_s of eager jobs no longer kept
         self._calls: dict[int, tuple] = {}  # ref ISA: key -> (layer, xh, ih, wh, oh, mask), read by _run
         self._keys = itertools.count(1)
         self._py_fn = _HOST_FN(self._run)  # one Python callback for every ref-ISA layer; kept alive here
@@ -167,9 +168,16 @@ class HostFnLane:
             log.exception("hybrid layer %d: CPU lane failed in a host function; output set to NaN", layer.layer)
             oh.fill_(float("nan"))
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the compiled CPU-lane jobs have spent computing, all jobs so far (retired eager ones included);
+        bench.hybrid_e2e divides its growth over timed steps by the steps (the CPU lane's share of a step)."""
+        return self._retired_busy + sum(j.busy_s for j in itertools.chain(self._graph_jobs, self._eager_jobs))
+
     def _retire_eager(self) -> None:
         while len(self._eager_jobs) >= self._EAGER_JOBS:
             job = self._eager_jobs.popleft()
+            self._retired_busy += job.busy_s
             if job.failures:
                 self._failures += job.failures
                 log.error("a CPU-lane host job failed with code %d; its layer output was set to NaN", job.rc)

@@ -133,6 +133,10 @@ class Offload:
             self._host_lane = HostFnLane(self.device, pin_cpus=self.lane_cpus, defer=self.defer > 0)
         return self._host_lane
 
+    def cpu_lane_busy_s(self) -> float:
+        """Seconds the host lane's compiled jobs have computed so far (0 before it exists)."""
+        return self._host_lane.busy_s if self._host_lane is not None else 0.0
+
     def uses_host_lane(self, layer) -> bool:
         """Eager calls: CUDA with a compiled CPU kernel use host functions; else the Python worker lane."""
         return self.device.type == "cuda" and layer.cpu_moe.isa != "ref" and self.eager_host_lane
