@@ -275,7 +275,7 @@ class MoEBlock(nn.Module):
         """Softmax routers at decode sizes with the fused kernels on: the logits GEMV joins the top-k kernel."""
         if self.router_cfg.kind != "softmax" or self.fp32_params or not gpu_kernels.fused_enabled(x):
             return False
-        if self._router_scratch is None and torch.cuda.is_current_stream_capturing():
+        if self._router_scratch is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
             # buffers made inside a capture would hold their zeros only once the graph replays (the decode
             # graphs warm up eagerly first, so this is a safety net): route this capture the unfused way
             return False
