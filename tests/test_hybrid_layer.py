@@ -235,6 +235,28 @@ def test_host_lane_buffers_keep_what_graphs_hold_and_replace_the_rest():
     assert not lane.big._old  # replaced, not kept
 
 
+def test_host_lane_skips_the_re_arm_only_where_no_id_rings_twice_in_a_row():
+    """Captured steps drop the doorbell's re-arm write only with two or more CPU-lane layers (each rings its
+    own id, so consecutive rings differ) and no expert deferral; outside a capture there is nothing for a
+    router kernel to write in place."""
+    import types
+
+    from hybrid.offload.host_lane import HostFnLane
+
+    def model(cold_per_layer, defer=0):
+        off = types.SimpleNamespace(defer=defer, layers=[])
+        off.layers = [types.SimpleNamespace(offload=off, cold_ids=np.arange(n)) for n in cold_per_layer]
+        return off.layers[0]
+
+    assert HostFnLane._rings_differ(model([3, 5]))
+    assert HostFnLane._rings_differ(model([0, 4, 4]))
+    assert not HostFnLane._rings_differ(model([4, 0]))  # one CPU-lane layer: the same id every ring
+    assert not HostFnLane._rings_differ(model([4, 4], defer=1))
+    assert not HostFnLane._rings_differ(types.SimpleNamespace())  # no offload to ask
+    layer, _ = make_layer("cpu", resident=(), isa=cpu_kernels.available_isas()[0])
+    assert HostFnLane(torch.device("cpu")).inputs_in_place(layer, 1, D, K, torch.float32) is None
+
+
 def test_spare_physical_core_leaves_its_smt_siblings_out_of_the_pool(monkeypatch, tmp_path):
     """HYBRID_SPARE_CORE=physical: on a fake 4-core / 8-thread machine (siblings n and n + 4) the pool
     gives up the last cpu and its sibling."""

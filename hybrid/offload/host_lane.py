@@ -218,7 +218,7 @@ class HostFnLane:
         """Inside a capture: the mapped aliases (x, ids, weights) of the page-locked block the next enqueue of
         `layer` at this size will hand the lane, for a kernel before it to write (then enqueue(...,
         inputs_written=True)); None where enqueue would not read them from there."""
-        if not torch.cuda.is_current_stream_capturing() or T > self.MAX_ROWS:
+        if self.stream is None or T > self.MAX_ROWS or not torch.cuda.is_current_stream_capturing():
             return None
         if self.doorbell(layer.cpu_moe.isa) is None:
             return None
