@@ -15,7 +15,8 @@ not the experts). Variants, per layer:
 - kspin:    the producer rings, the consumer kernel spins on the done word itself (no memory operation);
 - side3:    memop3 on a side stream forked from and joined to the main one, as HostFnLane does.
 
-Each figure is the median graph replay divided by `layers`, minus nothing: compare variants with each other.
+Each figure is the median graph replay divided by `layers` (nothing subtracted): compare the variants with each
+other and with `base`. Box run 9 (bench/results/h200/decode/run9/call1/): 2.1, 10.6, 8.9, 8.3, 9.1, 10.5 us.
 """
 
 from __future__ import annotations
