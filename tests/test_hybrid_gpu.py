@@ -143,8 +143,25 @@ def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resid
     from hybrid.runtime.engine import Engine
     from hybrid.runtime.sampling import SamplingParams
 
+    from hybrid import gpu_kernels
+    from hybrid.offload.host_lane import HostFnLane
+
     ckpt = demo_checkpoint(tmp_path, layers=3, seed=4)
     runs = {}
+    calls = {"packed": 0, "in_place": 0}
+    real_pack, real_in_place = HostFnLane._write_packed, HostFnLane.inputs_in_place
+
+    def packed(self, *a, **k):
+        calls["packed"] += 1
+        return real_pack(self, *a, **k)
+
+    def in_place(self, *a, **k):
+        got = real_in_place(self, *a, **k)
+        calls["in_place"] += got is not None
+        return got
+
+    monkeypatch.setattr(HostFnLane, "_write_packed", packed)
+    monkeypatch.setattr(HostFnLane, "inputs_in_place", in_place)
     for bell in ("1", "0"):
         monkeypatch.setenv("HYBRID_DOORBELL", bell)
         model, off = load_hybrid(ckpt, "cuda", torch.bfloat16, HybridConfig(gpu_experts=resident, schedule="cpu"),
@@ -158,6 +175,9 @@ def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resid
     (tok1, served1, fail1), (tok0, served0, fail0) = runs["1"], runs["0"]
     assert served1 > 0 and served0 == 0 and fail1 == fail0 == 0
     assert tok1 == tok0
+    if gpu_kernels.fused_enabled(torch.zeros(1, device="cuda")):
+        # the softmax router's kernel wrote every captured layer's lane inputs: no packing kernel was captured
+        assert calls["in_place"] > 0 and calls["packed"] == 0
 
 
 @pytest.mark.parametrize("resident", [0, 4])
