@@ -47,7 +47,10 @@ def kernel_table(eng, slot, layers: int, steps: int = 5) -> dict:
 
 
 def _short(name: str) -> str:
-    return name.split("(")[0].split("<")[0].replace("void ", "").split("::")[-1][:40]
+    """A kernel's bare name: `void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)` ->
+    `CatArrayBatchedCopy` (the namespace is dropped first: its parenthesis would cut the name off)."""
+    name = name.replace("(anonymous namespace)::", "").replace("void ", "")
+    return name.split("(")[0].split("<")[0].split("::")[-1][:40]
 
 
 def gap_table(kernels, per: int, step_gap_us: float = 300.0) -> dict:

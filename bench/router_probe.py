@@ -2,7 +2,8 @@
 
     python -m bench.router_probe [--out FILE.json]
 
-Each case is a CUDA graph of N back-to-back router calls, replayed; the figure is the median replay / N. The
+Each case is a CUDA graph of N back-to-back router calls, replayed; the figure is the median replay / N (timed
+with CUDA events since the call-3 figures of BENCHMARKS.md, which timed the host around each replay). The
 calls rotate over N = 200 copies of the router weight (100 MB at 128 x 2048, past the H200's 50 MB L2: a
 model's layers each read their own router after ~40 MB of other weights).
 Shapes: Qwen3-30B-A3B (E 128, D 2048, top-8) at 1 and 8 rows, Qwen3-235B-A22B (D 4096), gpt-oss-20b (E 32,
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.gemv_probe import graphs_of, time_graphs
 from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk, router_topk
 
 SHAPES = [(1, 128, 2048, 8, False), (8, 128, 2048, 8, False), (1, 128, 4096, 8, False), (1, 32, 2880, 4, True)]
@@ -27,27 +27,10 @@ CONFIGS = [(1, 2048, 1), (2, 2048, 1), (2, 1024, 1), (4, 1024, 1), (4, 512, 1), 
 N = 200
 
 
-def graph_us(fn, reps: int = 50) -> float:
-    """fn(i) for i in range(N) captured in one graph; median microseconds per call."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for i in range(N):
-            fn(i)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / N * 1e6
+def graph_us(fn, weights, rounds: int = 50) -> float:
+    """fn(None, w) for each of the N weights captured in one graph (bench.gemv_probe's graph timing: CUDA
+    events around each replay); median microseconds per call."""
+    return time_graphs(graphs_of(fn, None, weights, N), rounds) / N
 
 
 def main(argv=None) -> int:
@@ -64,14 +47,14 @@ def main(argv=None) -> int:
         w = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
         ws = [w.clone() for _ in range(N)]
         b = (torch.randn(E, device=dev, generator=g) * 0.1).bfloat16() if bias else None
-        base = graph_us(lambda i: router_topk(F.linear(x, ws[i], b), K, True))
+        base = graph_us(lambda _, wi: router_topk(F.linear(x, wi, b), K, True), ws)
         ref = router_topk(F.linear(x, w, b), K, True)
         row = {"T": T, "E": E, "D": D, "K": K, "cublas_topk_us": base, "configs": {}}
         print(f"T={T} E={E} D={D} K={K} bias={bias}: cuBLAS + router_topk {base:6.2f} us", flush=True)
         for cfg in CONFIGS:
             sc = RouterScratch(E, dev)
             try:
-                us = graph_us(lambda i: router_gemv_topk(x, ws[i], b, K, True, 1.0, sc, config=cfg))
+                us = graph_us(lambda _, wi: router_gemv_topk(x, wi, b, K, True, 1.0, sc, config=cfg), ws)
                 ids, _ = router_gemv_topk(x, w, b, K, True, 1.0, sc, config=cfg)
                 same = float((ids == ref[0]).float().mean())
             except Exception as exc:  # noqa: BLE001 - a config the compiler refuses: say so, go on

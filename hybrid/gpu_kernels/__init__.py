@@ -14,7 +14,10 @@ microseconds even inside a CUDA graph, and nothing of it overlaps the CPU expert
   context bucket holds more than one chunk. The splits' boundaries do not depend on the bucket, so eager and
   captured decode give the same values;
 - `router_topk` / `router_sigmoid_topk`: the routers' top-k (softmax; DeepSeek/GLM's group-limited sigmoid) in
-  one kernel each instead of 3 and ~12.
+  one kernel each instead of 3 and ~12; `router_gemv_topk`: at decode sizes the softmax router's logits GEMV
+  in the same kernel, which in captured steps also writes the CPU lane's inputs into its page-locked block;
+- `gemv.linear_small`: the q/k/v and o_proj projections of a one-row decode step (cuBLAS's batch-1 GEMMs
+  reach 1.8-2.7 TB/s there).
 
 Each kernel has a pure-PyTorch reference (the model's own layers) and is tested against it over ragged shapes
 with Triton's interpreter on the CPU (tests/test_gpu_kernels.py) and compiled on the GPU box.

@@ -37,7 +37,7 @@ The config table (`TABLE`) is keyed by T and (N, K) ranges. Its rows were reason
 bench/gemv_probe.py then timed them and a grid around them against cuBLAS on the GPU box (box run 9 call 3,
 weights rotated past L2; bench/results/h200/decode/run9/call3/gemv_probe.txt). At T = 1 the table's configs
 beat cuBLAS: q/k/v (5120 x 2048) 7.09 us vs 7.77, o_proj (2048 x 4096) 6.22 vs 9.32, router (128 x 2048) 2.46
-vs 5.41 (the best of the grid was within 3% of the table). At T = 8 they lost (12.9 / 12.7 us vs 7.8 / 9.3;
+vs 5.41 (the best of the grid was at most 4% faster than the table). At T = 8 they lost (12.9 / 12.7 us vs 7.8 / 9.3;
 the best dot configs 10.3 / 10.5), so the model calls this kernel at one row only (layers.decode_linear).
 On the CPU the same source runs in Triton's interpreter (TRITON_INTERPRET=1, see launch.py): operands are
 widened to fp32 first and dots run in IEEE fp32 (the interpreter's bf16 arithmetic is wrong), and its
@@ -247,10 +247,11 @@ def kernel_constants(T: int, N: int, K: int, cfg: GemvConfig, has_bias: bool, f3
 
 
 def linear_small(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: GemvConfig | None = None) -> torch.Tensor:
+                 config: GemvConfig | None = None, checked: bool = False) -> torch.Tensor:
     """x [T, K] (T <= 8) @ w.T (w [N, K] contiguous) + bias [N] -> y [T, N] in x's dtype, fp32 accumulation.
-    `config`: None takes the table's (pick_config); check linear_small_supported first."""
-    if not linear_small_supported(x, w, bias):
+    `config`: None takes the table's (pick_config); check linear_small_supported first (checked=True: the
+    caller just did, so it is not done again on the decode path)."""
+    if not checked and not linear_small_supported(x, w, bias):
         raise ValueError(f"linear_small declines x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} {w.dtype} "
                          f"(contiguous: {w.is_contiguous()}); use F.linear")
     T, K = x.shape

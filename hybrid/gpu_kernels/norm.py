@@ -28,8 +28,6 @@ def _add_rms_norm(h, delta, w, h_out, y_out, D, stride_h, stride_d, stride_ho, s
     tl.store(y_out + row * stride_y + i, (x * rstd * wt).to(y_out.dtype.element_ty), mask=m)
 
 
-
-
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """h, delta [..., D] (delta may be another dtype, e.g. fp32, or live in mapped host memory) -> (h + delta,
     its RMSNorm scaled by weight [D]), both in h's dtype and shape."""
@@ -42,5 +40,5 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     y = torch.empty_like(h_out)
     if rows:
         _add_rms_norm[(rows,)](h2, d2, weight, h_out, y, D, h2.stride(0), d2.stride(0), h_out.stride(0),
-                                       y.stride(0), float(eps), BLOCK=next_pow2(D))
+                               y.stride(0), float(eps), BLOCK=next_pow2(D))
     return h_out.view(h.shape), y.view(h.shape)

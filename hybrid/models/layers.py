@@ -92,7 +92,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> t
         from hybrid.gpu_kernels.gemv import linear_small, linear_small_supported
 
         if linear_small_supported(x, w, b):
-            return linear_small(x, w, b)
+            return linear_small(x, w, b, checked=True)
     return F.linear(x, w, b)
 
 

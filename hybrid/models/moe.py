@@ -294,13 +294,13 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router
         # kernel, written into its page-locked buffers: then it needs no packing kernel of its own.
+        gemv = self._gemv_router(x)
         ask = getattr(self.experts, "lane_inputs", None)
-        into = ask(x, self.top_k) if ask is not None and self._gemv_router(x) else None
+        into = ask(x, self.top_k) if ask is not None and gemv else None
+        ids, weights = self._route_gemv(x, into) if gemv else self.route(x)
         if into is not None:
-            ids, weights = self._route_gemv(x, into)
             out = self.experts(x, ids, weights, inputs_written=True)
         else:
-            ids, weights = self.route(x)
             out = self.experts(x, ids, weights)  # [T, D]
         if self.shared is not None:
             shared = self.shared(x)
