@@ -59,6 +59,16 @@ def distinct_per_step(step_counts: list[np.ndarray], resident: np.ndarray) -> tu
     return float((touched & ~resident).sum(1).mean()), float((touched & resident).sum(1).mean())
 
 
+def reused_share(step_counts: list[np.ndarray], resident: np.ndarray) -> float:
+    """Share of the cold experts a step reads that the step before it read too (same layer), averaged over
+    steps 2..n: 0 when every step reads new experts. A read that repeats a step's ago may come from the CPU's
+    last-level cache rather than DRAM, so a high share makes the DRAM roofline an underestimate of the speed
+    reachable (random-weight models can repeat their routing from token to token far more than trained ones)."""
+    touched = [(np.asarray(c) > 0) & ~resident for c in step_counts]
+    shares = [float((now & before).sum() / now.sum()) for before, now in zip(touched, touched[1:]) if now.sum()]
+    return float(np.mean(shares)) if shares else 0.0
+
+
 def decode_step_bound(layers: list[tuple[float, float]], cold_bytes: float, resident_bytes: float,
                       dense_bytes: float, dram_bw: float, hbm_bw: float) -> float:
     """Seconds per decode step: per layer max(cold distinct x bytes / B_D, resident distinct x bytes / B_H),

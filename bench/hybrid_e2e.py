@@ -46,7 +46,7 @@ from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
 from hybrid.runtime.config import RuntimeConfig
-from bench.bounds import decode_step_bound, distinct_per_step, split_lower_bound
+from bench.bounds import decode_step_bound, distinct_per_step, reused_share, split_lower_bound
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
 from placement.hardware import resolve_profile
@@ -318,6 +318,8 @@ def run(args) -> dict:
             row[f"decode_b{b}_ms"] = step * 1e3
             row[f"decode_b{b}_cold_experts_per_layer_step"] = float(np.mean([c for c, _ in per_layer]))
             row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
+            row[f"decode_b{b}_cold_reused_from_last_step"] = float(np.mean(
+                [reused_share([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]))
             row[f"decode_b{b}_roofline_tok_s"] = b / bound
             row[f"decode_b{b}_of_roofline"] = bound / step
             if lane_s > 0:  # the host lane's jobs (doorbell or host functions): their share and read rate

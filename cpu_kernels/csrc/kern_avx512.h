@@ -21,7 +21,7 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T0);
+    if (g_prefetch) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
@@ -39,7 +39,7 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   for (int kk = 0; kk < k; kk += 64) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T0);
+    if (g_prefetch) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
