@@ -5,7 +5,9 @@ bench.cpu_moe routes one expert per token (K = 1); a decode step routes every to
 call reads the distinct experts the batch chose and sums K outputs per token. This probe times exactly that,
 for the decode path's knobs (cpu_kernels._native.tune: fused single phase vs the phased path, software
 prefetch), counting the distinct experts each call really read. Expert pools rotate call to call so that
-weights come from DRAM, not from the last-level cache.
+weights come from DRAM, not from the last-level cache: the pool holds at least 4 x the LLC of the
+smallest dtype asked for (run 10 on the GPU box, 300 MiB L3: a 128-expert pool read 8 random int4 experts
+x 8 tokens at "118%" of DRAM, 512 experts at 88%).
 
     python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
     python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused-nopf
@@ -24,9 +26,20 @@ import torch
 
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native
-from cpu_kernels.bandwidth import default_read_bytes
+from cpu_kernels.bandwidth import default_read_bytes, llc_bytes
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3-235b-a22b": (4096, 1536), "tiny": (512, 256)}
+BITS = {"bf16": 16, "int8": 8, "int4": 4, "mxfp4": 4.25}  # weight bits per value, scales included (roughly)
+
+
+def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> int:
+    """Experts in the pool: at least `least`, and enough that the smallest dtype's pool is >= 4 x the LLC,
+    in multiples of 64 (a layer call reads at most 64 distinct experts at 8 tokens x top-8)."""
+    per = 3 * D * F * min(BITS[d] for d in dtypes) / 8
+    need = int(-(-4 * llc // per))
+    return max(least, -(-need // 64) * 64)
+
+
 VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
             "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0)}
 
@@ -110,7 +123,8 @@ def measure_floors(D: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    p.add_argument("--experts", type=int, default=128, help="experts in the pool (reads rotate over them)")
+    p.add_argument("--experts", type=int, help="experts in the pool (reads rotate over them; default: at least 128 "
+                   "and 4 x the LLC of the smallest dtype)")
     p.add_argument("--dtypes", default="bf16,int8,int4")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
@@ -130,12 +144,14 @@ def main(argv=None) -> int:
     # The pool spins between calls as in GPU decode (hybrid.offload.host_lane sets 2 ms), so that the Python
     # bookkeeping between two timed calls does not put the workers to sleep (a futex wake per call).
     _native.tune(isa, "spin_us", a.spin_us)
+    dtypes = a.dtypes.split(",")
+    pool = a.experts or pool_size(dtypes, D, F, llc_bytes())
     print(f"# decode_probe: {platform.node()} isa={isa} threads={threads} shape={a.shape} (D={D}, F={F}) "
-          f"experts={a.experts}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
-    wg, wu, wd = random_experts(a.experts, D, F)
+          f"experts={pool}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
+    wg, wu, wd = random_experts(pool, D, F)
     rows = []
     print(f"{'dtype':5} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
-    for dtype in a.dtypes.split(","):
+    for dtype in dtypes:
         moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads)
         for case in a.cases.split(","):
             T, K, same = parse_case(case)
@@ -152,7 +168,7 @@ def main(argv=None) -> int:
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F,
+            json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F, pool=pool,
                            ceiling_gbps=ceiling, rows=rows, floors_s=floors), f, indent=1)
     return 0
 

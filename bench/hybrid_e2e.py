@@ -46,7 +46,7 @@ from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
 from hybrid.runtime.config import RuntimeConfig
-from bench.bounds import decode_step_bound, distinct_per_step, reused_share, split_lower_bound
+from bench.bounds import decode_step_bound, distinct_per_step, llc_adjusted, reused_per_step, reused_share, split_lower_bound
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
 from placement.hardware import resolve_profile
@@ -114,7 +114,7 @@ def measured_bandwidths(off, hw, device) -> dict:
     """DRAM read with the executor's own threads (cpu_kernels' stream read over a buffer well above the
     LLC) and HBM copy bandwidth, measured now: the decode bound uses these, not the profile's."""
     import cpu_kernels
-    from cpu_kernels.bandwidth import default_read_bytes
+    from cpu_kernels.bandwidth import default_read_bytes, llc_bytes
 
     moe = off.layers[0].cpu_moe
     nbytes = default_read_bytes()
@@ -125,7 +125,7 @@ def measured_bandwidths(off, hw, device) -> dict:
         hbm = measure_hbm(1 << 30)
     else:
         hbm = hw.hbm_bw  # no GPU: the profile's figure (the bench's numbers mean nothing here anyway)
-    return {"dram_bw": dram, "dram_buffer_bytes": nbytes, "hbm_bw": hbm,
+    return {"dram_bw": dram, "dram_buffer_bytes": nbytes, "llc_bytes": llc_bytes(), "hbm_bw": hbm,
             "hbm_method": "device copy, 1 GiB" if device.type == "cuda" else "profile"}
 
 
@@ -247,7 +247,7 @@ def run(args) -> dict:
     bw = measured_bandwidths(off, hw, device)
     print(f"# measured now: DRAM read {bw['dram_bw'] / 1e9:.1f} GB/s ({bw['dram_buffer_bytes'] / 2**20:.0f} MiB "
           f"buffer, executor threads), HBM {bw['hbm_bw'] / 1e9:.0f} GB/s ({bw['hbm_method']}); "
-          f"profile: {hw.dram_bw / 1e9:.1f} / {hw.hbm_bw / 1e9:.0f} GB/s", flush=True)
+          f"profile: {hw.dram_bw / 1e9:.1f} / {hw.hbm_bw / 1e9:.0f} GB/s; LLC {bw['llc_bytes'] >> 20} MiB", flush=True)
     gpu_shape = expert_shape(cfg, "bf16", dtype)
     w_gpu = expert_vram_bytes(cfg, dtype)
     dense = dense_bytes(model)
@@ -320,6 +320,11 @@ def run(args) -> dict:
             row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
             row[f"decode_b{b}_cold_reused_from_last_step"] = float(np.mean(
                 [reused_share([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]))
+            reused = [reused_per_step([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]
+            llc_bound = decode_step_bound(llc_adjusted(per_layer, reused, shape.weight_bytes, bw["llc_bytes"]),
+                                          shape.weight_bytes, w_gpu, dense, bw["dram_bw"], bw["hbm_bw"])
+            row[f"decode_b{b}_llc_roofline_tok_s"] = b / llc_bound
+            row[f"decode_b{b}_of_llc_roofline"] = llc_bound / step
             row[f"decode_b{b}_roofline_tok_s"] = b / bound
             row[f"decode_b{b}_of_roofline"] = bound / step
             if lane_s > 0:  # the host lane's jobs (doorbell or host functions): their share and read rate

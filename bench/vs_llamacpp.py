@@ -54,7 +54,9 @@ def run_hybrid(args, cpu_dtype: str, resident: int, extra_env: dict | None = Non
         subprocess.run(cmd, check=True, env={**os.environ, **(extra_env or {})})
         res = json.loads((Path(tmp) / f"hybrid_e2e_{args.preset}.json").read_text())
     r = res["results"][0]
-    keep = ("tok_s", "roofline_tok_s", "of_roofline", "cold_experts_per_layer_step", "replay_token_agreement")
+    keep = ("tok_s", "roofline_tok_s", "of_roofline", "llc_roofline_tok_s", "of_llc_roofline",
+            "cold_reused_from_last_step", "cold_experts_per_layer_step", "replay_token_agreement", "cpu_lane_share",
+            "cpu_lane_GBps")
     out = {f"b{b}_{k}": r.get(f"decode_b{b}_{k}") for b in (1, 8) for k in keep}
     out.update(tok_s=r["decode_b1_tok_s"], measured=res.get("measured"), header=res.get("header"), cmd=" ".join(cmd))
     return out
@@ -75,6 +77,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.bar([i - 0.2 for i in x], theirs, 0.4, label="llama.cpp")
     ax.bar([i + 0.2 for i in x], ours, 0.4, label="hybrid")
     ax.scatter([i + 0.2 for i in x], roof, marker="_", s=400, color="k", label="roofline (hybrid's placement)")
+    llc = [r["hybrid"].get("b1_llc_roofline_tok_s") or 0.0 for r in rows]
+    ax.scatter([i + 0.2 for i in x], llc, marker="_", s=400, color="tab:red", label="roofline, repeated reads from LLC")
     for i, r in enumerate(rows):
         if r.get("ratio"):
             ax.annotate(f"{r['ratio']:.2f}x", (i + 0.2, ours[i]), ha="center", va="bottom", fontsize=8)
@@ -131,17 +135,28 @@ def main(argv=None) -> int:
               f"{row['hybrid']['tok_s']:7.1f} tok/s  ratio {row.get('ratio', float('nan')):.2f}  "
               f"hybrid/roofline {row['hybrid'].get('b1_of_roofline') or float('nan'):.2f}  "
               f"(b8 {row['hybrid'].get('b8_tok_s') or float('nan'):.1f} tok/s, "
-              f"{row['hybrid'].get('b8_of_roofline') or float('nan'):.2f} of roofline)", flush=True)
+              f"{row['hybrid'].get('b8_of_roofline') or float('nan'):.2f} of roofline; LLC-aware "
+              f"{row['hybrid'].get('b1_of_llc_roofline') or float('nan'):.2f} / "
+              f"{row['hybrid'].get('b8_of_llc_roofline') or float('nan'):.2f})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_llamacpp.json").write_text(json.dumps(dict(layers=args.layers, preset=args.preset, rows=rows), indent=1))
-    lines = ["| case | llama.cpp tok/s | hybrid tok/s | ratio | hybrid of roofline | hybrid b8 of roofline |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    # "LLC-aware": the bound if every read the step before also made came from the LLC, as far as it holds
+    # them (bench.bounds.llc_adjusted); "reused": the share of a step's cold experts the step before read too.
+    lines = ["| case | llama.cpp tok/s | hybrid tok/s | ratio | hybrid of roofline (LLC-aware) | b1 reused | "
+             "hybrid b8 of roofline (LLC-aware) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def pct(v):
+        return f"{v * 100:.0f}%" if v is not None else "-"
+
     for r in rows:
         h, l = r["hybrid"], r.get("llama")
         lines.append(f"| {r['case']} | {l['tok_s']:.1f} ± {l['stddev']:.1f} | " if l else f"| {r['case']} | - | ")
         lines[-1] += (f"{h['tok_s']:.1f} | {r['ratio']:.2f}x | " if l else f"{h['tok_s']:.1f} | - | ")
-        lines[-1] += f"{(h.get('b1_of_roofline') or 0) * 100:.0f}% | {(h.get('b8_of_roofline') or 0) * 100:.0f}% |"
+        lines[-1] += (f"{pct(h.get('b1_of_roofline'))} ({pct(h.get('b1_of_llc_roofline'))}) | "
+                      f"{pct(h.get('b1_cold_reused_from_last_step'))} | "
+                      f"{pct(h.get('b8_of_roofline'))} ({pct(h.get('b8_of_llc_roofline'))}) |")
     (out / "vs_llamacpp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, out / "vs_llamacpp.png")

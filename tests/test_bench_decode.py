@@ -20,6 +20,18 @@ def test_decode_probe_writes_rows_per_dtype_case_and_variant(tmp_path):
     assert {r["case"]: r["distinct_experts"] for r in res["rows"]} == {"1x8": 8, "2x4same": 4}
 
 
+def test_decode_probe_pool_is_past_the_llc_for_the_smallest_dtype():
+    D, F = decode_probe.SHAPES["qwen3-30b-a3b"]
+    llc = 300 << 20  # the GPU box's L3
+    for dtypes in (["int4"], ["bf16", "int8", "int4"], ["bf16"], ["int8", "bf16"]):
+        pool = decode_probe.pool_size(dtypes, D, F, llc)
+        per = 3 * D * F * min(decode_probe.BITS[d] for d in dtypes) / 8
+        assert pool % 64 == 0 and pool >= 128 and pool * per >= 4 * llc
+        assert pool == 128 or (pool - 64) * per < 4 * llc  # the smallest such multiple of 64
+    assert decode_probe.pool_size(["int4"], D, F, 300 << 20) > decode_probe.pool_size(["bf16"], D, F, 300 << 20)
+    assert decode_probe.pool_size(["bf16"], D, F, 0) == 128  # no LLC known: the old default
+
+
 def test_vs_llamacpp_table_and_ratio(tmp_path):
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\necho '[{\"avg_ts\": 50.0, \"stddev_ts\": 1.5}]'\n")
@@ -33,5 +45,6 @@ def test_vs_llamacpp_table_and_ratio(tmp_path):
     assert row["llama"]["tok_s"] == 50.0
     assert row["ratio"] == row["hybrid"]["tok_s"] / 50.0 and row["hybrid"]["tok_s"] > 0
     assert row["hybrid"]["b1_cold_experts_per_layer_step"] > 0
+    assert row["hybrid"]["b1_llc_roofline_tok_s"] >= row["hybrid"]["b1_roofline_tok_s"] > 0
     assert "| bf16 | 50.0 ± 1.5 |" in (out / "vs_llamacpp.md").read_text()
     assert (out / "vs_llamacpp.png").stat().st_size > 0

@@ -65,4 +65,29 @@ def test_hybrid_e2e_smoke(tmp_path):
     # the prefill bound is below the old all-ship link time (it may split) and above the measured time
     assert row["prefill_32_bound_tok_s"] >= row["prefill_32_all_ship_link_tok_s"]
     assert 0 < row["prefill_32_of_bound"] <= 1
+    # repeated reads: a share; the bound with them served by the LLC is never slower than the DRAM-only one
+    for b in (1, 2):
+        assert 0 <= row[f"decode_b{b}_cold_reused_from_last_step"] <= 1
+        assert row[f"decode_b{b}_llc_roofline_tok_s"] >= row[f"decode_b{b}_roofline_tok_s"]
+    assert res["measured"]["llc_bytes"] >= 0
     assert res["measured"]["dram_bw"] > 0 and res["measured"]["dram_buffer_bytes"] >= 256 << 20
+
+
+def test_reuse_counted_against_the_step_before_and_llc_bound_never_slower():
+    from bench.bounds import llc_adjusted, reused_per_step, reused_share
+
+    resident = np.array([False] * 6 + [True] * 2)
+    # step 1 reads cold 0-3, step 2 cold 2-5 (2 of its 4 again), step 3 cold 2-5 again (all 4); resident 6
+    # and 7 never count
+    steps = [np.array([1, 1, 1, 1, 0, 0, 1, 0]), np.array([0, 0, 2, 1, 1, 1, 0, 1]),
+             np.array([0, 0, 1, 1, 1, 1, 1, 1])]
+    assert reused_per_step(steps, resident) == pytest.approx((2 + 4) / 2)
+    assert reused_share(steps, resident) == pytest.approx((0.5 + 1.0) / 2)
+    assert reused_per_step(steps[:1], resident) == 0.0 and reused_share([steps[0]] * 2, resident) == 1.0
+    layers = [(4.0, 1.0), (2.0, 0.0)]
+    # an LLC large enough for every reused expert takes them all out; one of a quarter of their bytes a quarter
+    assert llc_adjusted(layers, [3.0, 1.0], cold_bytes=10.0, llc_bytes=1e9) == [(1.0, 1.0), (1.0, 0.0)]
+    assert llc_adjusted(layers, [3.0, 1.0], cold_bytes=10.0, llc_bytes=10.0) == [(3.25, 1.0), (1.75, 0.0)]
+    assert llc_adjusted(layers, [0.0, 0.0], cold_bytes=10.0, llc_bytes=10.0) == layers
+    plain = decode_step_bound(layers, 10.0, 5.0, 100.0, 10.0, 100.0)
+    assert decode_step_bound(llc_adjusted(layers, [3.0, 1.0], 10.0, 10.0), 10.0, 5.0, 100.0, 10.0, 100.0) < plain
