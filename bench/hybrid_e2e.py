@@ -25,6 +25,11 @@ Bounds (bench/bounds.py says why no strategy can beat them):
   computing per step (their own clock), `_cpu_lane_share` its share of the step and `_cpu_lane_GBps` the cold
   experts' bytes over that time: against the DRAM ceiling it says whether the CPU kernel or the rest of the
   step (GPU kernels, the hand-off) is what a step below its roofline lost.
+- repeated routing: `decode_bB_cold_reused_from_last_step` is the share of a step's cold experts that the step
+  before read too. Those reads may come from the CPU's last-level cache (random-weight models repeat their
+  routing far more than trained ones), so the DRAM-only roofline can be beaten; `_llc_roofline_tok_s` is the
+  bound with them served free as far as the LLC holds them (bench.bounds.llc_adjusted), `_of_llc_roofline`
+  the step's share of it.
 """
 
 from __future__ import annotations
