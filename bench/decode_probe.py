@@ -41,9 +41,7 @@ def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> 
 
 
 VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
-            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0),
-            # one token per expert: 4-row blocks read in lockstep (blocks) or row after row (rows; g_rowseq)
-            "fused-blocks": dict(fused=1, prefetch=1, rowseq=0), "fused-rows": dict(fused=1, prefetch=1, rowseq=1)}
+            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0)}
 
 
 def random_experts(E: int, D: int, F: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,6 @@ HY_API int hy_tune(const char* name, int value) {
   int old;
   if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
-  else if (!std::strcmp(name, "rowseq")) { old = g_rowseq; g_rowseq = value; }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
   else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }
   else return -1;

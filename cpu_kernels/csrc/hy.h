@@ -54,7 +54,6 @@ namespace {
 // 20.5; 8 x 4 int8 10.0 -> 17.3, bf16 11.7 -> 19.1 (T0 one block ahead read no faster than no prefetch at
 // all there; 2 threads: int8 22.8 -> 29.0, bf16 24.3 -> 28.5 of a 35.5 GB/s ceiling).
 int g_prefetch = 1;
-int g_rowseq = 0;  // EXPERIMENT
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;

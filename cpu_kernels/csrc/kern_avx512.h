@@ -50,46 +50,6 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
       C[t * ldc + j] = (float)(_mm512_reduce_add_epi32(acc[j][t]) - 128 * rsum[j]) * sw[j] * act_scale(rows[t], k);
 }
 
-// One row x one token (bf16 / int8), for row-at-a-time blocks (vec_block at one token, g_rowseq): the row is
-// read as one sequential stream, four accumulators deep for the adds' latency; the activation row is re-read
-// from L1 per row. Prefetch: the same columns 8 rows down into L2, as the block kernels.
-inline float bf16_row1(const uint16_t* w, int64_t ldw, int k, const uint16_t* a) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  int kk = 0;
-  for (; kk + 128 <= k; kk += 128)
-    for (int i = 0; i < 4; ++i) {
-      const int c = kk + 32 * i;
-      if (g_prefetch) _mm_prefetch((const char*)(w + 8 * ldw + c), _MM_HINT_T1);
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512((const void*)(w + c)),
-                                (__m512bh)_mm512_loadu_si512((const void*)(a + c)));
-    }
-  for (; kk < k; kk += 32) {
-    if (g_prefetch) _mm_prefetch((const char*)(w + 8 * ldw + kk), _MM_HINT_T1);
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512((const void*)(w + kk)),
-                              (__m512bh)_mm512_loadu_si512((const void*)(a + kk)));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-}
-
-inline int32_t i8_row1(const int8_t* w, int64_t ldw, int k, const uint8_t* a) {  // a: the activations, +128
-  const __m512i off = _mm512_set1_epi8((char)0x80);
-  __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-  int kk = 0;
-  for (; kk + 256 <= k; kk += 256)
-    for (int i = 0; i < 4; ++i) {
-      const int c = kk + 64 * i;
-      if (g_prefetch) _mm_prefetch((const char*)(w + 8 * ldw + c), _MM_HINT_T1);
-      const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void*)(a + c)), off);
-      acc[i] = _mm512_dpbusd_epi32(acc[i], x, _mm512_loadu_si512((const void*)(w + c)));
-    }
-  for (; kk < k; kk += 64) {
-    if (g_prefetch) _mm_prefetch((const char*)(w + 8 * ldw + kk), _MM_HINT_T1);
-    const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void*)(a + kk)), off);
-    acc[0] = _mm512_dpbusd_epi32(acc[0], x, _mm512_loadu_si512((const void*)(w + kk)));
-  }
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3])));
-}
-
 // int4, group size GS a compile-time constant (no division in the loop): the products of one group are
 // summed in int32 and scaled once per group (GS >= 64: per 1-2 chunks of 64 K values), instead of a
 // convert + FMA per chunk. Per row and chunk (32 bytes, 64 nibbles) the unpacking is one broadcast load and
@@ -155,10 +115,7 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // and fp32 accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 template <int MT, int GS>
 void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
-  if (MT <= 2 && g_rowseq >= MT) {  // EXPERIMENT: one row at a time (one sequential stream)
-    const int G = k / GS;
-    for (int j = 0; j < 4; ++j) i4_rows_g<1, MT, GS>(w + j * ldw, ldw, k, rows, sw + j * G, C + j, ldc);
-  } else if (MT <= 2) {
+  if (MT <= 2) {
     i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc);
   } else {
     const int G = k / GS;
@@ -238,18 +195,7 @@ template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
   const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
-  if (MT == 1 && g_rowseq && (M.dtype == HY_BF16 || M.dtype == HY_INT8)) {
-    if (M.dtype == HY_BF16) {
-      const uint16_t* w = (const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
-      for (int j = 0; j < 4; ++j) C[j] = bf16_row1(w + j * M.ldk, M.ldk, M.ldk, (const uint16_t*)rows[0]);
-    } else {
-      const int8_t* w = (const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
-      const int32_t* rs = M.rsum + e * M.r_estride + r;
-      const float as = act_scale(rows[0], M.ldk);
-      for (int j = 0; j < 4; ++j)
-        C[j] = (float)(i8_row1(w + j * M.ldk, M.ldk, M.ldk, rows[0]) - 128 * rs[j]) * sw[j] * as;
-    }
-  } else if (M.dtype == HY_BF16) {
+  if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc);
   } else if (M.dtype == HY_INT8) {
     i8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, sw,
