@@ -53,6 +53,8 @@ namespace {
 // EPYC, 30B expert, weights from DRAM, 1 thread): 8 experts x 1 token int8 11.5 -> 17.8 GB/s, bf16 13.2 ->
 // 20.5; 8 x 4 int8 10.0 -> 17.3, bf16 11.7 -> 19.1 (T0 one block ahead read no faster than no prefetch at
 // all there; 2 threads: int8 22.8 -> 29.0, bf16 24.3 -> 28.5 of a 35.5 GB/s ceiling).
+// On the GPU box's EMR host neutral within its noise (pool past the LLC: int8 8x1 85% -> 90% of DRAM, the
+// other bf16/int8 decode cases within 3 points; bench/results/h200/decode/run10/call2/probe_ab.txt).
 int g_prefetch = 1;
 
 inline float bf16_to_f32(uint16_t h) {
