@@ -59,11 +59,16 @@ def distinct_per_step(step_counts: list[np.ndarray], resident: np.ndarray) -> tu
     return float((touched & ~resident).sum(1).mean()), float((touched & resident).sum(1).mean())
 
 
+def _repeats(step_counts: list[np.ndarray], resident: np.ndarray) -> list[tuple[float, float]]:
+    """(cold experts read, of them read by the step before too) for steps 2..n of one layer."""
+    touched = [(np.asarray(c) > 0) & ~resident for c in step_counts]
+    return [(float(now.sum()), float((now & before).sum())) for before, now in zip(touched, touched[1:])]
+
+
 def reused_per_step(step_counts: list[np.ndarray], resident: np.ndarray) -> float:
     """Cold experts a step reads that the step before it read too (same layer), averaged over steps 2..n."""
-    touched = [(np.asarray(c) > 0) & ~resident for c in step_counts]
-    counts = [float((now & before).sum()) for before, now in zip(touched, touched[1:])]
-    return float(np.mean(counts)) if counts else 0.0
+    reps = _repeats(step_counts, resident)
+    return float(np.mean([r for _, r in reps])) if reps else 0.0
 
 
 def reused_share(step_counts: list[np.ndarray], resident: np.ndarray) -> float:
@@ -71,8 +76,7 @@ def reused_share(step_counts: list[np.ndarray], resident: np.ndarray) -> float:
     steps 2..n: 0 when every step reads new experts. A read that repeats one a step ago may come from the
     CPU's last-level cache rather than DRAM (random-weight models can repeat their routing from token to
     token far more than trained ones), which is what llc_adjusted() bounds."""
-    touched = [(np.asarray(c) > 0) & ~resident for c in step_counts]
-    shares = [float((now & before).sum() / now.sum()) for before, now in zip(touched, touched[1:]) if now.sum()]
+    shares = [r / n for n, r in _repeats(step_counts, resident) if n]
     return float(np.mean(shares)) if shares else 0.0
 
 

@@ -316,16 +316,15 @@ def run(args) -> dict:
             for s in slots:
                 eng.free_slot(s)
             step = statistics.median(times)
-            per_layer = [distinct_per_step([r[i] for r in routing], layer.is_resident)
-                         for i, layer in enumerate(off.layers)]
+            by_layer = [([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]
+            per_layer = [distinct_per_step(*x) for x in by_layer]
             bound = decode_step_bound(per_layer, shape.weight_bytes, w_gpu, dense, bw["dram_bw"], bw["hbm_bw"])
             row[f"decode_b{b}_tok_s"] = b / step
             row[f"decode_b{b}_ms"] = step * 1e3
             row[f"decode_b{b}_cold_experts_per_layer_step"] = float(np.mean([c for c, _ in per_layer]))
             row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
-            row[f"decode_b{b}_cold_reused_from_last_step"] = float(np.mean(
-                [reused_share([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]))
-            reused = [reused_per_step([r[i] for r in routing], layer.is_resident) for i, layer in enumerate(off.layers)]
+            row[f"decode_b{b}_cold_reused_from_last_step"] = float(np.mean([reused_share(*x) for x in by_layer]))
+            reused = [reused_per_step(*x) for x in by_layer]
             llc_bound = decode_step_bound(llc_adjusted(per_layer, reused, shape.weight_bytes, bw["llc_bytes"]),
                                           shape.weight_bytes, w_gpu, dense, bw["dram_bw"], bw["hbm_bw"])
             row[f"decode_b{b}_llc_roofline_tok_s"] = b / llc_bound
