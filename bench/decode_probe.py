@@ -41,7 +41,11 @@ def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> 
 
 
 VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
-            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0)}
+            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0),
+            # the first block of each kernel call prefetches the next one too; bigger decode tasks (hy_tune)
+            "fused-pf1": dict(fused=1, prefetch=1, pf_first=1),
+            "fused-big": dict(fused=1, prefetch=1, task_rows=256, task_min=2),
+            "fused-pf1-big": dict(fused=1, prefetch=1, pf_first=1, task_rows=256, task_min=2)}
 
 
 def random_experts(E: int, D: int, F: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from . import _native
+from .memory import weight_buffer
 from .topology import Topology
 
 
@@ -92,7 +93,7 @@ def measure_read_bandwidth(nbytes: int | None = None, threads: int | None = None
     bufs = []
     for p in pools:
         src = torch.ones(per, dtype=torch.uint8)
-        dst = torch.empty(per, dtype=torch.uint8)
+        dst = weight_buffer(per)  # the same pages as the expert weights (memory.py)
         lib.hy_pool_copy(p, dst.data_ptr(), src.data_ptr(), per)
         bufs.append(dst)
         del src

@@ -20,6 +20,7 @@ import threading
 import torch
 
 from . import _native, knee, quant
+from .memory import weight_buffer
 from .reference import ACTIVATIONS, moe_forward
 from .topology import Topology
 
@@ -348,7 +349,7 @@ class CpuMoE:
                 strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
                 if strides[0] != q_bytes:
                     raise AssertionError(f"packed expert is {strides[0]} bytes, its block slot {q_bytes}")
-                bufs = [None] + [None if s is None else torch.empty(self.E * s, dtype=torch.uint8) for s in strides[1:]]
+                bufs = [None] + [None if s is None else weight_buffer(self.E * s) for s in strides[1:]]
                 self._keep += [t for t in bufs if t is not None]
             for j in range(parts[0].shape[0]):  # q: one expert at a time into its block
                 lib.hy_pool_copy(pool, q_buf.data_ptr() + q_off + (e0 + j) * q_stride, parts[0][j].data_ptr(), q_bytes)
@@ -393,7 +394,7 @@ class CpuMoE:
             Fn, kp = f1 - f0, self._kpad()
             sizes = [self._q_bytes(Fn, self.D, kp), self._q_bytes(Fn, self.D, kp), self._q_bytes(self.D, Fn, _ROW_ALIGN)]
             stride = sum(sizes)  # every size is a multiple of 64 bytes: each matrix starts cache-line aligned
-            block = torch.empty(self.E * stride, dtype=torch.uint8)
+            block = weight_buffer(self.E * stride)  # 2 MiB pages where the OS allows (memory.py)
             self._blocks.append(block.view(self.E, stride))  # holds the memory the kernels read
             node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], Fn, self.D, kp, (block, 0, stride))
             node.up = self._mat(node.pool, w_up[:, f0:f1, :], Fn, self.D, kp, (block, sizes[0], stride))

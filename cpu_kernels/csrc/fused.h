@@ -20,12 +20,14 @@
 namespace {
 
 int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons; hy_tune("fused", 0))
+int g_task_rows = 64;  // most rows of one task (hy_tune("task_rows")); gate/up run it 64 rows at a time
+int g_task_min = 6;    // fewest tasks per thread a phase's row blocks shrink to give (hy_tune("task_min"))
 
-// Largest row block (a multiple of 4 rows, the vector kernels' block, at most 64: the scratch width) that
-// still gives the pool at least ~6 tasks per thread for this phase, so the dynamic tail stays short.
+// Largest row block (a multiple of 4 rows, the vector kernels' block, at most max_rb) that still gives the
+// pool at least g_task_min tasks per thread for this phase, so the dynamic tail stays short.
 inline int fused_block(int rows_p, int na, int threads, int max_rb) {
   int rb = max_rb;
-  while (rb > 16 && (int64_t)na * ((rows_p + rb - 1) / rb) < 6 * (int64_t)threads) rb /= 2;
+  while (rb > 16 && (int64_t)na * ((rows_p + rb - 1) / rb) < g_task_min * (int64_t)threads) rb /= 2;
   return rb;
 }
 
@@ -60,7 +62,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   const int64_t scr_per = (int64_t)m_max_pad * 64 * 2;
   int max_threads = 1;
   for (int n = 0; n < nn; ++n) max_threads = std::max(max_threads, ((Pool*)L->nodes[n].pool)->n);
-  const int rbd = fused_block(Dp, na, max_threads, 64), nbd = (Dp + rbd - 1) / rbd;
+  const int rbd = fused_block(Dp, na, max_threads, g_task_rows), nbd = (Dp + rbd - 1) / rbd;
   for (int n = 0; n < nn; ++n) {
     const HyNode& N = L->nodes[n];
     const int thr = ((Pool*)N.pool)->n;
@@ -72,7 +74,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
     scratch[n] = W.scratch[n].get<float>((size_t)thr * scr_per);
     if (!hrows[n] || (dt != HY_BF16 && !hf[n]) || !hptr[n] || !Y[n] || !scratch[n]) return HY_ENOMEM;
     for (int i = 0; i < A; ++i) hptr[n][i] = hrows[n] + i * hs[n];
-    rbu[n] = fused_block(N.gate.rows_p, na, thr, 64);
+    rbu[n] = fused_block(N.gate.rows_p, na, thr, g_task_rows);
     nbu[n] = (N.gate.rows_p + rbu[n] - 1) / rbu[n];
   }
   FusedSync& S = *g_fsync;
@@ -90,7 +92,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   auto reduce_block = [&](int b) {
     const int d0 = b * rbd, nd = std::min(rbd, D - d0);
     if (nd <= 0) return;
-    alignas(64) float s[64];
+    alignas(64) float s[512];  // rbd <= g_task_rows <= 512
     for (int t = 0; t < T; ++t) {
       std::memset(s, 0, sizeof(s));
       for (int k = 0; k < K; ++k) {
@@ -115,9 +117,12 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         const Active& a = act[j];
         float* Cg = scratch[n] + tid * scr_per;
         float* Cu = Cg + (int64_t)m_max_pad * 64;
-        vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
-        vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
-        store_h(L, N, a.e, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
+        for (int s0 = r0; s0 < r0 + nr; s0 += 64) {  // 64 rows at a time: the scratch width
+          const int ns = std::min(64, r0 + nr - s0);
+          vec_gemm(N.gate, a.e, s0, ns, xptr + a.off, a.m, Cg, 64);
+          vec_gemm(N.up, a.e, s0, ns, xptr + a.off, a.m, Cu, 64);
+          store_h(L, N, a.e, Cg, Cu, a.m, s0, ns, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
+        }
         const int x = n * na + j;
         if (S.gu_done[x].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nbu[n]) {  // j's h is complete
           if (dt != HY_BF16)

@@ -15,13 +15,13 @@
 namespace {
 
 template <int MT>
-void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* rows, float* C, int ldc) {
+void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* rows, float* C, int ldc, int pf_lo) {
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
@@ -32,14 +32,14 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
 
 template <int MT>
 void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw,
-              const int32_t* rsum, float* C, int ldc) {
+              const int32_t* rsum, float* C, int ldc, int pf_lo) {
   const __m512i off = _mm512_set1_epi8((char)0x80);
   __m512i acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_si512();
   for (int kk = 0; kk < k; kk += 64) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
@@ -71,7 +71,8 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // 2-core EPYC (1 thread, 30B expert, 8 experts x 1 token, weights from DRAM) int4 went from 11 GB/s with
 // T0 4 rows ahead to 17 with T1 4 rows ahead and 20 with T1 8 rows ahead; mxfp4 from 11 to 16.
 template <int NR, int MT, int GS>
-void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
+               int pf_lo) {
   constexpr int CPG = GS >= 64 ? GS / 64 : 1;  // 64-value chunks per scaling step
   const int G = k / GS;
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
@@ -91,7 +92,7 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       for (int j = 0; j < NR; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
       if (g_prefetch && (CPG > 1 ? i % 2 == 0 : c % 2 == 0))
-        for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
+        for (int j = pf_lo - 8; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
@@ -114,13 +115,14 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // A 4-row block: one pass for up to 2 tokens, two 2-row passes for 3-4 tokens (4 rows x 4 tokens of int32
 // and fp32 accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 template <int MT, int GS>
-void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
+void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
+                int pf_lo) {
   if (MT <= 2) {
-    i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc);
+    i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
   } else {
     const int G = k / GS;
-    i4_rows_g<2, MT, GS>(w, ldw, k, rows, sw, C, ldc);
-    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * G, C + 2, ldc);
+    i4_rows_g<2, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
+    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * G, C + 2, ldc, pf_lo);
   }
 }
 
@@ -133,7 +135,7 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
 // other (code, exponent) pairs of the same values give bit-identical sums.
 template <int MT>
 void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* se, float* C,
-               int ldc) {
+               int ldc, int pf_lo) {
   const int G = k / 32, nc = k / 64;
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high half: >> 4
@@ -163,7 +165,7 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       // per-block scaling makes this kernel compute-bound: the next block into L1 at every chunk, as before
       // (into L2 was no faster there, 8 experts x 4 tokens, 1 thread, and if anything a little slower).
       if (g_prefetch && MT <= 2 && c % 2 == 0)
-        for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
+        for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
       if (g_prefetch && MT > 2) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
       __m512i a[MT], off[MT];
       for (int t = 0; t < MT; ++t) {
@@ -183,27 +185,27 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 
 template <int MT>
 void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
-              float* C, int ldc) {
+              float* C, int ldc, int pf_lo) {
   switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/moe.py)
-    case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc); break;
-    case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc); break;
-    default: i4_block_g<MT, 128>(w, ldw, k, rows, sw, C, ldc);
+    case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc, pf_lo); break;
+    case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc, pf_lo); break;
+    default: i4_block_g<MT, 128>(w, ldw, k, rows, sw, C, ldc, pf_lo);
   }
 }
 
 template <int MT>
-void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
+void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
   const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
-    bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc);
+    bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc, pf_lo);
   } else if (M.dtype == HY_INT8) {
     i8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, sw,
-                 M.rsum + e * M.r_estride + r, C, ldc);
+                 M.rsum + e * M.r_estride + r, C, ldc, pf_lo);
   } else if (M.dtype == HY_MXFP4) {
-    mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
+    mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc, pf_lo);
   } else {
-    i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);
+    i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc, pf_lo);
   }
 }
 
@@ -212,11 +214,12 @@ void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows,
   for (int r = 0; r < nr; r += 4)
     for (int t = 0; t < m; t += mt) {
       float* c = C + t * ldc + r;
+      const int pf_lo = r == 0 && t == 0 && g_pf_first ? 4 : 8;  // see g_pf_first (hy.h)
       switch (std::min(mt, m - t)) {
-        case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc); break;
-        case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc); break;
-        case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc); break;
-        default: vec_block<1>(M, e, r0 + r, rows + t, c, ldc);
+        case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
+        case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
+        case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
+        default: vec_block<1>(M, e, r0 + r, rows + t, c, ldc, pf_lo);
       }
     }
 }
