@@ -42,10 +42,23 @@ def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> 
 
 VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
             "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0),
-            # the first block of each kernel call prefetches the next one too; bigger decode tasks (hy_tune)
-            "fused-pf1": dict(fused=1, prefetch=1, pf_first=1),
-            "fused-big": dict(fused=1, prefetch=1, task_rows=256, task_min=2),
-            "fused-pf1-big": dict(fused=1, prefetch=1, pf_first=1, task_rows=256, task_min=2)}
+            # issue 12 run 11's decode tasks before: 64 rows, >= 6 per thread, no prefetch of a call's 2nd block
+            "small-tasks": dict(fused=1, prefetch=1, pf_first=0, task_rows=64, task_min=6)}
+
+
+def variant_knobs(name: str) -> dict:
+    """A VARIANTS name, optionally followed by '+knob=value' overrides (any hy_tune knob), e.g.
+    'fused+task_rows=512+task_min=1'."""
+    base, *extra = name.split("+")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r} (known: {', '.join(VARIANTS)})")
+    knobs = dict(VARIANTS[base])
+    for item in extra:
+        k, sep, v = item.partition("=")
+        if not sep or k not in _native.TUNABLES:
+            raise ValueError(f"bad override {item!r}: knob=value with a knob of {', '.join(_native.TUNABLES)}")
+        knobs[k] = int(v)
+    return knobs
 
 
 def random_experts(E: int, D: int, F: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,7 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,int8,int4")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
-    p.add_argument("--variants", default="fused,phased,fused-nopf", help=",".join(VARIANTS))
+    p.add_argument("--variants", default="fused,phased,fused-nopf",
+                   help=",".join(VARIANTS) + "; each may add +knob=value overrides (cpu_kernels._native.TUNABLES)")
     p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--spin-us", type=int, default=2000, help="pool spin before sleeping (the GPU runtime's setting)")
@@ -140,6 +154,7 @@ def main(argv=None) -> int:
                    "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
+    variants = {v: variant_knobs(v) for v in a.variants.split(",")}
     D, F = SHAPES[a.shape]
     cpus = len(os.sched_getaffinity(0))
     threads = a.threads or max(1, cpus - 1)
@@ -159,8 +174,8 @@ def main(argv=None) -> int:
         moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads)
         for case in a.cases.split(","):
             T, K, same = parse_case(case)
-            for v in a.variants.split(","):
-                saved = {k: _native.tune(moe.isa, k, val) for k, val in VARIANTS[v].items()}
+            for v, knobs in variants.items():
+                saved = {k: _native.tune(moe.isa, k, val) for k, val in knobs.items()}
                 r = time_case(moe, T, K, same, a.iters)
                 for k, val in saved.items():
                     _native.tune(moe.isa, k, val)

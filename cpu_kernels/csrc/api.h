@@ -20,11 +20,11 @@ HY_API void hy_set_amx_kblock(int kb) {
 
 // Run-time knobs (benchmarks and the GPU decode setup); returns the previous value, or -1 for an unknown name.
 //   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
-//   prefetch  1: the vector kernels prefetch the next weight block in software (default 0)
+//   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
-//   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h)
-//   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 64)
-//   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 6)
+//   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
+//   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
+//   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
