@@ -81,6 +81,11 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     skip = -base.data_ptr() % HUGE
     view = base[skip:skip + nbytes]  # keeps base alive
     if not advise_huge(view.data_ptr(), nbytes):
-        err = ctypes.get_errno()
-        log.warning("cpu_kernels: madvise(MADV_HUGEPAGE) refused (errno %d): weights in 4 KiB pages", err)
+        _warn_refused(ctypes.get_errno())
     return view
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_refused(errno: int) -> None:
+    """Said once per errno: a kernel without THP refuses every buffer alike."""
+    log.warning("cpu_kernels: madvise(MADV_HUGEPAGE) refused (errno %d): expert weights stay in 4 KiB pages", errno)

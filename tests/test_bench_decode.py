@@ -4,6 +4,8 @@ bench.vs_llamacpp with a stand-in for the llama-bench binary that prints llama-b
 import json
 import stat
 
+import pytest
+
 from bench import decode_probe, vs_llamacpp
 
 
@@ -30,6 +32,25 @@ def test_decode_probe_pool_is_past_the_llc_for_the_smallest_dtype():
         assert pool == 128 or (pool - 64) * per < 4 * llc  # the smallest such multiple of 64
     assert decode_probe.pool_size(["int4"], D, F, 300 << 20) > decode_probe.pool_size(["bf16"], D, F, 300 << 20)
     assert decode_probe.pool_size(["bf16"], D, F, 0) == 128  # no LLC known: the old default
+
+
+def test_decode_probe_variant_overrides():
+    assert decode_probe.variant_knobs("fused") == decode_probe.VARIANTS["fused"]
+    k = decode_probe.variant_knobs("fused+task_rows=512+task_min=1")
+    assert k == dict(decode_probe.VARIANTS["fused"], task_rows=512, task_min=1)
+    assert decode_probe.variant_knobs("small-tasks+pf_first=1")["pf_first"] == 1
+    for bad in ("bogus", "fused+nope=1", "fused+task_rows", "fused+task_rows=x"):
+        with pytest.raises(ValueError):
+            decode_probe.variant_knobs(bad)
+
+
+def test_decode_probe_runs_an_override_variant(tmp_path):
+    out = tmp_path / "p.json"
+    assert decode_probe.main(["--shape", "tiny", "--experts", "16", "--dtypes", "int4", "--cases", "2x8",
+                              "--variants", "fused,small-tasks,fused+task_rows=512+task_min=1", "--iters", "2",
+                              "--threads", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fused", "small-tasks", "fused+task_rows=512+task_min=1"]
 
 
 def test_vs_llamacpp_table_and_ratio(tmp_path):

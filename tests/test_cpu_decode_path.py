@@ -136,3 +136,47 @@ def test_decode_calls_take_the_fused_path(isa, knobs):
             assert (p["down"] == 0) == bool(fused), p
     finally:
         _native.profile_enable(moe.isa, False)
+
+
+# Decode task knobs (fused.h, hy.h): (task_rows, task_min, pf_first). The first is run 11's old default, the
+# second the new one; the shape gives gate/up rows past 256 and down rows past 512, both with ragged tails.
+TASK_KNOBS = [(64, 6, 0), (256, 2, 1), (512, 1, 1), (128, 3, 0), (64, 1, 1)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_task_size_and_first_block_prefetch_change_nothing(isa, dtype, knobs):
+    """Task boundaries fall on 16-row multiples of the kernels' 4-row blocks and every block and token sum is
+    made in one fixed order, so any task size gives bit-identical outputs (and they match the reference)."""
+    Ft, Dt, Et = 300, 520, 6
+    g = torch.Generator().manual_seed(7)
+    ws = (torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5, torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5,
+          torch.randn(Et, Dt, Ft, generator=g) / Ft**0.5)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, threads=2, amx_min_tokens=10**9)
+    ref_w = dequantized(ws, dtype, moe.group_size)
+    T, Kt = 5, 3
+    x = torch.randn(T, Dt, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(Et, generator=g)[:Kt] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, Kt, generator=g) + 0.05
+    ref = moe_forward(x.float(), *ref_w, ids.long(), w)
+    outs = []
+    for rows, least, pf in TASK_KNOBS:
+        turn(knobs, moe.isa, "task_rows", rows)
+        turn(knobs, moe.isa, "task_min", least)
+        turn(knobs, moe.isa, "pf_first", pf)
+        out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
+        moe.forward(x, ids, w, out=out)
+        assert rel_err(out, ref) < TOL[dtype], (rows, least, pf)
+        outs.append(out)
+    for o, k in zip(outs[1:], TASK_KNOBS[1:]):
+        assert torch.equal(o, outs[0]), k
+
+
+def test_task_knobs_are_clamped(knobs):
+    isa = COMPILED[0] if COMPILED else pytest.skip("no compiled ISA on this machine")
+    for asked, kept in ((1000, 512), (100, 64), (0, 64), (192, 192)):
+        turn(knobs, isa, "task_rows", asked)
+        assert _native.tune(isa, "task_rows", asked) == kept, asked
+    for asked, kept in ((0, 1), (-5, 1), (3, 3)):
+        turn(knobs, isa, "task_min", asked)
+        assert _native.tune(isa, "task_min", asked) == kept, asked
