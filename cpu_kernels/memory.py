@@ -40,11 +40,15 @@ def thp_mode(path: str = THP_MODE_FILE) -> str:
     return text[start + 1:end] if 0 <= start < end else ""
 
 
+class BadPolicy(ValueError):
+    """HYBRID_HUGEPAGES holds something other than 0 or 1 (the CLI reports it in one line)."""
+
+
 @functools.lru_cache(maxsize=1)
 def hugepages_wanted() -> bool:
     raw = os.environ.get("HYBRID_HUGEPAGES", "1").strip()
     if raw not in ("0", "1"):
-        raise ValueError(f"HYBRID_HUGEPAGES must be 0 or 1, not {raw!r}")
+        raise BadPolicy(f"HYBRID_HUGEPAGES must be 0 or 1, not {raw!r}")
     on = raw == "1" and sys.platform.startswith("linux")
     mode = thp_mode()
     log.info("cpu_kernels: expert weights %s (THP mode %s)",
@@ -75,7 +79,7 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     """An untouched uint8 tensor of nbytes, 2 MiB aligned and advised for huge pages when the policy says so
     and the buffer spans at least one huge page; otherwise plain torch.empty."""
     nbytes = int(nbytes)
-    if nbytes < HUGE or not hugepages_wanted():
+    if not hugepages_wanted() or nbytes < HUGE:  # the policy first: a bad value is an error at any size
         return torch.empty(nbytes, dtype=torch.uint8)
     base = torch.empty(nbytes + HUGE, dtype=torch.uint8)
     skip = -base.data_ptr() % HUGE

@@ -47,11 +47,14 @@ def build_parser() -> Parser:
 
 def _user_error(exc: BaseException) -> bool:
     """Errors that are the user's input, not a bug: printed in one line. IsaUnavailable is a bad or
-    unrunnable HYBRID_CPU_ISA (checked only if the kernel module was ever imported)."""
+    unrunnable HYBRID_CPU_ISA, BadPolicy a bad HYBRID_HUGEPAGES (checked only if their kernel modules were
+    ever imported)."""
     if isinstance(exc, UsageError):
         return True
     native = sys.modules.get("cpu_kernels._native")
-    return native is not None and isinstance(exc, native.IsaUnavailable)
+    memory = sys.modules.get("cpu_kernels.memory")
+    return ((native is not None and isinstance(exc, native.IsaUnavailable))
+            or (memory is not None and isinstance(exc, memory.BadPolicy)))
 
 
 def main(argv: list[str] | None = None) -> int:

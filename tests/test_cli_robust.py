@@ -51,6 +51,12 @@ def test_bogus_isa(tiny):
                            "--profile", "ktransformers-paper-amx", env={"HYBRID_CPU_ISA": "bogus"}), "HYBRID_CPU_ISA='bogus' is not one of")
 
 
+def test_bogus_hugepages_policy(tiny):
+    one_line_exit_2(hybrid("generate", "--model", str(tiny), "-n", "1", "--gpu-experts", "1",
+                           "--profile", "ktransformers-paper-amx", env={"HYBRID_HUGEPAGES": "yes"}),
+                    "HYBRID_HUGEPAGES must be 0 or 1, not 'yes'")
+
+
 def test_tiny_temperature_generates(tiny, capsys):
     # sampling at temperature 1e-40 is greedy in effect; it must not overflow into a traceback
     assert main(["generate", "--model", str(tiny), "-n", "3", "--temperature", "1e-40", "--seed", "1", "--json"]) == 0
