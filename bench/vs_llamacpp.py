@@ -56,7 +56,7 @@ def run_hybrid(args, cpu_dtype: str, resident: int, extra_env: dict | None = Non
     r = res["results"][0]
     keep = ("tok_s", "roofline_tok_s", "of_roofline", "llc_roofline_tok_s", "of_llc_roofline",
             "cold_reused_from_last_step", "cold_experts_per_layer_step", "replay_token_agreement", "cpu_lane_share",
-            "cpu_lane_GBps")
+            "cpu_lane_GBps", "dram_after_GBps", "of_roofline_after")
     out = {f"b{b}_{k}": r.get(f"decode_b{b}_{k}") for b in (1, 8) for k in keep}
     out.update(tok_s=r["decode_b1_tok_s"], measured=res.get("measured"), header=res.get("header"), cmd=" ".join(cmd))
     return out
@@ -143,9 +143,11 @@ def main(argv=None) -> int:
     (out / "vs_llamacpp.json").write_text(json.dumps(dict(layers=args.layers, preset=args.preset, rows=rows), indent=1))
     # "LLC-aware": the bound if every read the step before also made came from the LLC, as far as it holds
     # them (bench.bounds.llc_adjusted); "reused": the share of a step's cold experts the step before read too.
+    # "ceiling after": b1 / b8 shares against the DRAM ceiling measured again right after that batch's steps
+    # (hybrid_e2e's decode_bB_of_roofline_after), which brackets how the host's memory moved during the run.
     lines = ["| case | llama.cpp tok/s | hybrid tok/s | ratio | hybrid of roofline (LLC-aware) | b1 reused | "
-             "hybrid b8 of roofline (LLC-aware) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "hybrid b8 of roofline (LLC-aware) | b1 / b8 at the ceiling after |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def pct(v):
         return f"{v * 100:.0f}%" if v is not None else "-"
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
         lines[-1] += (f"{h['tok_s']:.1f} | {r['ratio']:.2f}x | " if l else f"{h['tok_s']:.1f} | - | ")
         lines[-1] += (f"{pct(h.get('b1_of_roofline'))} ({pct(h.get('b1_of_llc_roofline'))}) | "
                       f"{pct(h.get('b1_cold_reused_from_last_step'))} | "
-                      f"{pct(h.get('b8_of_roofline'))} ({pct(h.get('b8_of_llc_roofline'))}) |")
+                      f"{pct(h.get('b8_of_roofline'))} ({pct(h.get('b8_of_llc_roofline'))}) | "
+                      f"{pct(h.get('b1_of_roofline_after'))} / {pct(h.get('b8_of_roofline_after'))} |")
     (out / "vs_llamacpp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, out / "vs_llamacpp.png")

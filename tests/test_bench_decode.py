@@ -67,5 +67,9 @@ def test_vs_llamacpp_table_and_ratio(tmp_path):
     assert row["ratio"] == row["hybrid"]["tok_s"] / 50.0 and row["hybrid"]["tok_s"] > 0
     assert row["hybrid"]["b1_cold_experts_per_layer_step"] > 0
     assert row["hybrid"]["b1_llc_roofline_tok_s"] >= row["hybrid"]["b1_roofline_tok_s"] > 0
-    assert "| bf16 | 50.0 ± 1.5 |" in (out / "vs_llamacpp.md").read_text()
+    assert row["hybrid"]["b1_dram_after_GBps"] > 0 and row["hybrid"]["b1_of_roofline_after"] > 0
+    table = (out / "vs_llamacpp.md").read_text()
+    assert "| bf16 | 50.0 ± 1.5 |" in table
+    h = row["hybrid"]
+    assert f"| {h['b1_of_roofline_after'] * 100:.0f}% / {h['b8_of_roofline_after'] * 100:.0f}% |" in table
     assert (out / "vs_llamacpp.png").stat().st_size > 0

@@ -51,5 +51,13 @@ def test_e2e_cpu_only_run_says_reduced_and_keeps_keys(tmp_path, monkeypatch, cap
         for key in ("bound_tok_s", "of_bound", "all_ship_link_tok_s", "tok_s", "ms", "sched"):
             assert f"prefill_24_{key}" in row
         for key in ("tok_s", "ms", "cold_experts_per_layer_step", "resident_experts_per_layer_step", "roofline_tok_s",
-                    "of_roofline", "sched"):
+                    "of_roofline", "sched", "dram_after_GBps", "of_roofline_after"):
             assert f"decode_b1_{key}" in row
+        assert row["decode_b1_dram_after_GBps"] > 0
+        # the same bound at the second ceiling: a lower ceiling can only lengthen the bound (raise the share)
+        first, after = res["measured"]["dram_bw"] / 1e9, row["decode_b1_dram_after_GBps"]
+        share, share_after = row["decode_b1_of_roofline"], row["decode_b1_of_roofline_after"]
+        if after < first:
+            assert share_after >= share
+        elif after > first:
+            assert share_after <= share
