@@ -33,20 +33,24 @@ _ROW_ALIGN = 32
 # measured. The knee moves between runs (Xeon EMR host, Qwen3-235B expert, 8 experts, bench.cpu_moe knee
 # sweep: run2 bf16 8 / int8 16, run4 bf16 16 / int8 32, bench/results/h200-cpu_moe/): `hybrid calibrate`
 # measures it into the profile (machine["amx_knee"]) and the hybrid runtime applies it with
-# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4 and mxfp4 always
-# run on the vector path (no AMX kernel: with an AMX ISA, mxfp4 says so once, _say_vector_only).
-AMX_KNEE = {"bf16": 16, "int8": 32}
+# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4's AMX path (groups of
+# 64 or 128, kern_amx.h) has not been timed on the box yet: its fallback is int8's, and `hybrid calibrate`
+# measures its knee like the others'. mxfp4 and int4 in groups of 32 always run on the vector path (no AMX
+# kernel: with an AMX ISA they say so once, _say_vector_only).
+AMX_KNEE = {"bf16": 16, "int8": 32, "int4": 32}
 _SAID_VECTOR_ONLY: set = set()
 
 
 def _say_vector_only(dtype: str, isa: str) -> None:
-    """The AMX build declines mxfp4 (and int4): every call runs its AVX-512 (amx_emu: AVX2) vector kernels,
-    so prefill-sized batches run well below AMX speed. Said once per (dtype, ISA) and process."""
+    """The AMX build declines mxfp4 and int4 in groups of 32 (half a 64-value K tile): every call runs its
+    AVX-512 (amx_emu: AVX2) vector kernels, so prefill-sized batches run well below AMX speed. Said once per
+    (dtype, ISA) and process."""
     if (dtype, isa) in _SAID_VECTOR_ONLY:
         return
     _SAID_VECTOR_ONLY.add((dtype, isa))
     log.warning("cpu_kernels: %s has no AMX kernel; ISA %s runs it on the vector (VNNI) path at every batch "
-                "size, so large prefills run below AMX speed (int8 or bf16 use the AMX tiles)", dtype, isa)
+                "size, so large prefills run below AMX speed (bf16, int8 and int4 in groups of 64 or 128 use "
+                "the AMX tiles)", dtype, isa)
 
 
 class _Mx4:
@@ -232,8 +236,8 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        if dtype == "mxfp4" and self.isa in ("amx", "amx_emu"):
-            _say_vector_only(dtype, self.isa)
+        if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
+            _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
         topo = topology if topology is not None else Topology.discover()
         if not isinstance(topo, Topology):
             raise ValueError("topology must be a cpu_kernels.Topology")

@@ -29,7 +29,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-KNEE_DTYPES = ("bf16", "int8")
+KNEE_DTYPES = ("bf16", "int8", "int4")  # int4: groups of 128 (the default), on its AMX path since session 16
 GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph decode floor
 
 

@@ -1,4 +1,4 @@
-// AMX kernels (TDPBF16PS for bf16, TDPBSSD for int8) for many tokens per expert. The row-major weight
+// AMX kernels (TDPBF16PS for bf16, TDPBSSD for int8 and for int4 unpacked to int8) for many tokens per expert. The row-major weight
 // matrix is the A operand as it is (a tile = 16 rows x 64 bytes, loaded with the row stride), the
 // activations the B operand, packed per expert into VNNI tiles by the driver (pack_b_block); the tile
 // product is C^T = W . X^T, transposed back when written out. Tile shapes: Intel SDM vol. 1 ch. 18
@@ -164,10 +164,94 @@ void amx_gemm_t(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r
   }
 }
 
+// 64 int4 values of one row (32 bytes: low nibbles K 0..31, high nibbles K 32..63, each value + 8) -> 64
+// signed int8 in K order, the A-tile row of TDPBSSD. Plain loops: the compiler vectorizes them per ISA, and
+// the emulated build (tested on any machine) runs the very same code as the AMX one.
+inline void unpack_i4_chunk(const uint8_t* src, int8_t* dst) {
+  for (int i = 0; i < 32; ++i) dst[i] = (int8_t)((src[i] & 15) - 8);
+  for (int i = 0; i < 32; ++i) dst[32 + i] = (int8_t)((src[i] >> 4) - 8);
+}
+
+// int4 with groups of 64 or 128 values (whole 64-value K chunks; 32 goes to the vector path) on AMX. Per
+// 32-row panel and K block, the nibbles are unpacked once into signed int8 A tiles (L1/L2 scratch) and reused
+// for every token block. Each group's products are summed in int32 tiles over its 1-2 chunks, then folded
+// into fp32 accumulators [row, token] with the row's group scale (the scale differs per group, so int32 cannot
+// run on across groups); the token scales are applied once at the end. The weights are read once per call as
+// in amx_gemm_t; the fold and the unpacking are vector work the bf16/int8 tiles do not have.
+void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr, const uint8_t* bpack,
+                 const float* bscale, int m_pad, int ldc) {
+  constexpr int TC = 256;  // tokens per chunk: the fp32 accumulators (nmat x nr x TC) stay in L2
+  const HyMat& M0 = *Ms[0];
+  const int nkc = M0.ldk / 64, cpg = M0.group / 64, G = M0.ldk / M0.group;
+  const int64_t ldw = M0.ldk / 2;  // bytes of one packed row
+  const int KB = std::max(cpg, g_amx_kblock / cpg * cpg);  // K block in whole groups
+  const int64_t lda = (int64_t)KB * 64;                     // A panel row stride (bytes)
+  static thread_local std::vector<float> acc_v;
+  static thread_local std::vector<int8_t> panel_v;
+  if (acc_v.size() < (size_t)nmat * nr * TC) acc_v.resize((size_t)nmat * nr * TC);
+  if (panel_v.size() < (size_t)32 * lda) panel_v.resize((size_t)32 * lda);
+  int8_t* panel = panel_v.data();
+  alignas(64) int32_t tile[4][256];
+  amx_config();
+  for (int t0 = 0; t0 < m_pad; t0 += TC) {
+    const int tb0 = t0 / 16, tb1 = std::min(m_pad, t0 + TC) / 16, nt = (tb1 - tb0) * 16;
+    for (int mi = 0; mi < nmat; ++mi)
+      for (int r = 0; r < nr; ++r) std::memset(acc_v.data() + ((size_t)mi * nr + r) * TC, 0, nt * 4);
+    for (int kb = 0; kb < nkc; kb += KB) {
+      const int ke = std::min(nkc, kb + KB);
+      for (int mi = 0; mi < nmat; ++mi) {
+        const HyMat& M = *Ms[mi];
+        const uint8_t* W = M.w + e * M.w_estride + (int64_t)r0 * ldw;
+        const float* S = M.scale + e * M.s_estride + (int64_t)r0 * G;
+        float* acc = acc_v.data() + (size_t)mi * nr * TC;
+        for (int rb = 0; rb < nr; rb += 32) {
+          for (int r = 0; r < 32; ++r)
+            for (int kc = kb; kc < ke; ++kc) unpack_i4_chunk(W + (rb + r) * ldw + kc * 32, panel + r * lda + (kc - kb) * 64);
+          for (int tb = tb0; tb < tb1; tb += 2) {
+            const uint8_t* B0 = bpack + (int64_t)tb * nkc * 1024;
+            const uint8_t* B1 = B0 + (int64_t)nkc * 1024;
+            for (int g0 = kb; g0 < ke; g0 += cpg) {
+              HY_TILE_ZERO(0); HY_TILE_ZERO(1); HY_TILE_ZERO(2); HY_TILE_ZERO(3);
+              for (int kc = g0; kc < g0 + cpg; ++kc) {
+                HY_TILE_LOAD(4, panel + (kc - kb) * 64, lda);
+                HY_TILE_LOAD(5, panel + 16 * lda + (kc - kb) * 64, lda);
+                HY_TILE_LOAD(6, B0 + kc * 1024, 64);
+                HY_TILE_LOAD(7, B1 + kc * 1024, 64);
+                HY_TDPBSSD(0, 4, 6); HY_TDPBSSD(1, 4, 7); HY_TDPBSSD(2, 5, 6); HY_TDPBSSD(3, 5, 7);
+              }
+              HY_TILE_STORE(0, tile[0], 64); HY_TILE_STORE(1, tile[1], 64);
+              HY_TILE_STORE(2, tile[2], 64); HY_TILE_STORE(3, tile[3], 64);
+              const int g = g0 / cpg;
+              for (int q = 0; q < 4; ++q) {  // tile q: rows rb + 16 (q / 2) .., tokens (tb - tb0) * 16 + 16 (q % 2) ..
+                const int rq = rb + 16 * (q / 2), tq = (tb - tb0) * 16 + 16 * (q % 2);
+                for (int r = 0; r < 16; ++r) {
+                  const float sc = S[(int64_t)(rq + r) * G + g];
+                  float* a = acc + (int64_t)(rq + r) * TC + tq;
+                  const int32_t* c = tile[q] + r * 16;
+                  for (int n = 0; n < 16; ++n) a[n] += (float)c[n] * sc;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int mi = 0; mi < nmat; ++mi) {  // C[t][r] = acc[r][t] * token scale
+      const float* acc = acc_v.data() + (size_t)mi * nr * TC;
+      for (int n = 0; n < nt; ++n) {
+        float* c = Cs[mi] + (int64_t)(t0 + n) * ldc;
+        const float bs = bscale[t0 + n];
+        for (int r = 0; r < nr; ++r) c[r] = acc[(int64_t)r * TC + n] * bs;
+      }
+    }
+  }
+}
+
 // C_i[t * ldc + r] = sum_k X[t][k] W_i[r0 + r][k] for the nmat matrices (see vec_gemm for the layout).
 void amx_gemm(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr, const uint8_t* bpack,
               const float* bscale, int m_pad, int ldc) {
   if (Ms[0]->dtype == HY_BF16) amx_gemm_t<true>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
+  else if (Ms[0]->dtype == HY_INT4) amx_gemm_i4(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
   else amx_gemm_t<false>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
 }
 
