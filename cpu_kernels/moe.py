@@ -34,10 +34,12 @@ _ROW_ALIGN = 32
 # sweep: run2 bf16 8 / int8 16, run4 bf16 16 / int8 32, bench/results/h200-cpu_moe/): `hybrid calibrate`
 # measures it into the profile (machine["amx_knee"]) and the hybrid runtime applies it with
 # cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4's AMX path (groups of
-# 64 or 128, kern_amx.h) has not been timed on the box yet: its fallback is int8's, and `hybrid calibrate`
-# measures its knee like the others'. mxfp4 and int4 in groups of 32 always run on the vector path (no AMX
-# kernel: with an AMX ISA they say so once, _say_vector_only).
-AMX_KNEE = {"bf16": 16, "int8": 32, "int4": 32}
+# 64 or 128, kern_amx.h) has not been timed on an AMX machine yet, so without a measured knee int4 stays on
+# the vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on
+# where the tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of 32 always run on the
+# vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
+AMX_NEVER = 1 << 30
+AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
 _SAID_VECTOR_ONLY: set = set()
 
 
