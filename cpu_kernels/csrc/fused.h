@@ -23,7 +23,7 @@ int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons
 // Decode task size: at most g_task_rows rows of one expert's matrix (gate/up run it 64 rows, the scratch width,
 // at a time), shrunk while the phase would give fewer than g_task_min tasks per thread (hy_tune knobs).
 // Every task starts new weight streams that the prefetchers have not seen, so fewer, longer tasks read
-// faster, as long as the dynamic tail stays short. Issue 12 run 11 (GPU box, 15 threads, pool past the LLC,
+// faster, as long as the dynamic tail stays short. Issue 12 run 11 (GPU box, 15 threads, pool past the LLC, 4 KiB pages,
 // bench.decode_probe), 64 rows / >= 6 per thread -> 256 / >= 2: 8 experts x 1 token int8 83 -> 90% of DRAM,
 // int4 72 -> 82%; 8 tokens x 8 experts each int8 88 -> 95%, int4 78 -> 85%; bf16 80 -> 83%, 82 -> 87%.
 int g_task_rows = 256;

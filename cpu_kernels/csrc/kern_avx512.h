@@ -122,7 +122,7 @@ inline float hsum8_ps(__m256 v) {
 // int4 (groups of 64 or 128), 4 rows x 3-4 tokens with two rows per vector: lanes 0-7 hold row 2p's sums,
 // lanes 8-15 row 2p+1's. Per chunk (64 K values) one 512-bit vector carries both rows' 32 bytes (one load,
 // one insert), its low nibbles (K 0..31) and its high nibbles shifted down (K 32..63) meet the token's two
-// 32-value halves broadcast to both lanes groups: the same VPDPBUSD count as i4_rows_g, but each group's
+// 32-value halves broadcast to both lane groups: the same VPDPBUSD count as i4_rows_g, but each group's
 // int32 -> fp32 convert and scale FMA now covers two rows at once (half as many per row), and the 4 rows x 4
 // tokens of accumulators fit in the registers, so the activations are read once per block, not per 2 rows.
 // The +8 of the nibbles is undone per group as in i4_rows_g, in lane 0 and lane 8 (one per row). Dev box
