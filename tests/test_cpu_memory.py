@@ -88,3 +88,21 @@ def test_page_size_changes_no_output(policy, dtype):
             assert moe.packed_weights()[0]["block"].data_ptr() % memory.HUGE == 0
         outs.append(moe.forward(x, ids, w).clone())
     assert torch.equal(outs[0], outs[1])
+
+
+def test_refused_advice_is_said_once_and_the_buffer_still_works(policy, monkeypatch, caplog):
+    import logging
+
+    policy("1")
+    monkeypatch.setattr(memory, "_madvise", lambda: (lambda addr, n, advice: -1))  # a kernel without THP
+    memory._warn_refused.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="cpu_kernels"):
+            bufs = [memory.weight_buffer(3 * memory.HUGE) for _ in range(3)]
+        said = [r for r in caplog.records if "MADV_HUGEPAGE) refused" in r.getMessage()]
+        assert len(said) == 1
+        for b in bufs:
+            b.fill_(3)
+            assert b.numel() == 3 * memory.HUGE and int(b.sum()) == 9 * memory.HUGE
+    finally:
+        memory._warn_refused.cache_clear()
