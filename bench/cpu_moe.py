@@ -220,7 +220,7 @@ def main(argv=None) -> int:
                                   f"{100 * r['dram_frac']:5.0f}% {tflops:8.2f} " + (f"{tt:6.2f} {r['x_torch']:6.2f}x" if tt else "")
                                   + ("  <- above the DRAM ceiling: see the note at the end" if kind == "decode"
                                      and r["dram_frac"] > 1 else ""), flush=True)
-                    if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
+                    if isa in ("amx", "amx_emu") and dtype in ("bf16", "int8", "int4") and shape == a.shapes.split(",")[0] and th == threads_list[-1]:
                         knee0 = moe.amx_min_tokens
                         for m in sweep:  # the knee: same call on the vector path, then on AMX
                             t_vec = run_case_knee(moe, D, 8, m, pool_e, isa, 1 << 30)
