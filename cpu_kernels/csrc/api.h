@@ -23,7 +23,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
-//   i4_pairs  1: AVX-512 int4 at 3-4 tokens, groups >= 64, two rows per vector (kern_avx512.h; default 1)
+//   i4_pairs  1: AVX-512 int4 at 3-4 tokens, groups >= 64, two rows per vector (kern_avx512.h; default 0)
 //   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
 //   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)

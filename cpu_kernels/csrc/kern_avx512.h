@@ -181,8 +181,8 @@ void i4_pairs_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     }
 }
 
-// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: i4_pairs_g (groups >= 64, g_i4_pairs) or two
-// 2-row passes of i4_rows_g (4 rows x 4 tokens of int32
+// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: two 2-row passes of i4_rows_g, or i4_pairs_g where
+// hy_tune("i4_pairs", 1) asks for it (groups >= 64; g_i4_pairs, off by default) (4 rows x 4 tokens of int32
 // and fp32 accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 template <int MT, int GS>
 void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,

@@ -1,6 +1,6 @@
 # run 12, call 1 (prepared in session 16, not yet run): time what session 16 added after its device time,
 # on a clean `git archive HEAD` (.boxcmd/src.tgz):
-#  - int4 at 3-4 tokens per expert, two rows per vector (i4_pairs) against the two-pass kernel;
+#  - int4 at 3-4 tokens per expert, two rows per vector (i4_pairs, off by default) against the two-pass kernel;
 #  - int4 on AMX against its vector path (bench.cpu_moe's knee sweep; the AMX path is off without a measured knee);
 #  - e2e int4 at batch 1 and 8 (with the DRAM ceiling measured again after each batch);
 #  - prefill 2048/8192 twice (session 16 measured -6% at 2048 once).
@@ -11,7 +11,7 @@ mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
 timeout 120 python3 -m bench.decode_probe --dtypes int4 --cases 1x8,2x8same,3x8same,4x8same,8x8 \
-  --variants fused,fused+i4_pairs=0 --iters 30 --out $OUT/probe_i4_pairs.json 2>&1 | grep -v Warn | tee $OUT/probe_i4_pairs.txt
+  --variants fused,fused+i4_pairs=1 --iters 30 --out $OUT/probe_i4_pairs.json 2>&1 | grep -v Warn | tee $OUT/probe_i4_pairs.txt
 echo "# probe done at $(( $(date +%s) - T0 )) s"
 timeout 150 python3 -m bench.cpu_moe --shapes qwen3-30b-a3b --dtypes int4 --decode 8x1,8x4 --prefill 8x256,8x1024 \
   --knee-sweep 4,8,16,32,64 --scaling '' --out $OUT/cpu_moe_int4.json 2>&1 | grep -v Warn | tee $OUT/cpu_moe_int4.txt
