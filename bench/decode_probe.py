@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, help="experts in the pool (reads rotate over them; default: at least 128 "
                    "and 4 x the LLC of the smallest dtype)")
     p.add_argument("--dtypes", default="bf16,int8,int4")
+    p.add_argument("--group", type=int, default=128, help="int4 group size (32, 64 or 128)")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
     p.add_argument("--variants", default="fused,phased,fused-nopf",
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'dtype':5} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
     for dtype in dtypes:
-        moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads)
+        moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads, group_size=a.group)
         for case in a.cases.split(","):
             T, K, same = parse_case(case)
             for v, knobs in variants.items():
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F, pool=pool,
+            json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F, pool=pool, group=a.group,
                            ceiling_gbps=ceiling, rows=rows, floors_s=floors), f, indent=1)
     return 0
 

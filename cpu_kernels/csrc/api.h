@@ -34,7 +34,7 @@ HY_API int hy_tune(const char* name, int value) {
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
   else if (!std::strcmp(name, "pf_first")) { old = g_pf_first; g_pf_first = value != 0; }
   else if (!std::strcmp(name, "i4_pairs")) { old = g_i4_pairs; g_i4_pairs = value != 0; }
-  else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(512, std::max(64, value / 64 * 64)); }
+  else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }
   else if (!std::strcmp(name, "task_min")) { old = g_task_min; g_task_min = std::max(1, value); }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
   else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }

@@ -26,6 +26,7 @@ int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons
 // faster, as long as the dynamic tail stays short. Issue 12 run 11 (GPU box, 15 threads, pool past the LLC, 4 KiB pages,
 // bench.decode_probe), 64 rows / >= 6 per thread -> 256 / >= 2: 8 experts x 1 token int8 83 -> 90% of DRAM,
 // int4 72 -> 82%; 8 tokens x 8 experts each int8 88 -> 95%, int4 78 -> 85%; bf16 80 -> 83%, 82 -> 87%.
+constexpr int HY_MAX_TASK_ROWS = 512;  // hy_tune("task_rows") clamps to it; reduce_block's buffer holds it
 int g_task_rows = 256;
 int g_task_min = 2;
 
@@ -98,7 +99,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   auto reduce_block = [&](int b) {
     const int d0 = b * rbd, nd = std::min(rbd, D - d0);
     if (nd <= 0) return;
-    alignas(64) float s[512];  // rbd <= g_task_rows <= 512
+    alignas(64) float s[HY_MAX_TASK_ROWS];  // rbd <= g_task_rows
     for (int t = 0; t < T; ++t) {
       std::memset(s, 0, sizeof(s));
       for (int k = 0; k < K; ++k) {

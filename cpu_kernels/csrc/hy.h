@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <immintrin.h>
 
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
@@ -65,6 +66,14 @@ int g_pf_first = 1;
 // of i4_rows_g (0, default); hy_tune("i4_pairs"). Off until timed on the GPU box beside llama.cpp: the default
 // decode path stays the one issue 12 run 11 measured there (faster on the dev box only, see kern_avx512.h).
 int g_i4_pairs = 0;
+
+// Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
