@@ -35,7 +35,7 @@ BITS = {"bf16": 16, "int8": 8, "int4": 4, "mxfp4": 4.25}  # weight bits per valu
 def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> int:
     """Experts in the pool: at least `least`, and enough that the smallest dtype's pool is >= 4 x the LLC,
     in multiples of 64 (a layer call reads at most 64 distinct experts at 8 tokens x top-8)."""
-    per = 3 * D * F * min(BITS[d] for d in dtypes) / 8
+    per = 3 * D * F * min(BITS[d.partition("-")[0]] for d in dtypes) / 8
     need = int(-(-4 * llc // per))
     return max(least, -(-need // 64) * 64)
 
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--experts", type=int, help="experts in the pool (reads rotate over them; default: at least 128 "
                    "and 4 x the LLC of the smallest dtype)")
-    p.add_argument("--dtypes", default="bf16,int8,int4")
+    p.add_argument("--dtypes", default="bf16,int8,int4", help="bf16, int8, int4, mxfp4; int4-natural: int4 in the "
+                   "natural stored order (CpuMoE int4_order), to time against int4's interleaved one")
     p.add_argument("--group", type=int, default=128, help="int4 group size (32, 64 or 128)")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
@@ -170,11 +171,17 @@ def main(argv=None) -> int:
           f"experts={pool}; DRAM read ceiling {ceiling:.1f} GB/s (same process, {default_read_bytes() >> 20} MiB)")
     wg, wu, wd = random_experts(pool, D, F)
     rows = []
-    print(f"{'dtype':5} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
+    print(f"{'dtype':12} {'case':9} {'variant':10} {'experts':>7} {'us':>8} {'GB/s':>7} {'% DRAM':>7}")
+    # Every dtype's pool is packed first, then each case runs all of them back to back, so that a host whose
+    # bandwidth drifts within the run (seen on the GPU box) moves every dtype's figure of a case alike.
+    moes = {}
     for dtype in dtypes:
-        moe = CpuMoE(wg, wu, wd, dtype=dtype, threads=threads, group_size=a.group)
-        for case in a.cases.split(","):
-            T, K, same = parse_case(case)
+        base, _, order = dtype.partition("-")
+        moes[dtype] = CpuMoE(wg, wu, wd, dtype=base, threads=threads, group_size=a.group,
+                             int4_order=order or "interleaved")
+    for case in a.cases.split(","):
+        T, K, same = parse_case(case)
+        for dtype, moe in moes.items():
             for v, knobs in variants.items():
                 saved = {k: _native.tune(moe.isa, k, val) for k, val in knobs.items()}
                 r = time_case(moe, T, K, same, a.iters)
@@ -182,9 +189,9 @@ def main(argv=None) -> int:
                     _native.tune(moe.isa, k, val)
                 r.update(dtype=dtype, case=case, variant=v, pct_dram=100 * r["gbps"] / ceiling)
                 rows.append(r)
-                print(f"{dtype:5} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
+                print(f"{dtype:12} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
                       f"{r['gbps']:7.1f} {r['pct_dram']:6.0f}%", flush=True)
-        del moe
+    del moes
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:

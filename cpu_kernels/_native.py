@@ -44,7 +44,8 @@ class HyMat(ctypes.Structure):
                 ("w_estride", ctypes.c_int64), ("s_estride", ctypes.c_int64), ("r_estride", ctypes.c_int64),
                 ("b_estride", ctypes.c_int64),
                 ("rows", ctypes.c_int32), ("rows_p", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("ldk", ctypes.c_int32), ("group", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+                ("ldk", ctypes.c_int32), ("group", ctypes.c_int32), ("dtype", ctypes.c_int32),
+                ("fold", ctypes.c_int32)]
 
 
 class HyNode(ctypes.Structure):
@@ -193,7 +194,7 @@ def pool(isa: str, cpus) -> int:
 # Decode-sized calls without AMX experts run gate/up and down in one barrier-free phase (csrc/fused.h):
 # the profile counts that whole phase as "gate_up".
 PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
-TUNABLES = ("fused", "prefetch", "pf_first", "i4_pairs", "task_rows", "task_min", "spin_us", "stream_pf")
+TUNABLES = ("fused", "prefetch", "pf_first", "task_rows", "task_min", "spin_us", "stream_pf")
 
 
 def tune(isa: str, name: str, value: int) -> int:

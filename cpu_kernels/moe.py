@@ -177,14 +177,17 @@ class CpuMoE:
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
     per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
     up x + b_up)) + b_down, weighted by the routing weight. amx_min_tokens: tokens per expert from
-    which the AMX path is used (default: the knee measured for dtype). Attributes: isa, nbytes (packed
+    which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (default: the
+    stored order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or
+    "natural" (one group per chunk: what the kernels read before; for benchmarks). Attributes: isa, nbytes (packed
     weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
 
     def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
-                 alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None):
+                 alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
+                 int4_order: str = "interleaved"):
         mx_source = isinstance(w_gate, _Mx4)  # from_mxfp4: the published blocks, never a float copy
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             if mx_source != isinstance(w, _Mx4):
@@ -212,6 +215,9 @@ class CpuMoE:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         if dtype == "int4" and group_size not in quant.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
+        if int4_order not in ("interleaved", "natural"):
+            raise ValueError(f"int4_order must be 'interleaved' or 'natural', got {int4_order!r}")
+        self.int4_order = int4_order
         if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
             raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
                              f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
@@ -288,8 +294,14 @@ class CpuMoE:
         if self.dtype == "int8":
             q, s = quant.quantize_int8(w)
             return q, s.contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
-        p, s = quant.quantize_int4(w, self.group_size)
+        p, s = quant.quantize_int4(w, self.group_size, self._fold(w.shape[-1]))
         return p, s.contiguous(), None
+
+    def _fold(self, ldk: int) -> int:
+        """int4: groups per fold block of a row of ldk values (quant.py; the natural order when int4_order says)."""
+        if self.int4_order == "natural":
+            return quant.int4_natural_fold(self.group_size)
+        return quant.int4_fold_groups(ldk, self.group_size)
 
     def _dequantized(self, w: torch.Tensor) -> torch.Tensor:
         """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
@@ -304,7 +316,8 @@ class CpuMoE:
         K = w.shape[-1]
         Kp = _align(K, self._kpad())
         wp = torch.nn.functional.pad(w.float(), (0, Kp - K))
-        return quant.dequantize_int4(*quant.quantize_int4(wp, self.group_size), self.group_size)[..., :K]
+        fold = self._fold(Kp)
+        return quant.dequantize_int4(*quant.quantize_int4(wp, self.group_size, fold), self.group_size, fold)[..., :K]
 
     def _pack_ref(self, w_gate, w_up, w_down):
         self._ref = tuple(self._dequantized(w) for w in (w_gate, w_up, w_down))
@@ -370,6 +383,7 @@ class CpuMoE:
             m.rsum, m.r_estride = bufs[2].data_ptr(), strides[2] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
         m.group, m.dtype = self.group_size, DTYPES[self.dtype]
+        m.fold = self._fold(ldk) if self.dtype == "int4" else 1
         self.nbytes += self.E * q_bytes + sum(b.numel() for b in bufs if b is not None)
         return m
 
@@ -415,7 +429,7 @@ class CpuMoE:
     def packed_weights(self) -> list[dict]:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
-        bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group}
+        bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group, fold}
         (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]); bias
         fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
         b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
@@ -444,7 +458,8 @@ class CpuMoE:
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
                 b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None
-                mats[name] = dict(q=q, scale=s, bias=b, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group)
+                mats[name] = dict(q=q, scale=s, bias=b, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group,
+                                  fold=mm.fold)
             out.append(dict(f0=f0, f1=f1, block=blk, **mats))
         return out
 

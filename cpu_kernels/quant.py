@@ -3,9 +3,18 @@
 int8: per output channel (row) symmetric: q = round(w / s), s = max|w_row| / 127, q in [-127, 127]
       (never -128, so the AVX2 sign trick and VNNI sums stay exact); w ~ q * s.
 int4: per row and group of `group` reduction values (32, 64 or 128): s = max|w_group| / 7,
-      q = clamp(round(w / s), -8, 7), stored as the nibble q + 8. Within each 64-value chunk of a row the
-      32 bytes hold values 0..31 in their low nibbles and 32..63 in their high nibbles, so one 32-byte
-      load unpacks to 64 consecutive values with one AND and one shift. w ~ (nibble - 8) * s.
+      q = clamp(round(w / s), -8, 7), stored as the nibble q + 8; w ~ (nibble - 8) * s. Within each 64-value
+      chunk of a stored row the 32 bytes hold stored values 0..31 in their low nibbles and 32..63 in their high
+      nibbles, so one 32-byte load unpacks to 64 values (16 words of 4) with one AND and one shift.
+      The stored order is group-interleaved (int4_order): a row is cut into fold blocks of `fold` groups
+      (int4_fold_groups: the largest of 16, 8, 4, 2, 1 that divides the row's group count), and in each
+      unpacked chunk of a block word l (4 consecutive values) belongs to group l // (16 / fold) of the block.
+      So each of the 16 int32 lanes of a dot-product vector only ever sums one group's values across the block,
+      and a kernel converts and scales once per block and row, not once per group and row (a 2048-value row in
+      groups of 128: once instead of 16 times). Group s of a block is, in its natural order, the words
+      [s L, s L + L) (L = 16 / fold) of the block's chunks one after another. The kernels read the activations
+      in the same stored order (the executor reorders each token's quantized row once per call); fold = 1 (an
+      odd group count) is the natural order.
 mxfp4: the OCP microscaling format gpt-oss checkpoints are published in: blocks uint8 [..., R, K/32, 16] and
       scales uint8 [..., R, K/32]. Each byte holds two FP4 (e2m1) codes, the low nibble first (value 2j), the
       high nibble second (value 2j+1); a code maps through FP4_VALUES and the block of 32 is multiplied by
@@ -22,6 +31,8 @@ Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantiz
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,23 +65,71 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([c & 0x0F, c >> 4], dim=-2).reshape(*lead, H * 2)
 
 
-def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., R, K] (K % 64 == 0, K % group == 0) -> (packed uint8 [..., R, K/2], scale [..., R, K/group])."""
+def _check_int4_shape(K: int, group: int) -> None:
     if group not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group}")
-    *lead, R, K = w.shape
     if K % 64 or K % group:
         raise ValueError(f"int4: reduction length {K} must be a multiple of 64 and of the group {group}")
+
+
+def int4_fold_groups(K: int, group: int) -> int:
+    """Groups per fold block of a K-value int4 row (module doc): the largest of 16, 8, 4, 2, 1 dividing K / group.
+    K % 64 == 0, so groups of 32 always give at least 2 (a chunk's two halves)."""
+    _check_int4_shape(K, group)
+    G = K // group
+    return next(f for f in (16, 8, 4, 2, 1) if G % f == 0)
+
+
+def int4_natural_fold(group: int) -> int:
+    """The fold whose stored order is the natural one (one group per chunk, or a chunk's two halves)."""
+    return 1 if group >= 64 else 2
+
+
+def _fold(K: int, group: int, fold: int | None) -> int:
+    _check_int4_shape(K, group)
+    if fold is None:
+        return int4_fold_groups(K, group)
+    if fold not in (1, 2, 4, 8, 16) or (K // group) % fold or fold * group % 64:
+        raise ValueError(f"int4: fold {fold} does not fit rows of {K} values in groups of {group}")
+    return fold
+
+
+@functools.lru_cache(maxsize=64)
+def _int4_order(K: int, group: int, fold: int | None, device: str) -> torch.Tensor:
+    return int4_order(K, group, fold).to(device)
+
+
+def int4_order(K: int, group: int, fold: int | None = None) -> torch.Tensor:
+    """order [K] int64: stored value i of an int4 row is natural value order[i] (module doc); fold: groups per
+    block (default int4_fold_groups; int4_natural_fold gives the natural order)."""
+    fold = _fold(K, group, fold)
+    L = 16 // fold  # words per group in one unpacked chunk
+    B = fold * group // 64  # chunks per fold block
+    # stored word index -> (block, chunk in block, lane); lane l is group l // L, word l % L of its run
+    idx = torch.arange(K // 4)
+    blk, c, lane = idx // (16 * B), idx // 16 % B, idx % 16
+    word = blk * (fold * group // 4) + lane // L * (group // 4) + c * L + lane % L
+    return (word[:, None] * 4 + torch.arange(4)).reshape(K)
+
+
+def quantize_int4(w: torch.Tensor, group: int, fold: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 64 == 0, K % group == 0) -> (packed uint8 [..., R, K/2] in the stored order of
+    int4_order(K, group, fold), scale [..., R, K/group] in natural group order)."""
+    *lead, R, K = w.shape
+    order = int4_order(K, group, fold)
     wg = w.float().reshape(*lead, R, K // group, group)
     amax = wg.abs().amax(-1)
     inv = torch.where(amax > 0, 7.0 / amax, torch.zeros_like(amax))
     q = torch.round(wg * inv[..., None]).clamp(-8, 7)
     u = (q + 8).to(torch.uint8).reshape(*lead, R, K)
-    return pack_nibbles(u), amax / 7.0
+    return pack_nibbles(u[..., order]), amax / 7.0
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    q = unpack_nibbles(packed).float() - 8.0
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, fold: int | None = None) -> torch.Tensor:
+    """(packed, scale) of quantize_int4 (with the same fold) -> fp32 [..., R, K] in natural order."""
+    K = packed.shape[-1] * 2
+    q = torch.empty(packed.shape[:-1] + (K,), dtype=torch.float32, device=packed.device)
+    q[..., _int4_order(K, group, fold, str(packed.device))] = unpack_nibbles(packed).float() - 8.0
     return q * scale.repeat_interleave(group, dim=-1)
 
 

@@ -23,7 +23,6 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
-//   i4_pairs  1: AVX-512 int4 at 3-4 tokens, groups >= 64, two rows per vector (kern_avx512.h; default 0)
 //   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
 //   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
@@ -33,7 +32,6 @@ HY_API int hy_tune(const char* name, int value) {
   if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
   else if (!std::strcmp(name, "pf_first")) { old = g_pf_first; g_pf_first = value != 0; }
-  else if (!std::strcmp(name, "i4_pairs")) { old = g_i4_pairs; g_i4_pairs = value != 0; }
   else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }
   else if (!std::strcmp(name, "task_min")) { old = g_task_min; g_task_min = std::max(1, value); }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }

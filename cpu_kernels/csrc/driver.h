@@ -21,12 +21,16 @@
 
 namespace {
 
-// Symmetric per-token int8 quantization of n values (zero padded up to ldk).
-void quantize_row(const float* v, int n, int ldk, int group, uint8_t* row) {
+// Symmetric per-token int8 quantization of n values (zero padded up to M.ldk) into an activation row for
+// matrix M (hy.h act_stride): for int4 in M's stored order (hy.h i4_nat_word), the group sums by natural group.
+void quantize_row(const float* v, int n, const HyMat& M, uint8_t* row) {
+  const int ldk = M.ldk, group = M.group;
+  const bool reorder = M.dtype == HY_INT4 && !i4_natural(group, M.fold);
   float amax = 0.f;
   for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
   float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-  int8_t* q = (int8_t*)row;
+  int8_t nat[reorder ? ldk : 1];
+  int8_t* q = reorder ? nat : (int8_t*)row;
   for (int i = 0; i < n; ++i) q[i] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * inv)));
   std::memset(q + n, 0, ldk - n);
   std::memcpy(row + ldk, &scale, 4);
@@ -36,18 +40,33 @@ void quantize_row(const float* v, int n, int ldk, int group, uint8_t* row) {
     for (int i = g * group; i < (g + 1) * group; ++i) s += q[i];
     gs[g] = s;
   }
+  if (reorder)
+    for (int P = 0; P < ldk / 4; ++P) std::memcpy(row + 4 * P, q + 4 * i4_nat_word(P, group, M.fold), 4);
+}
+
+// Word w (4 bytes of K) of an activation row in natural order: int4 rows are stored in M's order.
+inline uint32_t act_word(const uint8_t* row, int w, const HyMat& M) {
+  if (M.dtype == HY_INT4 && !i4_natural(M.group, M.fold)) w = i4_stored_word(w, M.group, M.fold);
+  uint32_t v;
+  std::memcpy(&v, row + 4 * w, 4);
+  return v;
 }
 
 // 16 tokens x 64 bytes of K -> one AMX B tile (16 rows of 64 bytes): B row kk holds, for each token n,
 // the 4 bytes K[4kk..4kk+3] (two bf16 or four int8: the VNNI pairing of TDPBF16PS / TDPBSSD, Intel SDM
 // vol. 2, "TDPBF16PS"). That is a 16x16 transpose of 32-bit words. Missing tokens are zero.
-void pack_b_block(const uint8_t* const* rows, int m, int tb, int kbytes, uint8_t* dst) {
+// The tiles are in natural K order (int4 rows are read back through act_word; kern_amx.h unpacks the int4
+// weights to natural order too).
+void pack_b_block(const uint8_t* const* rows, int m, int tb, int kbytes, const HyMat& M, uint8_t* dst) {
   int nkc = kbytes / 64;
+  const bool reorder = M.dtype == HY_INT4 && !i4_natural(M.group, M.fold);
   for (int kc = 0; kc < nkc; ++kc) {
     uint32_t* tile = (uint32_t*)(dst + ((int64_t)tb * nkc + kc) * 1024);
     for (int n = 0; n < 16; ++n) {
       int t = tb * 16 + n;
-      if (t < m) {
+      if (t < m && reorder) {
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = act_word(rows[t], kc * 16 + kk, M);
+      } else if (t < m) {
         const uint32_t* src = (const uint32_t*)(rows[t] + kc * 64);
         for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = src[kk];
       } else {
@@ -62,8 +81,10 @@ inline int64_t packed_scales_offset(int m, int kbytes) { return align_up(m, 32) 
 
 // One 16-token block of an AMX expert's rows: B tiles (pack_b_block), then each padded token's activation
 // scale (int8/int4 rows carry one after their ldk values; bf16 and padding get 0).
-void pack_token_block(const uint8_t* const* rows, int m, int tb, int kbytes, int ldk, bool quantized, uint8_t* dst) {
-  pack_b_block(rows, m, tb, kbytes, dst);
+void pack_token_block(const uint8_t* const* rows, int m, int tb, int kbytes, const HyMat& M, bool quantized,
+                      uint8_t* dst) {
+  const int ldk = M.ldk;
+  pack_b_block(rows, m, tb, kbytes, M, dst);
   float* sc = (float*)(dst + packed_scales_offset(m, kbytes));
   for (int n = tb * 16; n < tb * 16 + 16; ++n) sc[n] = (quantized && n < m) ? act_scale(rows[n], ldk) : 0.f;
 }
@@ -166,6 +187,10 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   if (T == 0) return HY_OK;
   const int dt = L->dtype, D = L->D, E = L->n_local;
   const HyMat& G0 = L->nodes[0].gate;
+  if (dt == HY_INT4)  // the stored order the packer chose must be one the kernels read (hy.h)
+    for (int n = 0; n < L->n_nodes; ++n)
+      for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down})
+        if (!i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
   const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
   std::lock_guard<std::mutex> lk(g_job_mu);
   if (!g_ws) g_ws = new Workspace();
@@ -236,7 +261,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         float tmp[D];
         for (int d = 0; d < D; ++d)
           tmp[d] = x_dtype == HY_X_BF16 ? bf16_to_f32(((const uint16_t*)x)[(int64_t)t * D + d]) : ((const float*)x)[(int64_t)t * D + d];
-        quantize_row(tmp, D, Dk, G0.group, row);
+        quantize_row(tmp, D, G0, row);
       }
     }
   }, (T + 7) / 8);
@@ -263,7 +288,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   p0->run([&](int task, int) {
     int j = find_j(task), tb = task - ptask[j];
     const Active& a = act[j];
-    pack_token_block(xptr + a.off, a.m, tb, kb_x, Dk, dt != HY_BF16, xpack + a.pack_rows * (kb_x + 4));
+    pack_token_block(xptr + a.off, a.m, tb, kb_x, G0, dt != HY_BF16, xpack + a.pack_rows * (kb_x + 4));
   }, np);
 
   clk.lap(2);
@@ -333,10 +358,9 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       const Active& a = act[j];
       if (dt != HY_BF16)
         for (int i = tb * 16; i < std::min(a.m, tb * 16 + 16); ++i)
-          quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down.ldk, N.down.group,
-                       hrows[n] + (a.off + i) * hs[n]);
+          quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down, hrows[n] + (a.off + i) * hs[n]);
       if (a.amx)
-        pack_token_block(hptr[n] + a.off, a.m, tb, kb_h[n], N.down.ldk, dt != HY_BF16, hpack[n] + hpack_off(n, a));
+        pack_token_block(hptr[n] + a.off, a.m, tb, kb_h[n], N.down, dt != HY_BF16, hpack[n] + hpack_off(n, a));
     });
   }, [&](int) { return qt; });
 

@@ -134,8 +134,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         if (S.gu_done[x].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nbu[n]) {  // j's h is complete
           if (dt != HY_BF16)
             for (int i = 0; i < a.m; ++i)
-              quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down.ldk, N.down.group,
-                           hrows[n] + (a.off + i) * hs[n]);
+              quantize_row(hf[n] + (int64_t)(a.off + i) * N.gate.rows_p, N.gate.rows_p, N.down, hrows[n] + (a.off + i) * hs[n]);
           S.ready[x].v.store(1, std::memory_order_release);
         }
         return;

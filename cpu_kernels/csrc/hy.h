@@ -30,6 +30,7 @@ typedef struct {
   int64_t r_estride;     // int32s between experts in rsum
   int64_t b_estride;     // floats between experts in bias
   int32_t rows, rows_p, k, ldk, group, dtype;
+  int32_t fold;          // int4: groups per fold block of the stored order (i4_nat_word; quant.int4_fold_groups)
 } HyMat;
 
 typedef struct {
@@ -62,10 +63,6 @@ int g_prefetch = 1;
 // (hy_tune("pf_first"); AVX-512 kernels). With the bigger decode tasks of fused.h, issue 12 run 11 (GPU box,
 // 15 threads, pool past the LLC, 4 KiB pages): 8 experts x 1 token int8 90 -> 94% of DRAM, int4 82 -> 85%.
 int g_pf_first = 1;
-// AVX-512 int4 at 3-4 tokens per expert, groups >= 64: two rows per vector (i4_pairs_g, 1) or two 2-row passes
-// of i4_rows_g (0, default); hy_tune("i4_pairs"). Off until timed on the GPU box beside llama.cpp: the default
-// decode path stays the one issue 12 run 11 measured there (faster on the dev box only, see kern_avx512.h).
-int g_i4_pairs = 0;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {
@@ -159,6 +156,28 @@ inline int64_t act_stride(int dtype, int ldk, int group) {
   if (dtype == HY_BF16) return align_up((int64_t)ldk * 2, 64);
   return align_up((int64_t)ldk + 4 + 4 * (int64_t)(ldk / group), 64);
 }
+// int4's stored (group-interleaved) order, cpu_kernels/quant.py int4_order: a row is cut into fold blocks of
+// `fold` groups = B = fold * group / 64 chunks of 64 values; in each unpacked chunk (16 words of 4 values) word l
+// belongs to group l / L (L = 16 / fold) of its block and is word c * L + l % L of that group (c: the chunk in
+// the block). The kernels' int32 lanes then each sum one group over a whole block. Words, not values: a word's
+// 4 values keep their order (a VPDPBUSD lane's 4 products).
+inline bool i4_natural(int group, int fold) { return fold <= 1 || fold * group == 64; }
+inline int i4_nat_word(int P, int group, int fold) {  // stored word -> natural word
+  const int L = 16 / fold, B = fold * group / 64;
+  const int blk = P / (16 * B), c = P / 16 % B, l = P % 16;
+  return blk * (fold * group / 4) + l / L * (group / 4) + c * L + l % L;
+}
+inline int i4_stored_word(int w, int group, int fold) {  // natural word -> stored word
+  const int L = 16 / fold, B = fold * group / 64, gw = group / 4;
+  const int blk = w / (fold * gw), rem = w % (fold * gw), s = rem / gw, p = rem % gw;
+  return (blk * B + p / L) * 16 + s * L + p % L;
+}
+// A layout the kernels can read: fold one of 1, 2, 4, 8, 16 dividing the row's group count, blocks of whole chunks.
+inline bool i4_fold_ok(int ldk, int group, int fold) {
+  return group > 0 && ldk % 64 == 0 && ldk % group == 0 && (fold == 1 || fold == 2 || fold == 4 || fold == 8 ||
+         fold == 16) && (ldk / group) % fold == 0 && fold * group % 64 == 0;
+}
+
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }
 

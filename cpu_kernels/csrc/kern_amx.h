@@ -164,12 +164,26 @@ void amx_gemm_t(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r
   }
 }
 
-// 64 int4 values of one row (32 bytes: low nibbles K 0..31, high nibbles K 32..63, each value + 8) -> 64
-// signed int8 in K order, the A-tile row of TDPBSSD. Plain loops: the compiler vectorizes them per ISA, and
+// 64 int4 values of one row (32 bytes: low nibbles stored values 0..31, high nibbles 32..63, each value + 8) ->
+// 64 signed int8 in stored order, the A-tile row of TDPBSSD. Plain loops: the compiler vectorizes them per ISA, and
 // the emulated build (tested on any machine) runs the very same code as the AMX one.
 inline void unpack_i4_chunk(const uint8_t* src, int8_t* dst) {
   for (int i = 0; i < 32; ++i) dst[i] = (int8_t)((src[i] & 15) - 8);
   for (int i = 0; i < 32; ++i) dst[32 + i] = (int8_t)((src[i] >> 4) - 8);
+}
+
+// Stored chunks [kb, ke) of one row (whole fold blocks) -> the panel row in natural K order (hy.h i4_nat_word):
+// the tiles need one group per 64-value step, and the driver packs the activations' B tiles in natural order.
+inline void unpack_i4_row(const uint8_t* src, int kb, int ke, int group, int fold, int8_t* dst) {
+  if (i4_natural(group, fold)) {
+    for (int kc = kb; kc < ke; ++kc) unpack_i4_chunk(src + kc * 32, dst + (kc - kb) * 64);
+    return;
+  }
+  alignas(64) int8_t tmp[64];
+  for (int kc = kb; kc < ke; ++kc) {
+    unpack_i4_chunk(src + kc * 32, tmp);
+    for (int l = 0; l < 16; ++l) std::memcpy(dst + 4 * (i4_nat_word(kc * 16 + l, group, fold) - kb * 16), tmp + 4 * l, 4);
+  }
 }
 
 // int4 with groups of 64 or 128 values (whole 64-value K chunks; 32 goes to the vector path) on AMX. Per
@@ -184,7 +198,9 @@ void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int 
   const HyMat& M0 = *Ms[0];
   const int nkc = M0.ldk / 64, cpg = M0.group / 64, G = M0.ldk / M0.group;
   const int64_t ldw = M0.ldk / 2;  // bytes of one packed row
-  const int KB = std::max(cpg, g_amx_kblock / cpg * cpg);  // K block in whole groups
+  // K block in whole groups, and in whole fold blocks of the stored order (whose chunks hold several groups)
+  const int unit = i4_natural(M0.group, M0.fold) ? cpg : M0.fold * M0.group / 64;
+  const int KB = std::max(unit, g_amx_kblock / unit * unit);
   const int64_t lda = (int64_t)KB * 64;                     // A panel row stride (bytes)
   static thread_local std::vector<float> acc_v;
   static thread_local std::vector<int8_t> panel_v;
@@ -205,8 +221,7 @@ void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int 
         const float* S = M.scale + e * M.s_estride + (int64_t)r0 * G;
         float* acc = acc_v.data() + (size_t)mi * nr * TC;
         for (int rb = 0; rb < nr; rb += 32) {
-          for (int r = 0; r < 32; ++r)
-            for (int kc = kb; kc < ke; ++kc) unpack_i4_chunk(W + (rb + r) * ldw + kc * 32, panel + r * lda + (kc - kb) * 64);
+          for (int r = 0; r < 32; ++r) unpack_i4_row(W + (rb + r) * ldw, kb, ke, M.group, M.fold, panel + r * lda);
           for (int tb = tb0; tb < tb1; tb += 2) {
             const uint8_t* B0 = bpack + (int64_t)tb * nkc * 1024;
             const uint8_t* B1 = B0 + (int64_t)nkc * 1024;

@@ -51,8 +51,8 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * sw[j] * act_scale(rows[t], k);
 }
 
-// int4: per 64 K values 32 bytes, low nibbles K[0..31], high nibbles K[32..63]; value = nibble - 8.
-// Group size GS a compile-time constant. For GS >= 64 the maddubs pair sums of a whole group (at most 4
+// int4 in the natural order (quant.py): per 64 K values 32 bytes, low nibbles K[0..31], high nibbles K[32..63];
+// value = nibble - 8. Group size GS a compile-time constant. For GS >= 64 the maddubs pair sums of a whole group (at most 4
 // of them per lane, each |.| <= 2 * 15 * 127) are added in int16 without saturating, widened once by
 // madd, and the +8 of the stored nibbles is undone there in int32 with the activations' group sum
 // (-8 * gsum in lane 0): every lane total is the exact signed dot of the group, converted and scaled once
@@ -114,10 +114,77 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// int4 in the group-interleaved stored order (quant.py, hy.h i4_nat_word; fold > 1 and not the natural order):
+// the low nibbles of a chunk are words 0-7 of the 16, the high nibbles words 8-15, each word (int32 lane) one
+// group for a whole fold block. Per row the maddubs pair sums of the low and the high half are added in int16 for
+// up to 8 chunks (8 x 2 x 15 x 127 < 2^15), widened by madd, offset by -8 x the token's group sum in each group's
+// first lane, and converted and scaled once per block with a vector of the block's group scales per half.
 template <int MT>
-void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
+void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows,
+                   const float* sw, float* C, int ldc) {
+  const int G = k / group, L = 16 / fold, B = fold * group / 64;  // lanes a group, chunks a block
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+  const __m256i sh = _mm256_set1_epi32(__builtin_ctz(L));
+  const __m256i ilo = _mm256_srlv_epi32(lane, sh);  // group of lanes 0-7 (words 0-7) in the block
+  // words 8-15: groups 8 / L .. of the first 8 loaded values, or (fold 16) the next 8 values' 0..7
+  const __m256i ihi = fold == 16 ? lane : _mm256_srlv_epi32(_mm256_add_epi32(lane, eight), sh);
+  const __m256i lmask = _mm256_set1_epi32(L - 1), zero = _mm256_setzero_si256();
+  const __m256i flo = _mm256_cmpeq_epi32(_mm256_and_si256(lane, lmask), zero);  // a group's first lane
+  const __m256i fhi = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_add_epi32(lane, eight), lmask), zero);
+  const int nv = std::min(fold, 8);
+  const __m256i vm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lane);  // the block's first nv values
+  const int hi_off = fold == 16 ? 8 : 0;
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int b = 0; b < G / fold; ++b) {
+    __m256i olo[MT], ohi[MT];
+    for (int t = 0; t < MT; ++t) {
+      const int32_t* gs = act_gsum(rows[t], k) + b * fold;
+      const __m256i g0 = _mm256_maskload_epi32(gs, vm), g1 = _mm256_maskload_epi32(gs + hi_off, vm);
+      olo[t] = _mm256_sub_epi32(zero, _mm256_slli_epi32(_mm256_and_si256(_mm256_permutevar8x32_epi32(g0, ilo), flo), 3));
+      ohi[t] = _mm256_sub_epi32(zero, _mm256_slli_epi32(_mm256_and_si256(_mm256_permutevar8x32_epi32(g1, ihi), fhi), 3));
+    }
+    if (g_prefetch)  // the rows 2 blocks down, once per 64-byte line
+      for (int c = b * B; c < (b + 1) * B; c += 2)
+        for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) {
+      __m256i s32lo[MT], s32hi[MT];
+      for (int t = 0; t < MT; ++t) { s32lo[t] = olo[t]; s32hi[t] = ohi[t]; }
+      for (int c0 = b * B; c0 < (b + 1) * B; c0 += 8) {
+        __m256i s16lo[MT], s16hi[MT];
+        for (int t = 0; t < MT; ++t) s16lo[t] = s16hi[t] = zero;
+        for (int c = c0; c < std::min(c0 + 8, (b + 1) * B); ++c) {
+          const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+          const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+          for (int t = 0; t < MT; ++t) {
+            s16lo[t] = _mm256_add_epi16(s16lo[t], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64))));
+            s16hi[t] = _mm256_add_epi16(s16hi[t], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32))));
+          }
+        }
+        for (int t = 0; t < MT; ++t) {
+          s32lo[t] = _mm256_add_epi32(s32lo[t], _mm256_madd_epi16(s16lo[t], ones));
+          s32hi[t] = _mm256_add_epi32(s32hi[t], _mm256_madd_epi16(s16hi[t], ones));
+        }
+      }
+      const float* sj = sw + j * G + b * fold;
+      const __m256 slo = _mm256_permutevar8x32_ps(_mm256_maskload_ps(sj, vm), ilo);
+      const __m256 shi = _mm256_permutevar8x32_ps(_mm256_maskload_ps(sj + hi_off, vm), ihi);
+      for (int t = 0; t < MT; ++t) {
+        acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32lo[t]), slo, acc[j][t]);
+        acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32hi[t]), shi, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
+template <int MT>
+void i4_block(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
               float* C, int ldc) {
-  switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/moe.py)
+  if (!i4_natural(group, fold)) return i4_block_fold<MT>(w, ldw, k, group, fold, rows, sw, C, ldc);
+  switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/quant.py)
     case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc); break;
     case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc); break;
     default: i4_block_g<MT, 128>(w, ldw, k, rows, sw, C, ldc);
@@ -177,7 +244,7 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
   } else {
     const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
-    i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc);
+    i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc);
   }
 }
 

@@ -4,10 +4,10 @@
 // bf16: VDPBF16PS (pairs of bf16 products into fp32). int8: VPDPBUSD (u8 x s8, 4 products into int32)
 // with the activations offset by +128 to make them unsigned, undone with the precomputed row sums:
 // sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned operand, the
-// int8 activations the signed one; the +8 offset is undone per group in int32 with the activation group
-// sums. mxfp4: nibble unpacking, then VPSHUFB through the 16-entry code table (hy.h, HY_MX4_LUT) to
-// 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the sum of its 4 activations, so
-// VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
+// int8 activations the signed one (both in the int4 stored order, quant.py); the +8 offset is undone per
+// group in int32 with the activation group sums. mxfp4: nibble unpacking, then VPSHUFB through the 16-entry
+// code table (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the
+// sum of its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
@@ -50,19 +50,20 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
       C[t * ldc + j] = (float)(_mm512_reduce_add_epi32(acc[j][t]) - 128 * rsum[j]) * sw[j] * act_scale(rows[t], k);
 }
 
-// int4, group size GS a compile-time constant (no division in the loop): the products of one group are
-// summed in int32 and scaled once per group (GS >= 64: per 1-2 chunks of 64 K values), instead of a
-// convert + FMA per chunk. Per row and chunk (32 bytes, 64 nibbles) the unpacking is one broadcast load and
-// one AND: the low 256 bits keep the low nibbles (K 0..31), the high 256 bits keep the high nibbles where
-// they are, i.e. 16 x their value (K 32..63; <= 240 is still a valid unsigned VPDPBUSD operand). A shift
-// to bring them down cost one more instruction per row and chunk, on the port VPDPBUSD needs (Intel p0).
-// So lanes 8-15 hold 16 x their sums throughout, and one multiply by 1/16 before the final reduction
-// restores them: a power-of-two factor does not change any fp32 rounding (no over/underflow here).
-// The +8 of the stored nibbles is undone in the int32 domain: each group's accumulators start with
-// -8 * (the group's activation sum, from the activation row) in one lane (x16 in a high lane for the high
-// half's group when GS = 32), so every lane total is the exact signed dot of the group. That replaced a
-// scalar loop per row and token after the K loop (sum_g s_g * gsum_g, ~20% of the kernel's time at G = 16)
-// and its fp32 cancellation against the offset dot; outputs move by fp32 rounding only (~1e-6 relative).
+// int4 (quant.py / hy.h: the stored order), NR rows x MT tokens. Per row and chunk (32 bytes, 64 stored values)
+// the unpacking is one broadcast load and one AND: the low 256 bits keep the low nibbles (stored values 0..31),
+// the high 256 bits the high nibbles where they are, i.e. 16 x their value (stored 32..63; <= 240 is still a
+// valid unsigned VPDPBUSD operand). A shift to bring them down cost one more instruction per row and chunk, on
+// the port VPDPBUSD needs (Intel p0). So lanes 8-15 hold 16 x their sums throughout, and one multiply by 1/16
+// before the final reduction restores them: a power-of-two factor does not change any fp32 rounding.
+// The stored order gives each int32 lane one group for a whole fold block (`fold` groups, fold * group / 64
+// chunks): the products are summed in int32 across the block, and each row and token is converted and scaled
+// once per block, with a vector of the block's group scales (lane l: group l / L, L = 16 / fold lanes a group).
+// A 2048-value row in groups of 128 is one block: one convert + FMA per row and token where the natural order
+// took 16 (per group). Dev box (EPYC Zen4, 1 thread, 30B expert, 8 experts from the L3): folding once per
+// row, not per group, was worth +75% at 1 token, +30% at 2, +16-18% at 3-4 (a timing-only build).
+// The +8 of the stored nibbles is undone in int32: each group's first lane starts at -8 x (the token's group
+// sum of activations; x 16 in lanes 8-15), so every group's lanes add up to its exact signed dot.
 // NR rows (4; 2 for 3-4 tokens) x MT tokens: NR * MT int32 and as many fp32 accumulators stay in the 32 zmm
 // registers, and each row is unpacked once for all MT tokens.
 // Prefetch (int4 and mxfp4): the same columns 8 rows down (two 4-row blocks ahead), once per 64-byte line,
@@ -70,6 +71,57 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // lead time, and L1 prefetches are bounded by the few L1 miss buffers, L2 ones by the larger L2 queue: on a
 // 2-core EPYC (1 thread, 30B expert, 8 experts x 1 token, weights from DRAM) int4 went from 11 GB/s with
 // T0 4 rows ahead to 17 with T1 4 rows ahead and 20 with T1 8 rows ahead; mxfp4 from 11 to 16.
+// B = fold * group / 64, the chunks of a block, is a template argument (i4_block) so that the block's K loop has
+// a known trip count: with a run-time count the natural order (fold 1, 2 chunks a block) ran ~1.5x slower.
+template <int NR, int MT, int B>
+void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
+             float* C, int ldc, int pf_lo) {
+  const int G = k / group, L = 16 / fold;  // lanes a group
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i gidx = _mm512_srl_epi32(lane, _mm_cvtsi32_si128(__builtin_ctz(L)));  // lane -> group in block
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi32(3), _mm256_set1_epi32(7), 1);  // x 8; lanes 8-15 x 128
+  __mmask16 first = 0;  // each group's first lane
+  for (int l = 0; l < 16; l += L) first |= (__mmask16)(1u << l);
+  const __mmask16 gm = (__mmask16)((1u << fold) - 1);
+  __m512 acc[NR][MT];
+  for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int b = 0; b < G / fold; ++b) {
+    __m512i iacc[NR][MT];
+    for (int t = 0; t < MT; ++t) {
+      const __m512i gs = _mm512_maskz_loadu_epi32(gm, act_gsum(rows[t], k) + b * fold);
+      const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                           _mm512_sllv_epi32(_mm512_maskz_permutexvar_epi32(first, gidx, gs), shl));
+      for (int j = 0; j < NR; ++j) iacc[j][t] = off;
+    }
+#pragma GCC unroll 4
+    for (int c = b * B; c < (b + 1) * B; ++c) {
+      __m512i wq[NR];
+      for (int j = 0; j < NR; ++j)
+        wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
+      if (g_prefetch && c % 2 == 0)
+        for (int j = pf_lo - 8; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 sv = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gm, sw + j * G + b * fold));
+      for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j][t]), sv, acc[j][t]);
+    }
+  }
+  const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  for (int j = 0; j < NR; ++j)
+    for (int t = 0; t < MT; ++t)
+      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
+}
+
+// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: two 2-row passes (4 rows x 4 tokens of int32 and fp32
+// accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
+// The natural order (fold 1 with groups >= 64, or groups of 32 two to a chunk: quant.py), group size GS a
+// compile-time constant: each group's sums are converted and scaled once per group (GS >= 64: per 1-2 chunks;
+// GS = 32: lanes 0-7 and 8-15 are two groups, with a scale each).
 template <int NR, int MT, int GS>
 void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
                int pf_lo) {
@@ -112,82 +164,43 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
 }
 
-// int4 (groups of 64 or 128), 4 rows x 3-4 tokens with two rows per vector: lanes 0-7 hold row 2p's sums,
-// lanes 8-15 row 2p+1's. Per chunk (64 K values) one 512-bit vector carries both rows' 32 bytes (one load,
-// one insert), its low nibbles (K 0..31) and its high nibbles shifted down (K 32..63) meet the token's two
-// 32-value halves broadcast to both lane groups: the same VPDPBUSD count as i4_rows_g, but each group's
-// int32 -> fp32 convert and scale FMA now covers two rows at once (half as many per row), and the 4 rows x 4
-// tokens of accumulators fit in the registers, so the activations are read once per block, not per 2 rows.
-// The +8 of the nibbles is undone per group as in i4_rows_g, in lane 0 and lane 8 (one per row). Dev box
-// (EPYC Zen4, 1 thread, 30B expert, bench.decode_probe; not yet timed on the GPU box's Xeon): 8 experts x
-// 4 tokens from the L3 13.4-14.0 -> 13.9-15.1 GB/s, x 3 tokens 16.4-17.7 -> 16.4-18.5; groups of 64 (a fold
-// per chunk, --group 64) 11.3-11.6 -> 11.7-12.6 and 13.6-13.9 -> 15.2-16.1.
-template <int MT, int GS>
-void i4_pairs_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
-                int pf_lo) {
-  static_assert(GS >= 64, "a group is whole 64-value chunks");
-  constexpr int CPG = GS / 64;
-  const int G = k / GS;
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[2][MT];
-  for (int p = 0; p < 2; ++p) for (int t = 0; t < MT; ++t) acc[p][t] = _mm512_setzero_ps();
-  for (int c0 = 0; c0 < k / 64; c0 += CPG) {
-    const int g = c0 / CPG;
-    __m512i iacc[2][MT];
-    for (int t = 0; t < MT; ++t) {
-      const __m512i off = _mm512_maskz_set1_epi32(0x0101, -8 * act_gsum(rows[t], k)[g]);  // lanes 0 and 8
-      iacc[0][t] = off;
-      iacc[1][t] = off;
-    }
-    for (int i = 0; i < CPG; ++i) {
-      const int c = c0 + i;
-      __m512i wl[2], wh[2];
-      for (int p = 0; p < 2; ++p) {
-        const __m512i raw = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w + 2 * p * ldw + c * 32))),
-            _mm256_loadu_si256((const __m256i*)(w + (2 * p + 1) * ldw + c * 32)), 1);
-        wl[p] = _mm512_and_si512(raw, lo4);
-        wh[p] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-      }
-      if (g_prefetch && c % 2 == 0)
-        for (int j = pf_lo - 8; j < 4; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
-      for (int t = 0; t < MT; ++t) {
-        const __m512i alo = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(rows[t] + c * 64)));
-        const __m512i ahi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32)));
-        for (int p = 0; p < 2; ++p) {
-          iacc[p][t] = _mm512_dpbusd_epi32(iacc[p][t], wl[p], alo);
-          iacc[p][t] = _mm512_dpbusd_epi32(iacc[p][t], wh[p], ahi);
-        }
-      }
-    }
-    for (int p = 0; p < 2; ++p) {
-      const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[2 * p * G + g])),
-                                           _mm256_set1_ps(sw[(2 * p + 1) * G + g]), 1);
-      for (int t = 0; t < MT; ++t) acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[p][t]), sv, acc[p][t]);
-    }
+template <int MT, int B>
+void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
+                float* C, int ldc, int pf_lo) {
+  if (MT <= 2) {
+    i4_rows<4, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
+  } else {
+    i4_rows<2, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
+    i4_rows<2, MT, B>(w + 2 * ldw, ldw, k, group, fold, rows, sw + 2 * (k / group), C + 2, ldc, pf_lo);
   }
-  for (int p = 0; p < 2; ++p)
-    for (int t = 0; t < MT; ++t) {
-      const float s = act_scale(rows[t], k);
-      C[t * ldc + 2 * p] = hsum8(_mm512_castps512_ps256(acc[p][t])) * s;
-      C[t * ldc + 2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[p][t], 1)) * s;
-    }
 }
 
-// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: two 2-row passes of i4_rows_g, or i4_pairs_g where
-// hy_tune("i4_pairs", 1) asks for it (groups >= 64; g_i4_pairs, off by default) (4 rows x 4 tokens of int32
-// and fp32 accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 template <int MT, int GS>
-void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
-                int pf_lo) {
+void i4_block_nat(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
+                  int pf_lo) {
   if (MT <= 2) {
     i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-  } else if (GS >= 64 && g_i4_pairs) {
-    i4_pairs_g<MT, GS >= 64 ? GS : 64>(w, ldw, k, rows, sw, C, ldc, pf_lo);
   } else {
-    const int G = k / GS;
     i4_rows_g<2, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * G, C + 2, ldc, pf_lo);
+    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * (k / GS), C + 2, ldc, pf_lo);
+  }
+}
+
+template <int MT>
+void i4_block(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
+              float* C, int ldc, int pf_lo) {
+  if (i4_natural(group, fold)) {  // the packer allows groups of 32, 64 and 128 (cpu_kernels/quant.py)
+    if (group == 32) i4_block_nat<MT, 32>(w, ldw, k, rows, sw, C, ldc, pf_lo);
+    else if (group == 64) i4_block_nat<MT, 64>(w, ldw, k, rows, sw, C, ldc, pf_lo);
+    else i4_block_nat<MT, 128>(w, ldw, k, rows, sw, C, ldc, pf_lo);
+    return;
+  }
+  switch (fold * group / 64) {  // forward() checked the layout (hy.h i4_fold_ok): 2..32 chunks, a power of two
+    case 2: i4_block_b<MT, 2>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
+    case 4: i4_block_b<MT, 4>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
+    case 8: i4_block_b<MT, 8>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
+    case 16: i4_block_b<MT, 16>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
+    default: i4_block_b<MT, 32>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
   }
 }
 
@@ -226,7 +239,7 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
         __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
         wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
       }
-      // 1-2 tokens: 2 blocks ahead, into L2, once per 64-byte line (see i4_rows_g). 3-4 tokens, where the
+      // 1-2 tokens: 2 blocks ahead, into L2, once per 64-byte line (see i4_rows). 3-4 tokens, where the
       // per-block scaling makes this kernel compute-bound: the next block into L1 at every chunk, as before
       // (into L2 was no faster there, 8 experts x 4 tokens, 1 thread, and if anything a little slower).
       if (g_prefetch && MT <= 2 && c % 2 == 0)
@@ -249,16 +262,6 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 }
 
 template <int MT>
-void i4_block(const uint8_t* w, int64_t ldw, int k, int group, const uint8_t* const* rows, const float* sw,
-              float* C, int ldc, int pf_lo) {
-  switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/moe.py)
-    case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc, pf_lo); break;
-    case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc, pf_lo); break;
-    default: i4_block_g<MT, 128>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-  }
-}
-
-template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
   const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
@@ -270,12 +273,13 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_MXFP4) {
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc, pf_lo);
   } else {
-    i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, rows, sw, C, ldc, pf_lo);
+    i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
+                 pf_lo);
   }
 }
 
 void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
-  const int mt = 4;  // every dtype: int4 splits its 4-row block itself (i4_block_g)
+  const int mt = 4;  // every dtype: int4 splits its 4-row block itself (i4_block)
   for (int r = 0; r < nr; r += 4)
     for (int t = 0; t < m; t += mt) {
       float* c = C + t * ldc + r;

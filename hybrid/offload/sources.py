@@ -27,6 +27,7 @@ class PackedMatrix:
     k: int
     kind: str  # "bf16" | "int8" | "int4" | "mxfp4" | "plain"
     group: int = 0
+    fold: int = 0  # int4: groups per fold block of the stored order (cpu_kernels/quant.py); 0: the default
 
     def expert_bytes(self) -> int:
         n = self.q[0].numel() * self.q.element_size()
@@ -43,7 +44,7 @@ class PackedMatrix:
         elif self.kind == "mxfp4":
             w = quant.dequantize_mxfp4_packed(q, scale)
         else:
-            w = quant.dequantize_int4(q, scale, self.group)
+            w = quant.dequantize_int4(q, scale, self.group, self.fold or None)
         return w[: self.rows, : self.k].to(dtype)
 
 
@@ -77,7 +78,7 @@ def packed_sources(moe) -> list[NodeSlice]:
     """The executor's packed weights as tensor views (no copies), node by node (CpuMoE.packed_weights)."""
     out = []
     for node in moe.packed_weights():
-        mats = [PackedMatrix(m["q"], m["scale"], m["rows"], m["k"], m["dtype"], m["group"])
+        mats = [PackedMatrix(m["q"], m["scale"], m["rows"], m["k"], m["dtype"], m["group"], m.get("fold", 0))
                 for m in (node["gate"], node["up"], node["down"])]
         out.append(NodeSlice(node["f0"], node["f1"], *mats, block=node.get("block")))
     return out

@@ -1,6 +1,7 @@
-# run 12, call 1 (prepared in session 16, not yet run): time what session 16 added after its device time,
-# on a clean `git archive HEAD` (.boxcmd/src.tgz):
-#  - int4 at 3-4 tokens per expert, two rows per vector (i4_pairs, off by default) against the two-pass kernel;
+# run 12, call 1 (prepared in sessions 16-17, not yet run): time what sessions 16 and 17 added after their
+# device time, on a clean `git archive HEAD` (.boxcmd/src.tgz):
+#  - int4's group-interleaved stored order (session 17, the default) against the natural one, groups of 128 and 32
+#    (session 16's i4_pairs kernel is gone: the interleaved order removes the per-group converts it halved);
 #  - int4 on AMX against its vector path (bench.cpu_moe's knee sweep; the AMX path is off without a measured knee);
 #  - e2e int4 at batch 1 and 8 (with the DRAM ceiling measured again after each batch);
 #  - prefill 2048/8192 twice (session 16 measured -6% at 2048 once).
@@ -10,8 +11,10 @@ T0=$(date +%s)
 mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
-timeout 120 python3 -m bench.decode_probe --dtypes int4 --cases 1x8,2x8same,3x8same,4x8same,8x8 \
-  --variants fused,fused+i4_pairs=1 --iters 30 --out $OUT/probe_i4_pairs.json 2>&1 | grep -v Warn | tee $OUT/probe_i4_pairs.txt
+for g in 128 32; do
+  timeout 75 python3 -m bench.decode_probe --dtypes int4,int4-natural --group $g --cases 1x8,2x8same,3x8same,4x8same,8x8 \
+    --variants fused --iters 30 --out $OUT/probe_int4_order_g$g.json 2>&1 | grep -v Warn | tee $OUT/probe_int4_order_g$g.txt
+done
 echo "# probe done at $(( $(date +%s) - T0 )) s"
 timeout 150 python3 -m bench.cpu_moe --shapes qwen3-30b-a3b --dtypes int4 --decode 8x1,8x4 --prefill 8x256,8x1024 \
   --knee-sweep 4,8,16,32,64 --scaling '' --out $OUT/cpu_moe_int4.json 2>&1 | grep -v Warn | tee $OUT/cpu_moe_int4.txt
