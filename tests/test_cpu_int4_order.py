@@ -1,4 +1,4 @@
-"""int4's group-interleaved stored order (cpu_kernels/quant.py int4_order, csrc/hy.h i4_nat_word): the packer,
+"""int4's group-interleaved stored order (cpu_kernels/quant.py int4_order, csrc/hy.h i4_for_each_word): the packer,
 the activation reorder (driver.h quantize_row), the vector kernels of every ISA, the AMX unpacking and B-tile
 packing (amx_emu) must all agree on it, for every fold (groups per block: 1, 2, 4, 8, 16) and group size.
 

@@ -22,7 +22,7 @@
 namespace {
 
 // Symmetric per-token int8 quantization of n values (zero padded up to M.ldk) into an activation row for
-// matrix M (hy.h act_stride): for int4 in M's stored order (hy.h i4_nat_word), the group sums by natural group.
+// matrix M (hy.h act_stride): for int4 in M's stored order (hy.h i4_for_each_word), the group sums by natural group.
 void quantize_row(const float* v, int n, const HyMat& M, uint8_t* row) {
   const int ldk = M.ldk, group = M.group;
   const bool reorder = M.dtype == HY_INT4 && !i4_natural(group, M.fold);
@@ -41,31 +41,25 @@ void quantize_row(const float* v, int n, const HyMat& M, uint8_t* row) {
     gs[g] = s;
   }
   if (reorder)
-    for (int P = 0; P < ldk / 4; ++P) std::memcpy(row + 4 * P, q + 4 * i4_nat_word(P, group, M.fold), 4);
-}
-
-// Word w (4 bytes of K) of an activation row in natural order: int4 rows are stored in M's order.
-inline uint32_t act_word(const uint8_t* row, int w, const HyMat& M) {
-  if (M.dtype == HY_INT4 && !i4_natural(M.group, M.fold)) w = i4_stored_word(w, M.group, M.fold);
-  uint32_t v;
-  std::memcpy(&v, row + 4 * w, 4);
-  return v;
+    i4_for_each_word(ldk, group, M.fold, [&](int P, int N) { std::memcpy(row + 4 * P, q + 4 * N, 4); });
 }
 
 // 16 tokens x 64 bytes of K -> one AMX B tile (16 rows of 64 bytes): B row kk holds, for each token n,
 // the 4 bytes K[4kk..4kk+3] (two bf16 or four int8: the VNNI pairing of TDPBF16PS / TDPBSSD, Intel SDM
 // vol. 2, "TDPBF16PS"). That is a 16x16 transpose of 32-bit words. Missing tokens are zero.
-// The tiles are in natural K order (int4 rows are read back through act_word; kern_amx.h unpacks the int4
-// weights to natural order too).
+// The tiles are in natural K order: int4 rows (stored in M's order, quantize_row) are read back through the
+// word map, as kern_amx.h unpacks the int4 weights to natural order.
 void pack_b_block(const uint8_t* const* rows, int m, int tb, int kbytes, const HyMat& M, uint8_t* dst) {
   int nkc = kbytes / 64;
   const bool reorder = M.dtype == HY_INT4 && !i4_natural(M.group, M.fold);
+  int stored[reorder ? nkc * 16 : 1];  // natural word -> stored word
+  if (reorder) i4_for_each_word(M.ldk, M.group, M.fold, [&](int P, int N) { stored[N] = P; });
   for (int kc = 0; kc < nkc; ++kc) {
     uint32_t* tile = (uint32_t*)(dst + ((int64_t)tb * nkc + kc) * 1024);
     for (int n = 0; n < 16; ++n) {
       int t = tb * 16 + n;
       if (t < m && reorder) {
-        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = act_word(rows[t], kc * 16 + kk, M);
+        for (int kk = 0; kk < 16; ++kk) std::memcpy(tile + kk * 16 + n, rows[t] + 4 * stored[kc * 16 + kk], 4);
       } else if (t < m) {
         const uint32_t* src = (const uint32_t*)(rows[t] + kc * 64);
         for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = src[kk];

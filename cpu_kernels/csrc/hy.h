@@ -30,7 +30,7 @@ typedef struct {
   int64_t r_estride;     // int32s between experts in rsum
   int64_t b_estride;     // floats between experts in bias
   int32_t rows, rows_p, k, ldk, group, dtype;
-  int32_t fold;          // int4: groups per fold block of the stored order (i4_nat_word; quant.int4_fold_groups)
+  int32_t fold;          // int4: groups per fold block of the stored order (i4_for_each_word; quant.int4_fold_groups)
 } HyMat;
 
 typedef struct {
@@ -162,15 +162,14 @@ inline int64_t act_stride(int dtype, int ldk, int group) {
 // the block). The kernels' int32 lanes then each sum one group over a whole block. Words, not values: a word's
 // 4 values keep their order (a VPDPBUSD lane's 4 products).
 inline bool i4_natural(int group, int fold) { return fold <= 1 || fold * group == 64; }
-inline int i4_nat_word(int P, int group, int fold) {  // stored word -> natural word
-  const int L = 16 / fold, B = fold * group / 64;
-  const int blk = P / (16 * B), c = P / 16 % B, l = P % 16;
-  return blk * (fold * group / 4) + l / L * (group / 4) + c * L + l % L;
-}
-inline int i4_stored_word(int w, int group, int fold) {  // natural word -> stored word
-  const int L = 16 / fold, B = fold * group / 64, gw = group / 4;
-  const int blk = w / (fold * gw), rem = w % (fold * gw), s = rem / gw, p = rem % gw;
-  return (blk * B + p / L) * 16 + s * L + p % L;
+// f(stored word, natural word) for every word of a row of ldk values, in stored order (shifts, no divisions).
+template <class Fn>
+inline void i4_for_each_word(int ldk, int group, int fold, Fn f) {
+  const int L = 16 / fold, B = fold * group / 64, gw = group / 4, sh = __builtin_ctz(L);
+  int P = 0;
+  for (int base = 0; base < ldk / 4; base += fold * gw)
+    for (int c = 0; c < B; ++c)
+      for (int l = 0; l < 16; ++l, ++P) f(P, base + (l >> sh) * gw + c * L + (l & (L - 1)));
 }
 // A layout the kernels can read: fold one of 1, 2, 4, 8, 16 dividing the row's group count, blocks of whole chunks.
 inline bool i4_fold_ok(int ldk, int group, int fold) {

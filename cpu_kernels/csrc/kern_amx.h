@@ -172,17 +172,18 @@ inline void unpack_i4_chunk(const uint8_t* src, int8_t* dst) {
   for (int i = 0; i < 32; ++i) dst[32 + i] = (int8_t)((src[i] >> 4) - 8);
 }
 
-// Stored chunks [kb, ke) of one row (whole fold blocks) -> the panel row in natural K order (hy.h i4_nat_word):
-// the tiles need one group per 64-value step, and the driver packs the activations' B tiles in natural order.
-inline void unpack_i4_row(const uint8_t* src, int kb, int ke, int group, int fold, int8_t* dst) {
-  if (i4_natural(group, fold)) {
+// Stored chunks [kb, ke) of one row (whole fold blocks) -> the panel row in natural K order: the tiles need one
+// group per 64-value step, and the driver packs the activations' B tiles in natural order. nat: stored word ->
+// natural word of the whole row (hy.h i4_for_each_word), nullptr for the natural order.
+inline void unpack_i4_row(const uint8_t* src, int kb, int ke, const int* nat, int8_t* dst) {
+  if (!nat) {
     for (int kc = kb; kc < ke; ++kc) unpack_i4_chunk(src + kc * 32, dst + (kc - kb) * 64);
     return;
   }
   alignas(64) int8_t tmp[64];
   for (int kc = kb; kc < ke; ++kc) {
     unpack_i4_chunk(src + kc * 32, tmp);
-    for (int l = 0; l < 16; ++l) std::memcpy(dst + 4 * (i4_nat_word(kc * 16 + l, group, fold) - kb * 16), tmp + 4 * l, 4);
+    for (int l = 0; l < 16; ++l) std::memcpy(dst + 4 * (nat[kc * 16 + l] - kb * 16), tmp + 4 * l, 4);
   }
 }
 
@@ -201,6 +202,13 @@ void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int 
   // K block in whole groups, and in whole fold blocks of the stored order (whose chunks hold several groups)
   const int unit = i4_natural(M0.group, M0.fold) ? cpg : M0.fold * M0.group / 64;
   const int KB = std::max(unit, g_amx_kblock / unit * unit);
+  static thread_local std::vector<int> nat_v;  // stored word -> natural word (the interleaved order only)
+  const int* nat = nullptr;
+  if (!i4_natural(M0.group, M0.fold)) {
+    nat_v.resize(nkc * 16);
+    i4_for_each_word(M0.ldk, M0.group, M0.fold, [&](int P, int N) { nat_v[P] = N; });
+    nat = nat_v.data();
+  }
   const int64_t lda = (int64_t)KB * 64;                     // A panel row stride (bytes)
   static thread_local std::vector<float> acc_v;
   static thread_local std::vector<int8_t> panel_v;
@@ -221,7 +229,7 @@ void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int 
         const float* S = M.scale + e * M.s_estride + (int64_t)r0 * G;
         float* acc = acc_v.data() + (size_t)mi * nr * TC;
         for (int rb = 0; rb < nr; rb += 32) {
-          for (int r = 0; r < 32; ++r) unpack_i4_row(W + (rb + r) * ldw, kb, ke, M.group, M.fold, panel + r * lda);
+          for (int r = 0; r < 32; ++r) unpack_i4_row(W + (rb + r) * ldw, kb, ke, nat, panel + r * lda);
           for (int tb = tb0; tb < tb1; tb += 2) {
             const uint8_t* B0 = bpack + (int64_t)tb * nkc * 1024;
             const uint8_t* B1 = B0 + (int64_t)nkc * 1024;

@@ -114,7 +114,7 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
-// int4 in the group-interleaved stored order (quant.py, hy.h i4_nat_word; fold > 1 and not the natural order):
+// int4 in the group-interleaved stored order (quant.py, hy.h i4_for_each_word; fold > 1, not the natural order):
 // the low nibbles of a chunk are words 0-7 of the 16, the high nibbles words 8-15, each word (int32 lane) one
 // group for a whole fold block. Per row the maddubs pair sums of the low and the high half are added in int16 for
 // up to 8 chunks (8 x 2 x 15 x 127 < 2^15), widened by madd, offset by -8 x the token's group sum in each group's
