@@ -60,8 +60,9 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // chunks): the products are summed in int32 across the block, and each row and token is converted and scaled
 // once per block, with a vector of the block's group scales (lane l: group l / L, L = 16 / fold lanes a group).
 // A 2048-value row in groups of 128 is one block: one convert + FMA per row and token where the natural order
-// took 16 (per group). Dev box (EPYC Zen4, 1 thread, 30B expert, 8 experts from the L3): folding once per
-// row, not per group, was worth +75% at 1 token, +30% at 2, +16-18% at 3-4 (a timing-only build).
+// took 16 (per group). Dev box (EPYC Zen4, 1 thread, 30B expert, 8 experts from the L3, both orders in one
+// process: bench.decode_probe --dtypes int4,int4-natural): +16% at 2-4 tokens in groups of 128, +30-44% in
+// groups of 64, +14-36% in groups of 32 (BENCHMARKS.md, session 17).
 // The +8 of the stored nibbles is undone in int32: each group's first lane starts at -8 x (the token's group
 // sum of activations; x 16 in lanes 8-15), so every group's lanes add up to its exact signed dot.
 // NR rows (4; 2 for 3-4 tokens) x MT tokens: NR * MT int32 and as many fp32 accumulators stay in the 32 zmm
@@ -117,8 +118,6 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
 }
 
-// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: two 2-row passes (4 rows x 4 tokens of int32 and fp32
-// accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 // The natural order (fold 1 with groups >= 64, or groups of 32 two to a chunk: quant.py), group size GS a
 // compile-time constant: each group's sums are converted and scaled once per group (GS >= 64: per 1-2 chunks;
 // GS = 32: lanes 0-7 and 8-15 are two groups, with a scale each).
@@ -164,6 +163,8 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
 }
 
+// A 4-row block: one pass for up to 2 tokens; 3-4 tokens: two 2-row passes (4 rows x 4 tokens of int32 and fp32
+// accumulators would not fit in the registers; 2 passes re-read the activations, not the weights).
 template <int MT, int B>
 void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
                 float* C, int ldc, int pf_lo) {
@@ -175,7 +176,7 @@ void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const
   }
 }
 
-template <int MT, int GS>
+template <int MT, int GS>  // the same for the natural order
 void i4_block_nat(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
                   int pf_lo) {
   if (MT <= 2) {
