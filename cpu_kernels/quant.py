@@ -32,8 +32,6 @@ Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantiz
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 GROUP_SIZES = (32, 64, 128)
@@ -94,42 +92,39 @@ def _fold(K: int, group: int, fold: int | None) -> int:
     return fold
 
 
-@functools.lru_cache(maxsize=64)
-def _int4_order(K: int, group: int, fold: int | None, device: str) -> torch.Tensor:
-    return int4_order(K, group, fold).to(device)
+def _reorder(v: torch.Tensor, group: int, fold: int | None, to_stored: bool) -> torch.Tensor:
+    """v [..., K] between natural and stored order. Within a fold block the natural order is [group s][chunk c]
+    [word r of the group's run][value] and the stored one [chunk c][group s][word r][value] (word l = s L + r of
+    the chunk): one transpose, no index tensor (so it runs on any device and stream)."""
+    K = v.shape[-1]
+    fold = _fold(K, group, fold)
+    L, B = 16 // fold, fold * group // 64  # words a group in one chunk, chunks a block
+    shape = (fold, B, L, 4) if to_stored else (B, fold, L, 4)
+    return v.reshape(*v.shape[:-1], K // (64 * B), *shape).transpose(-4, -3).reshape(v.shape)
 
 
 def int4_order(K: int, group: int, fold: int | None = None) -> torch.Tensor:
     """order [K] int64: stored value i of an int4 row is natural value order[i] (module doc); fold: groups per
     block (default int4_fold_groups; int4_natural_fold gives the natural order)."""
-    fold = _fold(K, group, fold)
-    L = 16 // fold  # words per group in one unpacked chunk
-    B = fold * group // 64  # chunks per fold block
-    # stored word index -> (block, chunk in block, lane); lane l is group l // L, word l % L of its run
-    idx = torch.arange(K // 4)
-    blk, c, lane = idx // (16 * B), idx // 16 % B, idx % 16
-    word = blk * (fold * group // 4) + lane // L * (group // 4) + c * L + lane % L
-    return (word[:, None] * 4 + torch.arange(4)).reshape(K)
+    return _reorder(torch.arange(K), group, fold, to_stored=True)
 
 
 def quantize_int4(w: torch.Tensor, group: int, fold: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, K] (K % 64 == 0, K % group == 0) -> (packed uint8 [..., R, K/2] in the stored order of
     int4_order(K, group, fold), scale [..., R, K/group] in natural group order)."""
     *lead, R, K = w.shape
-    order = int4_order(K, group, fold)
+    _check_int4_shape(K, group)
     wg = w.float().reshape(*lead, R, K // group, group)
     amax = wg.abs().amax(-1)
     inv = torch.where(amax > 0, 7.0 / amax, torch.zeros_like(amax))
     q = torch.round(wg * inv[..., None]).clamp(-8, 7)
     u = (q + 8).to(torch.uint8).reshape(*lead, R, K)
-    return pack_nibbles(u[..., order]), amax / 7.0
+    return pack_nibbles(_reorder(u, group, fold, to_stored=True)), amax / 7.0
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, fold: int | None = None) -> torch.Tensor:
     """(packed, scale) of quantize_int4 (with the same fold) -> fp32 [..., R, K] in natural order."""
-    K = packed.shape[-1] * 2
-    q = torch.empty(packed.shape[:-1] + (K,), dtype=torch.float32, device=packed.device)
-    q[..., _int4_order(K, group, fold, str(packed.device))] = unpack_nibbles(packed).float() - 8.0
+    q = _reorder(unpack_nibbles(packed).float() - 8.0, group, fold, to_stored=False)
     return q * scale.repeat_interleave(group, dim=-1)
 
 
