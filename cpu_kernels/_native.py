@@ -183,6 +183,9 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_tune.restype = ctypes.c_int
     lib.hy_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.hy_stream_read.restype = ctypes.c_int64
+    lib.hy_gated_act.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_float, ctypes.c_float]
+    lib.hy_gated_act.restype = None
     return lib
 
 

@@ -10,6 +10,12 @@ HY_API const char* hy_isa() { return HY_ISA_NAME; }
 
 HY_API void hy_profile_enable(int on) { g_prof_on = on != 0; }
 
+// The expert kernels' gated activation (hy.h gated_act_row: fast_exp / fast_erf) over n values, so the tests can
+// hold its accuracy to torch's in fp32, which the quantized layer outputs would mask.
+HY_API void hy_gated_act(int act, const float* g, const float* u, float* out, int n, float alpha, float limit) {
+  gated_act_row(act, g, u, out, n, alpha, limit);
+}
+
 // AMX K-block length in 64-byte chunks (benchmarking knob; ignored by builds without AMX).
 HY_API void hy_set_amx_kblock(int kb) {
 #if HY_HAS_AMX
