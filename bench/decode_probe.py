@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--experts", type=int, help="experts in the pool (reads rotate over them; default: at least 128 "
                    "and 4 x the LLC of the smallest dtype)")
-    p.add_argument("--dtypes", default="bf16,int8,int4", help="bf16, int8, int4, mxfp4; int4-natural: int4 in the "
-                   "natural stored order (CpuMoE int4_order), to time against int4's interleaved one")
+    p.add_argument("--dtypes", default="bf16,int8,int4", help="bf16, int8, int4, mxfp4; int4-natural / "
+                   "int4-interleaved: int4 in that stored order (CpuMoE int4_order; plain int4: the ISA's default)")
     p.add_argument("--group", type=int, default=128, help="int4 group size (32, 64 or 128)")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     for dtype in dtypes:
         base, _, order = dtype.partition("-")
         moes[dtype] = CpuMoE(wg, wu, wd, dtype=base, threads=threads, group_size=a.group,
-                             int4_order=order or "interleaved")
+                             int4_order=order or None)
     for case in a.cases.split(","):
         T, K, same = parse_case(case)
         for dtype, moe in moes.items():

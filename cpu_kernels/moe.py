@@ -177,9 +177,10 @@ class CpuMoE:
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
     per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
     up x + b_up)) + b_down, weighted by the routing weight. amx_min_tokens: tokens per expert from
-    which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (default: the
-    stored order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or
-    "natural" (one group per chunk: what the kernels read before; for benchmarks). Attributes: isa, nbytes (packed
+    which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (the stored
+    order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
+    group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
+    natural on AVX2 and ref. Attributes: isa, nbytes (packed
     weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
 
@@ -187,7 +188,7 @@ class CpuMoE:
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
-                 int4_order: str = "interleaved"):
+                 int4_order: str | None = None):
         mx_source = isinstance(w_gate, _Mx4)  # from_mxfp4: the published blocks, never a float copy
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             if mx_source != isinstance(w, _Mx4):
@@ -215,9 +216,8 @@ class CpuMoE:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         if dtype == "int4" and group_size not in quant.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
-        if int4_order not in ("interleaved", "natural"):
+        if int4_order not in (None, "interleaved", "natural"):
             raise ValueError(f"int4_order must be 'interleaved' or 'natural', got {int4_order!r}")
-        self.int4_order = int4_order
         if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
             raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
                              f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
@@ -244,6 +244,10 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
+        # The AVX-512 kernels gain from the interleaved int4 order at every group size; the AVX2 ones read groups
+        # of 128 as fast either way and groups of 32/64 up to ~30% slower interleaved (dev box, 1 thread), so
+        # AVX2 (and the ref ISA) keep the natural order unless asked (DESIGN.md, CPU kernels).
+        self.int4_order = int4_order or ("interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
         if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
         topo = topology if topology is not None else Topology.discover()

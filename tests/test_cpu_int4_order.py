@@ -90,7 +90,8 @@ def test_kernels_match_natural_reference_for_every_fold(isa, group, d, f):
         ref_w.append(natural_fake_quant(torch.nn.functional.pad(w, (0, kp - k)), group)[..., :k])
     knees = (1, 10**9) if isa == "amx_emu" else (16,)
     for knee in knees:
-        moe = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2, amx_min_tokens=knee)
+        moe = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2, amx_min_tokens=knee,
+                     int4_order="interleaved")
         for T in (1, 2, 3, 4, 5):
             x = torch.randn(T, d, generator=g)
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -105,7 +106,7 @@ def test_kernels_match_natural_reference_for_every_fold(isa, group, d, f):
 @pytest.mark.parametrize("isa", [i for i in COMPILED if i != "amx"] + EMU)
 def test_forward_refuses_a_fold_the_kernels_cannot_read(isa):
     ws = (torch.randn(2, 64, 256), torch.randn(2, 64, 256), torch.randn(2, 256, 64))
-    moe = CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1)
+    moe = CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1, int4_order="interleaved")
     ids, wts = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
     moe.forward(torch.randn(1, 256), ids, wts)
     assert moe._layer.nodes[0].gate.fold == 4
@@ -126,7 +127,7 @@ def test_natural_order_option_and_the_gpu_side_decoder(isa):
     g = torch.Generator().manual_seed(5)
     E, F, D, group = 3, 256, 1024, 64
     ws = (torch.randn(E, F, D, generator=g), torch.randn(E, F, D, generator=g), torch.randn(E, D, F, generator=g))
-    inter = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2)
+    inter = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2, int4_order="interleaved")
     nat = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2, int4_order="natural")
     assert (inter._layer.nodes[0].gate.fold, inter._layer.nodes[0].down.fold) == (16, 4)
     assert (nat._layer.nodes[0].gate.fold, nat._layer.nodes[0].down.fold) == (1, 1)
@@ -145,3 +146,12 @@ def test_natural_order_option_and_the_gpu_side_decoder(isa):
     assert rel_err(yi, ref) < TOL["int4"] and rel_err(yn, ref) < TOL["int4"]
     with pytest.raises(ValueError, match="int4_order"):
         CpuMoE(*ws, dtype="int4", isa=isa, int4_order="sorted")
+
+
+def test_default_order_follows_the_isa():
+    """Interleaved where the vector kernels are AVX-512 (and amx_emu, which stands in for the AMX build); natural
+    on AVX2 and ref, whose kernels read groups of 32/64 faster in natural order (DESIGN.md, CPU kernels)."""
+    ws = (torch.randn(2, 64, 1024), torch.randn(2, 64, 1024), torch.randn(2, 1024, 64))
+    for isa in [i for i in COMPILED if i != "amx"] + EMU + ["ref"]:
+        moe = CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1)
+        assert moe.int4_order == ("interleaved" if isa in ("avx512_bf16", "amx_emu") else "natural"), isa

@@ -116,13 +116,17 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
 
 // int4 in the group-interleaved stored order (quant.py, hy.h i4_for_each_word; fold > 1, not the natural order):
 // the low nibbles of a chunk are words 0-7 of the 16, the high nibbles words 8-15, each word (int32 lane) one
-// group for a whole fold block. Per row the maddubs pair sums of the low and the high half are added in int16 for
-// up to 8 chunks (8 x 2 x 15 x 127 < 2^15), widened by madd, offset by -8 x the token's group sum in each group's
-// first lane, and converted and scaled once per block with a vector of the block's group scales per half.
-template <int MT>
+// group for a whole fold block. Each row walks its block line by line (64 bytes, 2 chunks), prefetching the
+// same line 8 rows down: per line the maddubs pair sums of the low and the high half are added in int16,
+// widened by madd into int32 block sums (one per token and half; each group's first lane starts at -8 x the
+// token's group sum), converted and scaled once per block with a vector of the block's group scales per half.
+// Rows in turn rather than interleaved per line: 4 rows' block sums do not fit in the 16 ymm registers.
+// B = fold * group / 64 (chunks a block) is a template argument: with a run-time line length the compiler kept
+// the row and chunk loops rolled and the block sums in memory (about 1.5x slower).
+template <int MT, int B>
 void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows,
                    const float* sw, float* C, int ldc) {
-  const int G = k / group, L = 16 / fold, B = fold * group / 64;  // lanes a group, chunks a block
+  const int G = k / group, L = 16 / fold;  // lanes a group
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
   const __m256i sh = _mm256_set1_epi32(__builtin_ctz(L));
@@ -132,9 +136,9 @@ void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, co
   const __m256i lmask = _mm256_set1_epi32(L - 1), zero = _mm256_setzero_si256();
   const __m256i flo = _mm256_cmpeq_epi32(_mm256_and_si256(lane, lmask), zero);  // a group's first lane
   const __m256i fhi = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_add_epi32(lane, eight), lmask), zero);
-  const int nv = std::min(fold, 8);
-  const __m256i vm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lane);  // the block's first nv values
+  const __m256i vm = _mm256_cmpgt_epi32(_mm256_set1_epi32(std::min(fold, 8)), lane);  // the block's first values
   const int hi_off = fold == 16 ? 8 : 0;
+  constexpr int step = B >= 2 ? 2 : 1;
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int b = 0; b < G / fold; ++b) {
@@ -145,17 +149,17 @@ void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, co
       olo[t] = _mm256_sub_epi32(zero, _mm256_slli_epi32(_mm256_and_si256(_mm256_permutevar8x32_epi32(g0, ilo), flo), 3));
       ohi[t] = _mm256_sub_epi32(zero, _mm256_slli_epi32(_mm256_and_si256(_mm256_permutevar8x32_epi32(g1, ihi), fhi), 3));
     }
-    if (g_prefetch)  // the rows 2 blocks down, once per 64-byte line
-      for (int c = b * B; c < (b + 1) * B; c += 2)
-        for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
     for (int j = 0; j < 4; ++j) {
+      const uint8_t* wj = w + j * ldw;
       __m256i s32lo[MT], s32hi[MT];
       for (int t = 0; t < MT; ++t) { s32lo[t] = olo[t]; s32hi[t] = ohi[t]; }
-      for (int c0 = b * B; c0 < (b + 1) * B; c0 += 8) {
+#pragma GCC unroll 4
+      for (int c0 = b * B; c0 < (b + 1) * B; c0 += step) {
+        if (g_prefetch && c0 % 2 == 0) _mm_prefetch((const char*)(wj + 8 * ldw + c0 * 32), _MM_HINT_T1);  // 8 rows down
         __m256i s16lo[MT], s16hi[MT];
         for (int t = 0; t < MT; ++t) s16lo[t] = s16hi[t] = zero;
-        for (int c = c0; c < std::min(c0 + 8, (b + 1) * B); ++c) {
-          const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+        for (int c = c0; c < c0 + step; ++c) {  // 2 x 15 x 127 x 2 chunks: no int16 saturation
+          const __m256i raw = _mm256_loadu_si256((const __m256i*)(wj + c * 32));
           const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
           for (int t = 0; t < MT; ++t) {
             s16lo[t] = _mm256_add_epi16(s16lo[t], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64))));
@@ -183,7 +187,15 @@ void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, co
 template <int MT>
 void i4_block(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
               float* C, int ldc) {
-  if (!i4_natural(group, fold)) return i4_block_fold<MT>(w, ldw, k, group, fold, rows, sw, C, ldc);
+  if (!i4_natural(group, fold)) {
+    switch (fold * group / 64) {  // forward() checked the layout (hy.h i4_fold_ok): 2..32 chunks, a power of two
+      case 2: return i4_block_fold<MT, 2>(w, ldw, k, group, fold, rows, sw, C, ldc);
+      case 4: return i4_block_fold<MT, 4>(w, ldw, k, group, fold, rows, sw, C, ldc);
+      case 8: return i4_block_fold<MT, 8>(w, ldw, k, group, fold, rows, sw, C, ldc);
+      case 16: return i4_block_fold<MT, 16>(w, ldw, k, group, fold, rows, sw, C, ldc);
+      default: return i4_block_fold<MT, 32>(w, ldw, k, group, fold, rows, sw, C, ldc);
+    }
+  }
   switch (group) {  // the packer allows 32, 64 and 128 (cpu_kernels/quant.py)
     case 32: i4_block_g<MT, 32>(w, ldw, k, rows, sw, C, ldc); break;
     case 64: i4_block_g<MT, 64>(w, ldw, k, rows, sw, C, ldc); break;
