@@ -199,3 +199,11 @@ def test_profile_load_errors(tmp_path):
         load_profile(missing)
     with pytest.raises(UsageError, match="not found"):
         load_profile(tmp_path / "nope.json")
+
+
+def test_crossover_is_the_first_m_where_the_gpu_is_strictly_faster(monkeypatch):
+    """A tie keeps the expert on the CPU (no weight traffic for nothing): T_C(m) = m, T_G = 5 -> 6, not 5."""
+    monkeypatch.setattr(cm, "t_cpu", lambda shape, hw, m, kernel=None: np.asarray(m, dtype=np.float64))
+    monkeypatch.setattr(cm, "t_gpu", lambda shape, hw, m: np.full_like(np.asarray(m, dtype=np.float64), 5.0))
+    assert cm.crossover_tokens(None, None, limit=100) == 6
+    assert cm.crossover_tokens(None, None, limit=5) is None
