@@ -80,6 +80,16 @@ def _solo(ids):
     return _run_together(fake_runtime(max_batch=4), [(ids, GREEDY)])[0].text
 
 
+def test_top_p_keeps_the_smallest_prefix_that_reaches_it():
+    """Exact masses (four or eight equal logits): the prefix stops as soon as its mass reaches top_p, a token whose
+    predecessors already hold top_p is dropped, and one short of top_p is kept."""
+    for n, top_p, kept in ((4, 0.5, 2), (4, 0.5000001, 3), (4, 0.25, 1), (8, 0.375, 3), (4, 1.0, 4)):
+        x = filter_logits(torch.zeros(n), EngineParams(temperature=1.0, top_p=top_p))
+        assert int(torch.isfinite(x).sum()) == kept, (n, top_p)
+    x = filter_logits(torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0]), EngineParams(temperature=1.0, top_k=4))
+    assert torch.isfinite(x).tolist() == [True, True, True, True, False]  # ties at the k-th value all stay
+
+
 def test_tiny_temperature_and_top_p_batched_with_others_all_complete():
     solo = [_solo(p) for p in PROMPTS]
     for bad in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-300),
