@@ -361,7 +361,7 @@ def test_packed_weights_are_the_plain_matrices(isa, dtype):
             elif p["dtype"] == "int8":
                 w = quant.dequantize_int8(p["q"], p["scale"])
             else:
-                w = quant.dequantize_int4(p["q"], p["scale"], p["group"])
+                w = quant.dequantize_int4(p["q"], p["scale"], p["group"], p["fold"])
             want = full[:, s["f0"]:s["f1"], :] if name != "down" else full[:, :, s["f0"]:s["f1"]]
             assert torch.equal(w[:, :p["rows"], :p["k"]], want.float())
             assert not w[:, p["rows"]:, :].any() and not w[:, :, p["k"]:].any()  # zero padding
