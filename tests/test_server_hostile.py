@@ -62,6 +62,15 @@ def test_non_utf8_authorization_is_401(keyed, value):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize("value, status", [(b"bearer s3cret", 200), (b"BEARER  s3cret ", 200), (b"Bearer s3cret", 200),
+                                           (b"Basic s3cret", 401), (b"Bearer s3cre", 401), (b"s3cret", 401)])
+def test_the_auth_scheme_is_case_insensitive_and_the_key_exact(keyed, value, status):
+    """RFC 9110 section 11.1: the scheme name is case-insensitive; the credentials are not."""
+    req = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n"
+    got, body = _status_and_body(_raw(keyed.port, req))
+    assert got == status, body
+
+
 def test_key_in_query_string_is_refused_and_never_logged(caplog):
     caplog.set_level(logging.INFO, logger="hybrid.server")  # turns the access log on (--log-level info)
     caplog.set_level(logging.INFO, logger="aiohttp.access")

@@ -192,3 +192,45 @@ def test_serve_cli_rejects_bad_settings_in_one_line(tmp_path, capsys):
         assert main(["serve", *extra]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]  # (a demo-model note may come first)
         assert needle in last and last.startswith("hybrid serve: error:")
+
+
+# --- prompt limits and Host checks at their boundaries (cheap units; the HTTP tests cover the wiring) ------------
+def test_prompt_size_floor_is_a_ceiling_and_the_limit_is_inclusive():
+    from hybrid.server.prompt_limits import PromptTooLong, check_sizes, floor_by_size
+
+    assert floor_by_size(9, 4) == 3 and floor_by_size(8, 4) == 2 and floor_by_size(9, None) == 0
+    check_sizes(["x" * 8, "y" * 4], limit=4, max_token_chars=4)  # at least 2 + 1 = 3 tokens: fits a limit of 4
+    with pytest.raises(PromptTooLong) as e:
+        check_sizes(["x" * 8, "y" * 5], limit=4, max_token_chars=4)  # at least 2 + 2 = 4: not below the limit
+    assert e.value.at_least == 4
+    with pytest.raises(PromptTooLong):
+        check_sizes(["x" * 9], limit=3, max_token_chars=4)  # 9 characters are at least 3 tokens, not 2
+
+
+def test_prompt_prefix_check_refuses_at_limit_plus_slack():
+    from hybrid.server.prompt_limits import FIRST_PREFIX_CHARS_PER_TOKEN, SLACK, PromptTooLong, check_prefixes
+
+    limit = 10
+    text = "b" * (FIRST_PREFIX_CHARS_PER_TOKEN * limit + 1)  # long enough for one prefix to be tokenized
+    check_prefixes(lambda t: [0] * (limit + SLACK - 1), [text], limit)  # the prefix's floor: limit - 1
+    with pytest.raises(PromptTooLong):
+        check_prefixes(lambda t: [0] * (limit + SLACK), [text], limit)  # floor == limit: refused
+    with pytest.raises(PromptTooLong):  # two texts' prefixes together
+        check_prefixes(lambda t: [0] * (limit // 2 + SLACK), [text, text], limit)
+    check_prefixes(lambda t: 1 / 0, ["short"], limit)  # a text shorter than the first prefix is not tokenized here
+
+
+@pytest.mark.parametrize("header, name", [("Example.COM:8000", "example.com"), ("[::1]:8000", "::1"),
+                                          ("::1", "::1"), ("fe80::1", "fe80::1"), ("localhost.", "localhost")])
+def test_host_name(header, name):
+    from hybrid.server.guards import host_name
+
+    assert host_name(header) == name
+
+
+@pytest.mark.parametrize("header, ok", [("evillocalhost", False), ("evillocalhost:80", False), ("a.localhost", True),
+                                        ("::1", True), ("LocalHost", True), ("127.0.0.1.evil.example", False)])
+def test_host_allowed(header, ok):
+    from hybrid.server.guards import host_allowed
+
+    assert host_allowed(header, "127.0.0.1") is ok
