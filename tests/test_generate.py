@@ -90,6 +90,30 @@ def test_max_context_ends_generation(model):
     assert out.finish_reason == "length" and len(out.token_ids) == 5  # positions 6..9 decode, +1 from prefill
 
 
+def test_a_prompt_must_leave_room_for_one_token(model):
+    e = Engine(model, max_batch=1, max_context=10)
+    with pytest.raises(ValueError, match="max_context is 10"):
+        e.generate([prompt(10)], 4, stop_token_ids=[])
+    out = e.generate([prompt(9)], 4, stop_token_ids=[])[0]  # the prefill's token, then position 9 decodes one
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+def test_cache_reads_never_reach_the_padding_column():
+    """Padding positions (-1) write to a spare column past max_context; a read asking for more than max_context
+    positions stops at max_context, so that column never enters attention."""
+    from hybrid.runtime.kv_cache import StaticKVCache
+
+    c = StaticKVCache(1, 2, 4, num_kv_heads=1, head_dim=2)
+    slots, pos = torch.tensor([0, 1]), torch.tensor([[0, -1], [3, -1]])
+    vals = [torch.ones(2, 2, 1, 2) for _ in c.buffers]
+    c.write(0, slots, pos, *vals)
+    for kv_len in (None, 4, 9):
+        k = c.read(0, slots, kv_len)[0]
+        assert k.shape[1] == 4
+        assert k[0, 0].eq(1).all() and k[1, 3].eq(1).all() and float(k.abs().sum()) == 2 * 2  # no padding value
+    assert c.read(0, slots, 2)[0].shape[1] == 2
+
+
 def test_seeded_sampling_is_reproducible_and_differs_by_seed(model):
     e = Engine(model, max_batch=2, max_context=40)
     p = prompt(4, 5)
