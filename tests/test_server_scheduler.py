@@ -3,8 +3,10 @@
 import threading
 import time
 
+import pytest
+
 from hybrid.server.metrics import Metrics
-from hybrid.server.scheduler import Scheduler, Sequence
+from hybrid.server.scheduler import QueueFull, Scheduler, Sequence
 from hybrid.server.schemas import SamplingParams
 from hybrid.server.testing import fake_runtime
 
@@ -250,3 +252,30 @@ def test_without_batch_prefill_each_prompt_gets_its_own_pass():
     assert rt.engine.calls[len(prefills)][0] == "decode"  # all four in one pass, then decode
     assert [c.terminal[0].kind for _, c in seqs] == ["done"] * 3 + ["error"]
     assert [c.text for _, c in seqs[:3]] == _solo_texts(prompts[:3], 4)
+
+
+def test_a_pass_may_fill_the_prefill_budget_exactly():
+    rt = fake_runtime(max_batch=4, max_context=256)
+    seqs = [_seq([30 + i] * 25, 3) for i in range(4)]
+    _run(rt, seqs, chunk=100, max_queue=8, queued_first=True)
+    prefills = [c[2] for c in rt.engine.calls if c[0] == "prefill"]
+    assert prefills == [(25, 25, 25, 25)]  # 4 x 25 = 100: one pass, not 3 + 1
+
+
+def test_the_queue_takes_exactly_max_queue_sequences():
+    sched = Scheduler(fake_runtime(max_batch=1, max_context=64), Metrics(), max_queue=3, prefill_chunk=64)
+    sched.submit([_seq([5], 2)[0], _seq([6], 2)[0]])  # not started: nothing leaves the queue
+    with pytest.raises(QueueFull):
+        sched.submit([_seq([7], 2)[0], _seq([8], 2)[0]])  # 4 > 3: all or none
+    sched.submit([_seq([9], 2)[0]])  # 3 == max_queue: still taken
+    with pytest.raises(QueueFull):
+        sched.submit([_seq([10], 2)[0]])
+    sched.stop()
+
+
+def test_a_sequence_stops_with_length_when_it_reaches_max_context():
+    rt = fake_runtime(max_batch=1, max_context=16)
+    s, c = _seq([40] * 10, 100)
+    _run(rt, [(s, c)])
+    done = c.terminal[0]
+    assert c.kind == "done" and done.finish_reason == "length" and s.n_generated == 6  # 10 + 6 = 16 positions
