@@ -271,3 +271,51 @@ def test_loaded_weights_equal_the_file(single):
     model = load_model(single, progress=False)
     t = load_file(str(single / "model.safetensors"))
     assert torch.equal(model.embed.float(), t["model.embed_tokens.weight"].float())
+
+
+# --- read_header's boundaries, on hand-made files (one byte either way of each limit) -----------------------
+def _st(path: Path, entries: dict, data: int, header_pad: int = 0, cut: int = 0) -> Path:
+    """A safetensors file with the given header entries and `data` bytes of data, `cut` bytes short."""
+    h = json.dumps(entries).encode() + b" " * header_pad
+    blob = len(h).to_bytes(8, "little") + h + bytes(data)
+    path.write_bytes(blob[:len(blob) - cut] if cut else blob)
+    return path
+
+
+def test_read_header_boundaries(tmp_path):
+    from hybrid.models.checks import read_header
+
+    def e(begin, end, shape=None):
+        return {"dtype": "U8", "shape": [end - begin] if shape is None else shape, "data_offsets": [begin, end]}
+
+    ok = read_header(_st(tmp_path / "ok.st", {"a": e(0, 4), "z": e(4, 4)}, 4))  # a zero-size tensor at the end
+    assert ok["z"]["data_offsets"] == [4, 4] and ok["z"]["shape"] == [0]
+    assert read_header(_st(tmp_path / "exact.st", {"a": e(0, 4)}, 4))["a"]["shape"] == [4]
+    with pytest.raises(ModelLoadError, match="ends beyond it"):
+        read_header(_st(tmp_path / "short.st", {"a": e(0, 4)}, 4, cut=1))
+    with pytest.raises(ModelLoadError, match="overlaps"):
+        read_header(_st(tmp_path / "overlap.st", {"a": e(0, 4), "b": e(3, 7)}, 7))
+    with pytest.raises(ModelLoadError, match="a gap of 1 bytes"):
+        read_header(_st(tmp_path / "gap.st", {"a": e(0, 4), "b": e(5, 9)}, 9))
+    (tmp_path / "seven.st").write_bytes(bytes(7))
+    with pytest.raises(ModelLoadError, match="no header"):
+        read_header(tmp_path / "seven.st")
+    h = json.dumps({"a": e(0, 0)}).encode()
+    (tmp_path / "cut.st").write_bytes(len(h).to_bytes(8, "little") + h[:-1])  # the header itself one byte short
+    with pytest.raises(ModelLoadError, match=f"header needs {8 + len(h)} bytes, file has {7 + len(h)}"):
+        read_header(tmp_path / "cut.st")
+    (tmp_path / "fits.st").write_bytes(len(h).to_bytes(8, "little") + h)  # header only, no data: fine
+    assert read_header(tmp_path / "fits.st")["a"]["shape"] == [0]
+
+
+@pytest.mark.parametrize("sw, off, ok", [(0, False, True), (0, None, False), (1, None, True), (-1, False, False),
+                                         (4096, None, True), (2.5, None, False)])
+def test_sliding_window_zero_only_with_the_window_off(sw, off, ok):
+    from hybrid.models.checks import check_config_fields
+
+    raw = {"sliding_window": sw} | ({} if off is None else {"use_sliding_window": off})
+    if ok:
+        check_config_fields(raw)
+    else:
+        with pytest.raises(ModelLoadError, match="sliding_window"):
+            check_config_fields(raw)
