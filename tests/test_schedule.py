@@ -207,3 +207,14 @@ def test_cpu_lane_head_start_is_priced():
     p = LayerScheduler(QWEN, partial).decide(hist, 600, gpu_busy=1e-4)
     assert p.ship.sum() < no_head.ship.sum() and p.total < no_head.total
     assert p.total == pytest.approx(0.5 + max(p.cpu_lane - 0.01, p.gpu_lane))
+
+
+def test_an_expert_without_tokens_is_never_shipped():
+    """predict ignores a ship flag on an expert with no tokens: no weights cross the link for nothing."""
+    sched = LayerScheduler(QWEN, AMX)
+    hist = np.array([0, 40, 0, 7])
+    asked = sched.predict(hist, np.array([True, True, True, False]))
+    just = sched.predict(hist, np.array([False, True, False, False]))
+    assert asked.ship.tolist() == [False, True, False, False]
+    assert (asked.cpu_lane, asked.gpu_lane) == (just.cpu_lane, just.gpu_lane)
+    assert asked.gpu_lane > sched.predict(hist, np.zeros(4, dtype=bool)).gpu_lane  # the shipped one does count
