@@ -1,0 +1,148 @@
+"""Hand-picked mutations that the tests must catch: a check that the tests can fail where it matters.
+
+    python tests/mutation_survey.py            # every mutation (C++ ones rebuild the kernels: ~1 min each)
+    python tests/mutation_survey.py --python   # only the Python ones (seconds each)
+    python tests/mutation_survey.py --only int4
+
+Each mutation is a one-line change a plausible bug would make (an off-by-one at a limit, a dropped term, a
+wrong lane index) and the test files that should see it. The survey copies the repository into a temporary
+directory, applies one mutation at a time there (the working tree is never touched), rebuilds the compiled
+kernels when a C++ file changed, and runs the tests. A mutation the tests do not fail is a gap: the survey
+exits 1 and names it. Every entry was a survivor once (or guards code whose bugs other tests let through) and
+has a test now; add one when you find a gap, together with the test that closes it.
+
+This is not part of the CI command (the C++ half needs ~15 minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_TESTS = ["tests/test_cpu_moe.py", "tests/test_cpu_decode_path.py", "tests/test_cpu_int4_order.py",
+             "tests/test_cpu_int4_amx.py", "tests/test_cpu_mxfp4.py", "tests/test_cpu_moe_bias.py",
+             "tests/test_cpu_activation.py"]
+
+# (name, file, old, new, tests)
+MUTATIONS = [
+    ("int4 lane -> group index", "cpu_kernels/csrc/kern_avx512.h", "__builtin_ctz(L)));  // lane -> group",
+     "__builtin_ctz(L) + 1));  // lane -> group", ["tests/test_cpu_int4_order.py"]),
+    ("int4 activation reorder skipped", "cpu_kernels/csrc/driver.h",
+     "std::memcpy(row + 4 * P, q + 4 * N, 4);", "std::memcpy(row + 4 * P, q + 4 * P, 4);", ["tests/test_cpu_int4_order.py"]),
+    ("int4 AMX unpack ignores the order", "cpu_kernels/csrc/kern_amx.h", "  if (!nat) {\n    for (int kc",
+     "  if (true) {\n    for (int kc", ["tests/test_cpu_int4_order.py"]),
+    ("int4 AVX2 high-half group index", "cpu_kernels/csrc/kern_avx2.h", "const __m256i ihi = fold == 16 ? lane :",
+     "const __m256i ihi = fold == 8 ? lane :", ["tests/test_cpu_int4_order.py"]),
+    ("int4 B tiles not reordered", "cpu_kernels/csrc/driver.h", "      if (t < m && reorder) {",
+     "      if (t < m && false) {", ["tests/test_cpu_int4_order.py"]),
+    ("int4 offset of the high lanes", "cpu_kernels/csrc/kern_avx512.h",
+     "const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi32(3), _mm256_set1_epi32(7), 1);",
+     "const __m512i shl = _mm512_set1_epi32(3);", ["tests/test_cpu_int4_order.py"]),
+    ("int8 row-sum offset", "cpu_kernels/csrc/kern_avx512.h", "- 128 * rsum[j]) * sw[j]", "- 127 * rsum[j]) * sw[j]",
+     CPU_TESTS),
+    ("mxfp4 code offset", "cpu_kernels/csrc/kern_avx512.h", "const __m512i twelve = _mm512_set1_epi8(12);",
+     "const __m512i twelve = _mm512_set1_epi8(11);", CPU_TESTS),
+    ("down bias outside the weight", "cpu_kernels/csrc/driver.h", "dst[r] += w * (c[r] + bd[r]);",
+     "dst[r] += w * c[r] + bd[r];", CPU_TESTS),
+    ("routing weight dropped (fused)", "cpu_kernels/csrc/fused.h", "        const float w = wt[i];",
+     "        const float w = 1.0f;", CPU_TESTS),
+    ("activation rounding truncates", "cpu_kernels/csrc/driver.h",
+     "q[i] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * inv)));",
+     "q[i] = (int8_t)(std::min(127.f, std::max(-127.f, v[i] * inv)));", CPU_TESTS),
+    ("fast_exp one term short", "cpu_kernels/csrc/hy.h",
+     "f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));", "f * (1.0f / 24 + f * (1.0f / 120)))));",
+     ["tests/test_cpu_activation.py"]),
+    ("crossover tie ships", "placement/cost_model.py", "t_gpu(shape, hw, m) < t_cpu(shape, hw, m, kernel)",
+     "t_gpu(shape, hw, m) <= t_cpu(shape, hw, m, kernel)", ["tests/test_cost_model.py"]),
+    ("zero-token expert shipped", "placement/schedule.py", "        ship = np.asarray(ship, dtype=bool) & (hist > 0)",
+     "        ship = np.asarray(ship, dtype=bool)", ["tests/test_schedule.py"]),
+    ("top-p boundary", "hybrid/runtime/sampling.py", "drop = (probs.cumsum(-1) - probs) >= params.top_p",
+     "drop = (probs.cumsum(-1) - probs) > params.top_p", ["tests/test_sampling_extremes.py"]),
+    ("prompt fills the context", "hybrid/runtime/generation.py", "        if len(ids) >= engine.max_context:",
+     "        if len(ids) > engine.max_context:", ["tests/test_generate.py"]),
+    ("cache read past max_context", "hybrid/runtime/kv_cache.py",
+     "L = self.max_context if kv_len is None else min(kv_len, self.max_context)",
+     "L = self.max_context if kv_len is None else kv_len", ["tests/test_generate.py"]),
+    ("queue one short", "hybrid/server/scheduler.py", "            if len(self._waiting) + len(seqs) > self.max_queue:",
+     "            if len(self._waiting) + len(seqs) >= self.max_queue:", ["tests/test_server_scheduler.py"]),
+    ("prefill budget exclusive", "hybrid/server/scheduler.py",
+     "            if batch and w * (len(batch) + 1) > self.prefill_chunk:",
+     "            if batch and w * (len(batch) + 1) >= self.prefill_chunk:", ["tests/test_server_scheduler.py"]),
+    ("length at max_context", "hybrid/server/scheduler.py",
+     "                  or len(seq.prompt_ids) + seq.n_generated >= self.runtime.max_context):",
+     "                  or len(seq.prompt_ids) + seq.n_generated > self.runtime.max_context):",
+     ["tests/test_server_scheduler.py"]),
+    ("prompt size floor rounds down", "hybrid/server/prompt_limits.py",
+     "    return -(-chars // max_token_chars) if max_token_chars else 0",
+     "    return chars // max_token_chars if max_token_chars else 0", ["tests/test_server_units.py"]),
+    ("prompt limit exclusive", "hybrid/server/prompt_limits.py", "    if floor >= limit:", "    if floor > limit:",
+     ["tests/test_server_units.py"]),
+    ("any *localhost host", "hybrid/server/guards.py", 'name.endswith(".localhost")', 'name.endswith("localhost")',
+     ["tests/test_server_units.py"]),
+    ("auth scheme case-sensitive", "hybrid/server/guards.py", 'if scheme.lower() != "bearer"', 'if scheme != "Bearer"',
+     ["tests/test_server_hostile.py"]),
+    ("zero-size tensor refused", "hybrid/models/checks.py", "        if not 0 <= begin <= end:",
+     "        if not 0 <= begin < end:", ["tests/test_loader_robust.py"]),
+    ("1-byte tensor gap allowed", "hybrid/models/checks.py", "        if begin > at:\n", "        if begin > at + 1:\n",
+     ["tests/test_loader_robust.py"]),
+    ("truncated header allowed", "hybrid/models/checks.py", "            if 8 + n > size:",
+     "            if 8 + n > size + 1:", ["tests/test_loader_robust.py"]),
+    ("sliding_window 0 always", "hybrid/models/checks.py", "(sw >= 1 or (sw == 0 and off))",
+     "(sw >= 0 or (sw == 0 and off))", ["tests/test_loader_robust.py"]),
+]
+
+
+def run(m, tree: Path) -> str:
+    name, rel, old, new, tests = m
+    path = tree / rel
+    orig = path.read_text()
+    if orig.count(old) != 1:
+        return "STALE (the code it mutates changed: update the entry)"
+    path.write_text(orig.replace(old, new))
+    try:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        if rel.startswith("cpu_kernels/csrc/"):
+            b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True)
+            if b.returncode:
+                return "killed (does not compile)"
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=tree,
+                               env=env, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            return "killed (tests hang)"
+        return "killed" if r.returncode else "SURVIVED"
+    finally:
+        path.write_text(orig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--python", action="store_true", help="only the mutations of Python files")
+    p.add_argument("--only", help="only mutations whose name contains this")
+    a = p.parse_args(argv)
+    todo = [m for m in MUTATIONS if (not a.python or m[1].endswith(".py")) and (not a.only or a.only in m[0])]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
+        if any(m[1].startswith("cpu_kernels/csrc/") for m in todo):
+            subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True, check=True)
+        bad = []
+        for m in todo:
+            verdict = run(m, tree)
+            print(f"{m[0]:36} {verdict}", flush=True)
+            if not verdict.startswith("killed"):
+                bad.append(m[0])
+            if m[1].startswith("cpu_kernels/csrc/"):  # back to the unmutated kernels for the next entry
+                subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True)
+    print(f"{len(todo) - len(bad)} of {len(todo)} killed" + (f"; gaps: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
