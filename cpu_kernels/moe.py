@@ -245,8 +245,8 @@ class CpuMoE:
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
         # The AVX-512 kernels gain from the interleaved int4 order at every group size; the AVX2 ones read groups
-        # of 128 as fast either way and groups of 32/64 up to ~30% slower interleaved (dev box, 1 thread), so
-        # AVX2 (and the ref ISA) keep the natural order unless asked (DESIGN.md, CPU kernels).
+        # of 128 as fast either way and groups of 32 up to ~20% slower interleaved at 1-2 tokens (dev box, 1
+        # thread; BENCHMARKS.md session 17), so AVX2 (and the ref ISA) keep the natural order unless asked.
         self.int4_order = int4_order or ("interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
         if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
