@@ -150,7 +150,7 @@ def test_natural_order_option_and_the_gpu_side_decoder(isa):
 
 def test_default_order_follows_the_isa():
     """Interleaved where the vector kernels are AVX-512 (and amx_emu, which stands in for the AMX build); natural
-    on AVX2 and ref, whose kernels read groups of 32/64 faster in natural order (DESIGN.md, CPU kernels)."""
+    on AVX2 and ref, whose kernels read groups of 32 faster at 1-2 tokens in natural order (DESIGN.md, CPU kernels)."""
     ws = (torch.randn(2, 64, 1024), torch.randn(2, 64, 1024), torch.randn(2, 1024, 64))
     for isa in [i for i in COMPILED if i != "amx"] + EMU + ["ref"]:
         moe = CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1)
