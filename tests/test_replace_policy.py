@@ -54,6 +54,41 @@ def test_routing_shift_waits_for_persistence():
     assert s.dt == pytest.approx(4.375)
 
 
+def _window(series, window=8):
+    w = SlidingWindow(len(series[0]), window)
+    for h in series:
+        w.push(h)
+    return w
+
+
+def test_a_tie_in_the_newest_slice_ends_the_streak():
+    # expert 1 beat resident 0 in three slices, then tied: persistence counts trailing wins only -> 0 < N_min
+    w = _window([[0, 9, 0]] * 6 + [[3, 3, 0]] * 2)
+    assert policy().decide(w, np.array([True, False, False])) == []
+    w = _window([[0, 9, 0]] * 6 + [[3, 4, 0]] * 2)  # a win instead of the tie: the swap is made
+    assert [(s.add, s.evict, s.persistence) for s in policy().decide(w, np.array([True, False, False]))] == [(1, 0, 8)]
+
+
+def test_slices_are_cut_from_the_newest_batch_back():
+    # 7 batches in a window of 8 (slices of 2): the slices are batches 2-3, 4-5, 6-7, not 1-2, 3-4, 5-6, so the
+    # newest batch, where expert 1 lost to resident 0, is judged and no swap is made
+    w = _window([[0, 9, 0]] * 6 + [[20, 0, 0]])
+    assert len(w) == 7 and policy().decide(w, np.array([True, False, False])) == []
+
+
+def test_saving_is_capped_by_shipping_the_expert():
+    """saving(m) = min(CPU kernel, ship) - resident: once shipping the weights is cheaper than the CPU (large m),
+    residence saves exactly the copy, never more."""
+    from placement.cost_model import PRESETS
+    from placement.hardware import BUILTIN_PROFILES
+    from placement.replace import copy_time, saving_fn
+
+    shape, hw = PRESETS["qwen3-235b-a22b"], BUILTIN_PROFILES["ktransformers-paper-amx"]
+    sv = saving_fn(shape, shape, hw)(np.array([0, 1, 10**6]))
+    tau = copy_time(shape, hw) + hw.ship_expert_overhead
+    assert sv[0] == 0 and 0 < sv[1] < tau and sv[2] == pytest.approx(tau)
+
+
 def test_a_copy_that_cannot_pay_back_is_not_made():
     n, _ = feed(policy(t_copy=1e9), [[1, 4, 0]] * 40, [True, False, False])
     assert n is None
