@@ -92,3 +92,20 @@ def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
     empty.write_text("\n\n")
     assert main(["profile-routing", "--model", str(ckpt), "--prompts", str(empty)]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_shares_at_their_edges():
+    """Rows of shares sum to K, also without data (uniform K/E); a run with no prompt tokens has the prefill share
+    of all tokens; a layer may route exactly tokens x K, not one more."""
+    from hybrid.errors import UsageError
+    from placement.routing_stats import RoutingStats
+
+    empty = RoutingStats(8, 2, (0, 1), np.zeros((2, 8), dtype=np.int64), 0)
+    assert np.allclose(empty.shares(), 2 / 8) and np.allclose(empty.shares().sum(axis=1), 2)
+    counts = np.array([[3, 1, 0, 0], [0, 2, 2, 0]])
+    only_decode = RoutingStats(4, 2, (0, 1), counts, 2, decode_counts=counts, decode_tokens=2)
+    assert np.array_equal(only_decode.prefill_shares(), only_decode.shares())
+    assert np.array_equal(only_decode.decode_shares(), counts / 2)
+    RoutingStats(4, 2, (0, 1), counts, 2)  # 4 = 2 tokens x top-2: full
+    with pytest.raises(UsageError, match="more than tokens x topk"):
+        RoutingStats(4, 2, (0, 1), counts + np.array([[1, 0, 0, 0], [0, 0, 0, 0]]), 2)
