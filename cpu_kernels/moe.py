@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
+import os
 import threading
 
 import torch
@@ -87,6 +88,25 @@ class _Mx4:
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_mxfp4(self.blocks, self.scales)
+
+
+INT4_ORDER_ENV = "HYBRID_INT4_ORDER"
+_SAID_INT4_ORDER: set = set()
+
+
+def _int4_order_env() -> str | None:
+    """HYBRID_INT4_ORDER=interleaved|natural: the int4 stored order of every CpuMoE that does not name one (an A/B
+    of the two orders end to end without new flags on every command); unset or empty: the ISA's default. Anything
+    else is an error, not a silent default. Logged once per value."""
+    raw = os.environ.get(INT4_ORDER_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in ("interleaved", "natural"):
+        raise ValueError(f"{INT4_ORDER_ENV} must be 'interleaved' or 'natural', not {raw!r}")
+    if raw not in _SAID_INT4_ORDER:
+        _SAID_INT4_ORDER.add(raw)
+        log.info("cpu_kernels: int4 stored order %s (forced by %s)", raw, INT4_ORDER_ENV)
+    return raw
 
 
 def _align(v: int, a: int) -> int:
@@ -180,7 +200,7 @@ class CpuMoE:
     which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (the stored
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
-    natural on AVX2 and ref. Attributes: isa, nbytes (packed
+    natural on AVX2 and ref; HYBRID_INT4_ORDER=interleaved|natural sets it where int4_order is None. Attributes: isa, nbytes (packed
     weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
 
@@ -247,7 +267,8 @@ class CpuMoE:
         # The AVX-512 kernels gain from the interleaved int4 order at every group size; the AVX2 ones read groups
         # of 128 as fast either way and groups of 32 up to ~20% slower interleaved at 1-2 tokens (dev box, 1
         # thread; BENCHMARKS.md session 17), so AVX2 (and the ref ISA) keep the natural order unless asked.
-        self.int4_order = int4_order or ("interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
+        self.int4_order = int4_order or _int4_order_env() or (
+            "interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
         if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
         topo = topology if topology is not None else Topology.discover()
