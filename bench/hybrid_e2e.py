@@ -253,6 +253,12 @@ def run(args) -> dict:
                  f"'GPU' side is torch on the CPU, the ship lane a copy within DRAM)"))
     if eng.graphs is not None:
         header += f" | max context {max_ctx}, graph context buckets {list(eng.graphs.contexts)}"
+    if args.tune:
+        from cpu_kernels import _native
+
+        isa = off.layers[0].cpu_moe.isa
+        was = {k: _native.tune(isa, k, v) for k, v in args.tune.items()}
+        header += " | CPU knobs " + ", ".join(f"{k}={v} (was {was[k]})" for k, v in args.tune.items())
     if args.defer_experts:
         header += f" | EXPERT DEFERRAL: {args.defer_experts} of each token's experts one layer late (changes the math)"
     if args.reduced:
@@ -411,6 +417,22 @@ def run_isolated(args, argv) -> dict:
     return merged
 
 
+def knobs(text: str) -> dict:
+    """'pf_rows=16,task_min=1' -> {'pf_rows': 16, 'task_min': 1}, every name a cpu_kernels._native.TUNABLES knob."""
+    from cpu_kernels._native import TUNABLES
+
+    out = {}
+    for item in filter(None, text.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep or k not in TUNABLES:
+            raise argparse.ArgumentTypeError(f"bad knob {item!r}: knob=value with a knob of {', '.join(TUNABLES)}")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad knob {item!r}: the value must be an integer") from None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -439,6 +461,9 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", action="store_true",
                    help="measure each strategy in a fresh process (same weights and placement): strategies run "
                         "one after another in one process can change each other's timings (seen on the GPU box)")
+    p.add_argument("--tune", type=knobs, default={}, metavar="KNOB=V[,KNOB=V]",
+                   help="set CPU executor run-time knobs before the timings (cpu_kernels._native.TUNABLES, e.g. "
+                        "pf_rows=16): an A/B of a knob end to end, said in the header")
     p.add_argument("--trace", help="also profile one prefill per length and 3 decode steps per batch, per "
                    "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")

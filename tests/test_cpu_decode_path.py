@@ -138,16 +138,17 @@ def test_decode_calls_take_the_fused_path(isa, knobs):
         _native.profile_enable(moe.isa, False)
 
 
-# Decode task knobs (fused.h, hy.h): (task_rows, task_min, pf_first). The first is run 11's old default, the
-# second the new one; the shape gives gate/up rows past 256 and down rows past 512, both with ragged tails.
-TASK_KNOBS = [(64, 6, 0), (256, 2, 1), (512, 1, 1), (128, 3, 0), (64, 1, 1)]
+# Decode task knobs (fused.h, hy.h): (task_rows, task_min, pf_first, pf_rows). The first is run 11's old default,
+# the second the new one; the shape gives gate/up rows past 256 and down rows past 512, both with ragged tails.
+TASK_KNOBS = [(64, 6, 0, 8), (256, 2, 1, 8), (512, 1, 1, 32), (128, 3, 0, 64), (64, 1, 1, 16)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_task_size_and_first_block_prefetch_change_nothing(isa, dtype, knobs):
     """Task boundaries fall on 16-row multiples of the kernels' 4-row blocks and every block and token sum is
-    made in one fixed order, so any task size gives bit-identical outputs (and they match the reference)."""
+    made in one fixed order, so any task size gives bit-identical outputs (and they match the reference); the
+    prefetch knobs touch no value either (a prefetch past a matrix's last row reads nothing)."""
     Ft, Dt, Et = 300, 520, 6
     g = torch.Generator().manual_seed(7)
     ws = (torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5, torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5,
@@ -160,13 +161,14 @@ def test_task_size_and_first_block_prefetch_change_nothing(isa, dtype, knobs):
     w = torch.rand(T, Kt, generator=g) + 0.05
     ref = moe_forward(x.float(), *ref_w, ids.long(), w)
     outs = []
-    for rows, least, pf in TASK_KNOBS:
+    for rows, least, pf, ahead in TASK_KNOBS:
         turn(knobs, moe.isa, "task_rows", rows)
         turn(knobs, moe.isa, "task_min", least)
         turn(knobs, moe.isa, "pf_first", pf)
+        turn(knobs, moe.isa, "pf_rows", ahead)
         out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
         moe.forward(x, ids, w, out=out)
-        assert rel_err(out, ref) < TOL[dtype], (rows, least, pf)
+        assert rel_err(out, ref) < TOL[dtype], (rows, least, pf, ahead)
         outs.append(out)
     for o, k in zip(outs[1:], TASK_KNOBS[1:]):
         assert torch.equal(o, outs[0]), k
@@ -180,3 +182,6 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((0, 1), (-5, 1), (3, 3)):
         turn(knobs, isa, "task_min", asked)
         assert _native.tune(isa, "task_min", asked) == kept, asked
+    for asked, kept in ((1000, 64), (0, 8), (13, 12), (16, 16)):
+        turn(knobs, isa, "pf_rows", asked)
+        assert _native.tune(isa, "pf_rows", asked) == kept, asked

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 
 
@@ -63,3 +64,15 @@ def test_e2e_cpu_only_run_says_reduced_and_keeps_keys(tmp_path, monkeypatch, cap
             assert share_after >= share
         elif after > first:
             assert share_after <= share
+
+
+def test_e2e_knobs_parse_and_refuse():
+    """--tune takes knob=value pairs of the executor's run-time knobs; an unknown knob or a non-integer is refused."""
+    import argparse
+
+    from bench.hybrid_e2e import knobs
+
+    assert knobs("pf_rows=16,task_min=1") == {"pf_rows": 16, "task_min": 1} and knobs("") == {}
+    for bad in ("bogus=1", "pf_rows", "pf_rows=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad knob"):
+            knobs(bad)

@@ -21,7 +21,8 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    if (g_prefetch)  // rows g_pf_rows.. +3 (the first block: rows 4 on, too; g_pf_first)
+      for (int j = pf_lo == 8 ? g_pf_rows : 4; j < g_pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
@@ -39,7 +40,8 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   for (int kk = 0; kk < k; kk += 64) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    if (g_prefetch)  // rows g_pf_rows.. +3 (the first block: rows 4 on, too; g_pf_first)
+      for (int j = pf_lo == 8 ? g_pf_rows : 4; j < g_pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
@@ -101,7 +103,8 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
       for (int j = 0; j < NR; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
       if (g_prefetch && c % 2 == 0)
-        for (int j = pf_lo - 8; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
+        for (int j = pf_lo == 8 ? 0 : 4 - g_pf_rows; j < NR; ++j)  // the first block: rows 4 on, too (g_pf_first)
+          _mm_prefetch((const char*)(w + (j + g_pf_rows) * ldw + c * 32), _MM_HINT_T1);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
@@ -143,7 +146,8 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       for (int j = 0; j < NR; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
       if (g_prefetch && (CPG > 1 ? i % 2 == 0 : c % 2 == 0))
-        for (int j = pf_lo - 8; j < NR; ++j) _mm_prefetch((const char*)(w + (j + 8) * ldw + c * 32), _MM_HINT_T1);
+        for (int j = pf_lo == 8 ? 0 : 4 - g_pf_rows; j < NR; ++j)  // the first block: rows 4 on, too (g_pf_first)
+          _mm_prefetch((const char*)(w + (j + g_pf_rows) * ldw + c * 32), _MM_HINT_T1);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
