@@ -63,9 +63,10 @@ int g_prefetch = 1;
 // (hy_tune("pf_first"); AVX-512 kernels). With the bigger decode tasks of fused.h, issue 12 run 11 (GPU box,
 // 15 threads, pool past the LLC, 4 KiB pages): 8 experts x 1 token int8 90 -> 94% of DRAM, int4 82 -> 85%.
 int g_pf_first = 1;
-// Rows ahead that the AVX-512 bf16, int8 and int4 kernels prefetch into L2 (hy_tune("pf_rows"): a multiple of 4,
-// 8..64; default 8, two 4-row blocks). A 4-bit row of the 30B expert is 1 KiB (gate/up) or 384 B (down), so 8 rows
-// are 8 or 3 KiB of lead where int8 has twice and bf16 four times that; the knob times longer leads.
+// Rows ahead that the AVX-512 int8 and int4 kernels prefetch into L2 (hy_tune("pf_rows"): a multiple of 4, 8..64;
+// default 8, two 4-row blocks). A 4-bit row of the 30B expert is 1 KiB (gate/up) or 384 B (down), so 8 rows are 8
+// or 3 KiB of lead where bf16 has four times that (bf16 stays at 8 rows: 16 and 32 read no faster there on the
+// GPU box, issue 12 run 13 call 3); the knob times longer leads.
 int g_pf_rows = 8;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).

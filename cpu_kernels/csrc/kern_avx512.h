@@ -21,8 +21,7 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch)  // rows g_pf_rows.. +3 (the first block: rows 4 on, too; g_pf_first)
-      for (int j = pf_lo == 8 ? g_pf_rows : 4; j < g_pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
