@@ -14,7 +14,7 @@ P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
 E="python3 -m bench.hybrid_e2e --profile $P --layers 12 --resident 0 --graphs --strategies cpu --prefill 128 --decode-batch 1,8 --steps 24"
 for run in "int4 8" "int4 16" "int8 16" "int8 8"; do
   set -- $run
-  L=$(( 440 - ($(date +%s) - T0) )); [ $L -lt 40 ] && { echo "e2e $1 pf_rows=$2 not run (time)"; continue; }
+  L=$(( 390 - ($(date +%s) - T0) )); [ $L -lt 40 ] && { echo "e2e $1 pf_rows=$2 not run (time)"; continue; }
   timeout $(( L < 85 ? L : 85 )) $E --cpu-dtype $1 --tune pf_rows=$2 --out /tmp/e2e > /tmp/e2e.txt 2>&1
   echo "== $1 pf_rows=$2 $(grep -oE "decode_b[18]_(tok_s|of_roofline|of_roofline_after|dram_after_GBps|cpu_lane_share|cpu_lane_GBps)=[0-9.]+" /tmp/e2e.txt | tr '\n' ' ') $(grep -oE "DRAM read [0-9.]+ GB/s" /tmp/e2e.txt) $(grep -E "Error" /tmp/e2e.txt | head -2)"
   cat /tmp/e2e.txt >> $OUT/e2e_logs.txt
