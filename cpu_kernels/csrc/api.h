@@ -31,7 +31,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
 //   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
 //   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
-//   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 8)
+//   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 16)
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);

@@ -64,10 +64,12 @@ int g_prefetch = 1;
 // 15 threads, pool past the LLC, 4 KiB pages): 8 experts x 1 token int8 90 -> 94% of DRAM, int4 82 -> 85%.
 int g_pf_first = 1;
 // Rows ahead that the AVX-512 int8 and int4 kernels prefetch into L2 (hy_tune("pf_rows"): a multiple of 4, 8..64;
-// default 8, two 4-row blocks). A 4-bit row of the 30B expert is 1 KiB (gate/up) or 384 B (down), so 8 rows are 8
-// or 3 KiB of lead where bf16 has four times that (bf16 stays at 8 rows: 16 and 32 read no faster there on the
-// GPU box, issue 12 run 13 call 3); the knob times longer leads.
-int g_pf_rows = 8;
+// default 16, four 4-row blocks). A 4-bit row of the 30B expert is 1 KiB (gate/up) or 384 B (down), so the old 8
+// rows were 8 or 3 KiB of lead where bf16 has four times that. GPU box (issue 12 run 13 calls 3-4, 15 threads, pool
+// past the LLC, 8 and 16 rows in one process, 5 runs per case): int4 8 x 1 +1..+4% in every run, 8 tokens x 8
+// experts -1..+8% (4 of 5 ahead); int8 within +-3% but for one run each way; 32 rows no better than 16. bf16 keeps
+// 8 rows (16 rows: -6..+1% in call 3, 32 rows slower still).
+int g_pf_rows = 16;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {
