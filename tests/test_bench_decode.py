@@ -18,6 +18,9 @@ def test_decode_probe_writes_rows_per_dtype_case_and_variant(tmp_path):
     assert len(res["rows"]) == 2 * 2 * 2
     for r in res["rows"]:
         assert r["median_s"] > 0 and r["gbps"] > 0
+        # the share against the higher of the two ceilings (before and after the cases) is the smaller one
+        best = max(res["ceiling_gbps"], res["ceiling_after_gbps"])
+        assert abs(r["pct_dram_best"] - 100 * r["gbps"] / best) < 1e-9 and r["pct_dram_best"] <= r["pct_dram"] + 1e-9
     # "2x4same": two tokens on the same 4 experts read 4 distinct experts; "1x8" reads 8
     assert {r["case"]: r["distinct_experts"] for r in res["rows"]} == {"1x8": 8, "2x4same": 4}
 
