@@ -253,12 +253,13 @@ def run(args) -> dict:
                  f"'GPU' side is torch on the CPU, the ship lane a copy within DRAM)"))
     if eng.graphs is not None:
         header += f" | max context {max_ctx}, graph context buckets {list(eng.graphs.contexts)}"
-    if args.tune:
+    tune = getattr(args, "tune", None) or {}  # other benches (deepseek_box, gpt_oss_box) run this without it
+    if tune:
         from cpu_kernels import _native
 
         isa = off.layers[0].cpu_moe.isa
-        was = {k: _native.tune(isa, k, v) for k, v in args.tune.items()}
-        header += " | CPU knobs " + ", ".join(f"{k}={v} (was {was[k]})" for k, v in args.tune.items())
+        was = {k: _native.tune(isa, k, v) for k, v in tune.items()}
+        header += " | CPU knobs " + ", ".join(f"{k}={v} (was {was[k]})" for k, v in tune.items())
     if args.defer_experts:
         header += f" | EXPERT DEFERRAL: {args.defer_experts} of each token's experts one layer late (changes the math)"
     if args.reduced:
@@ -294,7 +295,7 @@ def run(args) -> dict:
             dt, delta = routed_during(off, lambda: timed(lambda: eng.prefill(s, ids), device))
             eng.free_slot(s)
             runs = [dt]
-            for _ in range(args.prefill_repeats - 1):  # the same prompt again: the host's spread within one process
+            for _ in range(getattr(args, "prefill_repeats", 1) - 1):  # the same prompt again: the host's spread within one process
                 s = eng.allocate_slot()
                 runs.append(timed(lambda: eng.prefill(s, ids), device))
                 eng.free_slot(s)
