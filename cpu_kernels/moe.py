@@ -264,9 +264,10 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        # The AVX-512 kernels gain from the interleaved int4 order at every group size; the AVX2 ones read groups
-        # of 128 as fast either way and groups of 32 up to ~20% slower interleaved at 1-2 tokens (dev box, 1
-        # thread; BENCHMARKS.md session 17), so AVX2 (and the ref ISA) keep the natural order unless asked.
+        # The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (dev box: every group
+        # size; the GPU box's Xeon: +3-17% at 4 tokens, level to -3% at 1 token and at batch-8 routing, BENCHMARKS.md
+        # sessions 17-18); the AVX2 ones read groups of 128 as fast either way and groups of 32 up to ~20% slower
+        # interleaved at 1-2 tokens (dev box, 1 thread), so AVX2 (and the ref ISA) keep the natural order unless asked.
         self.int4_order = int4_order or _int4_order_env() or (
             "interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
         if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
