@@ -1,5 +1,7 @@
 """The placement planner on synthetic statistics, checked by hand (placement.planner, memory, predict)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -116,8 +118,6 @@ def test_prediction_improves_with_residency():
 def test_graph_floor_enters_the_decode_prediction_by_hand():
     """A measured per-layer graph floor adds layers x floor to a decode step and replaces the CPU lane's
     separately priced fixed part (the floor model's lane already paid it)."""
-    from dataclasses import replace
-
     from placement.predict import decode_floor, decode_layer_time
 
     hw = replace(HW, cpu_lane_overhead=2e-4, alpha=1e-5)
@@ -211,6 +211,13 @@ def test_impossible_budgets_say_what_to_change():
         check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=need - 1, memory=MEM))
     msg = str(e.value)
     assert "--cpu-budget" in msg and "raise --cpu-budget to at least" in msg and "--cpu-dtype int8" in msg
+    # exactly at the DRAM need it fits (the check is "more than the budget"), and a budget exactly at int8's need
+    # names int8 as the way out of a bf16 plan that is one byte too big for it
+    assert check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=need, memory=MEM)).cpu_total == need
+    int8_need = breakdown(CFG, replace(MEM, cpu_dtype="int8")).cpu_total
+    assert int8_need < need
+    with pytest.raises(UsageError, match="--cpu-dtype int8"):
+        check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=int8_need, memory=MEM))
     with pytest.raises(UsageError) as e:  # nothing fits, not even int4: no dtype hint
         check_budgets(CFG, PlanSettings(gpu_budget=2**30, cpu_budget=1000, memory=MEM))
     assert "--cpu-dtype" not in str(e.value).split("too small")[1].split("raise")[1]
