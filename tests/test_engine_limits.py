@@ -1,0 +1,68 @@
+"""The engine's limits at their edges (hybrid.runtime.engine): a prompt that exactly fills the context, the last
+decodable position, a slot id one past the batch, and a KV cache exactly the size of the free memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.errors import TooLarge
+from hybrid.models import build_empty, init_random_
+from hybrid.models.families import family_for
+from hybrid.models.presets import hf_config
+from hybrid.runtime import Engine
+from hybrid.runtime import engine as engine_mod
+
+
+@pytest.fixture(scope="module")
+def model():
+    raw = hf_config("demo", layers=1)
+    cfg = family_for(raw).parse_config(raw)
+    return init_random_(build_empty(cfg, "cpu", torch.float32), seed=0, std=0.1)
+
+
+def test_a_prompt_may_fill_the_context_and_not_one_token_more(model):
+    e = Engine(model, max_batch=1, max_context=8)
+    s = e.allocate_slot()
+    e.prefill(s, list(range(8)))  # exactly max_context tokens
+    assert e.lengths[s] == 8
+    e.free_slot(s)
+    s = e.allocate_slot()
+    e.prefill(s, list(range(5)))
+    with pytest.raises(ValueError, match="exceed max_context"):
+        e.prefill(s, list(range(4)))  # 5 + 4 > 8
+    e.prefill(s, list(range(3)))  # 5 + 3 == 8 still fits
+    assert e.lengths[s] == 8
+
+
+def test_decode_writes_the_last_position_and_refuses_the_next(model):
+    e = Engine(model, max_batch=1, max_context=8)
+    s = e.allocate_slot()
+    e.prefill(s, list(range(7)))  # positions 0..6; position 7 is the last one the cache holds
+    logits = e.decode_step([s], [1])
+    assert logits.shape[0] == 1 and e.lengths[s] == 8
+    with pytest.raises(ValueError, match="reached max_context"):
+        e.decode_step([s], [1])
+
+
+def test_a_slot_id_past_the_batch_is_not_allocated(model):
+    e = Engine(model, max_batch=2, max_context=8)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match="not allocated"):
+            e.free_slot(bad)
+    assert e.free_slots == 2
+
+
+def test_kv_cache_exactly_the_free_memory_fits(model, monkeypatch):
+    """The check refuses only a cache larger than the free memory (the CPU's available memory, faked here)."""
+    import psutil
+
+    cfg = model.cfg
+    need = engine_mod.kv_cache_bytes(cfg, 2, 64, torch.float32)
+    fake = type("Mem", (), {})()
+    fake.available = need
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    engine_mod.check_kv_cache_fits(cfg, 2, 64, torch.float32, "cpu")  # exactly fits
+    fake.available = need - 1
+    with pytest.raises(TooLarge, match="--max-context 64 x --max-batch 2"):
+        engine_mod.check_kv_cache_fits(cfg, 2, 64, torch.float32, "cpu")
