@@ -75,6 +75,18 @@ def test_topology_validation():
         Topology(((0,), ()))
     with pytest.raises(ValueError):
         Topology(((0,),)).limit(0)
+    # the executor's layer holds at most 8 nodes (csrc HY_MAX_NODES): 8 are accepted, 9 refused
+    assert len(Topology(tuple((i,) for i in range(8))).nodes) == 8
+    with pytest.raises(ValueError, match="at most 8"):
+        Topology(tuple((i,) for i in range(9)))
+
+
+def test_topology_limit_gives_the_bigger_node_the_odd_thread():
+    """Round robin from the biggest node: 3 of a 4 + 2 split keep 2 + 1 (in proportion), and 5 keep 3 + 2."""
+    topo = Topology(((4, 5), (0, 1, 2, 3)))
+    assert topo.limit(3).nodes == ((4,), (0, 1))
+    assert topo.limit(5).nodes == ((4, 5), (0, 1, 2))
+    assert topo.limit(1).nodes == ((0,),)  # a node that gets no thread is dropped
 
 
 def test_mxfp4_dequantize_matches_transformers_and_round_trips():
