@@ -105,6 +105,21 @@ def test_budget_decides_resident_count(ckpt):
     assert resident_count(model, off, hcfg, 0) == cfg.num_experts  # a huge budget holds them all
     with pytest.raises(UsageError, match="below what the model needs"):
         resident_count(model, off, hcfg, 10**9 + 1)
+    assert resident_count(model, off, hcfg, 10**9) == 0  # exactly the fixed part: it runs, with no expert resident
+
+
+def test_deferral_must_leave_an_expert_per_token(ckpt):
+    """--defer-experts N defers each token's N lowest-ranked experts one layer: N = experts per token would defer
+    all of them, so it is refused; one fewer loads."""
+    from hybrid.models.presets import hf_config as _hf
+
+    top_k = _hf("demo")["num_experts_per_tok"]
+    with pytest.raises(UsageError, match="must be below the model's experts per token"):
+        load_hybrid(ckpt, "cpu", torch.float32, HybridConfig(defer_experts=top_k, profile="ktransformers-paper-amx",
+                                                             cpu_isa="ref"), progress=False)
+    model, off = load_hybrid(ckpt, "cpu", torch.float32, HybridConfig(defer_experts=top_k - 1,
+                             profile="ktransformers-paper-amx", cpu_isa="ref"), progress=False)
+    assert off.defer == top_k - 1
 
 
 def test_generate_cli_hybrid_json(ckpt, capsys):
