@@ -123,6 +123,8 @@ MUTATIONS = [
     ("config: a one-token window refused", "hybrid/models/config.py",
      "        if self.sliding_window is not None and self.sliding_window < 1:",
      "        if self.sliding_window is not None and self.sliding_window <= 1:", ["tests/test_config_edges.py"]),
+    ("detok: a stop string at index 0 missed", "hybrid/server/detok.py", "for s in self._stop) if i >= 0]",
+     "for s in self._stop) if i > 0]", ["tests/test_server_units.py"]),
     ("crossover tie ships", "placement/cost_model.py", "t_gpu(shape, hw, m) < t_cpu(shape, hw, m, kernel)",
      "t_gpu(shape, hw, m) <= t_cpu(shape, hw, m, kernel)", ["tests/test_cost_model.py"]),
     ("zero-token expert shipped", "placement/schedule.py", "        ship = np.asarray(ship, dtype=bool) & (hist > 0)",

@@ -113,6 +113,15 @@ def test_earliest_of_several_stop_strings_wins():
     assert "".join(_run(s, list(b"aabzz"))) == "aa"
 
 
+def test_a_completion_that_opens_with_a_stop_string_is_empty():
+    """The stop string at the very start of the text (index 0) stops with nothing emitted."""
+    s = TextStream(_bytes_decode, stop=("ab",))
+    pieces = _run(s, list(b"abcd"))
+    assert "".join(pieces) == "" and s.stopped and s.text == ""
+    s = TextStream(_bytes_decode, stop=("a",))  # a one-character stop string on the first token
+    assert s.push(ord("a")) == "" and s.stopped and s.text == ""
+
+
 def test_held_back_prefix_is_flushed_at_the_end():
     s = TextStream(_bytes_decode, stop=("xyz",))
     pieces = _run(s, list(b"abxy"))
