@@ -57,11 +57,7 @@ def variant_knobs(name: str) -> dict:
     if base not in VARIANTS:
         raise ValueError(f"unknown variant {base!r} (known: {', '.join(VARIANTS)})")
     knobs = dict(VARIANTS[base])
-    for item in extra:
-        k, sep, v = item.partition("=")
-        if not sep or k not in _native.TUNABLES:
-            raise ValueError(f"bad override {item!r}: knob=value with a knob of {', '.join(_native.TUNABLES)}")
-        knobs[k] = int(v)
+    knobs.update(_native.parse_knob(item, "override") for item in extra)
     return knobs
 
 

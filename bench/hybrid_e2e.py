@@ -420,18 +420,12 @@ def run_isolated(args, argv) -> dict:
 
 def knobs(text: str) -> dict:
     """'pf_rows=16,task_min=1' -> {'pf_rows': 16, 'task_min': 1}, every name a cpu_kernels._native.TUNABLES knob."""
-    from cpu_kernels._native import TUNABLES
+    from cpu_kernels._native import parse_knob
 
-    out = {}
-    for item in filter(None, text.split(",")):
-        k, sep, v = item.partition("=")
-        if not sep or k not in TUNABLES:
-            raise argparse.ArgumentTypeError(f"bad knob {item!r}: knob=value with a knob of {', '.join(TUNABLES)}")
-        try:
-            out[k] = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad knob {item!r}: the value must be an integer") from None
-    return out
+    try:
+        return dict(parse_knob(item) for item in filter(None, text.split(",")))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None) -> int:

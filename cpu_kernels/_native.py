@@ -200,6 +200,18 @@ PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduc
 TUNABLES = ("fused", "prefetch", "pf_first", "pf_rows", "task_rows", "task_min", "spin_us", "stream_pf")
 
 
+def parse_knob(item: str, what: str = "knob") -> tuple[str, int]:
+    """'pf_rows=16' -> ('pf_rows', 16): a TUNABLES name and an integer (benchmarks' knob overrides); ValueError
+    naming `what` and the known knobs otherwise."""
+    k, sep, v = item.partition("=")
+    if not sep or k not in TUNABLES:
+        raise ValueError(f"bad {what} {item!r}: knob=value with a knob of {', '.join(TUNABLES)}")
+    try:
+        return k, int(v)
+    except ValueError:
+        raise ValueError(f"bad {what} {item!r}: the value must be an integer") from None
+
+
 def tune(isa: str, name: str, value: int) -> int:
     """Set one of `isa`'s run-time knobs (csrc/api.h, hy_tune); returns its previous value."""
     if name not in TUNABLES:

@@ -64,3 +64,17 @@ def hermetic_cache(_session_cache, tmp_path_factory, monkeypatch):
         return
     monkeypatch.setenv("HYBRID_CACHE", str(_session_cache))
     yield _session_cache
+
+
+@pytest.fixture(scope="session")
+def demo_model_1layer():
+    """The demo preset cut to one layer, random fp32 weights on the CPU (seed 0, std 0.1): a real model for tests of
+    the engine and server around it, built once per session. Tests must not change its weights."""
+    import torch
+
+    from hybrid.models import build_empty, init_random_
+    from hybrid.models.families import family_for
+    from hybrid.models.presets import hf_config
+
+    raw = hf_config("demo", layers=1)
+    return init_random_(build_empty(family_for(raw).parse_config(raw), "cpu", torch.float32), seed=0, std=0.1)

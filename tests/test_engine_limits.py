@@ -7,18 +7,13 @@ import pytest
 import torch
 
 from hybrid.errors import TooLarge
-from hybrid.models import build_empty, init_random_
-from hybrid.models.families import family_for
-from hybrid.models.presets import hf_config
 from hybrid.runtime import Engine
 from hybrid.runtime import engine as engine_mod
 
 
 @pytest.fixture(scope="module")
-def model():
-    raw = hf_config("demo", layers=1)
-    cfg = family_for(raw).parse_config(raw)
-    return init_random_(build_empty(cfg, "cpu", torch.float32), seed=0, std=0.1)
+def model(demo_model_1layer):
+    return demo_model_1layer
 
 
 def test_a_prompt_may_fill_the_context_and_not_one_token_more(model):

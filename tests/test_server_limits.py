@@ -5,11 +5,7 @@ allowed, a histogram value on a bucket's bound, the tokens/s window, a batched p
 from __future__ import annotations
 
 import pytest
-import torch
 
-from hybrid.models import build_empty, init_random_
-from hybrid.models.families import family_for
-from hybrid.models.presets import hf_config
 from hybrid.runtime import Engine
 from hybrid.server import metrics as metrics_mod
 from hybrid.server import routes
@@ -79,11 +75,8 @@ def test_tokens_per_s_forgets_tokens_older_than_its_window(monkeypatch):
     assert m.tokens_per_s() == pytest.approx(10 / metrics_mod.TOKENS_PER_S_WINDOW_S)
 
 
-def test_batched_prefill_may_fill_a_slot_exactly():
-    raw = hf_config("demo", layers=1)
-    cfg = family_for(raw).parse_config(raw)
-    model = init_random_(build_empty(cfg, "cpu", torch.float32), seed=0, std=0.1)
-    rt = Runtime(Engine(model, max_batch=2, max_context=8), FakeTokenizer(), batch_prefill="on")
+def test_batched_prefill_may_fill_a_slot_exactly(demo_model_1layer):
+    rt = Runtime(Engine(demo_model_1layer, max_batch=2, max_context=8), FakeTokenizer(), batch_prefill="on")
     a, b = rt.engine.allocate_slot(), rt.engine.allocate_slot()
     logits = rt.prefill([a, b], [list(range(8)), list(range(3))])  # slot a: exactly max_context tokens
     assert logits.shape[0] == 2 and rt.engine.lengths[a] == 8 and rt.engine.lengths[b] == 3
