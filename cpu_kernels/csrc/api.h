@@ -30,6 +30,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
 //   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
+//   byte_tasks 1: task_rows counts bf16 rows' bytes (int8 tasks 2x, int4/mxfp4 4x the rows; fused.h; default 0)
 //   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
 //   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 16)
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
@@ -40,6 +41,7 @@ HY_API int hy_tune(const char* name, int value) {
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
   else if (!std::strcmp(name, "pf_first")) { old = g_pf_first; g_pf_first = value != 0; }
   else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }
+  else if (!std::strcmp(name, "byte_tasks")) { old = g_byte_tasks; g_byte_tasks = value != 0; }
   else if (!std::strcmp(name, "task_min")) { old = g_task_min; g_task_min = std::max(1, value); }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
   else if (!std::strcmp(name, "pf_rows")) { old = g_pf_rows; g_pf_rows = std::min(64, std::max(8, value / 4 * 4)); }

@@ -26,9 +26,22 @@ int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons
 // faster, as long as the dynamic tail stays short. Issue 12 run 11 (GPU box, 15 threads, pool past the LLC, 4 KiB pages,
 // bench.decode_probe), 64 rows / >= 6 per thread -> 256 / >= 2: 8 experts x 1 token int8 83 -> 90% of DRAM,
 // int4 72 -> 82%; 8 tokens x 8 experts each int8 88 -> 95%, int4 78 -> 85%; bf16 80 -> 83%, 82 -> 87%.
-constexpr int HY_MAX_TASK_ROWS = 512;  // hy_tune("task_rows") clamps to it; reduce_block's buffer holds it
+constexpr int HY_MAX_TASK_ROWS = 512;  // hy_tune("task_rows") clamps to it
 int g_task_rows = 256;
 int g_task_min = 2;
+// 1: task_rows counts bf16 rows' bytes, so an int8 task holds 2x and an int4/mxfp4 one 4x the rows (at most
+// HY_MAX_BLOCK_ROWS) and every dtype's task reads the same weight bytes; 0: the same rows for every dtype
+// (hy_tune("byte_tasks")). Motive: a task's fixed cost (new streams, its first block, its flags) is the same for
+// every dtype, and with equal rows an int4 task streams a quarter of a bf16 one's bytes.
+constexpr int HY_MAX_BLOCK_ROWS = 2048;  // reduce_block's buffer holds it
+int g_byte_tasks = 0;
+
+// The row cap of one decode task over matrix M (task_rows, scaled by g_byte_tasks).
+inline int task_rows_for(const HyMat& M) {
+  if (!g_byte_tasks) return g_task_rows;
+  const int widen = M.dtype == HY_BF16 ? 1 : M.dtype == HY_INT8 ? 2 : 4;
+  return std::min(HY_MAX_BLOCK_ROWS, g_task_rows * widen);
+}
 
 // Largest row block (a multiple of 4 rows, the vector kernels' block, at most max_rb) that still gives the
 // pool at least g_task_min tasks per thread for this phase, so the dynamic tail stays short.
@@ -69,7 +82,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   const int64_t scr_per = (int64_t)m_max_pad * 64 * 2;
   int max_threads = 1;
   for (int n = 0; n < nn; ++n) max_threads = std::max(max_threads, ((Pool*)L->nodes[n].pool)->n);
-  const int rbd = fused_block(Dp, na, max_threads, g_task_rows), nbd = (Dp + rbd - 1) / rbd;
+  const int rbd = fused_block(Dp, na, max_threads, task_rows_for(L->nodes[0].down)), nbd = (Dp + rbd - 1) / rbd;
   for (int n = 0; n < nn; ++n) {
     const HyNode& N = L->nodes[n];
     const int thr = ((Pool*)N.pool)->n;
@@ -81,7 +94,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
     scratch[n] = W.scratch[n].get<float>((size_t)thr * scr_per);
     if (!hrows[n] || (dt != HY_BF16 && !hf[n]) || !hptr[n] || !Y[n] || !scratch[n]) return HY_ENOMEM;
     for (int i = 0; i < A; ++i) hptr[n][i] = hrows[n] + i * hs[n];
-    rbu[n] = fused_block(N.gate.rows_p, na, thr, g_task_rows);
+    rbu[n] = fused_block(N.gate.rows_p, na, thr, task_rows_for(N.gate));
     nbu[n] = (N.gate.rows_p + rbu[n] - 1) / rbu[n];
   }
   FusedSync& S = *g_fsync;
@@ -99,9 +112,9 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   auto reduce_block = [&](int b) {
     const int d0 = b * rbd, nd = std::min(rbd, D - d0);
     if (nd <= 0) return;
-    alignas(64) float s[HY_MAX_TASK_ROWS];  // rbd <= g_task_rows
+    alignas(64) float s[HY_MAX_BLOCK_ROWS];  // rbd <= task_rows_for(down)
     for (int t = 0; t < T; ++t) {
-      std::memset(s, 0, sizeof(s));
+      std::memset(s, 0, nd * sizeof(float));
       for (int k = 0; k < K; ++k) {
         const int i = slot[(int64_t)t * K + k];
         if (i < 0) continue;
