@@ -138,11 +138,12 @@ def test_decode_calls_take_the_fused_path(isa, knobs):
         _native.profile_enable(moe.isa, False)
 
 
-# Decode task knobs (fused.h, hy.h): (task_rows, task_min, pf_first, pf_rows, byte_tasks). The first is run 11's old
-# default, the second the new one; the shape gives gate/up rows past 256 and down rows past 512, both with ragged
-# tails; byte_tasks widens int8 tasks 2x and int4 ones 4x (512 int4 rows: 2048, past every matrix here).
-TASK_KNOBS = [(64, 6, 0, 8, 0), (256, 2, 1, 8, 0), (512, 1, 1, 32, 0), (128, 3, 0, 64, 0), (64, 1, 1, 16, 0),
-              (512, 1, 1, 16, 1), (192, 2, 1, 16, 1), (64, 6, 0, 8, 1)]
+# Decode task knobs (fused.h, hy.h): (task_rows, task_min, pf_first, pf_rows, byte_tasks, pf_l1). The first is run
+# 11's old default, the second the new one; the shape gives gate/up rows past 256 and down rows past 512, both with
+# ragged tails; byte_tasks widens int8 tasks 2x and int4 ones 4x (512 int4 rows: 2048, past every matrix here);
+# pf_l1 adds int4's L1 prefetch at 3-4 tokens (the test's 5 tokens run a 4-token and a 1-token block).
+TASK_KNOBS = [(64, 6, 0, 8, 0, 0), (256, 2, 1, 8, 0, 0), (512, 1, 1, 32, 0, 1), (128, 3, 0, 64, 0, 0),
+              (64, 1, 1, 16, 0, 1), (512, 1, 1, 16, 1, 0), (192, 2, 1, 16, 1, 1), (64, 6, 0, 8, 1, 0)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -163,15 +164,16 @@ def test_task_size_and_first_block_prefetch_change_nothing(isa, dtype, knobs):
     w = torch.rand(T, Kt, generator=g) + 0.05
     ref = moe_forward(x.float(), *ref_w, ids.long(), w)
     outs = []
-    for rows, least, pf, ahead, by_bytes in TASK_KNOBS:
+    for rows, least, pf, ahead, by_bytes, l1 in TASK_KNOBS:
         turn(knobs, moe.isa, "task_rows", rows)
         turn(knobs, moe.isa, "task_min", least)
         turn(knobs, moe.isa, "pf_first", pf)
         turn(knobs, moe.isa, "pf_rows", ahead)
         turn(knobs, moe.isa, "byte_tasks", by_bytes)
+        turn(knobs, moe.isa, "pf_l1", l1)
         out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
         moe.forward(x, ids, w, out=out)
-        assert rel_err(out, ref) < TOL[dtype], (rows, least, pf, ahead, by_bytes)
+        assert rel_err(out, ref) < TOL[dtype], (rows, least, pf, ahead, by_bytes, l1)
         outs.append(out)
     for o, k in zip(outs[1:], TASK_KNOBS[1:]):
         assert torch.equal(o, outs[0]), k
@@ -188,6 +190,7 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((1000, 64), (0, 8), (13, 12), (16, 16)):
         turn(knobs, isa, "pf_rows", asked)
         assert _native.tune(isa, "pf_rows", asked) == kept, asked
-    for asked, kept in ((5, 1), (-1, 1), (0, 0), (1, 1)):
-        turn(knobs, isa, "byte_tasks", asked)
-        assert _native.tune(isa, "byte_tasks", asked) == kept, asked
+    for name in ("byte_tasks", "pf_l1"):
+        for asked, kept in ((5, 1), (-1, 1), (0, 0), (1, 1)):
+            turn(knobs, isa, name, asked)
+            assert _native.tune(isa, name, asked) == kept, (name, asked)

@@ -77,10 +77,13 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // a known trip count: with a run-time count the natural order (fold 1, 2 chunks a block) ran ~1.5x slower.
 // The int4 kernels' software prefetch at chunk c of an NR-row pass: rows g_pf_rows.. ahead into L2; the first block
 // of a call (pf_lo 4, g_pf_first) from row 4 on, which the steady-state lead never covers.
-template <int NR>
+// With g_pf_l1 and MT > 2 (2-row passes), also the next pass's rows (NR on) into L1.
+template <int NR, int MT>
 inline void i4_prefetch(const uint8_t* w, int64_t ldw, int c, int pf_lo) {
   for (int j = pf_lo == 8 ? 0 : 4 - g_pf_rows; j < NR; ++j)
     _mm_prefetch((const char*)(w + (j + g_pf_rows) * ldw + c * 32), _MM_HINT_T1);
+  if (MT > 2 && g_pf_l1)
+    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(w + (j + NR) * ldw + c * 32), _MM_HINT_T0);
 }
 
 template <int NR, int MT, int B>
@@ -110,7 +113,7 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
       for (int j = 0; j < NR; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
       if (g_prefetch && c % 2 == 0)
-        i4_prefetch<NR>(w, ldw, c, pf_lo);
+        i4_prefetch<NR, MT>(w, ldw, c, pf_lo);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
@@ -152,7 +155,7 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       for (int j = 0; j < NR; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
       if (g_prefetch && (CPG > 1 ? i % 2 == 0 : c % 2 == 0))
-        i4_prefetch<NR>(w, ldw, c, pf_lo);
+        i4_prefetch<NR, MT>(w, ldw, c, pf_lo);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
