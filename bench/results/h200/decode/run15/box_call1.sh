@@ -1,6 +1,6 @@
 # run 15, call 1 (prepared in session 19, not yet run): the two leads run 14 left, with repeats in an order that
 # cancels drift: byte-sized decode tasks (hy_tune("byte_tasks")) for int4 batch 8, and int4's L1 prefetch at 3-4
-# tokens (hy_tune("pf_l1")). Kernel alone A B B A per case (B's second copy names a default knob so the variants
+# tokens (hy_tune("pf_l1")). Kernel alone A B B C C A per case (each second copy names a default knob so the variants
 # stay distinct), then e2e int4 A B B A B A A B (byte_tasks), then the same for int8 if time is left.
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
