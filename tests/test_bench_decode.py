@@ -3,6 +3,7 @@ bench.vs_llamacpp with a stand-in for the llama-bench binary that prints llama-b
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,67 @@ def test_vs_llamacpp_table_and_ratio(tmp_path):
     h = row["hybrid"]
     assert f"| {h['b1_of_roofline_after'] * 100:.0f}% / {h['b8_of_roofline_after'] * 100:.0f}% |" in table
     assert (out / "vs_llamacpp.png").stat().st_size > 0
+
+
+def _vs_main(tmp_path, monkeypatch, cases, hybrid_row=None, layers=12, experts=128):
+    """vs_llamacpp.main with both runs stubbed: the calls it makes, and the table it writes."""
+    calls = []
+
+    def llama(binary, gguf, placement, threads, reps):
+        calls.append(("llama", gguf, placement))
+        return dict(tok_s=10.0, stddev=0.5, cmd="")
+
+    def hybrid(args, cpu_dtype, resident, extra_env=None):
+        calls.append(("hybrid", cpu_dtype, resident))
+        return dict(hybrid_row or {}, tok_s=20.0)
+
+    monkeypatch.setattr(vs_llamacpp, "run_llama", llama)
+    monkeypatch.setattr(vs_llamacpp, "run_hybrid", hybrid)
+    monkeypatch.setattr(vs_llamacpp, "plot", lambda rows, path: None)
+    out = tmp_path / "vs"
+    assert vs_llamacpp.main(["--llama-bench", "llama-bench", "--gguf-bf16", "b.gguf", "--profile", "p", "--layers",
+                             str(layers), "--experts", str(experts), "--cases", cases, "--out", str(out)]) == 0
+    return calls, (out / "vs_llamacpp.md").read_text().splitlines()
+
+
+def test_vs_llamacpp_quarter_keeps_a_quarter_of_the_experts_in_vram_on_both_sides(tmp_path, monkeypatch):
+    calls, _ = _vs_main(tmp_path, monkeypatch, "bf16,quarter")
+    # 12 layers: llama.cpp keeps the experts of the last 3 (a quarter) in VRAM, so the first 9 go to the CPU;
+    # hybrid keeps 32 of each layer's 128 experts resident
+    assert calls == [("llama", "b.gguf", ["-ot", "exps=CPU"]), ("hybrid", "bf16", 0),
+                     ("llama", "b.gguf", ["-ncmoe", "9"]), ("hybrid", "bf16", 32)]
+
+
+def test_vs_llamacpp_table_shows_a_zero_share_as_zero_not_as_missing(tmp_path, monkeypatch):
+    # no cold expert read again by the next step (share 0.0) is a measurement; "-" means none was made (None)
+    _, lines = _vs_main(tmp_path, monkeypatch, "bf16", dict(b1_of_roofline=0.5, b1_cold_reused_from_last_step=0.0))
+    row, = [l for l in lines if l.startswith("| bf16 |")]
+    assert row.split(" | ")[1:6] == ["10.0 ± 0.5", "20.0", "2.00x", "50% (-)", "0%"]
+
+
+def test_vs_llamacpp_fallback_turns_the_doorbell_off_even_if_the_environment_turned_it_on(tmp_path, monkeypatch):
+    """A failed hybrid run is measured again with HYBRID_DOORBELL=0; a user's HYBRID_DOORBELL=1 must not undo it."""
+    import subprocess
+
+    monkeypatch.setenv("HYBRID_DOORBELL", "1")
+    seen = []
+
+    def fake_run(cmd, check=False, env=None, **kw):
+        if cmd[0] == "llama-bench":
+            return subprocess.CompletedProcess(cmd, 0, stdout='[{"avg_ts": 10.0, "stddev_ts": 0.5}]')
+        seen.append(env["HYBRID_DOORBELL"])
+        if env["HYBRID_DOORBELL"] != "0":
+            raise subprocess.CalledProcessError(1, cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / f"hybrid_e2e_{cmd[cmd.index('--preset') + 1]}.json").write_text(
+            json.dumps(dict(results=[dict(decode_b1_tok_s=20.0)])))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(vs_llamacpp.subprocess, "run", fake_run)
+    monkeypatch.setattr(vs_llamacpp, "plot", lambda rows, path: None)
+    out = tmp_path / "vs"
+    assert vs_llamacpp.main(["--llama-bench", "llama-bench", "--gguf-bf16", "b.gguf", "--profile", "p", "--cases",
+                             "bf16", "--out", str(out)]) == 0
+    assert seen == ["1", "0"]
+    row, = json.loads((out / "vs_llamacpp.json").read_text())["rows"]
+    assert row["hybrid"]["doorbell_failed"] and row["ratio"] == 2.0

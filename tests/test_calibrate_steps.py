@@ -54,3 +54,34 @@ def test_calibrate_step_total_covers_the_gpu_probes(monkeypatch):
     n = 1 + (len(cal.KNEE_DTYPES) if cal._has_amx() else 0) + 1 + cal.GPU_STEPS
     assert [s.split(":")[0] for s in steps] == [f"step {i}/{n}" for i in range(1, n + 1)]
     assert steps[-1].startswith(f"step {n}/{n}: latency floor of graph decode")
+
+
+def test_calibrate_fits_the_profile_from_what_it_measured(monkeypatch):
+    """The profile carries the measurements (faked here, every one distinct): the CPU peak is the best point of
+    the curve wherever it lies, the link bandwidth the host->device one (weights travel that way), alpha the mean
+    of the two directions' (activations go both ways), and the fixed costs as measured."""
+    from placement import calibrate as cal
+    from placement import measure
+    from placement.cost_model import ExpertShape
+    import hybrid.offload.overheads as ov
+
+    monkeypatch.setattr(cal, "_has_amx", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    monkeypatch.setattr(measure, "measure_dram_read", lambda n: (1.5e10, "fake"))
+    flops = {1: 1e9, 4: 7e9, 16: 3e9, 64: 2e9}  # peaks at m = 4, not at the last m
+    monkeypatch.setattr(measure, "measure_cpu_curve", lambda shape, b, ms, **kw: [[m, flops[m]] for m in ms])
+    monkeypatch.setattr(measure, "measure_link", lambda sizes: {"h2d_alpha": 1e-5, "h2d_bw": 2e10,
+                                                                "d2h_alpha": 3e-5, "d2h_bw": 5e10})
+    monkeypatch.setattr(measure, "measure_hbm", lambda n: 4e12)
+    monkeypatch.setattr(measure, "measure_gpu_flops", lambda shape, m: 6e14)
+    fixed = dict(layer_overhead=1e-4, cpu_lane_overhead=2e-4, cpu_lane_start=3e-4, ship_chunk_overhead=4e-4,
+                 ship_expert_overhead=5e-4)
+    monkeypatch.setattr(ov, "measure_overheads", lambda probe: dict(fixed))
+    monkeypatch.setattr(ov, "measure_graph_layer_floor", lambda hidden: {"graph_layer_floor": 6e-5})
+    prof, raw = cal.calibrate(ExpertShape("t", hidden=256, intermediate=128, num_experts=8, topk=2), quick=True,
+                              backends=["torch"], dram_bytes=1 << 20, progress=lambda line: None)
+    assert prof.cpu_flops == {"torch": 7e9} and prof.dram_bw == 1.5e10
+    assert (prof.link_bw, prof.hbm_bw, prof.gpu_flops) == (2e10, 4e12, 6e14)
+    assert prof.alpha == (1e-5 + 3e-5) / 2
+    assert {k: getattr(prof, k) for k in fixed} == fixed and prof.graph_layer_floor == 6e-5

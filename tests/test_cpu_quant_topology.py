@@ -106,3 +106,39 @@ def test_mxfp4_dequantize_matches_transformers_and_round_trips():
     assert torch.equal(dequantize_mxfp4(b2, s2), d)
     with pytest.raises(ValueError):
         quantize_mxfp4(torch.randn(2, 48))
+
+
+def test_int4_zero_group_stores_code_zero():
+    """An all-zero group (pruned or padded weights) has scale 0 and every value stored as q = 0, the nibble 8:
+    not 0 / 0, whose NaN the uint8 cast turns into whatever the platform gives."""
+    w = torch.zeros(2, 128)
+    w[0, 64:] = torch.arange(64.0) - 32  # row 0: group 0 zero, group 1 not; row 1 zero throughout
+    packed, scale = quant.quantize_int4(w, 64)
+    assert scale[0, 0] == 0 and scale[1].tolist() == [0.0, 0.0] and scale[0, 1] == 32 / 7
+    nib = quant.unpack_nibbles(packed)  # stored order: where each natural value went is int4_order
+    group0 = quant.int4_order(128, 64) < 64
+    assert nib[0, group0].tolist() == [8] * 64 and nib[1].tolist() == [8] * 128
+    assert torch.equal(quant.dequantize_int4(packed, scale, 64)[:, :64], torch.zeros(2, 64))
+
+
+def test_int4_fold_block_smaller_than_a_chunk_refused():
+    # a fold block is whole 64-value chunks: one group of 32 per block is half a chunk
+    for bad in (lambda: quant.int4_order(128, 32, fold=1), lambda: quant.quantize_int4(torch.zeros(1, 128), 32, fold=1)):
+        with pytest.raises(ValueError, match="does not fit"):
+            bad()
+    assert torch.equal(quant.int4_order(128, 32, fold=2), torch.arange(128))  # two groups a chunk: natural
+
+
+def test_mxfp4_lowest_exponent_round_trips():
+    """Published mxfp4 with the smallest exponent (scale byte 0: 2^-127, fp32 subnormals) comes back unchanged:
+    the exponent may not be floored above -127, or 0.5 x 2^-127 rounds away."""
+    from cpu_kernels.quant import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (4, 2, 32), generator=g, dtype=torch.uint8)
+    codes[..., 0], codes[..., 1] = 7, 1  # every block holds 6 (its largest) and 0.5 (its smallest step)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    scales = torch.tensor([[0, 0], [0, 1], [1, 2], [127, 0]], dtype=torch.uint8)
+    w = dequantize_mxfp4(blocks, scales)
+    assert w[0, 1] == 0.5 * 2.0 ** -127 and w[0, 0] == 6 * 2.0 ** -127
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(w)), w)

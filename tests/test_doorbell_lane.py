@@ -119,3 +119,28 @@ def test_lane_rearms_the_previous_id_so_the_stream_need_not(bell):
         assert lane.served == 7
     finally:
         lane.close()
+
+
+def test_lane_is_full_exactly_at_its_capacity():
+    """`full` turns true with the CAP-th job (host_lane then falls back to host functions): one later and the next
+    capture's add() would raise instead of falling back."""
+    isa = [i for i in COMPILED if i != "amx"][0] if COMPILED else pytest.skip("no compiled ISA")
+
+    class TwoJobs(DoorbellLane):
+        CAP = 2
+
+    moe, g = small_moe(isa, 4)
+    lane = TwoJobs(isa)
+    try:
+        x = torch.randn(1, D, generator=g).bfloat16()
+        ids = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+        w = torch.rand(1, K, generator=g)
+        jobs = [moe.host_job(x, ids, w, torch.zeros(1, D, dtype=torch.bfloat16)) for _ in range(3)]
+        assert lane.add(jobs[0]) == 1 and not lane.full
+        assert lane.add(jobs[1]) == 2 and lane.full
+        with pytest.raises(RuntimeError, match="full"):
+            lane.add(jobs[2])
+        lane.ring_from_host(2)  # the last slot still runs
+        assert jobs[1].runs == 1 and jobs[0].runs == 0
+    finally:
+        lane.close()

@@ -91,3 +91,23 @@ def test_reuse_counted_against_the_step_before_and_llc_bound_never_slower():
     assert llc_adjusted(layers, [0.0, 0.0], cold_bytes=10.0, llc_bytes=10.0) == layers
     plain = decode_step_bound(layers, 10.0, 5.0, 100.0, 10.0, 100.0)
     assert decode_step_bound(llc_adjusted(layers, [3.0, 1.0], 10.0, 10.0), 10.0, 5.0, 100.0, 10.0, 100.0) < plain
+
+
+def test_decode_bound_prices_resident_reads_at_hbm_when_they_are_the_longer_side():
+    # 1 cold expert of 10 B at 10 B/s (1 s) against 4 resident ones of 50 B at 100 B/s (2 s): the layer takes
+    # the longer side, 2 s, plus the dense 100 B at 100 B/s; the resident reads at DRAM speed would give 20 s
+    t = decode_step_bound([(1.0, 4.0)], cold_bytes=10.0, resident_bytes=50.0, dense_bytes=100.0, dram_bw=10.0,
+                          hbm_bw=100.0)
+    assert t == pytest.approx(2.0 + 1.0)
+
+
+def test_reuse_share_counts_steps_that_repeat_nothing():
+    from bench.bounds import reused_share
+
+    resident = np.array([False] * 4 + [True])
+    # cold reads {0, 1}, then {2, 3} (none again: share 0), then {2, 3} (both again: 1), then only the resident
+    # expert (no cold read: no share at all)
+    steps = [np.array([1, 1, 0, 0, 0]), np.array([0, 0, 1, 1, 0]), np.array([0, 0, 2, 1, 0]),
+             np.array([0, 0, 0, 0, 3])]
+    assert reused_share(steps, resident) == pytest.approx((0.0 + 1.0) / 2)
+    assert reused_share(steps[:2], resident) == 0.0  # every step reads new experts

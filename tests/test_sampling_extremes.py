@@ -126,3 +126,17 @@ def test_a_sampling_failure_fails_only_its_own_request(fail_at_token):
     assert [s.kind for s in sinks[1:]] == ["done", "done"]
     assert [s.text for s in sinks[1:]] == solo
     assert rt.free_slots == 4  # the failed one's slot came back too
+
+
+def test_the_request_seed_decides_the_draws():
+    """Same seed, same tokens; another seed, other tokens (64 draws, uniform over 1000: equal by chance with
+    probability 1000^-64)."""
+    logits = torch.zeros(64, 1000)
+
+    def draws(seed):
+        p = EngineParams(temperature=1.0, seed=seed)
+        g = p.generator(torch.device("cpu"))
+        return sample(logits, [p] * 64, [g] * 64)
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
