@@ -46,6 +46,21 @@ def test_cpu_threads_zero(tiny):
                     "--cpu-threads must be >= 1")
 
 
+def test_cpu_threads_alone_turns_the_hybrid_path_on(tiny):
+    """--cpu-threads and --profile belong to the group 'any of these turns it on': alone they are not dropped."""
+    one_line_exit_2(hybrid("generate", "--model", str(tiny), "-n", "1", "--cpu-threads", "0"),
+                    "--cpu-threads must be >= 1")
+    import argparse
+
+    from hybrid.offload.build import add_hybrid_arguments, hybrid_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_hybrid_arguments(p)
+    assert hybrid_config_from_args(p.parse_args([])) is None
+    assert hybrid_config_from_args(p.parse_args(["--cpu-threads", "2"])).cpu_threads == 2
+    assert hybrid_config_from_args(p.parse_args(["--profile", "ktransformers-paper-amx"])).profile == "ktransformers-paper-amx"
+
+
 def test_bogus_isa(tiny):
     one_line_exit_2(hybrid("generate", "--model", str(tiny), "-n", "1", "--gpu-experts", "1",
                            "--profile", "ktransformers-paper-amx", env={"HYBRID_CPU_ISA": "bogus"}), "HYBRID_CPU_ISA='bogus' is not one of")

@@ -123,8 +123,10 @@ def add_hybrid_arguments(p) -> None:
 
 
 def hybrid_config_from_args(args) -> HybridConfig | None:
-    """None when no hybrid flag was given (all experts on the model's device)."""
-    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "plan", "replace", "defer_experts")
+    """None when no hybrid flag was given (all experts on the model's device). Every flag of the group turns it
+    on, as its title says: --cpu-threads or --profile alone used to be dropped without a word."""
+    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "cpu_threads", "profile", "plan", "replace",
+             "defer_experts")
     if all(getattr(args, f, None) is None for f in flags):
         return None
     plan, cpu_dtype = None, args.cpu_dtype
