@@ -9,12 +9,18 @@ weights come from DRAM, not from the last-level cache: the pool holds at least 4
 smallest dtype asked for (run 10 on the GPU box, 300 MiB L3: a 128-expert pool read 8 random int4 experts
 x 8 tokens at "118%" of DRAM, 512 experts at 88%).
 
+Comparing knobs: the GPU box's host drifts within one process (issue 12 run 14 call 2: the same tasks read 98% and
+103% of DRAM as the first and the last of four variants), so `--rounds N` runs each case's variants N times,
+forward and then backward in turn (A B C, C B A, ...), which cancels a steady drift in the medians it reports per
+variant, with each variant's median against the first variant's (`vs first`).
+
 The ceiling is measured before the cases and again after them: the GPU box's VM read 92.6 GB/s once at the
 start and its kernels then 106-133% of it (run 13 call 4). `% DRAM` is against the first ceiling (comparable
 with earlier runs), `% best` against the higher of the two (the conservative share).
 
     python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
     python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused-nopf
+    python -m bench.decode_probe --dtypes int4 --variants fused,fused+byte_tasks=1 --rounds 4   # a knob A/B
 """
 
 from __future__ import annotations
@@ -59,6 +65,26 @@ def variant_knobs(name: str) -> dict:
     knobs = dict(VARIANTS[base])
     knobs.update(_native.parse_knob(item, "override") for item in extra)
     return knobs
+
+
+def round_orders(variants: list[str], rounds: int) -> list[list[str]]:
+    """The variant order of each round: forward, backward, forward, ... (A B C, C B A, A B C)."""
+    return [list(variants) if r % 2 == 0 else list(reversed(variants)) for r in range(rounds)]
+
+
+def summarize_rounds(rows: list[dict], variants: list[str]) -> list[dict]:
+    """Per (dtype, case, variant), in the order first seen: the median GB/s over its rounds, their range, and the
+    median against the first variant's median of the same dtype and case."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["case"], r["variant"]), []).append(r["gbps"])
+    out = []
+    for (dtype, case, v), vals in groups.items():
+        first = groups.get((dtype, case, variants[0]))
+        med = statistics.median(vals)
+        out.append(dict(dtype=dtype, case=case, variant=v, rounds=len(vals), median_gbps=med, min_gbps=min(vals),
+                        max_gbps=max(vals), vs_first=med / statistics.median(first) if first else None))
+    return out
 
 
 def random_experts(E: int, D: int, F: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,9 +180,16 @@ def main(argv=None) -> int:
     p.add_argument("--spin-us", type=int, default=2000, help="pool spin before sleeping (the GPU runtime's setting)")
     p.add_argument("--floor", action="store_true", help="also the captured decode floor per layer (CUDA): a tiny-"
                    "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
+    p.add_argument("--rounds", type=int, default=1, help="times each case's variants run, forward then backward in "
+                   "turn, for a knob A/B on a drifting host (default 1); a summary of medians per variant follows")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
-    variants = {v: variant_knobs(v) for v in a.variants.split(",")}
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
+    names = a.variants.split(",")
+    if len(set(names)) != len(names):
+        p.error(f"--variants names one variant twice ({a.variants}); use --rounds to repeat them")
+    variants = {v: variant_knobs(v) for v in names}
     D, F = SHAPES[a.shape]
     cpus = len(os.sched_getaffinity(0))
     threads = a.threads or max(1, cpus - 1)
@@ -182,15 +215,16 @@ def main(argv=None) -> int:
     for case in a.cases.split(","):
         T, K, same = parse_case(case)
         for dtype, moe in moes.items():
-            for v, knobs in variants.items():
-                saved = {k: _native.tune(moe.isa, k, val) for k, val in knobs.items()}
-                r = time_case(moe, T, K, same, a.iters)
-                for k, val in saved.items():
-                    _native.tune(moe.isa, k, val)
-                r.update(dtype=dtype, case=case, variant=v, pct_dram=100 * r["gbps"] / ceiling)
-                rows.append(r)
-                print(f"{dtype:12} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
-                      f"{r['gbps']:7.1f} {r['pct_dram']:6.0f}%", flush=True)
+            for rnd, order in enumerate(round_orders(names, a.rounds)):
+                for v in order:
+                    saved = {k: _native.tune(moe.isa, k, val) for k, val in variants[v].items()}
+                    r = time_case(moe, T, K, same, a.iters)
+                    for k, val in saved.items():
+                        _native.tune(moe.isa, k, val)
+                    r.update(dtype=dtype, case=case, variant=v, round=rnd, pct_dram=100 * r["gbps"] / ceiling)
+                    rows.append(r)
+                    print(f"{dtype:12} {case:9} {v:10} {r['distinct_experts']:7.0f} {r['median_s'] * 1e6:8.0f} "
+                          f"{r['gbps']:7.1f} {r['pct_dram']:6.0f}%", flush=True)
     del moes
     after = cpu_kernels.measure_read_bandwidth(default_read_bytes(), threads=threads, isa=isa)
     best = max(ceiling, after)
@@ -200,11 +234,19 @@ def main(argv=None) -> int:
     print(f"{'dtype':12} {'case':9} {'variant':10} {'% best':>7}")
     for r in rows:
         print(f"{r['dtype']:12} {r['case']:9} {r['variant']:10} {r['pct_dram_best']:6.0f}%")
+    summary = summarize_rounds(rows, names) if a.rounds > 1 else []
+    if summary:
+        print(f"# medians over {a.rounds} rounds (forward and backward in turn)")
+        print(f"{'dtype':12} {'case':9} {'variant':10} {'GB/s':>7} {'range':>13} {'% best':>7} {'vs first':>8}")
+        for m in summary:
+            print(f"{m['dtype']:12} {m['case']:9} {m['variant']:10} {m['median_gbps']:7.1f} "
+                  f"{m['min_gbps']:6.1f}-{m['max_gbps']:<6.1f} {100 * m['median_gbps'] / best:6.0f}% {m['vs_first']:8.3f}")
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F, pool=pool, group=a.group,
-                           ceiling_gbps=ceiling, ceiling_after_gbps=after, rows=rows, floors_s=floors), f, indent=1)
+                           rounds=a.rounds, ceiling_gbps=ceiling, ceiling_after_gbps=after, rows=rows,
+                           summary=summary, floors_s=floors), f, indent=1)
     return 0
 
 

@@ -57,6 +57,32 @@ def test_decode_probe_runs_an_override_variant(tmp_path):
     assert [r["variant"] for r in rows] == ["fused", "small-tasks", "fused+task_rows=512+task_min=1"]
 
 
+def test_decode_probe_rounds_alternate_and_summarize(tmp_path):
+    assert decode_probe.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    # a drift of +1 GB/s per timed call: forward-backward rounds give every variant the same mean position
+    rows, t = [], 0
+    for order in decode_probe.round_orders(["a", "b"], 4):
+        for v in order:
+            rows.append(dict(dtype="int4", case="1x8", variant=v, gbps=100.0 + t))
+            t += 1
+    summ = decode_probe.summarize_rounds(rows, ["a", "b"])
+    assert [(m["variant"], m["rounds"]) for m in summ] == [("a", 4), ("b", 4)]
+    a, b = summ
+    assert (a["min_gbps"], a["max_gbps"], b["min_gbps"], b["max_gbps"]) == (100.0, 107.0, 101.0, 106.0)
+    assert a["median_gbps"] == b["median_gbps"] == 103.5 and a["vs_first"] == b["vs_first"] == 1.0
+    out = tmp_path / "p.json"
+    assert decode_probe.main(["--shape", "tiny", "--experts", "16", "--dtypes", "int8", "--cases", "1x4",
+                              "--variants", "fused,fused+pf_l1=1", "--rounds", "3", "--iters", "2", "--threads", "2",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["variant"], r["round"]) for r in res["rows"]] == [
+        ("fused", 0), ("fused+pf_l1=1", 0), ("fused+pf_l1=1", 1), ("fused", 1), ("fused", 2), ("fused+pf_l1=1", 2)]
+    assert [m["rounds"] for m in res["summary"]] == [3, 3] and res["summary"][0]["vs_first"] == 1.0
+    for bad in (["--rounds", "0"], ["--variants", "fused,fused"]):
+        with pytest.raises(SystemExit):
+            decode_probe.main(["--shape", "tiny", "--experts", "16", "--dtypes", "int8", "--cases", "1x4", *bad])
+
+
 def test_vs_llamacpp_table_and_ratio(tmp_path):
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\necho '[{\"avg_ts\": 50.0, \"stddev_ts\": 1.5}]'\n")

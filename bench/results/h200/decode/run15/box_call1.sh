@@ -1,14 +1,14 @@
 # run 15, call 1 (prepared in session 19, not yet run): the two leads run 14 left, with repeats in an order that
 # cancels drift: byte-sized decode tasks (hy_tune("byte_tasks")) for int4 batch 8, and int4's L1 prefetch at 3-4
-# tokens (hy_tune("pf_l1")). Kernel alone A B B C C A per case (each second copy names a default knob so the variants
-# stay distinct), then e2e int4 A B B A B A A B (byte_tasks), then the same for int8 if time is left.
+# tokens (hy_tune("pf_l1")). Kernel alone in 4 rounds per case, forward and backward in turn (decode_probe --rounds),
+# then e2e int4 A B B A B A A B (byte_tasks), then the same for int8 if time is left.
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
-timeout 150 python3 -m bench.decode_probe --dtypes int4,int8 --cases 1x8,4x8same,8x8,3x8same --iters 30 \
-  --variants fused,fused+byte_tasks=1,fused+byte_tasks=1+task_rows=256,fused+pf_l1=1,fused+pf_l1=1+task_rows=256,fused+task_rows=256 \
+timeout 170 python3 -m bench.decode_probe --dtypes int4,int8 --cases 1x8,4x8same,8x8,3x8same --iters 30 \
+  --variants fused,fused+byte_tasks=1,fused+pf_l1=1 --rounds 4 \
   --out $OUT/probe.json 2>&1 | grep -v Warn | tee $OUT/probe.txt
 echo "# probe done at $(( $(date +%s) - T0 )) s"
 P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
