@@ -1,6 +1,8 @@
 """End to end with hybrid MoE layers: prefill and decode tokens/s per strategy, against the roofline.
 
     python -m bench.hybrid_e2e --profile PROFILE.json --layers 8 --resident 32 --out DIR
+    python -m bench.hybrid_e2e --profile PROFILE.json --layers 12 --resident 0 --graphs --strategies cpu \
+        --prefill 128 --decode-batch 1,8 --cpu-dtype int4 --ab byte_tasks=0/1 --ab-rounds 6   # a knob A/B
 
 A Qwen3-30B-A3B-shaped model (fewer layers when --layers is given) is built in memory with random
 weights: attention, router and norms on the GPU; every MoE layer's experts in the CPU executor, of
@@ -203,6 +205,44 @@ def replay_routing(eng, off, slots, lengths, fed, nxt):
     return routing, agree / max(len(fed), 1)
 
 
+def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, steps: int, device, cold_bytes: float,
+              bound_s: float) -> dict:
+    """An in-process A/B of one CPU executor knob at decode: each round runs the same prompts' greedy steps once per
+    value, the values forward then backward in turn (A B, B A, ...), so a host whose memory drifts within the
+    process (the GPU box's VM: issue 12 run 14) moves every value alike, and one build serves every run. Kernels
+    give bit-identical outputs over every knob (tests/test_cpu_decode_path.py), so every run reads the same experts:
+    the step's roofline (bound_s) and cold bytes are the main measurement's."""
+    from cpu_kernels import _native
+
+    isa = off.layers[0].cpu_moe.isa
+    tok_s = {v: [] for v in values}
+    lane_gbps = {v: [] for v in values}
+    for r in range(rounds):
+        for v in values if r % 2 == 0 else values[::-1]:
+            was = _native.tune(isa, knob, v)
+            slots = []
+            try:
+                slots = [eng.allocate_slot() for _ in prompts]
+                first = [int(eng.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
+                first = eng.decode_step(slots, first).argmax(-1).tolist()  # warm-up, as in the main measurement
+                busy0 = off.cpu_lane_busy_s()
+                times = decode_steps(eng, off, slots, first, steps, device, count=False)[0]
+                lane_s = (off.cpu_lane_busy_s() - busy0) / steps
+            finally:
+                for s in slots:
+                    eng.free_slot(s)
+                _native.tune(isa, knob, was)
+            tok_s[v].append(len(prompts) / statistics.median(times))
+            if lane_s > 0:
+                lane_gbps[v].append(cold_bytes / lane_s / 1e9)
+    med = {v: statistics.median(t) for v, t in tok_s.items()}
+    return dict(knob=knob, rounds=rounds, values=values, tok_s={str(v): t for v, t in tok_s.items()},
+                median_tok_s={str(v): m for v, m in med.items()},
+                of_roofline={str(v): bound_s * m / len(prompts) for v, m in med.items()},
+                vs_first={str(v): m / med[values[0]] for v, m in med.items()},
+                lane_GBps={str(v): g for v, g in lane_gbps.items() if g})
+
+
 def trace(step, path: str, repeats: int = 3) -> None:
     """torch.profiler over `repeats` calls of step() (host launches, copies and kernels per stream) as a
     chrome trace, and the top of its table."""
@@ -322,9 +362,10 @@ def run(args) -> dict:
                 trace(prefill_once, f"{args.trace}_{strat.replace(':', '')}_prefill{n}.json", repeats=1)
         for b in args.decode_batch:
             slots = [eng.allocate_slot() for _ in range(b)]
+            prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist() for _ in slots]
             first = []
-            for s in slots:  # each row: its own prompt and its own greedy continuation
-                first.append(int(eng.prefill(s, torch.randint(0, cfg.vocab_size, (16,), generator=gen).tolist()).argmax()))
+            for s, prompt in zip(slots, prompts):  # each row: its own prompt and its own greedy continuation
+                first.append(int(eng.prefill(s, prompt).argmax()))
             first = eng.decode_step(slots, first).argmax(-1).tolist()  # warm-up
             lengths = [eng.lengths[s] for s in slots]
             snap = snapshot(off)
@@ -360,17 +401,26 @@ def run(args) -> dict:
             row[f"decode_b{b}_dram_after_GBps"] = dram_after / 1e9
             row[f"decode_b{b}_of_roofline_after"] = decode_step_bound(
                 per_layer, shape.weight_bytes, w_gpu, dense, dram_after, bw["hbm_bw"]) / step
+            cold = sum(c for c, _ in per_layer) * shape.weight_bytes
             if lane_s > 0:  # the host lane's jobs (doorbell or host functions): their share and read rate
-                cold = sum(c for c, _ in per_layer) * shape.weight_bytes
                 row[f"decode_b{b}_cpu_lane_ms_per_step"] = lane_s * 1e3
                 row[f"decode_b{b}_cpu_lane_share"] = lane_s / step
                 row[f"decode_b{b}_cpu_lane_GBps"] = cold / lane_s / 1e9
+            ab = getattr(args, "ab", None)  # other benches run this without it
+            if ab:
+                knob, values = ab
+                res = decode_ab(eng, off, prompts, knob, values, args.ab_rounds, args.steps, device, cold, bound)
+                row[f"decode_b{b}_ab"] = res
+                print(f"# A/B {knob} at batch {b}, {args.ab_rounds} rounds: " + " | ".join(
+                    f"{v}: {res['median_tok_s'][str(v)]:.1f} tok/s ({res['vs_first'][str(v)]:.3f}x, "
+                    f"{100 * res['of_roofline'][str(v)]:.0f}% of roofline; runs "
+                    + ", ".join(f"{t:.1f}" for t in res["tok_s"][str(v)]) + ")" for v in values), flush=True)
         results.append(row)
         print("  " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else
                               f"{k}={','.join(map(str, v))}" if isinstance(v, list) else f"{k}={v}" for k, v in row.items()
                               if not isinstance(v, dict)), flush=True)
         for k, v in row.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and not k.endswith("_ab"):  # an A/B printed its own line
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
     return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "measured": bw,
@@ -428,6 +478,21 @@ def knobs(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def ab_values(text: str) -> tuple[str, list[int]]:
+    """'byte_tasks=0/1' -> ('byte_tasks', [0, 1]): one cpu_kernels._native.TUNABLES knob and two or more distinct
+    integer values (the first is the one the others are compared with)."""
+    from cpu_kernels._native import parse_knob
+
+    name, sep, vals = text.partition("=")
+    try:
+        values = [parse_knob(f"{name}={v}", "--ab")[1] for v in vals.split("/")] if sep else []
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len(values) < 2 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"bad --ab {text!r}: KNOB=V1/V2[/V3...], two or more distinct values")
+    return name, values
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -459,12 +524,19 @@ def main(argv=None) -> int:
     p.add_argument("--tune", type=knobs, default={}, metavar="KNOB=V[,KNOB=V]",
                    help="set CPU executor run-time knobs before the timings (cpu_kernels._native.TUNABLES, e.g. "
                         "pf_rows=16): an A/B of a knob end to end, said in the header")
+    p.add_argument("--ab", type=ab_values, metavar="KNOB=V1/V2",
+                   help="after each decode batch's timings, an in-process A/B of one CPU knob: --ab-rounds rounds of "
+                        "the same greedy steps per value, forward then backward in turn (medians, runs, share of the "
+                        "same roofline, lane GB/s); one build for every run, and a drifting host moves the values alike")
+    p.add_argument("--ab-rounds", type=int, default=4, metavar="N", help="rounds of --ab (default 4)")
     p.add_argument("--trace", help="also profile one prefill per length and 3 decode steps per batch, per "
                    "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     if args.prefill_repeats < 1:
         p.error("--prefill-repeats must be at least 1")
+    if args.ab_rounds < 1:
+        p.error("--ab-rounds must be at least 1")
     apply_defaults(args, torch.cuda.is_available())
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
     write_json(Path(args.out) / f"hybrid_e2e_{args.preset}.json", res, indent=1)

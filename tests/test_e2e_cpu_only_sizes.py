@@ -85,3 +85,56 @@ def test_e2e_knobs_parse_and_refuse():
     for bad in ("bogus=1", "pf_rows", "pf_rows=x"):
         with pytest.raises(argparse.ArgumentTypeError, match="bad knob"):
             knobs(bad)
+
+
+def test_e2e_ab_parse_and_refuse():
+    """--ab names one knob and two or more distinct integer values."""
+    import argparse
+
+    from bench.hybrid_e2e import ab_values
+
+    assert ab_values("byte_tasks=0/1") == ("byte_tasks", [0, 1]) and ab_values("pf_rows=16/8/32") == ("pf_rows", [16, 8, 32])
+    for bad in ("byte_tasks=1", "byte_tasks=1/1", "bogus=0/1", "byte_tasks", "byte_tasks=0/x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab_values(bad)
+
+
+def test_e2e_ab_rounds_alternate_on_the_same_tokens(tmp_path, monkeypatch, capsys):
+    """Each round runs every value once, forward then backward in turn, over the main measurement's prompts; the
+    knob is back at its value afterwards, and the medians and shares come from the runs."""
+    from bench import hybrid_e2e
+    from cpu_kernels import _native
+
+    from cpu_kernels import available_isas
+
+    compiled = [i for i in available_isas() if i not in ("ref", "torch")]
+    if not compiled:
+        pytest.skip("no compiled ISA on this machine")
+    isa = compiled[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen = []
+    real_tune = _native.tune
+
+    def spy(i, name, value):
+        if name == "task_min":
+            seen.append(value)
+        return real_tune(i, name, value)
+
+    monkeypatch.setattr(_native, "tune", spy)
+    before = real_tune(isa, "task_min", 2)
+    real_tune(isa, "task_min", before)
+    assert hybrid_e2e.main(["--preset", "demo", "--layers", "1", "--profile", "ktransformers-paper-amx", "--isa", isa,
+                            "--prefill", "24", "--decode-batch", "2", "--steps", "2", "--strategies", "cpu",
+                            "--ab", "task_min=1/3", "--ab-rounds", "3", "--out", str(tmp_path)]) == 0
+    # set, restore per run: values 1 3 | 3 1 | 1 3, each followed by the restore of the previous value
+    assert seen[0::2] == [1, 3, 3, 1, 1, 3] and set(seen[1::2]) == {before}
+    assert real_tune(isa, "task_min", before) == before
+    row, = json.loads((tmp_path / "hybrid_e2e_demo.json").read_text())["results"]
+    ab = row["decode_b2_ab"]
+    assert ab["knob"] == "task_min" and ab["values"] == [1, 3] and ab["rounds"] == 3
+    for v in ("1", "3"):
+        runs = ab["tok_s"][v]
+        assert len(runs) == 3 and ab["median_tok_s"][v] == sorted(runs)[1]
+        assert ab["of_roofline"][v] == pytest.approx(row["decode_b2_roofline_tok_s"] ** -1 * ab["median_tok_s"][v])
+    assert ab["vs_first"]["1"] == 1.0
+    assert "# A/B task_min at batch 2, 3 rounds: 1: " in capsys.readouterr().out
