@@ -181,6 +181,8 @@ MUTATIONS = [
      ["tests/test_server_units.py"]),
     ("auth scheme case-sensitive", "hybrid/server/guards.py", 'if scheme.lower() != "bearer"', 'if scheme != "Bearer"',
      ["tests/test_server_hostile.py"]),
+    ("hybrid flags: --cpu-threads alone dropped", "hybrid/offload/build.py",
+     '"cpu_threads", "profile", "plan", "replace",', '"profile", "plan", "replace",', ["tests/test_cli_robust.py"]),
     ("zero-size tensor refused", "hybrid/models/checks.py", "        if not 0 <= begin <= end:",
      "        if not 0 <= begin < end:", ["tests/test_loader_robust.py"]),
     ("1-byte tensor gap allowed", "hybrid/models/checks.py", "        if begin > at:\n", "        if begin > at + 1:\n",
