@@ -1,8 +1,9 @@
 """Where a captured decode layer's fixed cost goes: the GPU kernels of one graph replay, per layer.
 
-    python -m bench.decode_timeline [--layers 2,8] [--resident none] [--out FILE.json]
+    python -m bench.decode_timeline [--layers 2,8] [--resident none] [--batch 8] [--out FILE.json]
 
-The model is hybrid.offload.overheads' floor model (the 30B width, small experts, batch 1, CUDA graphs).
+The model is hybrid.offload.overheads' floor model (the 30B width, small experts, CUDA graphs), at batch 1 or
+--batch rows (each its own prompt; at 8 rows the layer's CPU lane reads most of the 16 small experts, ~12 MB).
 Figures:
 - the floor as a slope: decode step time at two layer counts, (t_long - t_short) / (layers difference), the
   cost one more layer adds, apart from the step's own fixed part (embedding, head, sampling, graph launch,
@@ -27,15 +28,15 @@ import torch
 from hybrid.offload.overheads import floor_engine, time_decode_steps
 
 
-def kernel_table(eng, slot, layers: int, steps: int = 5) -> dict:
+def kernel_table(eng, slots, layers: int, steps: int = 5) -> dict:
     """Kernels of `steps` profiled decode steps: {name: (launches per layer, us per launch)}, and the busy
     (kernel) microseconds per layer. (A step's span from the trace is not reported: steps split by host-sync
     gaps were miscounted in the first box run, and the slope above measures the same thing without a profiler.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    time_decode_steps(eng, slot, 2)
+    time_decode_steps(eng, slots, 2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_decode_steps(eng, slot, steps)  # 3 warm-up steps + steps, all profiled
+        time_decode_steps(eng, slots, steps)  # 3 warm-up steps + steps, all profiled
     total = steps + 3
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per = defaultdict(list)
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="2,8", help="two layer counts for the slope")
     p.add_argument("--resident", default="none", choices=("none", "half", "all"))
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=1, help="rows per decode step (default 1)")
     p.add_argument("--intermediate", default="64",
                    help="expert widths of the floor model: one, or two to extrapolate the slope to zero expert bytes "
                         "(noisy where the experts partly fit the host's L3)")
@@ -87,13 +89,13 @@ def main(argv=None) -> int:
     for f in widths:
         med = {}
         for n in (short, long_):
-            eng, slot, _ = floor_engine(a.hidden, layers=n, resident=a.resident, intermediate=f)
-            med[n] = statistics.median(time_decode_steps(eng, slot, a.steps))
+            eng, slots, _ = floor_engine(a.hidden, layers=n, resident=a.resident, intermediate=f, batch=a.batch)
+            med[n] = statistics.median(time_decode_steps(eng, slots, a.steps))
             if f == widths[0] and n == long_:
-                built = (eng, slot)  # profiled below
+                built = (eng, slots)  # profiled below
             else:
-                del eng, slot
-            print(f"# experts {f} wide, {n} layers: decode step {med[n] * 1e6:.1f} us ({med[n] / n * 1e6:.1f} us per "
+                del eng, slots
+            print(f"# batch {a.batch}, experts {f} wide, {n} layers: decode step {med[n] * 1e6:.1f} us ({med[n] / n * 1e6:.1f} us per "
                   f"layer, the step's fixed part included)", flush=True)
         slopes[f] = (med[long_] - med[short]) / (long_ - short)
         fixed = med[short] - short * slopes[f]
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
         print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"step_s": med_all, "slope_s": slopes, "zero_bytes_slope_s": zero, "resident": a.resident, **tab}, f,
+            json.dump({"step_s": med_all, "slope_s": slopes, "zero_bytes_slope_s": zero, "resident": a.resident,
+                       "batch": a.batch, **tab}, f,
                       indent=1)
     return 0
 

@@ -147,6 +147,19 @@ def test_graph_floor_model_builds_and_decodes_on_the_cpu():
     assert r["graph_layer_floor"] * r["raw_s"]["layers"] == pytest.approx(r["raw_s"]["decode_step"])
 
 
+def test_floor_model_at_a_batch_decodes_every_row():
+    """bench.decode_timeline --batch: the floor model with several rows, each its own slot and prompt, every
+    step decoding all of them (eagerly here)."""
+    from hybrid.offload.overheads import floor_engine, time_decode_steps
+
+    eng, slots, cfg = floor_engine(256, layers=1, device="cpu", resident="none", batch=3)
+    assert len(set(slots)) == 3 and all(eng.lengths[s] == 16 for s in slots)
+    assert len(time_decode_steps(eng, slots, 2)) == 2
+    assert all(eng.lengths[s] == 16 + 2 + 3 for s in slots)  # 3 untimed steps + 2 timed, every row
+    with pytest.raises(ValueError, match="batch"):
+        floor_engine(256, layers=1, device="cpu", batch=0)
+
+
 def test_numa_split_balanced_on_two_fake_nodes():
     assert f_slices(128, [2, 2]) == [(0, 64), (64, 128)]
     mem = MemorySettings(max_context=64, reserve=0, node_threads=(2, 2))

@@ -73,12 +73,15 @@ def measure_overheads(hw, isa: str | None = None, reps: int = 25) -> dict:
 
 
 def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: str = "cuda", resident: str = "half",
-                 intermediate: int = 64):
-    """The model measure_graph_layer_floor times: (engine, slot prefilled with 16 tokens, config). Its 16
-    experts (top-8) are `intermediate` wide (64: the CPU kernels pad the down projection's K to 64 anyway): at
-    the 30B width each is then 0.79 MB, so a layer with every expert cold still reads ~6 MB of them."""
+                 intermediate: int = 64, batch: int = 1):
+    """The model measure_graph_layer_floor times: (engine, `batch` slots each prefilled with 16 tokens, config).
+    Its 16 experts (top-8) are `intermediate` wide (64: the CPU kernels pad the down projection's K to 64 anyway):
+    at the 30B width each is then 0.79 MB, so a layer with every expert cold still reads ~6 MB of them at batch 1
+    (at batch 8 the rows route to most of the 16: ~12 MB)."""
     if resident not in ("half", "none", "all"):
         raise ValueError(f"resident must be half, none or all, got {resident!r}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
     from hybrid.models import build_empty, init_random_
     from hybrid.models.families import family_for
     from hybrid.models.presets import hf_config
@@ -101,22 +104,23 @@ def floor_engine(hidden: int, isa: str | None = None, layers: int = 4, device: s
         if layer.moe is not None:
             layer.moe.experts = HybridExperts(i, *random_expert_stacks(E, F_, D, gen), off)
             layer.moe.experts.set_resident({"half": list(range(0, E, 2)), "none": [], "all": list(range(E))}[resident])
-    eng = Engine(model, None, max_batch=1, max_context=256, eager=dev.type != "cuda")
+    eng = Engine(model, None, max_batch=batch, max_context=256, eager=dev.type != "cuda")
     if dev.type == "cuda" and eng.graphs is None:
         raise RuntimeError("decode graphs are off for this model; no graph floor to measure")
-    slot = eng.allocate_slot()
-    eng.prefill(slot, list(range(1, 17)))
-    return eng, slot, cfg
+    slots = [eng.allocate_slot() for _ in range(batch)]
+    for j, slot in enumerate(slots):  # each row its own prompt, so that the rows route apart
+        eng.prefill(slot, [1 + (j * 37 + i) % 1000 for i in range(16)])
+    return eng, slots, cfg
 
 
-def time_decode_steps(eng, slot, steps: int) -> list[float]:
-    """Seconds of each of `steps` decode steps at batch 1 (after 3 untimed ones), host-synchronised."""
+def time_decode_steps(eng, slots: list[int], steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps of these slots (after 3 untimed ones), host-synchronised."""
     sync = torch.cuda.synchronize if eng.model.device.type == "cuda" else (lambda: None)
     times = []
     for i in range(steps + 3):
         sync()
         t0 = time.perf_counter()
-        eng.decode_step([slot], [1 + i % 100])
+        eng.decode_step(slots, [1 + (i + 11 * j) % 100 for j in range(len(slots))])
         sync()
         times.append(time.perf_counter() - t0)
     return times[3:]
@@ -139,8 +143,8 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     all-DRAM placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""
     import numpy as np
 
-    eng, slot, cfg = floor_engine(hidden, isa, layers, device, resident)
-    step = float(np.median(time_decode_steps(eng, slot, steps)))
+    eng, slots, cfg = floor_engine(hidden, isa, layers, device, resident)
+    step = float(np.median(time_decode_steps(eng, slots, steps)))
     return {"graph_layer_floor": step / cfg.num_layers, "raw_s": {"decode_step": step, "layers": cfg.num_layers}}
 
 

@@ -1,0 +1,14 @@
+# run 15, call 2 (prepared in session 19, not yet run): where batch 8's serial part goes. In run 14 call 1 an int4
+# batch-8 step spent 94 us per layer outside the CPU lane where batch 1 spent 63; the floor model at batch 1 and 8
+# (bench.decode_timeline --batch: per-layer slope, GPU kernels per layer, idle gaps), every expert on the CPU lane.
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
+python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
+echo "# built at $(( $(date +%s) - T0 )) s"
+for b in 1 8 1 8; do
+  L=$(( 400 - ($(date +%s) - T0) )); [ $L -lt 40 ] && { echo "timeline batch $b not run (time)"; continue; }
+  timeout $(( L < 120 ? L : 120 )) python3 -m bench.decode_timeline --resident none --layers 2,8 --batch $b \
+    --out $OUT/timeline_b$b.json 2>&1 | grep -v Warn | tee -a $OUT/timeline.txt | grep -E "^# (batch|experts|profiled|idle)"
+done
+echo "# all done at $(( $(date +%s) - T0 )) s"
