@@ -6,9 +6,11 @@ T0=$(date +%s)
 mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
+i=0
 for b in 1 8 1 8; do
+  i=$((i + 1))
   L=$(( 400 - ($(date +%s) - T0) )); [ $L -lt 40 ] && { echo "timeline batch $b not run (time)"; continue; }
   timeout $(( L < 120 ? L : 120 )) python3 -m bench.decode_timeline --resident none --layers 2,8 --batch $b \
-    --out $OUT/timeline_b$b.json 2>&1 | grep -v Warn | tee -a $OUT/timeline.txt | grep -E "^# (batch|experts|profiled|idle)"
+    --out $OUT/timeline_${i}_b$b.json 2>&1 | grep -v Warn | tee -a $OUT/timeline.txt | grep -E "^# (batch|experts|profiled|idle)"
 done
 echo "# all done at $(( $(date +%s) - T0 )) s"
