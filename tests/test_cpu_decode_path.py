@@ -194,3 +194,9 @@ def test_task_knobs_are_clamped(knobs):
         for asked, kept in ((5, 1), (-1, 1), (0, 0), (1, 1)):
             turn(knobs, isa, name, asked)
             assert _native.tune(isa, name, asked) == kept, (name, asked)
+    for asked, kept in ((-5, 0), (0, 0), (1, 1), (120, 120)):  # spin_us: microseconds, never negative
+        turn(knobs, isa, "spin_us", asked)
+        assert _native.tune(isa, "spin_us", asked) == kept, asked
+    for asked, kept in ((-64, 0), (63, 0), (100, 64), (4096, 4096)):  # stream_pf: whole 64-byte lines, >= 0
+        turn(knobs, isa, "stream_pf", asked)
+        assert _native.tune(isa, "stream_pf", asked) == kept, asked
