@@ -178,6 +178,27 @@ def test_stop_strings_and_streaming_with_tokenizer(demo_dir):
     assert out.text == free.text[:free.text.find(stop)] and out.finish_reason == "stop"
 
 
+def test_earliest_of_two_stop_strings_cuts_and_held_text_is_flushed(demo_dir):
+    """Two stop strings that complete on the same token, one starting a character after the other: the text
+    ends before the earlier one. Streamed with a long stop string (a large hold-back), the deltas still add up
+    to the whole text once generation ends by length."""
+    from hybrid.models import load_model
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(demo_dir)
+    e = Engine(load_model(demo_dir, progress=False), tok, max_batch=1, max_context=64)
+    p = tok.encode("Hello, world! The capital")
+    free = e.generate([p], 20, stop_token_ids=[])[0].text
+    i = next(i for i in range(1, len(free) - 3)
+             if free.find(free[i:i + 3]) == i and free.find(free[i + 1:i + 3]) == i + 1)
+    out = e.generate([p], 20, stop_token_ids=[], stop_strings=[free[i + 1:i + 3], free[i:i + 3]])[0]
+    assert out.text == free[:i] and out.finish_reason == "stop"
+    pieces = []
+    never = "\x00" * 40  # never generated; holds back up to 39 characters
+    out = e.generate([p], 20, stop_token_ids=[], stop_strings=[never], stream=lambda i, t, d: pieces.append(d))[0]
+    assert out.finish_reason == "length" and out.text == free and "".join(pieces) == free
+
+
 def test_demo_checkpoint_is_cached_and_loads(demo_dir):
     from hybrid.runtime.demo import ensure_demo_checkpoint
 

@@ -137,6 +137,51 @@ def test_graph_floor_enters_the_decode_prediction_by_hand():
         replace(HW, graph_layer_floor=-1.0)
 
 
+def test_decode_layer_is_the_longer_lane_by_hand():
+    """The graph runs the CPU lane and the GPU lane concurrently: a layer costs the longer one, not their sum."""
+    from placement.predict import decode_layer_time
+
+    hw = replace(HW, cpu_lane_overhead=2e-4)
+    cpu, gpu = expert_shapes(CFG, MEM)
+    shares = [0.5, 0.3, 0.1, 0.1]
+    gpu_lane = 1.0 * W / 1e12  # every expert resident: shares sum to K = 1, one weight read from HBM
+    assert decode_layer_time(cpu, gpu, hw, shares, [True] * 4, rows=1) == pytest.approx(gpu_lane)
+    cpu_lane = 2e-4 + 1 * 2 * 256 * 2 / 1e10 + 0.5 * W / 1e11  # overhead + one row there and back + cold reads
+    assert decode_layer_time(cpu, gpu, hw, shares, [True, False, False, False], rows=1) == pytest.approx(cpu_lane)
+    # with no lane overhead and most of the traffic resident, the GPU lane is the longer one
+    hw0 = replace(HW, cpu_lane_overhead=0.0)
+    t = decode_layer_time(cpu, gpu, hw0, [0.97, 0.01, 0.01, 0.01], [True, False, False, False], rows=1)
+    assert t == pytest.approx(max(0.97 * W / 1e12, 2 * 256 * 2 / 1e10 + 0.03 * W / 1e11))
+
+
+def test_prefill_histogram_rounds_to_the_nearest_token():
+    """Prefill prices the expected histogram round(P * share): shares 0.6 and 0.15 of 4 tokens are 2 and 1 tokens
+    (not 2 and 0: an expert left at 0 tokens is never read)."""
+    from placement.predict import prefill_layer_time
+    from placement.schedule import LayerScheduler
+
+    cpu, gpu = expert_shapes(CFG, MEM)
+    sched, gsched = LayerScheduler(cpu, HW), LayerScheduler(gpu, HW)
+    cold = [False] * 4
+    t = prefill_layer_time(sched, gsched, [0.6, 0.15, 0.0, 0.25], cold, 4)
+    assert t == pytest.approx(prefill_layer_time(sched, gsched, [0.5, 0.25, 0.0, 0.25], cold, 4))
+    assert t > prefill_layer_time(sched, gsched, [0.5, 0.0, 0.0, 0.25], cold, 4) * 1.01
+
+
+def test_non_expert_time_by_hand():
+    """With unbounded FLOPs everything is a read from HBM: decode reads each row's K/V, prefill one pass over it;
+    a larger vocabulary adds its LM-head rows but not its embedding rows (those are gathered)."""
+    from placement.predict import non_expert_step_time
+
+    hw = replace(HW, gpu_flops=1e30)
+    kv = 100 * CFG.kv_values_per_token * 2 / 1e12  # 100 positions of K/V, bf16
+    dec = non_expert_step_time(CFG, hw, 8, 100, 2)
+    pre = non_expert_step_time(CFG, hw, 8, 100, 2, prefill=True)
+    assert dec - pre == pytest.approx(7 * kv)
+    big = model_cfg(vocab_size=CFG.vocab_size + 100)
+    assert non_expert_step_time(big, hw, 8, 100, 2, prefill=True) - pre == pytest.approx(100 * 256 * 2 / 1e12)
+
+
 def test_graph_floor_model_builds_and_decodes_on_the_cpu():
     """The calibration's floor model (CUDA on the box) built and decoded eagerly here: the code path runs
     and the figure is the measured step split over the layers."""
@@ -256,6 +301,25 @@ def test_plan_file_round_trip(tmp_path):
             Plan.from_json(broken)
     with pytest.raises(UsageError, match="another model"):
         q.check_model(model_cfg(experts=8))
+
+
+def test_plan_file_limits_at_the_edges():
+    """Each check at its boundary: expert id E (one past the last), a CPU need one byte over its budget, a
+    settings count of 0; and the values just inside them load."""
+    data = plan(CFG, STATS, HW, settings_for(3)).to_json()
+    E = CFG.num_experts
+    last = {**data, "layers": [{"layer": 0, "resident_experts": [E - 1]}, data["layers"][1]]}
+    assert Plan.from_json(last).resident_of(0) == (E - 1,)
+    with pytest.raises(UsageError, match="out of range"):
+        Plan.from_json({**data, "layers": [{"layer": 0, "resident_experts": [E]}, data["layers"][1]]})
+    full = {**data, "cpu_bytes": data["cpu_budget_bytes"], "gpu_bytes": data["gpu_budget_bytes"]}
+    assert Plan.from_json(full).cpu_bytes == data["cpu_budget_bytes"]
+    with pytest.raises(UsageError, match="exceeds its own budgets"):
+        Plan.from_json({**data, "cpu_bytes": data["cpu_budget_bytes"] + 1})
+    for name in ("max_context", "max_batch", "staging_slots", "prefill_tokens"):
+        assert Plan.from_json({**data, "settings": {**data["settings"], name: 1}}).settings[name] == 1
+        with pytest.raises(UsageError, match=f"settings.{name} must be a positive integer"):
+            Plan.from_json({**data, "settings": {**data["settings"], name: 0}})
 
 
 def test_routing_stats_round_trip(tmp_path):
