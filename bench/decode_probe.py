@@ -80,10 +80,9 @@ def summarize_rounds(rows: list[dict], variants: list[str]) -> list[dict]:
         groups.setdefault((r["dtype"], r["case"], r["variant"]), []).append(r["gbps"])
     out = []
     for (dtype, case, v), vals in groups.items():
-        first = groups.get((dtype, case, variants[0]))
         med = statistics.median(vals)
         out.append(dict(dtype=dtype, case=case, variant=v, rounds=len(vals), median_gbps=med, min_gbps=min(vals),
-                        max_gbps=max(vals), vs_first=med / statistics.median(first) if first else None))
+                        max_gbps=max(vals), vs_first=med / statistics.median(groups[dtype, case, variants[0]])))
     return out
 
 

@@ -212,13 +212,14 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
     process (the GPU box's VM: issue 12 run 14) moves every value alike, and one build serves every run. Kernels
     give bit-identical outputs over every knob (tests/test_cpu_decode_path.py), so every run reads the same experts:
     the step's roofline (bound_s) and cold bytes are the main measurement's."""
+    from bench.decode_probe import round_orders
     from cpu_kernels import _native
 
     isa = off.layers[0].cpu_moe.isa
     tok_s = {v: [] for v in values}
     lane_gbps = {v: [] for v in values}
-    for r in range(rounds):
-        for v in values if r % 2 == 0 else values[::-1]:
+    for order in round_orders(values, rounds):
+        for v in order:
             was = _native.tune(isa, knob, v)
             slots = []
             try:
