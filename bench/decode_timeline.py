@@ -13,7 +13,10 @@ Figures:
   the GPU box's host part of the floor model's experts sits in the large L3, so the 64 more cost 37 us in one
   call and 14 us in the next (box run 9); the slope at 64 alone is an upper bound of the fixed cost;
 - torch.profiler over replays of the longer model: per kernel, launches and GPU microseconds per layer; the
-  slope minus the kernels' busy time is what no kernel covers (launch gaps, the CPU lane's round trip).
+  slope minus the kernels' busy time is what no kernel covers (launch gaps, the CPU lane's round trip);
+- the CPU executor's own clock over the same profiled steps (the host lane jobs' busy time, per layer): the GPU's
+  idle time minus it is the hand-off (doorbell and wait, the lane thread, the pool's wake-up and the output's
+  trip back) plus launch gaps, which neither a GPU kernel nor the executor covers.
 """
 
 from __future__ import annotations
@@ -35,16 +38,29 @@ def kernel_table(eng, slots, layers: int, steps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     time_decode_steps(eng, slots, 2)
+    off = offload_of(eng)
+    busy0 = off.cpu_lane_busy_s() if off is not None else 0.0
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_decode_steps(eng, slots, steps)  # 3 warm-up steps + steps, all profiled
     total = steps + 3
+    lane_busy = (off.cpu_lane_busy_s() - busy0) * 1e6 / (total * layers) if off is not None else 0.0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per = defaultdict(list)
     for e in kernels:
         per[e.name].append(e.time_range.elapsed_us())
     table = {name: (len(ts) / (total * layers), statistics.median(ts)) for name, ts in per.items()}
     busy = sum(sum(ts) for ts in per.values()) / (total * layers)
-    return {"kernels": table, "busy_us_per_layer": busy, "gaps": gap_table(kernels, total * layers)}
+    return {"kernels": table, "busy_us_per_layer": busy, "gaps": gap_table(kernels, total * layers),
+            "cpu_lane_busy_us_per_layer": lane_busy}
+
+
+def offload_of(eng):
+    """The Offload of an engine's hybrid MoE layers (None without one)."""
+    for layer in eng.model.layers:
+        experts = getattr(getattr(layer, "moe", None), "experts", None)
+        if getattr(experts, "offload", None) is not None:
+            return experts.offload
+    return None
 
 
 def _short(name: str) -> str:
@@ -117,7 +133,10 @@ def main(argv=None) -> int:
     for name, (n, us) in rows:
         print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name[:90]}")
     gaps = sorted(tab["gaps"].items(), key=lambda kv: -kv[1][0] * kv[1][1])
-    print(f"# idle between kernels: {sum(n * us for n, us in tab['gaps'].values()):.1f} us per layer (medians)")
+    idle = sum(n * us for n, us in tab["gaps"].values())
+    print(f"# idle between kernels: {idle:.1f} us per layer (medians)")
+    print(f"# CPU executor busy (its own clock, same steps): {tab['cpu_lane_busy_us_per_layer']:.1f} us per layer; idle minus "
+          f"it (hand-off and launch gaps): {idle - tab['cpu_lane_busy_us_per_layer']:.1f} us per layer")
     print(f"{'gaps/layer':>14} {'us each':>8} {'us/layer':>9}  kernel before -> kernel after")
     for name, (n, us) in gaps[:16]:
         print(f"{n:14.2f} {us:8.2f} {n * us:9.2f}  {name}")

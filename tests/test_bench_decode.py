@@ -167,3 +167,28 @@ def test_vs_llamacpp_fallback_turns_the_doorbell_off_even_if_the_environment_tur
     assert seen == ["1", "0"]
     row, = json.loads((out / "vs_llamacpp.json").read_text())["rows"]
     assert row["hybrid"]["doorbell_failed"] and row["ratio"] == 2.0
+
+
+def test_decode_timeline_gaps_names_and_the_offload_it_reads():
+    """bench.decode_timeline's pieces that run without CUDA: idle time between consecutive kernels by pair (a
+    step's host sync left out), kernel names cut to their bare name, and the Offload whose CPU lane it clocks."""
+    from types import SimpleNamespace as NS
+
+    from bench import decode_timeline as dt
+    from hybrid.offload.overheads import floor_engine
+
+    def ev(name, start, end):
+        return NS(name=name, time_range=NS(start=start, end=end))
+
+    kernels = [ev("void at::native::(anonymous namespace)::gemv<float>(int)", 0, 10), ev("router", 12, 20),
+               ev("norm", 80, 81), ev("void at::native::(anonymous namespace)::gemv<float>(int)", 500, 510),
+               ev("router", 511, 515), ev("norm", 575, 576)]
+    gaps = dt.gap_table(kernels, per=2)
+    # two layers: gemv -> router 2 and 1 us (median 1.5), router -> norm 60 us twice; norm -> gemv (419 us) is a
+    # step's sync and is not counted
+    assert gaps == {"gemv -> router": (1.0, 1.5), "router -> norm": (1.0, 60.0)}
+    assert dt._short("void at::native::(anonymous namespace)::CatArrayBatchedCopy<int, 4>(x)") == "CatArrayBatchedCopy"
+    eng, _, _ = floor_engine(256, layers=1, device="cpu", resident="none")
+    off = dt.offload_of(eng)
+    assert off is not None and off is eng.model.layers[0].moe.experts.offload
+    assert dt.offload_of(NS(model=NS(layers=[NS(moe=None), NS()]))) is None
