@@ -33,6 +33,12 @@ CPU_TESTS = ["tests/test_cpu_moe.py", "tests/test_cpu_decode_path.py", "tests/te
 MUTATIONS = [
     ("int4 lane -> group index", "cpu_kernels/csrc/kern_avx512.h", "__builtin_ctz(L)));  // lane -> group",
      "__builtin_ctz(L) + 1));  // lane -> group", ["tests/test_cpu_int4_order.py"]),
+    ("int4 token pairs: second pass reads the wrong tokens", "cpu_kernels/csrc/kern_avx512.h",
+     "i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 2,", "i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 1,",
+     ["tests/test_cpu_decode_path.py"]),
+    ("int4 token pairs (natural order): second pass writes over the first", "cpu_kernels/csrc/kern_avx512.h",
+     "i4_rows_g<4, MT - 2, GS>(w, ldw, k, rows + 2, sw, C + 2 * ldc,", "i4_rows_g<4, MT - 2, GS>(w, ldw, k, rows + 2, sw, C + ldc,",
+     ["tests/test_cpu_decode_path.py"]),
     ("int4 activation reorder skipped", "cpu_kernels/csrc/driver.h",
      "std::memcpy(row + 4 * P, q + 4 * N, 4);", "std::memcpy(row + 4 * P, q + 4 * P, 4);", ["tests/test_cpu_int4_order.py"]),
     ("int4 AMX unpack ignores the order", "cpu_kernels/csrc/kern_amx.h", "  if (!nat) {\n    for (int kc",

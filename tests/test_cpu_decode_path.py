@@ -190,7 +190,7 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((1000, 64), (0, 8), (13, 12), (16, 16)):
         turn(knobs, isa, "pf_rows", asked)
         assert _native.tune(isa, "pf_rows", asked) == kept, asked
-    for name in ("byte_tasks", "pf_l1"):
+    for name in ("byte_tasks", "pf_l1", "i4_pairs"):
         for asked, kept in ((5, 1), (-1, 1), (0, 0), (1, 1)):
             turn(knobs, isa, name, asked)
             assert _native.tune(isa, name, asked) == kept, (name, asked)
@@ -200,3 +200,32 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((-64, 0), (63, 0), (100, 64), (4096, 4096)):  # stream_pf: whole 64-byte lines, >= 0
         turn(knobs, isa, "stream_pf", asked)
         assert _native.tune(isa, "stream_pf", asked) == kept, asked
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("order", ["interleaved", "natural"])
+def test_int4_token_pairs_match_row_pairs_bit_for_bit(isa, group, order, knobs):
+    """int4 at 3 and 4 tokens per expert: each 4-row block as two passes over token pairs (i4_pairs 1, the default)
+    or as two 2-row passes (0) forms every token's sums in the same order, so the outputs are bit-identical, in
+    both stored orders and every group size, and match the reference. Rows 520 wide (gate/up 4 fold blocks of
+    128, groups of 32 in one chunk's halves) and a ragged 300-row F; every expert gets exactly 3 or 4 tokens,
+    plus the 1- and 2-token tails of 5 and 6."""
+    Ft, Dt = 300, 512
+    g = torch.Generator().manual_seed(11)
+    ws = (torch.randn(4, Ft, Dt, generator=g) / Dt**0.5, torch.randn(4, Ft, Dt, generator=g) / Dt**0.5,
+          torch.randn(4, Dt, Ft, generator=g) / Ft**0.5)
+    moe = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=2, amx_min_tokens=10**9, int4_order=order)
+    ref_w = dequantized(ws, "int4", moe.group_size)
+    for T, ids in ((3, [[0, 1]] * 3), (4, [[1, 2]] * 4), (5, [[0, 3]] * 5), (6, [[2, 3]] * 6)):
+        x = torch.randn(T, Dt, generator=g).bfloat16()
+        ids = torch.tensor(ids, dtype=torch.int32)
+        w = torch.rand(T, 2, generator=g) + 0.05
+        outs = []
+        for pairs in (1, 0):
+            turn(knobs, moe.isa, "i4_pairs", pairs)
+            out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
+            moe.forward(x, ids, w, out=out)
+            outs.append(out)
+        assert rel_err(outs[0], moe_forward(x.float(), *ref_w, ids.long(), w)) < TOL["int4"], T
+        assert torch.equal(outs[0], outs[1]), T
