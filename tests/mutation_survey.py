@@ -33,6 +33,9 @@ CPU_TESTS = ["tests/test_cpu_moe.py", "tests/test_cpu_decode_path.py", "tests/te
 MUTATIONS = [
     ("int4 lane -> group index", "cpu_kernels/csrc/kern_avx512.h", "__builtin_ctz(L)));  // lane -> group",
      "__builtin_ctz(L) + 1));  // lane -> group", ["tests/test_cpu_int4_order.py"]),
+    ("int4 one 4-row pass: sums in memory skip the old value", "cpu_kernels/csrc/kern_avx512.h",
+     "_mm512_fmadd_ps(x, s, _mm512_load_ps(m[j][t]))", "_mm512_fmadd_ps(x, s, _mm512_setzero_ps())",
+     ["tests/test_cpu_decode_path.py"]),
     ("int4 token pairs: second pass reads the wrong tokens", "cpu_kernels/csrc/kern_avx512.h",
      "i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 2,", "i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 1,",
      ["tests/test_cpu_decode_path.py"]),

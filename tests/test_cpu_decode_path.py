@@ -190,7 +190,10 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((1000, 64), (0, 8), (13, 12), (16, 16)):
         turn(knobs, isa, "pf_rows", asked)
         assert _native.tune(isa, "pf_rows", asked) == kept, asked
-    for name in ("byte_tasks", "pf_l1", "i4_pairs"):
+    for asked, kept in ((5, 2), (-1, 0), (0, 0), (1, 1), (2, 2)):  # i4_wide: 0, 1 or 2
+        turn(knobs, isa, "i4_wide", asked)
+        assert _native.tune(isa, "i4_wide", asked) == kept, asked
+    for name in ("byte_tasks", "pf_l1"):
         for asked, kept in ((5, 1), (-1, 1), (0, 0), (1, 1)):
             turn(knobs, isa, name, asked)
             assert _native.tune(isa, name, asked) == kept, (name, asked)
@@ -205,13 +208,14 @@ def test_task_knobs_are_clamped(knobs):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("order", ["interleaved", "natural"])
-def test_int4_token_pairs_match_row_pairs_bit_for_bit(isa, group, order, knobs):
-    """int4 at 3 and 4 tokens per expert: each 4-row block as two passes over token pairs (i4_pairs 1, the default)
-    or as two 2-row passes (0) forms every token's sums in the same order, so the outputs are bit-identical, in
-    both stored orders and every group size, and match the reference. Rows 520 wide (gate/up 4 fold blocks of
-    128, groups of 32 in one chunk's halves) and a ragged 300-row F; every expert gets exactly 3 or 4 tokens,
-    plus the 1- and 2-token tails of 5 and 6."""
-    Ft, Dt = 300, 512
+def test_int4_three_and_four_token_blocks_are_bit_identical_every_way(isa, group, order, knobs):
+    """int4 at 3 and 4 tokens per expert, each 4-row block run three ways (i4_wide 2: one pass with the fp32 sums in
+    memory, the default; 1: two passes over token pairs; 0: two 2-row passes) forms every token's sums in the same
+    order, so the outputs are bit-identical, in both stored orders and every group size, and match the reference.
+    Rows 512 wide (gate/up: one fold block of 4 groups of 128 up to 16 of 32) and a ragged F of 748 (down rows padded
+    to 768: 3 fold blocks in every group size, so the in-memory sums carry across blocks); every expert gets exactly
+    3 or 4 tokens, plus the 1- and 2-token tails of 5 and 6."""
+    Ft, Dt = 748, 512
     g = torch.Generator().manual_seed(11)
     ws = (torch.randn(4, Ft, Dt, generator=g) / Dt**0.5, torch.randn(4, Ft, Dt, generator=g) / Dt**0.5,
           torch.randn(4, Dt, Ft, generator=g) / Ft**0.5)
@@ -222,10 +226,10 @@ def test_int4_token_pairs_match_row_pairs_bit_for_bit(isa, group, order, knobs):
         ids = torch.tensor(ids, dtype=torch.int32)
         w = torch.rand(T, 2, generator=g) + 0.05
         outs = []
-        for pairs in (1, 0):
-            turn(knobs, moe.isa, "i4_pairs", pairs)
+        for wide in (2, 1, 0):
+            turn(knobs, moe.isa, "i4_wide", wide)
             out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
             moe.forward(x, ids, w, out=out)
             outs.append(out)
         assert rel_err(outs[0], moe_forward(x.float(), *ref_w, ids.long(), w)) < TOL["int4"], T
-        assert torch.equal(outs[0], outs[1]), T
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), T

@@ -34,8 +34,8 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
 //   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 16)
 //   pf_l1     1: the AVX-512 int4 kernels at 3-4 tokens also prefetch the next 2-row pass into L1 (hy.h; default 0;
-//             only with i4_pairs 0)
-//   i4_pairs  1: the AVX-512 int4 kernels at 3-4 tokens pass each 4-row block per token pair (default); 0: per 2 rows
+//             only with i4_wide 0)
+//   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass (default), 1 token pairs, 0 2-row passes
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
@@ -49,7 +49,7 @@ HY_API int hy_tune(const char* name, int value) {
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
   else if (!std::strcmp(name, "pf_rows")) { old = g_pf_rows; g_pf_rows = std::min(64, std::max(8, value / 4 * 4)); }
   else if (!std::strcmp(name, "pf_l1")) { old = g_pf_l1; g_pf_l1 = value != 0; }
-  else if (!std::strcmp(name, "i4_pairs")) { old = g_i4_pairs; g_i4_pairs = value != 0; }
+  else if (!std::strcmp(name, "i4_wide")) { old = g_i4_wide; g_i4_wide = std::min(2, std::max(0, value)); }
   else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }
   else return -1;
   return old;

@@ -70,14 +70,15 @@ int g_pf_first = 1;
 // experts -1..+8% (4 of 5 ahead); int8 within +-3% but for one run each way; 32 rows no better than 16. bf16 keeps
 // 8 rows (16 rows: -6..+1% in call 3, 32 rows slower still).
 int g_pf_rows = 16;
-// 1: the AVX-512 int4 kernels at 3-4 tokens with 2-row passes (g_i4_pairs 0) also prefetch the next pass's rows
+// 1: the AVX-512 int4 kernels at 3-4 tokens with 2-row passes (g_i4_wide 0) also prefetch the next pass's rows
 // into L1 (T0), once per 64-byte line (hy_tune("pf_l1"); default 0 until measured on the box). At 4 tokens the
 // kernel does four times 1 token's work per weight byte, and the L2 prefetch alone leaves each pass's loads
 // waiting on L2 (issue 12 run 14: 4 tokens x 8 experts int4 58-65% of the DRAM ceiling, int8 78-83%).
 int g_pf_l1 = 0;
-// 1 (default): the AVX-512 int4 kernels at 3-4 tokens run each 4-row block as two 4-row passes over token pairs
-// (kern_avx512.h i4_block_b); 0: two 2-row passes over all the tokens, as before session 20 (hy_tune("i4_pairs")).
-int g_i4_pairs = 1;
+// How the AVX-512 int4 kernels run 3-4 tokens per 4-row block (kern_avx512.h i4_block_b; hy_tune("i4_wide")):
+// 2 (default) one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 two 2-row passes over all
+// the tokens, as before session 20. The natural stored order runs 1 for 2.
+int g_i4_wide = 2;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {

@@ -77,14 +77,32 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // a known trip count: with a run-time count the natural order (fold 1, 2 chunks a block) ran ~1.5x slower.
 // The int4 kernels' software prefetch at chunk c of an NR-row pass: rows g_pf_rows.. ahead into L2; the first block
 // of a call (pf_lo 4, g_pf_first) from row 4 on, which the steady-state lead never covers.
-// With g_pf_l1 and MT > 2 (2-row passes: g_i4_pairs 0), also the next pass's rows (NR on) into L1.
+// With g_pf_l1 and NR 2 (2-row passes: g_i4_wide 0), also the next pass's rows (NR on) into L1.
 template <int NR, int MT>
 inline void i4_prefetch(const uint8_t* w, int64_t ldw, int c, int pf_lo) {
   for (int j = pf_lo == 8 ? 0 : 4 - g_pf_rows; j < NR; ++j)
     _mm_prefetch((const char*)(w + (j + g_pf_rows) * ldw + c * 32), _MM_HINT_T1);
-  if (MT > 2 && g_pf_l1)
+  if (NR == 2 && MT > 2 && g_pf_l1)
     for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(w + (j + NR) * ldw + c * 32), _MM_HINT_T0);
 }
+
+// fp32 sums of NR rows x MT tokens in i4_rows: in registers, or (MEM: 4 rows x 3-4 tokens, whose int32 sums take 12-16
+// of the 32 registers with the 4 weight vectors beside them) in memory, read and written once per fold block: once
+// per row for the 30B gate/up rows (one block of 2048 values), 3 times for its down rows.
+template <int NR, int MT, bool MEM = (NR * MT > 8)>
+struct I4Sums {
+  __m512 v[NR][MT];
+  I4Sums() { for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) v[j][t] = _mm512_setzero_ps(); }
+  void fma(int j, int t, __m512 x, __m512 s) { v[j][t] = _mm512_fmadd_ps(x, s, v[j][t]); }
+  __m512 get(int j, int t) const { return v[j][t]; }
+};
+template <int NR, int MT>
+struct I4Sums<NR, MT, true> {
+  alignas(64) float m[NR][MT][16];
+  I4Sums() { for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) _mm512_store_ps(m[j][t], _mm512_setzero_ps()); }
+  void fma(int j, int t, __m512 x, __m512 s) { _mm512_store_ps(m[j][t], _mm512_fmadd_ps(x, s, _mm512_load_ps(m[j][t]))); }
+  __m512 get(int j, int t) const { return _mm512_load_ps(m[j][t]); }
+};
 
 template <int NR, int MT, int B>
 void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
@@ -97,8 +115,7 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
   __mmask16 first = 0;  // each group's first lane
   for (int l = 0; l < 16; l += L) first |= (__mmask16)(1u << l);
   const __mmask16 gm = (__mmask16)((1u << fold) - 1);
-  __m512 acc[NR][MT];
-  for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  I4Sums<NR, MT> acc;
   for (int b = 0; b < G / fold; ++b) {
     __m512i iacc[NR][MT];
     for (int t = 0; t < MT; ++t) {
@@ -121,13 +138,13 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
     }
     for (int j = 0; j < NR; ++j) {
       const __m512 sv = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gm, sw + j * G + b * fold));
-      for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j][t]), sv, acc[j][t]);
+      for (int t = 0; t < MT; ++t) acc.fma(j, t, _mm512_cvtepi32_ps(iacc[j][t]), sv);
     }
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
   for (int j = 0; j < NR; ++j)
     for (int t = 0; t < MT; ++t)
-      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
+      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc.get(j, t), unscale)) * act_scale(rows[t], k);
 }
 
 // The natural order (fold 1 with groups >= 64, or groups of 32 two to a chunk: quant.py), group size GS a
@@ -175,20 +192,23 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
 }
 
-// A 4-row block: one pass for up to 2 tokens. 3-4 tokens (4 rows x 4 tokens of int32 and fp32 accumulators would
-// not fit in the registers): by default (g_i4_pairs) two 4-row passes, tokens 0-1 then the rest, the second
-// re-reading the block's weights from L1; else two 2-row passes over all tokens, re-reading the activations.
-// Each token's sums are formed in the same order either way, so the two give bit-identical results. Dev box (EPYC
-// Zen4, 1 thread, 30B gate/up rows, 12 MiB of weights from the L3, standalone timing of this function): 4 tokens
-// 5.1-5.9 GB/s with 2-row passes against 14.2-17.1 with token pairs, 3 tokens 7.2-8.4 against 16.2-19.9; down rows
-// (K = 768) 7.4-8.3 against 8.1-9.3. With the weights in L2 the 2-row passes are the faster (18.5 vs 15.6 GB/s at 4
-// tokens): they do fewer loads per product, but two 2-row streams leave the loads waiting on memory.
+// A 4-row block: one pass for up to 2 tokens. 3-4 tokens (4 rows x 4 tokens of int32 and fp32 accumulators do not
+// fit in the registers), by g_i4_wide: 2 (default) one 4-row pass with the fp32 sums in memory (I4Sums); 1 two 4-row
+// passes, tokens 0-1 then the rest, the second re-reading the block's weights from L1; 0 two 2-row passes over all
+// tokens, re-reading the activations. Each token's sums are formed in the same order every way, so all three give
+// bit-identical results. Dev box (EPYC Zen4, 1 thread, 30B rows, 12 MiB of weights from the L3, standalone timing
+// of this function, session 20): gate/up rows at 4 tokens 5.1-5.9 GB/s with 2-row passes, 14.2-17.7 with token
+// pairs, 22.1-22.2 in one pass; at 3 tokens 7.2-8.4 / 16.2-20.4 / -; down rows (K = 768) at 4 tokens 7.4-8.3 /
+// 8.1-11.1 / 12.3-12.6. With the weights in L2 the 2-row passes beat the token pairs (18.5 vs 15.6 GB/s at 4 tokens,
+// fewer loads per product), but their two row streams leave the loads waiting on memory.
 template <int MT, int B>
 void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
                 float* C, int ldc, int pf_lo) {
   if constexpr (MT <= 2) {
     i4_rows<4, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
-  } else if (g_i4_pairs) {
+  } else if (g_i4_wide == 2) {
+    i4_rows<4, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
+  } else if (g_i4_wide == 1) {
     i4_rows<4, 2, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
     i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 2, sw, C + 2 * ldc, ldc, pf_lo);
   } else {
@@ -197,12 +217,14 @@ void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const
   }
 }
 
-template <int MT, int GS>  // the same for the natural order
+// The same for the natural order, whose per-group scaling (every 1-2 chunks) would touch in-memory sums too often:
+// g_i4_wide 2 runs token pairs here.
+template <int MT, int GS>
 void i4_block_nat(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
                   int pf_lo) {
   if constexpr (MT <= 2) {
     i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-  } else if (g_i4_pairs) {
+  } else if (g_i4_wide) {
     i4_rows_g<4, 2, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
     i4_rows_g<4, MT - 2, GS>(w, ldw, k, rows + 2, sw, C + 2 * ldc, ldc, pf_lo);
   } else {
