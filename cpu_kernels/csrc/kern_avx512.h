@@ -196,11 +196,12 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // fit in the registers), by g_i4_wide: 2 (default) one 4-row pass with the fp32 sums in memory (I4Sums); 1 two 4-row
 // passes, tokens 0-1 then the rest, the second re-reading the block's weights from L1; 0 two 2-row passes over all
 // tokens, re-reading the activations. Each token's sums are formed in the same order every way, so all three give
-// bit-identical results. Dev box (EPYC Zen4, 1 thread, 30B rows, 12 MiB of weights from the L3, standalone timing
-// of this function, session 20): gate/up rows at 4 tokens 5.1-5.9 GB/s with 2-row passes, 14.2-17.7 with token
-// pairs, 22.1-22.2 in one pass; at 3 tokens 7.2-8.4 / 16.2-20.4 / -; down rows (K = 768) at 4 tokens 7.4-8.3 /
-// 8.1-11.1 / 12.3-12.6. With the weights in L2 the 2-row passes beat the token pairs (18.5 vs 15.6 GB/s at 4 tokens,
-// fewer loads per product), but their two row streams leave the loads waiting on memory.
+// bit-identical results. Dev box (EPYC Zen4, session 20): the executor from DRAM (bench.decode_probe, 8 experts x 4
+// tokens, medians of 3 interleaved rounds) read 12.0 / 10.5 / 7.8 GB/s (2 / 1 / 0) at 1 thread and 20.9 / 19.4 /
+// 14.7 at 2; 3 tokens 10.4 / 11.4 / 8.7 and 22.5 / 18.4 / 17.0. A standalone timing of this function over 30B gate/up
+// rows (1 thread) showed why: the 2-row passes read 5-6 GB/s at 4 tokens with 12 MiB of weights in the L3 (in the
+// runs where the shared L3 was busy) but 17.8 from L2, where they do the fewest loads per product: their two row
+// streams leave the loads waiting on memory.
 template <int MT, int B>
 void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
                 float* C, int ldc, int pf_lo) {
