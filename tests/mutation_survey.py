@@ -273,6 +273,11 @@ MUTATIONS = [
      "cut = max((full.find(s) for s in stop_strings", ["tests/test_generate.py"]),
     ("generate: held-back text never flushed", "hybrid/runtime/generation.py", "            if stream and len(c.text) > r.emitted:",
      "            if False:", ["tests/test_generate.py"]),
+    ("decode_timeline: a step's host sync counted as a layer's gap", "bench/decode_timeline.py",
+     "        if 0 <= g < step_gap_us:", "        if 0 <= g:", ["tests/test_bench_decode.py"]),
+    ("decode_timeline: gaps per layer from the wrong count", "bench/decode_timeline.py",
+     "return {k: (len(v) / per, statistics.median(v))", "return {k: (len(v), statistics.median(v))",
+     ["tests/test_bench_decode.py"]),
 ]
 
 
