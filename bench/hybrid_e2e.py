@@ -7,7 +7,7 @@
 A Qwen3-30B-A3B-shaped model (fewer layers when --layers is given) is built in memory with random
 weights: attention, router and norms on the GPU; every MoE layer's experts in the CPU executor, of
 which --resident per layer (a quarter by default) are uploaded to VRAM, chosen by routing counts of a
-calibration prefill. For each strategy: prefill tokens/s at each prompt length, decode tokens/s at
+calibration prefill (or, with --resident-layers N, every expert of the last N layers: llama.cpp's `-ncmoe` layout). For each strategy: prefill tokens/s at each prompt length, decode tokens/s at
 each batch size (eager: the hybrid layer reads its routing histogram on the host).
 
 Bounds (bench/bounds.py says why no strategy can beat them):
@@ -279,13 +279,19 @@ def run(args) -> dict:
     calib = torch.randint(0, cfg.vocab_size, (calib_len,), generator=gen).tolist()
     slot = eng.allocate_slot()
     _, routed = routed_during(off, lambda: eng.prefill(slot, calib))
-    for layer, counts in zip(off.layers, routed):
-        layer.set_resident(np.argsort(-counts, kind="stable")[:resident].tolist())
+    whole = getattr(args, "resident_layers", None)  # other benches (deepseek_box, gpt_oss_box) run this without it
+    for i, (layer, counts) in enumerate(zip(off.layers, routed)):
+        if whole is not None:
+            layer.set_resident(list(range(cfg.num_experts)) if i >= len(off.layers) - whole else [])
+        else:
+            layer.set_resident(np.argsort(-counts, kind="stable")[:resident].tolist())
+    placed = (f"{resident}/{cfg.num_experts} experts resident per layer" if whole is None else
+              f"every expert of the last {whole} of {len(off.layers)} hybrid layers resident, none elsewhere")
     eng.free_slot(slot)
     mem = off.memory()
     header = (f"# hybrid e2e | {cpu_name()} ({platform.node()}), GPU "
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'none'} | {args.preset} x {cfg.num_layers} "
-              f"layers, {resident}/{cfg.num_experts} experts resident per layer, CPU {off.layers[0].cpu_moe.isa} x "
+              f"layers, {placed}, CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(len(n) for n in off.layers[0].cpu_moe.topology.nodes)} threads "
               f"{args.cpu_dtype}, {dtype}, decode {'CUDA graphs' if eng.graphs is not None else 'eager'} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
               f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, "
@@ -423,7 +429,8 @@ def run(args) -> dict:
         for k, v in row.items():
             if isinstance(v, dict) and not k.endswith("_ab"):  # an A/B printed its own line
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
-    return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident,
+    return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident if whole is None else None,
+            "resident_layers": whole,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "measured": bw,
             "dense_bytes": dense, "results": results}
 
@@ -499,6 +506,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--resident", type=int, help="resident experts per layer (default: a quarter)")
+    p.add_argument("--resident-layers", type=int, metavar="N",
+                   help="instead of --resident: every expert of the last N hybrid layers in VRAM, none in the others "
+                        "(llama.cpp's -ncmoe layout, for a comparison at the same layout as well as the same VRAM)")
     p.add_argument("--defer-experts", type=int, default=0, metavar="N",
                    help="expert deferral (changes the output): each token's N lowest-ranked experts one layer late")
     p.add_argument("--profile", required=True)
@@ -538,6 +548,8 @@ def main(argv=None) -> int:
         p.error("--prefill-repeats must be at least 1")
     if args.ab_rounds < 1:
         p.error("--ab-rounds must be at least 1")
+    if args.resident_layers is not None and (args.resident is not None or not 0 <= args.resident_layers <= args.layers):
+        p.error("--resident-layers takes 0..--layers and replaces --resident")
     apply_defaults(args, torch.cuda.is_available())
     res = run_isolated(args, argv) if args.isolate and len(args.strategies) > 1 else run(args)
     write_json(Path(args.out) / f"hybrid_e2e_{args.preset}.json", res, indent=1)

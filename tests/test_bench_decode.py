@@ -113,8 +113,8 @@ def _vs_main(tmp_path, monkeypatch, cases, hybrid_row=None, layers=12, experts=1
         calls.append(("llama", gguf, placement))
         return dict(tok_s=10.0, stddev=0.5, cmd="")
 
-    def hybrid(args, cpu_dtype, resident, extra_env=None):
-        calls.append(("hybrid", cpu_dtype, resident))
+    def hybrid(args, cpu_dtype, placement, extra_env=None):
+        calls.append(("hybrid", cpu_dtype, placement))
         return dict(hybrid_row or {}, tok_s=20.0)
 
     monkeypatch.setattr(vs_llamacpp, "run_llama", llama)
@@ -130,8 +130,38 @@ def test_vs_llamacpp_quarter_keeps_a_quarter_of_the_experts_in_vram_on_both_side
     calls, _ = _vs_main(tmp_path, monkeypatch, "bf16,quarter")
     # 12 layers: llama.cpp keeps the experts of the last 3 (a quarter) in VRAM, so the first 9 go to the CPU;
     # hybrid keeps 32 of each layer's 128 experts resident
-    assert calls == [("llama", "b.gguf", ["-ot", "exps=CPU"]), ("hybrid", "bf16", 0),
-                     ("llama", "b.gguf", ["-ncmoe", "9"]), ("hybrid", "bf16", 32)]
+    assert calls == [("llama", "b.gguf", ["-ot", "exps=CPU"]), ("hybrid", "bf16", ["--resident", "0"]),
+                     ("llama", "b.gguf", ["-ncmoe", "9"]), ("hybrid", "bf16", ["--resident", "32"])]
+
+
+def test_vs_llamacpp_quarter_layers_is_llama_cpps_layout_on_both_sides(tmp_path, monkeypatch):
+    """quarter-layers (asked for, not a default case): the same -ncmoe 9 for llama.cpp, and ours keeps every expert of
+    the last 3 of 12 layers resident instead of 32 per layer."""
+    calls, lines = _vs_main(tmp_path, monkeypatch, "quarter-layers")
+    assert calls == [("llama", "b.gguf", ["-ncmoe", "9"]), ("hybrid", "bf16", ["--resident-layers", "3"])]
+    assert any(l.startswith("| quarter-layers | 10.0 ± 0.5 | 20.0 | 2.00x |") for l in lines)
+    assert "quarter-layers" not in vs_llamacpp.CASES
+
+
+def test_hybrid_e2e_resident_layers_keeps_whole_layers_resident(tmp_path):
+    """--resident-layers N: every expert of the last N hybrid layers resident, none elsewhere, so those layers read no
+    cold expert; it replaces --resident and is bounded by --layers."""
+    from bench import hybrid_e2e
+
+    out = tmp_path / "e2e"
+    assert hybrid_e2e.main(["--preset", "demo", "--profile", "ktransformers-paper-amx", "--layers", "2",
+                            "--resident-layers", "1", "--strategies", "cpu", "--prefill", "16", "--decode-batch", "1",
+                            "--steps", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "hybrid_e2e_demo.json").read_text())
+    assert res["resident_layers"] == 1 and res["resident"] is None
+    assert "every expert of the last 1 of 2 hybrid layers resident" in res["header"]
+    r = res["results"][0]
+    # per layer and step: layer 0 routes K experts, all cold; layer 1 routes K, all resident -> means K/2 each
+    assert r["decode_b1_cold_experts_per_layer_step"] == r["decode_b1_resident_experts_per_layer_step"] > 0
+    for bad in (["--resident-layers", "3"], ["--resident-layers", "1", "--resident", "2"]):
+        with pytest.raises(SystemExit):
+            hybrid_e2e.main(["--preset", "demo", "--profile", "ktransformers-paper-amx", "--layers", "2", *bad,
+                             "--out", str(out)])
 
 
 def test_vs_llamacpp_table_shows_a_zero_share_as_zero_not_as_missing(tmp_path, monkeypatch):

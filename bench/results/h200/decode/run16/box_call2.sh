@@ -1,4 +1,33 @@
-# run 16, call 2 (prepared in session 20, not yet run): the eleventh side by side with llama.cpp and the GPU test files,
-# at the HEAD whose int4 3-4-token blocks run in one pass (i4_wide 2). Run 12 call 2's steps unchanged, on a clean
+# run 16, call 2 (prepared in session 20, not yet run): the eleventh side by side with llama.cpp and the GPU test
+# files, at the HEAD whose int4 3-4-token blocks run in one pass (i4_wide 2), with a fifth case: quarter-layers, the
+# quarter of the experts in VRAM as whole layers on our side too (hybrid_e2e --resident-layers 3), i.e. llama.cpp's
+# -ncmoe layout, to tell the quarter case's layout from its engine. Run 12 call 2's steps otherwise, on a clean
 # `git archive HEAD` (.boxcmd/src.tgz) and the peer files (.peer).
-exec bash bench/results/h200/decode/run12/box_call2.sh "$@"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cp -r .peer /tmp/src/.peer && cd /tmp/src
+LB=/tmp/lcpp
+(bash .peer/build_llama_bench.sh $LB > /tmp/llama_build.txt 2>&1) & bp=$!
+for _ in $(seq 60); do [ -d "$LB/src/llama.cpp/gguf-py" ] && break; sleep 1; done
+(PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 .peer/make_gguf.py /tmp/q3.gguf --layers 12 && PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 .peer/make_gguf.py /tmp/q3q8.gguf --layers 12 --experts-type q8_0) > /tmp/gguf.txt 2>&1 & gp=$!
+python3 -m pip install -e . --no-build-isolation --no-deps -q > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt; exit 1; }
+for f in tests/test_hybrid_gpu.py tests/test_decode_fusions.py tests/test_expert_deferral.py tests/test_gpt_oss_gpu.py tests/test_deepseek_gpu.py tests/test_generate_gpu.py tests/test_replace_gpu.py; do
+  L=$(( 200 - ($(date +%s) - T0) )); [ $L -lt 15 ] && { echo "$f not run (time)"; continue; }
+  n=$(basename $f .py); timeout $L python3 -m pytest -q $f > /tmp/t_$n.txt 2>&1; echo "$f $(tail -1 /tmp/t_$n.txt)"
+done > $OUT/gpu_tests.txt; cat $OUT/gpu_tests.txt
+grep -h -B2 -A10 "^E  " /tmp/t_*.txt | head -30
+echo "# tests done at $(( $(date +%s) - T0 )) s"
+wait $bp || { tail -20 /tmp/llama_build.txt; exit 1; }
+wait $gp || { tail -20 /tmp/gguf.txt; exit 1; }
+echo "# llama built at $(( $(date +%s) - T0 )) s"
+P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
+L=$(( 570 - ($(date +%s) - T0) ))
+timeout $L python3 -m bench.vs_llamacpp --llama-bench $LB/bin/llama-bench --gguf-bf16 /tmp/q3.gguf --gguf-q8 /tmp/q3q8.gguf --profile $P --cases bf16,int8,quarter,int4,quarter-layers --out $OUT/vs > $OUT/vs_llamacpp.txt 2>&1
+echo "rc=$?"; grep -E "^(bf16|int8|quarter|int4|quarter-layers) |^\|" $OUT/vs_llamacpp.txt; grep -E "Error" $OUT/vs_llamacpp.txt | head -3
+echo "# vs done at $(( $(date +%s) - T0 )) s"
+for f in $(grep -vE ' [0-9]+ (passed|failed)' $OUT/gpu_tests.txt | cut -d' ' -f1) tests/test_gpu_kernels_gemv.py tests/test_gpu_kernels.py; do
+  L=$(( 585 - ($(date +%s) - T0) )); [ $L -lt 15 ] && { echo "$f not run (time)"; continue; }
+  n=$(basename $f .py); timeout $L python3 -m pytest -q $f > /tmp/t_$n.txt 2>&1; echo "$f $(tail -1 /tmp/t_$n.txt)"
+done | tee -a $OUT/gpu_tests.txt
+cat /tmp/t_*.txt > $OUT/gpu_test_logs.txt; cat /tmp/build.txt /tmp/gguf.txt /tmp/llama_build.txt > $OUT/build_logs.txt
+echo "# all done at $(( $(date +%s) - T0 )) s"
