@@ -7,8 +7,9 @@
 A Qwen3-30B-A3B-shaped model (fewer layers when --layers is given) is built in memory with random
 weights: attention, router and norms on the GPU; every MoE layer's experts in the CPU executor, of
 which --resident per layer (a quarter by default) are uploaded to VRAM, chosen by routing counts of a
-calibration prefill (or, with --resident-layers N, every expert of the last N layers: llama.cpp's `-ncmoe` layout). For each strategy: prefill tokens/s at each prompt length, decode tokens/s at
-each batch size (eager: the hybrid layer reads its routing histogram on the host).
+calibration prefill (or, with --resident-layers N, every expert of the last N layers: llama.cpp's `-ncmoe`
+layout). For each strategy: prefill tokens/s at each prompt length, decode tokens/s at each batch size
+(eager: the hybrid layer reads its routing histogram on the host).
 
 Bounds (bench/bounds.py says why no strategy can beat them):
 - prefill: per layer, the LP lower bound over every split of its cold experts between the CPU kernel

@@ -15,8 +15,8 @@ The expert VRAM matches in `quarter` (a quarter of all expert bytes) but not its
 layers resident, we keep the most-routed quarter of every layer; with random routers both choices see the
 same routing statistics, but a random-weight model's decode keeps routing to a few experts per sequence that a
 prompt's counts do not predict (issue 12's ninth call: 1.33 of 8 routed experts resident per layer and step, not
-2), so `quarter-layers` measures ours in llama.cpp's layout too. The GGUF files come from the peer's make_gguf.py; llama.cpp's code is not part of
-this repository.
+2), so `quarter-layers` measures ours in llama.cpp's layout too. The GGUF files come from the peer's
+make_gguf.py; llama.cpp's code is not part of this repository.
 
     python -m bench.vs_llamacpp --llama-bench /tmp/lcpp/bin/llama-bench --gguf-bf16 /tmp/q3.gguf \\
         --gguf-q8 /tmp/q3q8.gguf --profile PROFILE.json --out DIR
