@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated, of {', '.join(KNOWN_CASES)} (default: {','.join(CASES)})")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp threads")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=32)
