@@ -257,6 +257,14 @@ def trace(step, path: str, repeats: int = 3) -> None:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
 
 
+def resident_ids(i: int, n_layers: int, counts, resident: int, whole: int | None) -> list[int]:
+    """Hybrid layer i's resident experts: its `resident` most-routed ones by `counts` (ties to the lower id), or with
+    `whole` (--resident-layers) every expert if i is one of the last `whole` layers, none otherwise."""
+    if whole is not None:
+        return list(range(len(counts))) if i >= n_layers - whole else []
+    return np.argsort(-np.asarray(counts), kind="stable")[:resident].tolist()
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -282,10 +290,7 @@ def run(args) -> dict:
     _, routed = routed_during(off, lambda: eng.prefill(slot, calib))
     whole = getattr(args, "resident_layers", None)  # other benches (deepseek_box, gpt_oss_box) run this without it
     for i, (layer, counts) in enumerate(zip(off.layers, routed)):
-        if whole is not None:
-            layer.set_resident(list(range(cfg.num_experts)) if i >= len(off.layers) - whole else [])
-        else:
-            layer.set_resident(np.argsort(-counts, kind="stable")[:resident].tolist())
+        layer.set_resident(resident_ids(i, len(off.layers), counts, resident, whole))
     placed = (f"{resident}/{cfg.num_experts} experts resident per layer" if whole is None else
               f"every expert of the last {whole} of {len(off.layers)} hybrid layers resident, none elsewhere")
     eng.free_slot(slot)

@@ -158,6 +158,10 @@ def test_hybrid_e2e_resident_layers_keeps_whole_layers_resident(tmp_path):
     r = res["results"][0]
     # per layer and step: layer 0 routes K experts, all cold; layer 1 routes K, all resident -> means K/2 each
     assert r["decode_b1_cold_experts_per_layer_step"] == r["decode_b1_resident_experts_per_layer_step"] > 0
+    counts = [5, 9, 1, 9]
+    assert [hybrid_e2e.resident_ids(i, 4, counts, 2, 1) for i in range(4)] == [[], [], [], [0, 1, 2, 3]]
+    assert [len(hybrid_e2e.resident_ids(i, 4, counts, 2, 0)) for i in range(4)] == [0, 0, 0, 0]
+    assert hybrid_e2e.resident_ids(0, 4, counts, 2, None) == [1, 3]  # most routed, ties to the lower id
     for bad in (["--resident-layers", "3"], ["--resident-layers", "1", "--resident", "2"]):
         with pytest.raises(SystemExit):
             hybrid_e2e.main(["--preset", "demo", "--profile", "ktransformers-paper-amx", "--layers", "2", *bad,
