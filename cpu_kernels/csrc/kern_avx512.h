@@ -199,7 +199,7 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // bit-identical results. Dev box (EPYC Zen4, session 20): the executor from DRAM (bench.decode_probe, 8 experts x 4
 // tokens, medians of 3 interleaved rounds) read 12.0 / 10.5 / 7.8 GB/s (2 / 1 / 0) at 1 thread and 20.9 / 19.4 /
 // 14.7 at 2; 3 tokens 10.4 / 11.4 / 8.7 and 22.5 / 18.4 / 17.0. A standalone timing of this function over 30B gate/up
-// rows (1 thread) showed why: the 2-row passes read 5-6 GB/s at 4 tokens with 12 MiB of weights in the L3 (in the
+// rows (1 thread; a driver outside the tree) showed why: the 2-row passes read 5-6 GB/s at 4 tokens with 12 MiB of weights in the L3 (in the
 // runs where the shared L3 was busy) but 17.8 from L2, where they do the fewest loads per product: their two row
 // streams leave the loads waiting on memory.
 template <int MT, int B>
