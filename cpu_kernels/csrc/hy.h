@@ -76,9 +76,10 @@ int g_pf_rows = 16;
 // waiting on L2 (issue 12 run 14: 4 tokens x 8 experts int4 58-65% of the DRAM ceiling, int8 78-83%).
 int g_pf_l1 = 0;
 // How the AVX-512 int4 kernels run 3-4 tokens per 4-row block (kern_avx512.h i4_block_b; hy_tune("i4_wide")):
-// 2 (default) one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 two 2-row passes over all
-// the tokens, as before session 20. The natural stored order runs 1 for 2.
-int g_i4_wide = 2;
+// 2 one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 (default) two 2-row passes over all
+// the tokens, the path the side-by-side calls with llama.cpp measured: 2 is faster on the dev box only, and becomes
+// the default once the GPU box has run it (bench/results/h200/decode/run16/). The natural stored order runs 1 for 2.
+int g_i4_wide = 0;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {

@@ -1,5 +1,5 @@
 # run 16, call 1 (prepared in session 20, not yet run): int4 at 3-4 tokens per expert in one 4-row pass with the fp32
-# sums in memory (hy_tune("i4_wide") 2, the new default) against token pairs (1) and the old 2-row passes (0): the
+# sums in memory (hy_tune("i4_wide") 2) against token pairs (1) and the 2-row passes (0, still the default): the
 # kernel alone in 3 rounds per case, forward and backward in turn, then end to end in one process (hybrid_e2e --ab,
 # 6 rounds), int4 batch 1 and 8, then the captured decode floor with the CPU executor's own busy time per layer.
 # On a clean `git archive HEAD` (.boxcmd/src.tgz).

@@ -1,5 +1,5 @@
 # run 16, call 2 (prepared in session 20, not yet run): the eleventh side by side with llama.cpp and the GPU test
-# files, at the HEAD whose int4 3-4-token blocks run in one pass (i4_wide 2), with a fifth case: quarter-layers, the
+# files (at whatever int4 i4_wide default call 1 has led to), with a fifth case: quarter-layers, the
 # quarter of the experts in VRAM as whole layers on our side too (hybrid_e2e --resident-layers 3), i.e. llama.cpp's
 # -ncmoe layout, to tell the quarter case's layout from its engine. Run 12 call 2's steps otherwise, on a clean
 # `git archive HEAD` (.boxcmd/src.tgz) and the peer files (.peer).
