@@ -9,7 +9,7 @@ mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2>&1 || { tail -30 $OUT/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
 timeout 150 python3 -m bench.decode_probe --dtypes int4 --cases 1x8,3x8same,4x8same,8x8 --iters 30 \
-  --variants fused,fused+i4_wide=0,fused+i4_wide=1 --rounds 3 \
+  --variants fused,fused+i4_wide=2,fused+i4_wide=1 --rounds 3 \
   --out $OUT/probe.json 2>&1 | grep -v Warn | tee $OUT/probe.txt
 echo "# probe done at $(( $(date +%s) - T0 )) s"
 P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
