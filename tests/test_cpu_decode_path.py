@@ -210,7 +210,7 @@ def test_task_knobs_are_clamped(knobs):
 @pytest.mark.parametrize("order", ["interleaved", "natural"])
 def test_int4_three_and_four_token_blocks_are_bit_identical_every_way(isa, group, order, knobs):
     """int4 at 3 and 4 tokens per expert, each 4-row block run three ways (i4_wide 2: one pass with the fp32 sums in
-    memory; 1: two passes over token pairs; 0: two 2-row passes, the default) forms every token's sums in the same
+    memory, the default; 1: two passes over token pairs; 0: two 2-row passes) forms every token's sums in the same
     order, so the outputs are bit-identical, in both stored orders and every group size, and match the reference.
     Rows 512 wide (gate/up: one fold block of 4 groups of 128 up to 16 of 32) and a ragged F of 748 (down rows padded
     to 768: 3 fold blocks in every group size, so the in-memory sums carry across blocks); every expert gets exactly

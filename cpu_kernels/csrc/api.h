@@ -35,7 +35,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 16)
 //   pf_l1     1: the AVX-512 int4 kernels at 3-4 tokens also prefetch the next 2-row pass into L1 (hy.h; default 0;
 //             only with i4_wide 0)
-//   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass, 1 token pairs, 0 2-row passes (default)
+//   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass (default), 1 token pairs, 0 2-row passes
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);

@@ -76,10 +76,12 @@ int g_pf_rows = 16;
 // waiting on L2 (issue 12 run 14: 4 tokens x 8 experts int4 58-65% of the DRAM ceiling, int8 78-83%).
 int g_pf_l1 = 0;
 // How the AVX-512 int4 kernels run 3-4 tokens per 4-row block (kern_avx512.h i4_block_b; hy_tune("i4_wide")):
-// 2 one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 (default) two 2-row passes over all
-// the tokens, the path the side-by-side calls with llama.cpp measured: 2 is faster on the dev box only, and becomes
-// the default once the GPU box has run it (bench/results/h200/decode/run16/). The natural stored order runs 1 for 2.
-int g_i4_wide = 0;
+// 2 (default) one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 two 2-row passes over
+// all the tokens. GPU box (issue 12 run 16 call 1, executor alone from DRAM, medians of 3 interleaved rounds): 2 reads
+// 3 tokens x 8 experts at 95.3 GB/s against 0's 86.4 (+10%), 4 tokens at 85.0 against 79.4 (+7%), 1 and 8 tokens
+// level; end to end (hybrid_e2e --ab, 6 rounds) 1.013x at batch 1, 0.976x at batch 8, both inside the rounds'
+// spread. The natural stored order runs 1 for 2.
+int g_i4_wide = 2;
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {

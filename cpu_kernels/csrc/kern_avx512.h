@@ -195,7 +195,7 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // A 4-row block: one pass for up to 2 tokens. 3-4 tokens (4 rows x 4 tokens of int32 and fp32 accumulators do not
 // fit in the registers), by g_i4_wide: 2 one 4-row pass with the fp32 sums in memory (I4Sums); 1 two 4-row
 // passes, tokens 0-1 then the rest, the second re-reading the block's weights from L1; 0 two 2-row passes over all
-// tokens, re-reading the activations (the default until the GPU box has run 2). Each token's sums are formed in the same order every way, so all three give
+// tokens, re-reading the activations (2 is the default: faster on both boxes, run 16). Each token's sums are formed in the same order every way, so all three give
 // bit-identical results. Dev box (EPYC Zen4, session 20): the executor from DRAM (bench.decode_probe, 8 experts x 4
 // tokens, medians of 3 interleaved rounds) read 12.0 / 10.5 / 7.8 GB/s (2 / 1 / 0) at 1 thread and 20.9 / 19.4 /
 // 14.7 at 2; 3 tokens 10.4 / 11.4 / 8.7 and 22.5 / 18.4 / 17.0. A standalone timing of this function over 30B gate/up
