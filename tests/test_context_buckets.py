@@ -1,9 +1,10 @@
 """Decode graphs keyed by context bucket (hybrid.runtime.cuda_graphs): which graph a step replays. The graphs
-themselves need CUDA (tests/test_generate_gpu.py); the bucket choice is plain Python and checked here."""
+themselves need CUDA (tests/test_generate_gpu.py); the bucket choice and a step's staged inputs are checked here."""
 
 import types
 
 import pytest
+import torch
 
 from hybrid.runtime.cuda_graphs import DecodeGraphs, context_buckets
 
@@ -50,3 +51,30 @@ def test_prepare_captures_each_graph_once_and_says_so(monkeypatch):
     assert g.prepare(1, [100]) == ((1, 256), False)
     assert g.prepare(2, [300, 7]) == ((2, 512), True) and captured[-1] == (2, 512) and len(captured) == 4
     assert g.prepare(2, [511, 7]) == ((2, 512), False)
+
+
+def test_step_inputs_fill_the_rows_and_pad_the_rest():
+    from hybrid.runtime.cuda_graphs import StepInputs
+
+    st = StepInputs(4)
+    dst = torch.full((3, 4), 99, dtype=torch.long)
+    st.write(dst, [7, 8], [5, 300], [1, 3])
+    assert dst.tolist() == [[7, 8, 0, 0], [5, 300, -1, -1], [1, 3, 0, 0]]
+    st.write(dst, [4, 5, 6, 9], [0, 1, 2, 3], [0, 1, 2, 3])  # a full bucket: no padding left over
+    assert dst.tolist() == [[4, 5, 6, 9], [0, 1, 2, 3], [0, 1, 2, 3]]
+    st.write(dst, [2], [11], [2])  # fewer rows again: the old rows are padding now
+    assert dst.tolist() == [[2, 0, 0, 0], [11, -1, -1, -1], [2, 0, 0, 0]]
+    with pytest.raises(ValueError):
+        st.write(dst, [1, 2, 3, 4, 5], [0] * 5, [0] * 5)
+    with pytest.raises(ValueError):
+        st.write(dst, [1, 2], [0], [0, 1])
+
+
+def test_static_inputs_are_views_of_one_tensor():
+    g = fake_graphs(8, 1024)
+    s = g._static(4)
+    s["inputs"][0] = torch.arange(4)
+    s["inputs"][2] = torch.arange(4) + 10
+    assert s["ids"].shape == (4, 1) and s["ids"][:, 0].tolist() == [0, 1, 2, 3]
+    assert s["pos"].shape == (4, 1) and s["pos"][:, 0].tolist() == [-1] * 4
+    assert s["slots"].tolist() == [10, 11, 12, 13]

@@ -42,15 +42,20 @@ class DecodeGraphs:
         self.contexts = context_buckets(cache.max_context, context)
         self.device = model.device
         self._pool = None
+        self._stage: dict[int, StepInputs] = {}  # batch bucket -> page-locked step inputs
         # (batch bucket, context bucket) -> (graph, static inputs, output logits)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
 
     def _static(self, b: int) -> dict[str, torch.Tensor]:
-        dev = self.device
+        """A graph's inputs: rows ids / positions / slots of one [3, b] device tensor, so a step writes them all
+        with one copy from a page-locked staging tensor of the same layout (StepInputs)."""
+        inputs = torch.zeros(3, b, dtype=torch.long, device=self.device)
+        inputs[1] = -1  # padding position
         return {
-            "ids": torch.zeros(b, 1, dtype=torch.long, device=dev),  # [b, 1]
-            "pos": torch.full((b, 1), -1, dtype=torch.long, device=dev),  # [b, 1]; -1 = padding
-            "slots": torch.zeros(b, dtype=torch.long, device=dev),  # [b]
+            "inputs": inputs,  # [3, b]
+            "ids": inputs[0].view(b, 1),  # [b, 1]
+            "pos": inputs[1].view(b, 1),  # [b, 1]; -1 = padding
+            "slots": inputs[2],  # [b]
         }
 
     def _run(self, s, L: int):
@@ -115,10 +120,46 @@ class DecodeGraphs:
         key, _ = self.prepare(n, positions)
         b = key[0]
         g, s, out = self.graphs[key]
-        pad = b - n
-        host = torch.tensor([ids + [0] * pad, positions + [-1] * pad, slots + [0] * pad], dtype=torch.long)
-        s["ids"].copy_(host[0, :, None])
-        s["pos"].copy_(host[1, :, None])
-        s["slots"].copy_(host[2])
+        self._staging(b).write(s["inputs"], ids, positions, slots)
         g.replay()
         return out[:n]
+
+    def _staging(self, b: int) -> "StepInputs":
+        st = self._stage.get(b)
+        if st is None:
+            st = self._stage[b] = StepInputs(b)
+        return st
+
+
+class StepInputs:
+    """A decode step's ids / positions / slots for a graph of b rows, staged in page-locked memory and sent with
+    one asynchronous copy. Three copies from pageable tensors (the previous way) each cost the host a staged,
+    synchronous transfer before the replay could be queued. The staging tensor is rewritten only after the
+    event of its previous copy has passed, so a caller that does not synchronise between steps is still safe."""
+
+    def __init__(self, b: int):
+        pin = torch.cuda.is_available()
+        self.host = torch.empty(3, b, dtype=torch.long, pin_memory=pin)  # [3, b]
+        self.rows = self.host.numpy()  # writes go straight into the page-locked memory
+        self.b = b
+        self.sent = torch.cuda.Event() if pin else None  # recorded after each copy out of self.host
+
+    def fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
+        """Rows 0..n-1 from the step; padding rows get id 0, position -1 (their K/V land in the spare column) and
+        slot 0."""
+        n = len(ids)
+        if not n == len(positions) == len(slots) or n > self.b:
+            raise ValueError(f"a step of {len(ids)} ids, {len(positions)} positions and {len(slots)} slots "
+                             f"does not fit a graph of {self.b} rows")
+        r = self.rows
+        r[0, :n], r[1, :n], r[2, :n] = ids, positions, slots
+        r[0, n:], r[1, n:], r[2, n:] = 0, -1, 0
+
+    def write(self, dst: torch.Tensor, ids: list[int], positions: list[int], slots: list[int]) -> None:
+        """dst [3, b] (a graph's static inputs) := this step's rows, queued on the current stream."""
+        if self.sent is not None:
+            self.sent.synchronize()  # the previous step's copy has read the staging rows (at once if none)
+        self.fill(ids, positions, slots)
+        dst.copy_(self.host, non_blocking=self.sent is not None)
+        if self.sent is not None:
+            self.sent.record()
