@@ -282,6 +282,10 @@ MUTATIONS = [
     ("decode_timeline: gaps per layer from the wrong count", "bench/decode_timeline.py",
      "return {k: (len(v) / per, statistics.median(v))", "return {k: (len(v), statistics.median(v))",
      ["tests/test_bench_decode.py"]),
+    ("decode graphs: padding rows keep the last step's positions", "hybrid/runtime/cuda_graphs.py",
+     "r[0, n:], r[1, n:], r[2, n:] = 0, -1, 0", "r[0, n:], r[2, n:] = 0, 0", ["tests/test_context_buckets.py"]),
+    ("decode graphs: positions and slots rows swapped", "hybrid/runtime/cuda_graphs.py",
+     '"slots": inputs[2],  # [b]', '"slots": inputs[1],  # [b]', ["tests/test_context_buckets.py"]),
 ]
 
 
