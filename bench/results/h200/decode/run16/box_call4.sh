@@ -9,14 +9,14 @@ python3 -m pip install -e . --no-build-isolation --no-deps -q > $OUT/build.txt 2
 echo "# built at $(( $(date +%s) - T0 )) s"
 python3 -m bench.step_inputs_probe --out $OUT/step_inputs.json 2>&1 | tee $OUT/step_inputs.txt
 for f in tests/test_generate_gpu.py tests/test_hybrid_gpu.py tests/test_replace_gpu.py tests/test_decode_fusions.py tests/test_expert_deferral.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_gpu_kernels_gemv.py tests/test_gpu_kernels.py; do
-  L=$(( 320 - ($(date +%s) - T0) )); [ $L -lt 15 ] && { echo "$f not run (time)"; continue; }
+  L=$(( 245 - ($(date +%s) - T0) )); [ $L -lt 15 ] && { echo "$f not run (time)"; continue; }
   n=$(basename $f .py); timeout $L python3 -m pytest -q $f > /tmp/t_$n.txt 2>&1; echo "$f $(tail -1 /tmp/t_$n.txt)"
 done | tee $OUT/gpu_tests.txt
 grep -h -B2 -A10 "^E  " /tmp/t_*.txt | head -30
 cat /tmp/t_*.txt > $OUT/gpu_test_logs.txt
 echo "# tests done at $(( $(date +%s) - T0 )) s"
 P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
-L=$(( 340 - ($(date +%s) - T0) ))
+L=$(( 250 - ($(date +%s) - T0) ))
 [ $L -gt 40 ] && timeout $L python3 -m bench.hybrid_e2e --profile $P --layers 12 --resident 0 --graphs --strategies cpu \
   --prefill 128 --decode-batch 1,8 --steps 24 --cpu-dtype int4 --out /tmp/e2e > $OUT/e2e.txt 2>&1
 echo "== int4 $(grep -oE "decode_b[18]_(tok_s|of_roofline|cpu_lane_GBps|replay_token_agreement)=[0-9.]+" $OUT/e2e.txt | tr '\n' ' ') $(grep -oE "DRAM read [0-9.]+ GB/s" $OUT/e2e.txt) $(grep -E "Error" $OUT/e2e.txt | head -2)"
