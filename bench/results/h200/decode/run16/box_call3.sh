@@ -1,4 +1,4 @@
-# run 16, call 3: the twelfth side by side with llama.cpp (bf16, int8, int4; device time allows no more) at the session's final decode
+# run 16, call 3 (prepared in session 21; no machine could be started for it, so it is the next session's first call): the twelfth side by side with llama.cpp (bf16, int8, int4; device time allows no more) at the session's final decode
 # code (int4 i4_wide 2 by default; a step's inputs in one pinned copy, StepInputs), the step-input probe, and every
 # GPU test file (test_generate_gpu first: it checks graph decode, which StepInputs changed, against eager).
 # On a clean `git archive HEAD` (.boxcmd/src.tgz) and the peer files (.peer).
