@@ -34,8 +34,8 @@ def pageable(dst: torch.Tensor, ids, positions, slots) -> None:
 def time_us(fn, iters: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for i in range(iters):
-        fn(i)
+    for _ in range(iters):
+        fn()
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e6
 
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
         dst = torch.zeros(3, b, dtype=torch.long, device="cuda")
         st = StepInputs(b)
         ids, pos, slots = list(range(b)), [100] * b, list(range(b))
-        ways = {"pageable, 3 copies": lambda i: pageable(dst, ids, pos, slots),
-                "StepInputs, 1 pinned copy": lambda i: st.write(dst, ids, pos, slots)}
+        ways = {"pageable, 3 copies": lambda: pageable(dst, ids, pos, slots),
+                "StepInputs, 1 pinned copy": lambda: st.write(dst, ids, pos, slots)}
         runs = {k: [] for k in ways}
         for _ in range(5):
             for k, fn in ways.items():

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from hybrid.runtime.cuda_graphs import DecodeGraphs, context_buckets
+from hybrid.runtime.cuda_graphs import DecodeGraphs, StepInputs, context_buckets
 
 
 def test_context_buckets_double_from_256_and_end_at_max_context():
@@ -54,8 +54,6 @@ def test_prepare_captures_each_graph_once_and_says_so(monkeypatch):
 
 
 def test_step_inputs_fill_the_rows_and_pad_the_rest():
-    from hybrid.runtime.cuda_graphs import StepInputs
-
     st = StepInputs(4)
     dst = torch.full((3, 4), 99, dtype=torch.long)
     st.write(dst, [7, 8], [5, 300], [1, 3])

@@ -49,7 +49,8 @@ def test_graph_decode_matches_eager():
 
 def test_graph_steps_queued_without_a_sync_match_eager():
     """DecodeGraphs.step queued back to back, no host sync between: each step's page-locked staging rows are
-    rewritten only after the previous copy has read them, so every step sees its own inputs."""
+    rewritten only after the previous copy has read them, so every step sees its own inputs. The eager steps run
+    first: Engine.decode_step synchronises the device, which between the graph steps would hide a missing guard."""
     model = tiny_model()
     prompts = [[11, 12, 13], [21, 22, 23, 24, 25]]
     graph = Engine(model, max_batch=2, max_context=64, eager=False)
@@ -59,11 +60,11 @@ def test_graph_steps_queued_without_a_sync_match_eager():
             e.allocate_slot()
             e.prefill(s, p)
     graph.graphs.prepare(2, [5, 5])  # capture outside the queued steps
-    queued, expect = [], []
-    for i, toks in enumerate(([5, 6], [7, 8], [9, 10])):
-        pos = [len(prompts[0]) + i, len(prompts[1]) + i]
-        queued.append(graph.graphs.step(toks, pos, [0, 1]).clone())  # no sync: the clone is queued too
-        expect.append(eager.decode_step([0, 1], toks).clone())
+    steps = ([5, 6], [7, 8], [9, 10])
+    expect = [eager.decode_step([0, 1], toks).clone() for toks in steps]
+    # No sync between the graph steps: each clone is queued behind its replay.
+    queued = [graph.graphs.step(toks, [len(prompts[0]) + i, len(prompts[1]) + i], [0, 1]).clone()
+              for i, toks in enumerate(steps)]
     torch.cuda.synchronize()
     for lg, le in zip(queued, expect):
         assert (lg - le).abs().max().item() <= 2e-2 * le.abs().max().item()

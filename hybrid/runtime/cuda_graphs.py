@@ -141,16 +141,15 @@ class StepInputs:
         pin = torch.cuda.is_available()
         self.host = torch.empty(3, b, dtype=torch.long, pin_memory=pin)  # [3, b]
         self.rows = self.host.numpy()  # writes go straight into the page-locked memory
-        self.b = b
         self.sent = torch.cuda.Event() if pin else None  # recorded after each copy out of self.host
 
     def fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
         """Rows 0..n-1 from the step; padding rows get id 0, position -1 (their K/V land in the spare column) and
         slot 0."""
         n = len(ids)
-        if not n == len(positions) == len(slots) or n > self.b:
+        if not n == len(positions) == len(slots) or n > self.rows.shape[1]:
             raise ValueError(f"a step of {len(ids)} ids, {len(positions)} positions and {len(slots)} slots "
-                             f"does not fit a graph of {self.b} rows")
+                             f"does not fit a graph of {self.rows.shape[1]} rows")
         r = self.rows
         r[0, :n], r[1, :n], r[2, :n] = ids, positions, slots
         r[0, n:], r[1, n:], r[2, n:] = 0, -1, 0

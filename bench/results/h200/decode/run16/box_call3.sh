@@ -1,35 +1,9 @@
-# run 16, call 3 (prepared in session 21; no machine could be started for it, so it is the next session's first call): the twelfth side by side with llama.cpp (bf16, int8, int4; device time allows no more) at the session's final decode
-# code (int4 i4_wide 2 by default; a step's inputs in one pinned copy, StepInputs), the step-input probe, and every
-# GPU test file (test_generate_gpu first: it checks graph decode, which StepInputs changed, against eager).
-# On a clean `git archive HEAD` (.boxcmd/src.tgz) and the peer files (.peer).
+# run 16, call 3 (prepared in session 21; no machine could be started for it, so it is the next session's first
+# call): the twelfth side by side with llama.cpp at the session's final decode code (int4 i4_wide 2 by default; a
+# step's inputs in one pinned copy, StepInputs) through bench/box_run.sh's llama stage, then the step-input probe.
+# The GPU test files passed at this code in call 4. On a clean `git archive HEAD` (.boxcmd/src.tgz) and the peer
+# files (.peer).
 export PYTHONUNBUFFERED=1
-T0=$(date +%s)
 mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cp -r .peer /tmp/src/.peer && cd /tmp/src
-LB=/tmp/lcpp
-(bash .peer/build_llama_bench.sh $LB > /tmp/llama_build.txt 2>&1) & bp=$!
-for _ in $(seq 60); do [ -d "$LB/src/llama.cpp/gguf-py" ] && break; sleep 1; done
-(PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 .peer/make_gguf.py /tmp/q3.gguf --layers 12 && PYTHONPATH=$LB/src/llama.cpp/gguf-py python3 .peer/make_gguf.py /tmp/q3q8.gguf --layers 12 --experts-type q8_0) > /tmp/gguf.txt 2>&1 & gp=$!
-python3 -m pip install -e . --no-build-isolation --no-deps -q > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt; exit 1; }
-echo "# built at $(( $(date +%s) - T0 )) s"
+CASES=bf16,int8,quarter,int4 PEER=.peer bash bench/box_run.sh llama
 python3 -m bench.step_inputs_probe --out $OUT/step_inputs.json 2>&1 | tee $OUT/step_inputs.txt
-ALL="tests/test_generate_gpu.py tests/test_hybrid_gpu.py tests/test_replace_gpu.py tests/test_decode_fusions.py tests/test_expert_deferral.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_gpu_kernels_gemv.py tests/test_gpu_kernels.py"
-for f in $ALL; do
-  L=$(( 235 - ($(date +%s) - T0) )); [ $L -lt 25 ] && { echo "$f not run (time)"; continue; }
-  n=$(basename $f .py); timeout $L python3 -m pytest -q $f > /tmp/t_$n.txt 2>&1; echo "$f $(tail -1 /tmp/t_$n.txt)"
-done > $OUT/gpu_tests.txt; cat $OUT/gpu_tests.txt
-grep -h -B2 -A10 "^E  " /tmp/t_*.txt | head -30
-echo "# tests done at $(( $(date +%s) - T0 )) s"
-wait $bp || { tail -20 /tmp/llama_build.txt; exit 1; }
-wait $gp || { tail -20 /tmp/gguf.txt; exit 1; }
-echo "# llama built at $(( $(date +%s) - T0 )) s"
-P=bench/results/h200/profile_qwen3-30b-a3b_floor.json
-L=$(( 420 - ($(date +%s) - T0) ))
-timeout $L python3 -m bench.vs_llamacpp --llama-bench $LB/bin/llama-bench --gguf-bf16 /tmp/q3.gguf --gguf-q8 /tmp/q3q8.gguf --profile $P --cases bf16,int8,int4 --out $OUT/vs > $OUT/vs_llamacpp.txt 2>&1
-echo "rc=$?"; grep -E "^(bf16|int8|int4) |^\|" $OUT/vs_llamacpp.txt; grep -E "Error" $OUT/vs_llamacpp.txt | head -3
-echo "# vs done at $(( $(date +%s) - T0 )) s"
-for f in $(grep -vE ' [0-9]+ (passed|failed)' $OUT/gpu_tests.txt | cut -d' ' -f1); do
-  L=$(( 515 - ($(date +%s) - T0) )); [ $L -lt 15 ] && { echo "$f not run (time)"; continue; }
-  n=$(basename $f .py); timeout $L python3 -m pytest -q $f > /tmp/t_$n.txt 2>&1; echo "$f $(tail -1 /tmp/t_$n.txt)"
-done | tee -a $OUT/gpu_tests.txt
-cat /tmp/t_*.txt > $OUT/gpu_test_logs.txt; cat /tmp/build.txt /tmp/gguf.txt /tmp/llama_build.txt > $OUT/build_logs.txt
-echo "# all done at $(( $(date +%s) - T0 )) s"
