@@ -205,3 +205,47 @@ def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
     assert off_g.host_lane.failures == 0 and off_g.host_lane._deferred_wait is None
     assert tok_e == tok_g
     assert ((log_e - log_g).norm() / log_e.norm()).item() < 2e-2
+
+
+def test_l2_warming_in_graphs_changes_no_logits(tmp_path, monkeypatch):
+    """Captured decode with the next layer's weights warmed into L2 while each layer waits for its CPU lane
+    (HYBRID_L2_WARM=1, the default) gives bitwise the logits and greedy tokens of decode without it, and the
+    touches really were captured (one side-stream branch per layer that waits, none for the last)."""
+    from hybrid.gpu_kernels import l2_warm
+    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.sampling import SamplingParams
+
+    from hybrid import gpu_kernels
+
+    if not gpu_kernels.fused_enabled(torch.zeros(1, device="cuda")):
+        pytest.skip("L2 warming runs with the fused decode kernels only")
+    ckpt = demo_checkpoint(tmp_path, layers=3, seed=5)
+    captured = []
+    real_start = l2_warm.L2Warmer.start
+
+    def start(self, tensors, policy):
+        n = real_start(self, tensors, policy)
+        if torch.cuda.is_current_stream_capturing():
+            captured.append(n)
+        return n
+
+    monkeypatch.setattr(l2_warm.L2Warmer, "start", start)
+    runs = {}
+    for warm in ("1", "0"):
+        monkeypatch.setenv("HYBRID_L2_WARM", warm)
+        captured.clear()
+        model, off = load_hybrid(ckpt, "cuda", torch.bfloat16, HybridConfig(gpu_experts=0, schedule="cpu"),
+                                 progress=False)
+        eng = Engine(model, None, max_batch=2, max_context=64)
+        res = eng.generate([[5, 17, 99, 3], [200, 1, 64, 7, 8]], max_new_tokens=10,
+                           sampling=SamplingParams(temperature=0), stop_token_ids=[])
+        slots = [eng.allocate_slot() for _ in range(2)]
+        for s in slots:
+            eng.prefill(s, [1, 2, 3])
+        runs[warm] = ([r.token_ids for r in res], eng.decode_step(slots, [4, 5]).float().clone(), list(captured))
+        assert off.host_lane.failures == 0
+    (tok1, lg1, cap1), (tok0, lg0, cap0) = runs["1"], runs["0"]
+    assert tok1 == tok0 and torch.equal(lg1, lg0)
+    # every captured graph (batch buckets 1 and 2) warmed layers 1 and 2 from layers 0 and 1: 5 tensors each
+    assert cap1 and set(cap1) == {5} and len(cap1) % 2 == 0 and cap0 == []
