@@ -1,5 +1,5 @@
 """Does warming L2 with a layer's attention weights, while the GPU waits for the CPU lane, shorten that layer's
-q/k/v and o_proj projections? (diagnostic for hybrid.gpu_kernels.prefetch)
+q/k/v and o_proj projections? (diagnostic; issue 12 run 17: no, so decode does not do it)
 
     python -m bench.l2_prefetch_probe [--batch 1,8] [--layers 24] [--wait-us 60] [--rounds 5] [--out FILE.json]
 
@@ -9,12 +9,21 @@ GPU sleep of --wait-us standing in for the CPU lane's wait, then the two project
 (hybrid.models.layers.decode_linear). Ways:
 - cold: as decode ran before the prefetch;
 - touch / touch evict_last: a side stream forked before the sleep reads the layer's two weights once
-  (gpu_kernels.prefetch.l2_touch), joined before the first projection;
+  (l2_touch below), joined before the first projection;
 - hot: the two projections twice in a row, the second pass's time reported (its weights were just read: the
   most L2 can give);
 - sleep only: the sleeps alone, the baseline the others are measured from.
 Per layer: (graph time - sleep-only graph time) / layers, the medians of --rounds rounds of 20 replays each, the
 ways interleaved in each round. The L2 size is read off the device.
+
+The touch kernel (l2_touch) reads a tensor's bytes once with 16-byte loads, folding each block into an xor that it
+stores only if it equals a fixed value (data-dependent, so the compiler keeps the loads; nothing is written in
+practice). tests/test_l2_touch.py checks over ragged sizes that every word is read and the input left as it was.
+
+What it found on the GPU box (bench/results/h200/decode/run17/call2-3, H200 with 60 MiB of L2, 36 MiB of weights
+per layer): batch 1 cold 13.48-13.51 us per layer, touched 13.51-13.53, and even "hot" (weights read just
+before) only 12.74: these projections are bound by latency and launch, not by HBM bandwidth, so L2 can give them
+at most ~0.7 us per layer and the touch gave nothing measurable (batch 8: 20.33 cold, 20.34 touched).
 """
 
 from __future__ import annotations
@@ -24,11 +33,48 @@ import json
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
-from hybrid.gpu_kernels.prefetch import l2_touch
 from hybrid.models.layers import decode_linear
 
 QKV, O = (5120, 2048), (2048, 4096)
+BLOCK = 4096  # int32 words (16 KiB) per program: 8 16-byte loads per thread at 4 warps
+_SINK: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _l2_touch(p, n, sink, BLOCK: tl.constexpr, POLICY: tl.constexpr):
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(p + off, mask=off < n, other=0, eviction_policy=POLICY)
+    s = tl.xor_sum(v, axis=0)  # xor, not a sum: no overflow (the interpreter checks int32 ranges)
+    if s == 0x5A5A5A5A:  # data-dependent: keeps the loads; practically never true, harmless when it is
+        tl.store(sink, s)
+
+
+def _sink(device: torch.device) -> torch.Tensor:
+    s = _SINK.get(device)
+    if s is None:  # made by the first (eager) call, before any capture
+        s = _SINK[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return s
+
+
+def words(t: torch.Tensor) -> torch.Tensor | None:
+    """t's bytes as int32 words (a view), or None when they cannot be viewed so (not contiguous, odd size)."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 16:
+        return None
+    return t.reshape(-1).view(torch.int32)
+
+
+def l2_touch(t: torch.Tensor, policy: str = "") -> bool:
+    """Reads every byte of t once on the current stream; -> False (and does nothing) where t cannot be read as
+    aligned int32 words."""
+    w = words(t)
+    if w is None or w.numel() == 0:
+        return False
+    n = w.numel()
+    _l2_touch[(triton.cdiv(n, BLOCK),)](w, n, _sink(t.device), BLOCK=BLOCK, POLICY=policy, num_warps=4)
+    return True
 
 
 def build(ws, x, wait_cycles: int, way: str):

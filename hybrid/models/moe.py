@@ -291,17 +291,13 @@ class MoEBlock(nn.Module):
         return router_gemv_topk(x, self.router, self.router_bias, self.top_k, self.norm_topk_prob,
                                 self.router_cfg.scaling, self._router_scratch, into=into)
 
-    def forward(self, x: torch.Tensor, after_route=None) -> torch.Tensor:
-        """after_route: None, or a callable run once the router's kernels are queued, before the experts (the
-        model's L2 warming of the next layer's weights: queued then, its touches do not slow the router)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router
         # kernel, written into its page-locked buffers: then it needs no packing kernel of its own.
         gemv = self._gemv_router(x)
         ask = getattr(self.experts, "lane_inputs", None)
         into = ask(x, self.top_k) if ask is not None and gemv else None
         ids, weights = self._route_gemv(x, into) if gemv else self.route(x)
-        if after_route is not None:
-            after_route()
         if into is not None:
             out = self.experts(x, ids, weights, inputs_written=True)
         else:

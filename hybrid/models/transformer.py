@@ -14,14 +14,10 @@ Logits come back in fp32.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid import gpu_kernels
-from hybrid.gpu_kernels.l2_warm import BUDGET, L2Warmer, l2_bytes, warm_policy, within_budget
 from hybrid.models.config import ModelConfig
 from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param, sdpa_backends
 from hybrid.models.mla import MLAttention
@@ -38,41 +34,17 @@ class DecoderLayer(nn.Module):
         self.moe = MoEBlock(cfg, experts) if cfg.moe_layers[layer] else None
         self.mlp = None if cfg.moe_layers[layer] else GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks, warm=None):
+    def forward(self, h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks):
         """-> (h, this layer's MLP output): the caller adds the output (the next layer's input norm does it in
-        the same kernel, add_norm; the model's last layer's is added before the final norm).
-        warm: None, or a callable the MoE block runs once its router has run (the model's L2 warming of the next
-        layer's weights while this layer waits for its CPU lane; MoETransformer.warm_plan)."""
+        the same kernel, add_norm; the model's last layer's is added before the final norm)."""
         if pending is None:
             x = self.attn_norm(h)
         else:
             h, x = self.attn_norm.add_norm(h, pending)
         h, x = self.mlp_norm.add_norm(h, self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks))
         B, T, D = h.shape
-        if self.moe is None:
-            return h, self.mlp(x.reshape(B * T, D)).view(B, T, D)
-        return h, self.moe(x.reshape(B * T, D), after_route=warm).view(B, T, D)  # [T, D]: T = the batch's tokens
-
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The big tensors a decode step of this layer reads before its experts, in the order it reads them: q, k,
-        v (views of one block once fused), o_proj, the router. Empty for attention kinds that do not list theirs
-        (MLA: its projections are far larger than an L2)."""
-        attn = self.attn
-        if not isinstance(attn, Attention):
-            return []
-        out = [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
-        return out + ([self.moe.router] if self.moe is not None else [])
-
-
-def plan_warm(layers, budget_bytes: int) -> list[list[torch.Tensor]]:
-    """Per layer: the next layer's decode_weights that fit budget_bytes (a prefix, in reading order) where the
-    layer's experts wait for the CPU (HybridExperts.waits_for_cpu), else nothing."""
-    plan = []
-    for i, layer in enumerate(layers):
-        waits = layer.moe is not None and getattr(layer.moe.experts, "waits_for_cpu", False)
-        plan.append(within_budget(layers[i + 1].decode_weights(), budget_bytes) if waits and i + 1 < len(layers)
-                    else [])
-    return plan
+        ffn = self.moe if self.moe is not None else self.mlp
+        return h, ffn(x.reshape(B * T, D)).view(B, T, D)  # [T, D] for the MoE interface (T = the batch's tokens)
 
 
 class MoETransformer(nn.Module):
@@ -95,21 +67,6 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else param(cfg.vocab_size, cfg.hidden_size)  # [V, D]
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self._warmer = L2Warmer()  # its side stream, made by the first warming
-
-    def warm_plan(self, h: torch.Tensor, fresh: bool) -> tuple[list[list[torch.Tensor]], str]:
-        """-> (per layer, the tensors to warm into L2 while that layer waits for its CPU lane: the next layer's
-        decode_weights, as many as fit BUDGET of the L2 (gpu_kernels.l2_warm); the touches' load policy). Empty lists where nothing is
-        warmed: prefill (more than 8 tokens, or fresh prompts), no CUDA or fused kernels, HYBRID_L2_WARM=0, the
-        last layer, and layers that do not wait for the CPU (no cold expert, expert deferral, dense MLP): there
-        the touch would compete with GPU work for HBM instead of filling idle time."""
-        none = [[]] * len(self.layers), ""
-        if fresh or not h.is_cuda or h.shape[0] * h.shape[1] > 8 or not gpu_kernels.fused_enabled(h):
-            return none
-        policy = warm_policy()
-        if policy is None:
-            return none
-        return plan_warm(self.layers, int(BUDGET * l2_bytes(h.device))), policy
 
     @property
     def device(self) -> torch.device:
@@ -129,15 +86,9 @@ class MoETransformer(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {}  # attention masks of this step, built once and shared by the layers
         pending = None  # the last layer's MLP output, not yet added to h
-        plan, policy = self.warm_plan(h, fresh)
         with sdpa_backends(h, fresh):
-            for i, layer in enumerate(self.layers):
-                self._warmer.join()  # this layer's weights, warmed while the previous one waited, before its reads
-                warm = None
-                if plan[i]:
-                    warm = functools.partial(self._warmer.start, plan[i], policy)
-                h, pending = layer(h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks, warm)
-        self._warmer.join()
+            for layer in self.layers:
+                h, pending = layer(h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         if pending is not None:
             h = h + pending
         if last_only:

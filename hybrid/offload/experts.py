@@ -202,12 +202,6 @@ class HybridExperts(nn.Module):
         return off.graphs and grouped_mm_works(off.device, off.dtype) and off.dtype == torch.bfloat16
 
     @property
-    def waits_for_cpu(self) -> bool:
-        """Whether a decode step of this layer waits for the CPU lane before the next layer can start: some expert
-        is cold and the lane is not deferred (the model warms the next layer's weights into L2 meanwhile)."""
-        return bool(self.cold_ids.size) and not self.offload.defer
-
-    @property
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
 
