@@ -7,7 +7,7 @@ A CUDA graph of --layers "layers" with their own weights (the Qwen3-30B shape's 
 o_proj [2048, 4096], bf16; 24 layers are ~0.9 GB, far past L2, so nothing is warm by accident). Each layer: a
 GPU sleep of --wait-us standing in for the CPU lane's wait, then the two projections as decode runs them
 (hybrid.models.layers.decode_linear). Ways:
-- cold: as decode ran before the prefetch;
+- cold: as decode runs;
 - touch / touch evict_last: a side stream forked before the sleep reads the layer's two weights once
   (l2_touch below), joined before the first projection;
 - hot: the two projections twice in a row, the second pass's time reported (its weights were just read: the
