@@ -286,6 +286,10 @@ MUTATIONS = [
      "r[0, n:], r[1, n:], r[2, n:] = 0, -1, 0", "r[0, n:], r[2, n:] = 0, 0", ["tests/test_context_buckets.py"]),
     ("decode graphs: positions and slots rows swapped", "hybrid/runtime/cuda_graphs.py",
      '"slots": inputs[2],  # [b]', '"slots": inputs[1],  # [b]', ["tests/test_context_buckets.py"]),
+    ("l2 touch: the last word of the tensor not read", "bench/l2_prefetch_probe.py",
+     "mask=off < n, other=0", "mask=off < n - 1, other=0", ["tests/test_l2_touch.py"]),
+    ("ceiling drift: the smallest step reported as the largest", "bench/ceiling_drift.py",
+     '"largest_step_GBps": max(steps)', '"largest_step_GBps": min(steps)', ["tests/test_ceiling_drift.py"]),
 ]
 
 
