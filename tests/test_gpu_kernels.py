@@ -280,6 +280,80 @@ def test_router_gemv_topk_matches_linear_and_select_experts(T, E, D, K, bias, no
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,D,K,bias,dtype", [
+    (1, 128, 2048, 8, False, torch.float32),  # Qwen3-30B-A3B's router
+    (8, 60, 96, 6, False, torch.float32),  # eight rows, E not a power of two, a small D
+    (3, 32, 2880, 4, True, torch.float32),  # gpt-oss: bias, D over two 2048 chunks (the norm's sum spans both)
+    (2, 128, 2048, 8, False, torch.bfloat16),
+    (5, 32, 2880, 4, True, torch.bfloat16),
+])
+def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_router(T, E, D, K, bias, dtype, device):
+    """norm_in: the router kernel adds delta to the residual stream and applies the MoE input RMSNorm itself. It
+    returns add_rms_norm's h + delta exactly and its normed row to within one step of the dtype (the norm's sum
+    runs in another order), routes that row as router_gemv_topk routes add_rms_norm's, writes the row, ids and
+    weights to `into`, and leaves its arrival counters at zero (a second launch, as a graph replay, agrees)."""
+    from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
+
+    g = torch.Generator().manual_seed(T * E + D + K + 1)
+    h = torch.randn(T, D, generator=g).to(dtype)
+    delta = torch.randn(T, D, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
+    b = (torch.randn(E, generator=g) * 0.1).to(dtype) if bias else None
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    want_h, want_y = add_rms_norm(dev(h), dev(delta), dev(nw), 1e-6)
+    want_ids, want_w = router_gemv_topk(want_y, dev(w), dev(b), K, True, 1.0, RouterScratch(E, device))
+    scratch = RouterScratch(E, device)
+    into = (torch.zeros(T, D, dtype=dtype, device=device), torch.zeros(T, K, dtype=torch.int64, device=device),
+            torch.zeros(T, K, dtype=torch.float32, device=device))
+    for launch in range(2):
+        ids, wts, h2, y = router_gemv_topk(dev(h), dev(w), dev(b), K, True, 1.0, scratch,
+                                           into=into if launch else None, norm_in=(dev(delta), dev(nw), 1e-6))
+        assert torch.equal(h2, want_h)
+        step = 1e-5 if dtype == torch.float32 else 2 ** -7  # one bf16 step at |y| < 2; fp32 sums apart
+        torch.testing.assert_close(y.float(), want_y.float(), rtol=step, atol=step)
+        if torch.equal(y, want_y):
+            assert torch.equal(ids, want_ids)
+            torch.testing.assert_close(wts, want_w, rtol=1e-5, atol=1e-6)
+        else:  # a row an ulp apart may swap near-tied experts: the chosen logits must be the K largest of its own
+            logits = F.linear(y.float(), dev(w).float(), None if b is None else dev(b).float()).to(dtype).float()
+            top = logits.topk(K, dim=-1).values
+            torch.testing.assert_close(logits.gather(1, ids), top, rtol=0, atol=0)
+        assert torch.equal(scratch.cnt, torch.zeros_like(scratch.cnt))
+    px, pi, pw = into
+    assert torch.equal(px, y) and torch.equal(pi, ids) and torch.equal(pw, wts)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_models_decode_the_same_with_the_norm_in_the_router(family, tmp_path, monkeypatch):
+    """HYBRID_ROUTER_NORM=1: decode layers fold the MoE input norm into the router kernel (Qwen3; gpt-oss with
+    its router bias); greedy tokens equal the unfused chain's, and the folded path really ran."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
+    from hybrid import gpu_kernels
+    from hybrid.gpu_kernels import router
+    from hybrid.models import load_model
+    from tiny_models import engine_greedy, make_checkpoint
+
+    make_checkpoint(family, tmp_path, seed=3, extra={"sinks": 1.0} if family == "gpt_oss" else None)
+    model = load_model(tmp_path, progress=False)
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [8, 1, 60]]
+    want = engine_greedy(model, prompts, n=6)
+    folded = []
+    real = router.router_gemv_topk
+    monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
+    monkeypatch.setattr(router, "router_gemv_topk", lambda *a, **k: folded.append(k.get("norm_in") is not None)
+                        or real(*a, **k))
+    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "1")
+    assert engine_greedy(model, prompts, n=6) == want
+    assert any(folded)
+    folded.clear()
+    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "0")
+    assert engine_greedy(model, prompts, n=6) == want
+    assert folded and not any(folded)  # the router kernel still ran, without the norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,E,K,groups,topk_group,bias,norm,scaling", [
     (1, 256, 8, 8, 4, True, True, 2.5),  # DeepSeek-V3's router shape
     (3, 16, 4, 8, 3, True, True, 1.0),  # groups of two (Kimi-K2 style variant of the tiny tests)

@@ -205,3 +205,45 @@ def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
     assert off_g.host_lane.failures == 0 and off_g.host_lane._deferred_wait is None
     assert tok_e == tok_g
     assert ((log_e - log_g).norm() / log_e.norm()).item() < 2e-2
+
+
+def test_norm_in_the_router_in_graphs_matches_the_unfused_norm(tmp_path, monkeypatch):
+    """HYBRID_ROUTER_NORM=1: captured decode with the MoE input norm inside the router kernel (which also writes
+    the CPU lane's inputs) gives the greedy tokens of the separate add + RMSNorm kernel, logits within bf16
+    rounding, and the folded router really was captured."""
+    from hybrid import gpu_kernels
+    from hybrid.gpu_kernels import router
+    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.runtime.engine import Engine
+    from hybrid.runtime.sampling import SamplingParams
+
+    if not gpu_kernels.fused_enabled(torch.zeros(1, device="cuda")):
+        pytest.skip("the folded norm runs with the fused decode kernels only")
+    ckpt = demo_checkpoint(tmp_path, layers=3, seed=6)
+    folded = []
+    real = router.router_gemv_topk
+
+    def spy(*a, **k):
+        if torch.cuda.is_current_stream_capturing():
+            folded.append(k.get("norm_in") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(router, "router_gemv_topk", spy)
+    runs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, on)
+        folded.clear()
+        model, off = load_hybrid(ckpt, "cuda", torch.bfloat16, HybridConfig(gpu_experts=4, schedule="cpu"),
+                                 progress=False)
+        eng = Engine(model, None, max_batch=2, max_context=64)
+        res = eng.generate([[5, 17, 99, 3], [200, 1, 64, 7, 8]], max_new_tokens=10,
+                           sampling=SamplingParams(temperature=0), stop_token_ids=[])
+        slots = [eng.allocate_slot() for _ in range(2)]
+        for s in slots:
+            eng.prefill(s, [1, 2, 3])
+        runs[on] = ([r.token_ids for r in res], eng.decode_step(slots, [4, 5]).float().clone(), list(folded))
+        assert off.host_lane.failures == 0
+    (tok1, lg1, f1), (tok0, lg0, f0) = runs["1"], runs["0"]
+    assert tok1 == tok0
+    assert ((lg1 - lg0).norm() / lg0.norm()).item() < 2e-2
+    assert f1 and all(f1) and f0 and not any(f0)

@@ -17,7 +17,9 @@ microseconds even inside a CUDA graph, and nothing of it overlaps the CPU expert
   one kernel each instead of 3 and ~12; `router_gemv_topk`: at decode sizes the softmax router's logits GEMV
   in the same kernel, which in captured steps also writes the CPU lane's inputs into its page-locked block;
 - `gemv.linear_small`: the q/k/v and o_proj projections of a one-row decode step (cuBLAS's batch-1 GEMMs
-  reach 1.8-2.7 TB/s there).
+  reach 1.8-2.7 TB/s there);
+- `router_gemv_topk(..., norm_in=...)`: the MoE input's residual add + RMSNorm inside the router kernel (one
+  kernel fewer per layer); opt-in with HYBRID_ROUTER_NORM=1 until it is timed on the GPU box (router_norm_fused).
 
 Each kernel has a pure-PyTorch reference (the model's own layers) and is tested against it over ragged shapes
 with Triton's interpreter on the CPU (tests/test_gpu_kernels.py) and compiled on the GPU box.
@@ -73,6 +75,15 @@ def fused_enabled(x: torch.Tensor) -> bool:
         _STATE["on"] = on
         log.info("fused decode kernels: %s", why)
     return bool(on)
+
+
+ROUTER_NORM_ENV = "HYBRID_ROUTER_NORM"
+
+
+def router_norm_fused() -> bool:
+    """Whether decode layers fold the MoE input norm into the router kernel (HYBRID_ROUTER_NORM=1; off by default
+    until measured on the GPU box). Read at each call, so a process can A/B it between graph captures."""
+    return os.environ.get(ROUTER_NORM_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def describe() -> str:

@@ -155,18 +155,41 @@ GEMV_CONFIG = (1, 2048, 1)
 
 @triton.jit
 def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, D, sx, scaling,
+                      delta, nw, h_out, y_out, sd, eps,
                       K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr,
                       BD: tl.constexpr, ND: tl.constexpr, NB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr, PACK: tl.constexpr):
+                      NORM: tl.constexpr, PACK: tl.constexpr, NORM_IN: tl.constexpr):
     t = tl.program_id(0)
     j = tl.program_id(1)
     r = j * EB + tl.arange(0, EB)
     rm = r < E
     acc = tl.zeros([EB], tl.float32)
+    if NORM_IN:
+        # x is the residual stream h: the row the router reads is rms_norm(h + delta) * nw, computed by every
+        # program from the same values in the same order (so all agree), with add_rms_norm's roundings
+        ss = tl.zeros([BD], tl.float32)
+        for it in tl.static_range(ND):
+            d = it * BD + tl.arange(0, BD)
+            dm = d < D
+            hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
+            hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
+            hs = hs.to(x.dtype.element_ty).to(tl.float32)
+            ss += hs * hs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
     for it in tl.static_range(ND):
         d = it * BD + tl.arange(0, BD)
         dm = d < D
-        xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
+        if NORM_IN:
+            hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
+            hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
+            hs = hs.to(x.dtype.element_ty)
+            xr = (hs.to(tl.float32) * rstd * tl.load(nw + d, mask=dm, other=0.0).to(tl.float32)).to(
+                x.dtype.element_ty)
+            if j == 0:
+                tl.store(h_out + t * D + d, hs, mask=dm)  # the residual stream after the add
+                tl.store(y_out + t * D + d, xr, mask=dm)  # the normed row, for the experts on the GPU
+        else:
+            xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
         wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xr.to(tl.float32)[None, :], axis=1)
         if PACK:
@@ -210,7 +233,8 @@ def router_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
-                     scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None):
+                     scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None,
+                     norm_in: tuple | None = None):
     """Softmax routers at decode sizes, the logits GEMV included: x [T, D] (T <= GEMV_MAX_T), router weights
     w [E, D] (+ bias [E]) -> (ids [T, K] int64, weights [T, K] fp32), as F.linear + router_topk give them
     (logits rounded to the model's dtype before the top-k; the sums' order differs from cuBLAS's).
@@ -220,7 +244,10 @@ def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     the row's last program to finish (an arrival counter in `scratch`) takes the top K. config = (EB, D chunk,
     warps), GEMV_CONFIG by default.
     into = (x, ids, weights) targets (the CPU lane's page-locked inputs through their mapped aliases): the
-    kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel."""
+    kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel.
+    norm_in = (delta [T, D], norm weight [D], eps): x is the residual stream h and the router's row is the MoE
+    input norm of h + delta, computed in the same kernel (add_rms_norm's roundings; one kernel fewer per decode
+    layer); -> (ids, weights, h + delta, the normed row), the row being also what `into` receives."""
     T, D = x.shape
     E = w.shape[0]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
@@ -229,8 +256,17 @@ def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     BD = min(next_pow2(D), bd)
     nb = -(-E // eb)
     px, pi, pw = into if into is not None else (x, ids, wts)
+    if norm_in is not None:
+        delta, nw, eps = norm_in
+        h_out, y = torch.empty(T, D, dtype=x.dtype, device=x.device), torch.empty(T, D, dtype=x.dtype, device=x.device)
+    else:
+        delta, nw, eps, h_out, y = x, x, 0.0, x, x
     _router_gemv_topk[(T, nb)](
         x, w, bias if bias is not None else w, scratch.logits, scratch.cnt, ids, wts, px, pi, pw, E, D, x.stride(0),
-        float(scaling), K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
-        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, num_warps=warps)
+        float(scaling), delta, nw, h_out, y, delta.stride(0), float(eps),
+        K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, NORM_IN=norm_in is not None,
+        num_warps=warps)
+    if norm_in is not None:
+        return ids, wts, h_out, y
     return ids, wts

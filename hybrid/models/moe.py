@@ -283,13 +283,27 @@ class MoEBlock(nn.Module):
 
         return router_gemv_supported(x, self.router)
 
-    def _route_gemv(self, x: torch.Tensor, into: tuple | None = None):
+    def _route_gemv(self, x: torch.Tensor, into: tuple | None = None, norm_in: tuple | None = None):
         from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
 
         if self._router_scratch is None:  # made once, by the first call (an eager one, before any capture)
             self._router_scratch = RouterScratch(self.router.shape[0], x.device)
         return router_gemv_topk(x, self.router, self.router_bias, self.top_k, self.norm_topk_prob,
-                                self.router_cfg.scaling, self._router_scratch, into=into)
+                                self.router_cfg.scaling, self._router_scratch, into=into, norm_in=norm_in)
+
+    def forward_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """h, delta [T, D] (the residual stream and the attention's output), norm: this layer's MoE input RMSNorm
+        -> (h + delta, the MoE output of norm(h + delta)). Where the router kernel takes decode rows and
+        HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused), the add and the norm run inside the router kernel;
+        otherwise norm.add_norm, then forward."""
+        if (gpu_kernels.router_norm_fused() and self._gemv_router(h) and delta.shape == h.shape
+                and delta.stride(-1) == 1):
+            ask = getattr(self.experts, "lane_inputs", None)
+            into = ask(h, self.top_k) if ask is not None else None
+            ids, weights, h, x = self._route_gemv(h, into, norm_in=(delta, norm.weight, norm.eps))
+            return h, self._experts_out(x, ids, weights, into)
+        h, x = norm.add_norm(h, delta)
+        return h, self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router
@@ -298,6 +312,11 @@ class MoEBlock(nn.Module):
         ask = getattr(self.experts, "lane_inputs", None)
         into = ask(x, self.top_k) if ask is not None and gemv else None
         ids, weights = self._route_gemv(x, into) if gemv else self.route(x)
+        return self._experts_out(x, ids, weights, into)
+
+    def _experts_out(self, x, ids, weights, into) -> torch.Tensor:
+        """The routed experts' output (+ the shared expert's) for rows x; into: where the router wrote the CPU
+        lane's inputs (lane_inputs), or None."""
         if into is not None:
             out = self.experts(x, ids, weights, inputs_written=True)
         else:

@@ -41,10 +41,13 @@ class DecoderLayer(nn.Module):
             x = self.attn_norm(h)
         else:
             h, x = self.attn_norm.add_norm(h, pending)
-        h, x = self.mlp_norm.add_norm(h, self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks))
+        a = self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         B, T, D = h.shape
-        ffn = self.moe if self.moe is not None else self.mlp
-        return h, ffn(x.reshape(B * T, D)).view(B, T, D)  # [T, D] for the MoE interface (T = the batch's tokens)
+        if self.moe is not None:  # [T, D] for the MoE interface (T = the batch's tokens)
+            h, out = self.moe.forward_norm(h.reshape(B * T, D), a.reshape(B * T, D), self.mlp_norm)
+            return h.view(B, T, D), out.view(B, T, D)
+        h, x = self.mlp_norm.add_norm(h, a)
+        return h, self.mlp(x.reshape(B * T, D)).view(B, T, D)
 
 
 class MoETransformer(nn.Module):
