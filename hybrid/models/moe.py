@@ -291,19 +291,21 @@ class MoEBlock(nn.Module):
         return router_gemv_topk(x, self.router, self.router_bias, self.top_k, self.norm_topk_prob,
                                 self.router_cfg.scaling, self._router_scratch, into=into, norm_in=norm_in)
 
+    def folds_norm(self, h: torch.Tensor, delta: torch.Tensor) -> bool:
+        """Whether forward_norm can take these rows: HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused) and a
+        router the GEMV kernel takes at this size."""
+        return (gpu_kernels.router_norm_fused() and self._gemv_router(h) and delta.shape == h.shape
+                and delta.stride(-1) == 1)
+
     def forward_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """h, delta [T, D] (the residual stream and the attention's output), norm: this layer's MoE input RMSNorm
-        -> (h + delta, the MoE output of norm(h + delta)). Where the router kernel takes decode rows and
-        HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused), the add and the norm run inside the router kernel;
-        otherwise norm.add_norm, then forward."""
-        if (gpu_kernels.router_norm_fused() and self._gemv_router(h) and delta.shape == h.shape
-                and delta.stride(-1) == 1):
-            ask = getattr(self.experts, "lane_inputs", None)
-            into = ask(h, self.top_k) if ask is not None else None
-            ids, weights, h, x = self._route_gemv(h, into, norm_in=(delta, norm.weight, norm.eps))
-            return h, self._experts_out(x, ids, weights, into)
-        h, x = norm.add_norm(h, delta)
-        return h, self.forward(x)
+        -> (h + delta, the MoE output of norm(h + delta)), the add and the norm inside the router kernel (one
+        kernel fewer than norm.add_norm + forward). Only where folds_norm says so. Not a module call: hooks on
+        this block do not see it (the executor's do)."""
+        ask = getattr(self.experts, "lane_inputs", None)
+        into = ask(h, self.top_k) if ask is not None else None
+        ids, weights, h, x = self._route_gemv(h, into, norm_in=(delta, norm.weight, norm.eps))
+        return h, self._experts_out(x, ids, weights, into)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router
