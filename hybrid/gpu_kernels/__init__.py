@@ -83,7 +83,11 @@ ROUTER_NORM_ENV = "HYBRID_ROUTER_NORM"
 def router_norm_fused() -> bool:
     """Whether decode layers fold the MoE input norm into the router kernel (HYBRID_ROUTER_NORM=1; off by default
     until measured on the GPU box). Read at each call, so a process can A/B it between graph captures."""
-    return os.environ.get(ROUTER_NORM_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    on = os.environ.get(ROUTER_NORM_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    if on and not _STATE.get("router_norm_logged"):
+        _STATE["router_norm_logged"] = True
+        log.info("router kernel takes the MoE input norm (%s=1; opt-in, not yet timed on the GPU box)", ROUTER_NORM_ENV)
+    return on
 
 
 def describe() -> str:
