@@ -167,6 +167,24 @@ def test_decode_attention_does_not_depend_on_the_context_bucket(device):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def tiny_greedy(family, tmp_path, extra=None):
+    """A tiny random checkpoint of `family` loaded on the CPU -> (a function giving its greedy tokens for two fixed
+    prompts, those tokens now, through the unfused chain the CPU runs). Interpreter runs only."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
+    from hybrid.models import load_model
+    from tiny_models import engine_greedy, make_checkpoint
+
+    make_checkpoint(family, tmp_path, seed=3, extra=extra)
+    model = load_model(tmp_path, progress=False)
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [8, 1, 60]]
+
+    def greedy():
+        return engine_greedy(model, prompts, n=6)
+
+    return greedy, greedy()
+
+
 @pytest.mark.parametrize("family,extra", [("qwen3_moe", None), ("gpt_oss", {"sinks": 1.0}),
                                           ("glm4_moe", {"e_score_correction_bias": 0.3}), ("mixtral", None),
                                           ("olmoe", None), ("deepseek_v3", {"e_score_correction_bias": 0.3})])
@@ -176,22 +194,15 @@ def test_models_decode_the_same_through_the_fused_kernels(family, extra, tmp_pat
     (gpt-oss), partial rotary with a 24-dim head and biases (GLM), a window (Mixtral), full-width q/k norm with
     clipping (OLMoE: declines the fused attention, keeps the fused residual norms), DeepSeek-V3's MLA (not fused)
     with its group-limited sigmoid router (fused) and a dense first layer."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
     from hybrid import gpu_kernels
     from hybrid.gpu_kernels import attention
-    from hybrid.models import load_model
-    from tiny_models import engine_greedy, make_checkpoint
 
-    make_checkpoint(family, tmp_path, seed=3, extra=extra)
-    model = load_model(tmp_path, progress=False)
-    prompts = [[5, 17, 33, 2, 9, 41, 7], [8, 1, 60]]
-    want = engine_greedy(model, prompts, n=6)
+    greedy, want = tiny_greedy(family, tmp_path, extra)
     calls = []
     real = attention.decode_attention
     monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
     monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert engine_greedy(model, prompts, n=6) == want
+    assert greedy() == want
     fused_attention = family not in ("olmoe", "deepseek_v3")
     assert bool(calls) == fused_attention
 
@@ -328,28 +339,21 @@ def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_rout
 def test_models_decode_the_same_with_the_norm_in_the_router(family, tmp_path, monkeypatch):
     """HYBRID_ROUTER_NORM=1: decode layers fold the MoE input norm into the router kernel (Qwen3; gpt-oss with
     its router bias); greedy tokens equal the unfused chain's, and the folded path really ran."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs on CPU tensors through Triton's interpreter (machines without CUDA)")
     from hybrid import gpu_kernels
     from hybrid.gpu_kernels import router
-    from hybrid.models import load_model
-    from tiny_models import engine_greedy, make_checkpoint
 
-    make_checkpoint(family, tmp_path, seed=3, extra={"sinks": 1.0} if family == "gpt_oss" else None)
-    model = load_model(tmp_path, progress=False)
-    prompts = [[5, 17, 33, 2, 9, 41, 7], [8, 1, 60]]
-    want = engine_greedy(model, prompts, n=6)
+    greedy, want = tiny_greedy(family, tmp_path, {"sinks": 1.0} if family == "gpt_oss" else None)
     folded = []
     real = router.router_gemv_topk
     monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
     monkeypatch.setattr(router, "router_gemv_topk", lambda *a, **k: folded.append(k.get("norm_in") is not None)
                         or real(*a, **k))
     monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "1")
-    assert engine_greedy(model, prompts, n=6) == want
+    assert greedy() == want
     assert any(folded)
     folded.clear()
     monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "0")
-    assert engine_greedy(model, prompts, n=6) == want
+    assert greedy() == want
     assert folded and not any(folded)  # the router kernel still ran, without the norm
 
 

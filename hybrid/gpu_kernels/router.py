@@ -180,13 +180,13 @@ def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, 
         d = it * BD + tl.arange(0, BD)
         dm = d < D
         if NORM_IN:
-            hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
-            hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
-            hs = hs.to(x.dtype.element_ty)
-            xr = (hs.to(tl.float32) * rstd * tl.load(nw + d, mask=dm, other=0.0).to(tl.float32)).to(
-                x.dtype.element_ty)
+            if ND > 1:  # with one chunk (D <= BD) pass 1's rounded sum is still in registers
+                hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
+                hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
+                hs = hs.to(x.dtype.element_ty).to(tl.float32)
+            xr = (hs * rstd * tl.load(nw + d, mask=dm, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
             if j == 0:
-                tl.store(h_out + t * D + d, hs, mask=dm)  # the residual stream after the add
+                tl.store(h_out + t * D + d, hs.to(x.dtype.element_ty), mask=dm)  # the residual stream after the add
                 tl.store(y_out + t * D + d, xr, mask=dm)  # the normed row, for the experts on the GPU
         else:
             xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
