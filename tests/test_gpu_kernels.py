@@ -298,11 +298,14 @@ def test_router_gemv_topk_matches_linear_and_select_experts(T, E, D, K, bias, no
     (2, 128, 2048, 8, False, torch.bfloat16),
     (5, 32, 2880, 4, True, torch.bfloat16),
 ])
-def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_router(T, E, D, K, bias, dtype, device):
+@pytest.mark.parametrize("preload_w", [True, False])
+def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_router(T, E, D, K, bias, dtype, preload_w,
+                                                                                   device):
     """norm_in: the router kernel adds delta to the residual stream and applies the MoE input RMSNorm itself. It
     returns add_rms_norm's h + delta exactly and its normed row to within one step of the dtype (the norm's sum
     runs in another order), routes that row as router_gemv_topk routes add_rms_norm's, writes the row, ids and
-    weights to `into`, and leaves its arrival counters at zero (a second launch, as a graph replay, agrees)."""
+    weights to `into`, and leaves its arrival counters at zero (a second launch, as a graph replay, agrees); with
+    the weight tile loaded before the norm (one-chunk rows) or after it."""
     from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
 
     g = torch.Generator().manual_seed(T * E + D + K + 1)
@@ -319,7 +322,8 @@ def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_rout
             torch.zeros(T, K, dtype=torch.float32, device=device))
     for launch in range(2):
         ids, wts, h2, y = router_gemv_topk(dev(h), dev(w), dev(b), K, True, 1.0, scratch,
-                                           into=into if launch else None, norm_in=(dev(delta), dev(nw), 1e-6))
+                                           into=into if launch else None, norm_in=(dev(delta), dev(nw), 1e-6),
+                                           preload_w=preload_w)
         assert torch.equal(h2, want_h)
         step = 1e-5 if dtype == torch.float32 else 2 ** -7  # one bf16 step at |y| < 2; fp32 sums apart
         torch.testing.assert_close(y.float(), want_y.float(), rtol=step, atol=step)

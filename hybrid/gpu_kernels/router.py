@@ -158,12 +158,16 @@ def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, 
                       delta, nw, h_out, y_out, sd, eps,
                       K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr,
                       BD: tl.constexpr, ND: tl.constexpr, NB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr, PACK: tl.constexpr, NORM_IN: tl.constexpr):
+                      NORM: tl.constexpr, PACK: tl.constexpr, NORM_IN: tl.constexpr,
+                      PRELOAD_W: tl.constexpr):
     t = tl.program_id(0)
     j = tl.program_id(1)
     r = j * EB + tl.arange(0, EB)
     rm = r < E
     acc = tl.zeros([EB], tl.float32)
+    if PRELOAD_W:  # one chunk: issue the weight tile's load first, so its latency hides behind the norm's
+        d0 = tl.arange(0, BD)
+        w0 = tl.load(w + r[:, None] * D + d0[None, :], mask=rm[:, None] & (d0 < D)[None, :], other=0.0)
     if NORM_IN:
         # x is the residual stream h: the row the router reads is rms_norm(h + delta) * nw, computed by every
         # program from the same values in the same order (so all agree), with add_rms_norm's roundings
@@ -190,7 +194,10 @@ def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, 
                 tl.store(y_out + t * D + d, xr, mask=dm)  # the normed row, for the experts on the GPU
         else:
             xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
-        wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        if PRELOAD_W:
+            wv = w0.to(tl.float32)
+        else:
+            wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xr.to(tl.float32)[None, :], axis=1)
         if PACK:
             if j == 0:
@@ -234,7 +241,7 @@ def router_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
                      scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None,
-                     norm_in: tuple | None = None):
+                     norm_in: tuple | None = None, preload_w: bool = True):
     """Softmax routers at decode sizes, the logits GEMV included: x [T, D] (T <= GEMV_MAX_T), router weights
     w [E, D] (+ bias [E]) -> (ids [T, K] int64, weights [T, K] fp32), as F.linear + router_topk give them
     (logits rounded to the model's dtype before the top-k; the sums' order differs from cuBLAS's).
@@ -247,7 +254,9 @@ def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel.
     norm_in = (delta [T, D], norm weight [D], eps): x is the residual stream h and the router's row is the MoE
     input norm of h + delta, computed in the same kernel (add_rms_norm's roundings; one kernel fewer per decode
-    layer); -> (ids, weights, h + delta, the normed row), the row being also what `into` receives."""
+    layer); -> (ids, weights, h + delta, the normed row), the row being also what `into` receives. With the
+    norm folded in and the row in one D chunk, each program loads its weight tile before it reduces the norm
+    (preload_w, on by default; False is bench.router_probe's A/B)."""
     T, D = x.shape
     E = w.shape[0]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
@@ -266,7 +275,7 @@ def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         float(scaling), delta, nw, h_out, y, delta.stride(0), float(eps),
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
         HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, NORM_IN=norm_in is not None,
-        num_warps=warps)
+        PRELOAD_W=bool(preload_w and norm_in is not None and D <= BD), num_warps=warps)
     if norm_in is not None:
         return ids, wts, h_out, y
     return ids, wts
