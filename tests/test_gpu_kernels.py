@@ -342,7 +342,8 @@ def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_rout
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_models_decode_the_same_with_the_norm_in_the_router(family, tmp_path, monkeypatch):
     """HYBRID_ROUTER_NORM=1: decode layers fold the MoE input norm into the router kernel (Qwen3; gpt-oss with
-    its router bias); greedy tokens equal the unfused chain's, and the folded path really ran."""
+    its router bias); greedy tokens equal the unfused chain's, and the folded path really ran; rows wider than
+    router.NORM_IN_MAX_D keep the unfused pair."""
     from hybrid import gpu_kernels
     from hybrid.gpu_kernels import router
 
@@ -359,6 +360,11 @@ def test_models_decode_the_same_with_the_norm_in_the_router(family, tmp_path, mo
     monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "0")
     assert greedy() == want
     assert folded and not any(folded)  # the router kernel still ran, without the norm
+    folded.clear()
+    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "1")
+    monkeypatch.setattr(router, "NORM_IN_MAX_D", 8)  # rows wider than one chunk decline the fold
+    assert greedy() == want
+    assert folded and not any(folded)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -151,6 +151,11 @@ GEMV_MAX_T = 8  # rows router_gemv_topk takes (decode batches); larger batches: 
 # 5.2 at T = 8), 5.5 at 128 x 4096, 4.1 at gpt-oss-20b's 32 x 2880, against 7.7 / 7.8 / 11.4 / 6.5 us for
 # (4, 2048, 4) and 8.2 / 8.5 / 9.8 / 8.2 us for cuBLAS's GEMM + router_topk.
 GEMV_CONFIG = (1, 2048, 1)
+# The widest row decode layers fold the MoE input norm into (MoEBlock.folds_norm): one D chunk, where each
+# program loads its weight tile before it reduces the norm. `python3 -m bench.router_probe --norm-in` (issue 12
+# run 18 call 2), fold against add_rms_norm + the router: 4.75 vs 5.44 us at 1 x 2048, 5.84 vs 6.87 at 8 x 2048;
+# two chunks: 7.33 vs 7.46 at 1 x 4096, 6.32 vs 5.93 at gpt-oss-20b's 32 x 2880 (slower).
+NORM_IN_MAX_D = GEMV_CONFIG[1]
 
 
 @triton.jit

@@ -292,10 +292,13 @@ class MoEBlock(nn.Module):
                                 self.router_cfg.scaling, self._router_scratch, into=into, norm_in=norm_in)
 
     def folds_norm(self, h: torch.Tensor, delta: torch.Tensor) -> bool:
-        """Whether forward_norm can take these rows: HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused) and a
-        router the GEMV kernel takes at this size."""
-        return (gpu_kernels.router_norm_fused() and self._gemv_router(h) and delta.shape == h.shape
-                and delta.stride(-1) == 1)
+        """Whether forward_norm can take these rows: HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused), a
+        router the GEMV kernel takes at this size, and rows of one D chunk (router.NORM_IN_MAX_D: wider rows
+        read the norm twice per program, level with the unfused pair or slower on the GPU box)."""
+        from hybrid.gpu_kernels.router import NORM_IN_MAX_D
+
+        return (gpu_kernels.router_norm_fused() and h.shape[-1] <= NORM_IN_MAX_D and self._gemv_router(h)
+                and delta.shape == h.shape and delta.stride(-1) == 1)
 
     def forward_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """h, delta [T, D] (the residual stream and the attention's output), norm: this layer's MoE input RMSNorm
