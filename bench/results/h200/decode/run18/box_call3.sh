@@ -8,8 +8,8 @@ mkdir -p /tmp/src && tar xzf .boxcmd/src.tgz -C /tmp/src && cd /tmp/src
 python3 -m pip install -e . --no-build-isolation --no-deps -q > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt; exit 1; }
 echo "# built at $(( $(date +%s) - T0 )) s"
 C="--dtypes int4,int8,bf16 --cases 1x8,2x8same,4x8same,8x8same --iters 30 --variants fused --rounds 2"
-for pool in dram llc dram llc; do
-  L=$(( 330 - ($(date +%s) - T0) )); [ $L -lt 30 ] && { echo "$pool not run (time)"; continue; }
+for pool in llc dram; do
+  L=$(( 420 - ($(date +%s) - T0) )); [ $L -lt 30 ] && { echo "$pool not run (time)"; continue; }
   X=""; [ $pool = llc ] && X="--experts 8"
   n=$(ls $OUT | grep -c "^probe_$pool"); f=$OUT/probe_${pool}_$n
   timeout $L python3 -m bench.decode_probe $C $X --out $f.json > $f.txt 2>&1
