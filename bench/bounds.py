@@ -80,6 +80,26 @@ def reused_share(step_counts: list[np.ndarray], resident: np.ndarray) -> float:
     return float(np.mean(shares)) if shares else 0.0
 
 
+TOKEN_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))  # tokens per expert, as the CPU kernels' paths split them
+
+
+def tokens_per_cold_expert(layers: list[tuple[list[np.ndarray], np.ndarray]]) -> dict[str, float]:
+    """How the cold experts a decode step reads split by the tokens routed to each, over every layer and step:
+    {"1": share, "2": ..., "3-4": ..., "5-8": ..., "9+": ...} of (expert, step) reads. The CPU kernels' rate
+    per weight byte falls with tokens per expert (more products per byte: on the GPU box's Xeon int4 reads
+    from the LLC no faster than from DRAM from 4 tokens, every dtype from 8), so this says how much of a
+    step's lane is bound by the kernels' instructions rather than by DRAM. layers: (step_counts, resident)."""
+    counts = [np.asarray(c)[~resident] for steps, resident in layers for c in steps]
+    tok = np.concatenate(counts) if counts else np.zeros(0)
+    tok = tok[tok > 0]
+    out = {}
+    for lo, hi in TOKEN_BINS:
+        sel = (tok >= lo) & (tok <= hi) if hi is not None else tok >= lo
+        name = str(lo) if hi == lo else (f"{lo}-{hi}" if hi is not None else f"{lo}+")
+        out[name] = float(sel.sum() / tok.size) if tok.size else 0.0
+    return out
+
+
 def llc_adjusted(layers: list[tuple[float, float]], reused: list[float], cold_bytes: float,
                  llc_bytes: float) -> list[tuple[float, float]]:
     """The (cold, resident) distinct experts per layer and step with the reads the last-level cache could

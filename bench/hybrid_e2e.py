@@ -33,6 +33,9 @@ Bounds (bench/bounds.py says why no strategy can beat them):
   routing far more than trained ones), so the DRAM-only roofline can be beaten; `_llc_roofline_tok_s` is the
   bound with them served free as far as the LLC holds them (bench.bounds.llc_adjusted), `_of_llc_roofline`
   the step's share of it.
+- tokens per expert: `decode_bB_cold_tokens_per_expert` splits a step's cold expert reads by the tokens routed to
+  each (1, 2, 3-4, 5-8, 9+; bench.bounds.tokens_per_cold_expert): the CPU kernels' rate per byte falls with it, and
+  from a few tokens per expert they are bound by their instructions, not by DRAM (BENCHMARKS.md, session 23).
 - the DRAM ceiling moves on a shared host (the GPU box's VM: 106-149 GB/s within one device call), so it is
   measured again right after each batch's timed steps: `decode_bB_dram_after_GBps`, and `_of_roofline_after`
   the step's share of the roofline at that ceiling. `_of_roofline` stays against the run's first measurement;
@@ -58,7 +61,8 @@ from hybrid.offload.build import expert_shape, expert_vram_bytes, random_expert_
 from hybrid.offload import HybridExperts, Offload
 from hybrid.runtime import Engine
 from hybrid.runtime.config import RuntimeConfig
-from bench.bounds import decode_step_bound, distinct_per_step, llc_adjusted, reused_per_step, reused_share, split_lower_bound
+from bench.bounds import (decode_step_bound, distinct_per_step, llc_adjusted, reused_per_step, reused_share,
+                          split_lower_bound, tokens_per_cold_expert)
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
 from placement.hardware import resolve_profile
@@ -404,6 +408,7 @@ def run(args) -> dict:
             row[f"decode_b{b}_cold_experts_per_layer_step"] = float(np.mean([c for c, _ in per_layer]))
             row[f"decode_b{b}_resident_experts_per_layer_step"] = float(np.mean([r for _, r in per_layer]))
             row[f"decode_b{b}_cold_reused_from_last_step"] = float(np.mean([reused_share(*x) for x in by_layer]))
+            row[f"decode_b{b}_cold_tokens_per_expert"] = tokens_per_cold_expert(by_layer)
             reused = [reused_per_step(*x) for x in by_layer]
             llc_bound = decode_step_bound(llc_adjusted(per_layer, reused, shape.weight_bytes, bw["llc_bytes"]),
                                           shape.weight_bytes, w_gpu, dense, bw["dram_bw"], bw["hbm_bw"])

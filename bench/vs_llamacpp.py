@@ -61,7 +61,7 @@ def run_hybrid(args, cpu_dtype: str, placement: list[str], extra_env: dict | Non
     r = res["results"][0]
     keep = ("tok_s", "roofline_tok_s", "of_roofline", "llc_roofline_tok_s", "of_llc_roofline",
             "cold_reused_from_last_step", "cold_experts_per_layer_step", "replay_token_agreement", "cpu_lane_share",
-            "cpu_lane_GBps", "dram_after_GBps", "of_roofline_after")
+            "cpu_lane_GBps", "dram_after_GBps", "of_roofline_after", "cold_tokens_per_expert")
     out = {f"b{b}_{k}": r.get(f"decode_b{b}_{k}") for b in (1, 8) for k in keep}
     out.update(tok_s=r["decode_b1_tok_s"], measured=res.get("measured"), header=res.get("header"), cmd=" ".join(cmd))
     return out

@@ -68,6 +68,7 @@ def test_hybrid_e2e_smoke(tmp_path):
     # repeated reads: a share; the bound with them served by the LLC is never slower than the DRAM-only one
     for b in (1, 2):
         assert 0 <= row[f"decode_b{b}_cold_reused_from_last_step"] <= 1
+        assert sum(row[f"decode_b{b}_cold_tokens_per_expert"].values()) == pytest.approx(1.0)
         assert row[f"decode_b{b}_llc_roofline_tok_s"] >= row[f"decode_b{b}_roofline_tok_s"]
     assert res["measured"]["llc_bytes"] >= 0
     assert res["measured"]["dram_bw"] > 0 and res["measured"]["dram_buffer_bytes"] >= 256 << 20
@@ -111,3 +112,16 @@ def test_reuse_share_counts_steps_that_repeat_nothing():
              np.array([0, 0, 0, 0, 3])]
     assert reused_share(steps, resident) == pytest.approx((0.0 + 1.0) / 2)
     assert reused_share(steps[:2], resident) == 0.0  # every step reads new experts
+
+
+def test_tokens_per_cold_expert_counts_each_cold_read_once_by_its_tokens():
+    from bench.bounds import tokens_per_cold_expert
+
+    resident = np.array([False] * 5 + [True])
+    # layer 1, two steps: cold reads with 1, 3 tokens, then 2, 9, 1 (the resident expert's 4 never counts);
+    # layer 2, one step: 5 and 8 tokens
+    one = ([np.array([1, 0, 3, 0, 0, 4]), np.array([2, 9, 0, 1, 0, 4])], resident)
+    two = ([np.array([0, 5, 0, 0, 8, 0])], resident)
+    got = tokens_per_cold_expert([one, two])
+    assert got == pytest.approx({"1": 2 / 7, "2": 1 / 7, "3-4": 1 / 7, "5-8": 2 / 7, "9+": 1 / 7})
+    assert tokens_per_cold_expert([([np.zeros(6)], resident)]) == {k: 0.0 for k in got}
