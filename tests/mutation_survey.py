@@ -297,7 +297,7 @@ MUTATIONS = [
      "w0 = tl.load(w + r[:, None] * D + d0[None, :]", "w0 = tl.load(w + (r[:, None] + 1) * D + d0[None, :]",
      ["tests/test_gpu_kernels.py"]),
     ("router norm fold: rows over one chunk fold too", "hybrid/models/moe.py",
-     "h.shape[-1] <= NORM_IN_MAX_D and ", "", ["tests/test_gpu_kernels.py"]),
+     "return (h.shape[-1] <= NORM_IN_MAX_D and ", "return (", ["tests/test_gpu_kernels.py"]),
     ("bounds: tokens per expert counts the resident reads", "bench/bounds.py",
      "counts = [np.asarray(c)[~resident] for", "counts = [np.asarray(c) for", ["tests/test_guard_bounds.py"]),
     ("bounds: a token bin drops its top", "bench/bounds.py", "sel = (tok >= lo) & (tok <= hi) if",

@@ -295,10 +295,12 @@ class MoEBlock(nn.Module):
         """Whether forward_norm can take these rows: HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused), a
         router the GEMV kernel takes at this size, and rows of one D chunk (router.NORM_IN_MAX_D: wider rows
         read the norm twice per program, level with the unfused pair or slower on the GPU box)."""
-        from hybrid.gpu_kernels.router import NORM_IN_MAX_D
+        if not gpu_kernels.router_norm_fused():
+            return False
+        from hybrid.gpu_kernels.router import NORM_IN_MAX_D  # needs Triton: only once the fold is asked for
 
-        return (gpu_kernels.router_norm_fused() and h.shape[-1] <= NORM_IN_MAX_D and self._gemv_router(h)
-                and delta.shape == h.shape and delta.stride(-1) == 1)
+        return (h.shape[-1] <= NORM_IN_MAX_D and self._gemv_router(h) and delta.shape == h.shape
+                and delta.stride(-1) == 1)
 
     def forward_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """h, delta [T, D] (the residual stream and the attention's output), norm: this layer's MoE input RMSNorm
