@@ -86,9 +86,9 @@ TOKEN_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))  # tokens per expert, a
 def tokens_per_cold_expert(layers: list[tuple[list[np.ndarray], np.ndarray]]) -> dict[str, float]:
     """How the cold experts a decode step reads split by the tokens routed to each, over every layer and step:
     {"1": share, "2": ..., "3-4": ..., "5-8": ..., "9+": ...} of (expert, step) reads. The CPU kernels' rate
-    per weight byte falls with tokens per expert (more products per byte: on the GPU box's Xeon int4 reads
-    from the LLC no faster than from DRAM from 4 tokens, every dtype from 8), so this says how much of a
-    step's lane is bound by the kernels' instructions rather than by DRAM. layers: (step_counts, resident)."""
+    per weight byte falls with tokens per expert (more products per byte: on the GPU box's Xeon int4 computes
+    below the DRAM ceiling from 4 tokens, every dtype at 8), so this says how much of a step's lane can be
+    bound by the kernels' instructions rather than by DRAM. layers: (step_counts, resident)."""
     counts = [np.asarray(c)[~resident] for steps, resident in layers for c in steps]
     tok = np.concatenate(counts) if counts else np.zeros(0)
     tok = tok[tok > 0]
