@@ -20,6 +20,10 @@ make_gguf.py; llama.cpp's code is not part of this repository.
 
     python -m bench.vs_llamacpp --llama-bench /tmp/lcpp/bin/llama-bench --gguf-bf16 /tmp/q3.gguf \\
         --gguf-q8 /tmp/q3q8.gguf --profile PROFILE.json --out DIR
+    python -m bench.vs_llamacpp --summarize RUN1/vs_llamacpp.json RUN2/vs_llamacpp.json ...
+
+--summarize reads earlier runs' JSON and prints one row per run with issue 12's targets (TARGETS) marked met or
+not: which targets each side-by-side call met, and whether any call met them all.
 """
 
 from __future__ import annotations
@@ -34,6 +38,48 @@ from pathlib import Path
 
 CASES = ("bf16", "int8", "quarter", "int4")  # the default run
 KNOWN_CASES = CASES + ("quarter-layers",)
+
+
+# Issue 12's targets on these cases: (column, case, measured key, at least). Ratios are hybrid / llama.cpp tok/s
+# at batch 1; shares are of the exact roofline (bench.hybrid_e2e's decode_bB_of_roofline).
+TARGETS = (("bf16 ratio", "bf16", "ratio", 1.25), ("bf16 b1", "bf16", "b1_of_roofline", 0.85),
+           ("int8 ratio", "int8", "ratio", 1.6), ("quarter ratio", "quarter", "ratio", 1.3),
+           ("int4 b1", "int4", "b1_of_roofline", 0.80),
+           *((f"{c} b8", c, "b8_of_roofline", 0.85) for c in ("bf16", "int8", "quarter", "int4")))
+
+
+def target_values(rows: list[dict]) -> list[float | None]:
+    """One run's rows -> the TARGETS' measured values (None where the run lacks the case or the value)."""
+    by_case = {r["case"]: r for r in rows}
+    out = []
+    for _, case, key, _ in TARGETS:
+        r = by_case.get(case)
+        v = None if r is None else (r.get("ratio") if key == "ratio" else r.get("hybrid", {}).get(key))
+        out.append(None if v is None else float(v))
+    return out
+
+
+def summarize(paths: list[str]) -> str:
+    """A markdown table: one row per run's vs_llamacpp.json, each target's value in bold where met, and how
+    many of the targets the run measured it met."""
+    head = "| run | " + " | ".join(f"{name} (>= {floor:g}x)" if "ratio" in name else f"{name} (>= {100 * floor:.0f}%)"
+                                   for name, _, _, floor in TARGETS) + " | met |"
+    lines = [head, "| --- |" + " ---: |" * (len(TARGETS) + 1)]
+    for path in paths:
+        vals = target_values(json.loads(Path(path).read_text())["rows"])
+        cells, met, seen = [], 0, 0
+        for (name, _, _, floor), v in zip(TARGETS, vals):
+            if v is None:
+                cells.append("-")
+                continue
+            seen += 1
+            text = f"{v:.2f}x" if "ratio" in name else f"{100 * v:.0f}%"
+            if v >= floor:
+                met += 1
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append(f"| {path} | " + " | ".join(cells) + f" | {met} of {seen} |")
+    return "\n".join(lines)
 
 
 def run_llama(binary: str, gguf: str, placement: list[str], threads: int, reps: int) -> dict:
@@ -97,10 +143,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llama-bench", required=True, help="path of a llama-bench binary")
-    p.add_argument("--gguf-bf16", required=True)
+    p.add_argument("--summarize", nargs="+", metavar="JSON",
+                   help="print issue 12's targets met or not for each earlier run's vs_llamacpp.json, and stop")
+    p.add_argument("--llama-bench", help="path of a llama-bench binary (required unless --summarize)")
+    p.add_argument("--gguf-bf16", help="bf16 GGUF of the shape (required unless --summarize)")
     p.add_argument("--gguf-q8", help="Q8_0 GGUF of the same shape (the int8 case)")
-    p.add_argument("--profile", required=True, help="hardware profile for bench.hybrid_e2e")
+    p.add_argument("--profile", help="hardware profile for bench.hybrid_e2e (required unless --summarize)")
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--experts", type=int, default=128)
@@ -111,6 +159,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--out", default="vs_llamacpp")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("llama_bench", "gguf_bf16", "profile") if not getattr(args, n)]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --summarize)")
     import torch
 
     args.graphs = torch.cuda.is_available()  # decode graphs need CUDA; elsewhere (smoke tests) eager decode

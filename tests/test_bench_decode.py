@@ -226,3 +226,24 @@ def test_decode_timeline_gaps_names_and_the_offload_it_reads():
     off = dt.offload_of(eng)
     assert off is not None and off is eng.model.layers[0].moe.experts.offload
     assert dt.offload_of(NS(model=NS(layers=[NS(moe=None), NS()]))) is None
+
+
+def test_vs_llamacpp_summarize_marks_each_target_met_or_not(tmp_path, capsys):
+    """--summarize: one row per run, each target's value bold where it holds (a value at the floor holds), '-'
+    where the run lacks the case, and the count met of those measured."""
+    rows = [dict(case="bf16", ratio=1.25, hybrid=dict(b1_of_roofline=0.84, b8_of_roofline=0.90)),
+            dict(case="int8", ratio=1.59, hybrid=dict(b1_of_roofline=0.7, b8_of_roofline=0.85)),
+            dict(case="int4", hybrid=dict(b1_of_roofline=0.81, b8_of_roofline=None))]
+    f = tmp_path / "vs_llamacpp.json"
+    f.write_text(json.dumps(dict(rows=rows)))
+    assert vs_llamacpp.main(["--summarize", str(f)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    names = [t[0] for t in vs_llamacpp.TARGETS]
+    got = dict(zip(names, cells[1:-1]))
+    assert got["bf16 ratio"] == "**1.25x**" and got["bf16 b1"] == "84%" and got["int8 ratio"] == "1.59x"
+    assert got["int4 b1"] == "**81%**" and got["bf16 b8"] == "**90%**" and got["int8 b8"] == "**85%**"
+    assert got["quarter ratio"] == "-" and got["quarter b8"] == "-" and got["int4 b8"] == "-"
+    assert cells[-1] == "4 of 6"
+    with pytest.raises(SystemExit):  # a run needs the binary, the GGUF and the profile
+        vs_llamacpp.main(["--gguf-bf16", "x.gguf"])
