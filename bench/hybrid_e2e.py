@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -216,16 +217,28 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
     value, the values forward then backward in turn (A B, B A, ...), so a host whose memory drifts within the
     process (the GPU box's VM: issue 12 run 14) moves every value alike, and one build serves every run. Kernels
     give bit-identical outputs over every knob (tests/test_cpu_decode_path.py), so every run reads the same experts:
-    the step's roofline (bound_s) and cold bytes are the main measurement's."""
+    the step's roofline (bound_s) and cold bytes are the main measurement's. knob "env:NAME" (ab_values) sets the
+    environment variable NAME instead, for settings the runtime reads when a decode step is captured (e.g.
+    HYBRID_ROUTER_NORM): each value then replays its own graphs, captured on its first run (DecodeGraphs.fresh),
+    and the runs' routing is assumed unchanged (the fused-kernel tests hold greedy tokens equal)."""
     from bench.decode_probe import round_orders
     from cpu_kernels import _native
 
     isa = off.layers[0].cpu_moe.isa
     tok_s = {v: [] for v in values}
     lane_gbps = {v: [] for v in values}
+    env = knob.startswith(ENV_AB)
+    name = knob[len(ENV_AB):] if env else knob
+    graphs0, graphs_for = eng.graphs, {}
     for order in round_orders(values, rounds):
         for v in order:
-            was = _native.tune(isa, knob, v)
+            if env:  # a GPU-side setting read while a step is captured: each value gets its own captured graphs
+                was = os.environ.get(name)
+                os.environ[name] = v
+                if graphs0 is not None:
+                    eng.graphs = graphs_for.setdefault(v, graphs0.fresh())
+            else:
+                was = _native.tune(isa, knob, v)
             slots = []
             try:
                 slots = [eng.allocate_slot() for _ in prompts]
@@ -237,7 +250,14 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
             finally:
                 for s in slots:
                     eng.free_slot(s)
-                _native.tune(isa, knob, was)
+                if env:
+                    eng.graphs = graphs0
+                    if was is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = was
+                else:
+                    _native.tune(isa, knob, was)
             tok_s[v].append(len(prompts) / statistics.median(times))
             if lane_s > 0:
                 lane_gbps[v].append(cold_bytes / lane_s / 1e9)
@@ -497,14 +517,23 @@ def knobs(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def ab_values(text: str) -> tuple[str, list[int]]:
+ENV_AB = "env:"  # --ab env:HYBRID_...=V1/V2: an environment variable instead of a CPU knob (decode_ab)
+
+
+def ab_values(text: str) -> tuple[str, list]:
     """'byte_tasks=0/1' -> ('byte_tasks', [0, 1]): one cpu_kernels._native.TUNABLES knob and two or more distinct
-    integer values (the first is the one the others are compared with)."""
+    integer values (the first is the one the others are compared with); 'env:HYBRID_ROUTER_NORM=0/1' ->
+    ('env:HYBRID_ROUTER_NORM', ['0', '1']): one of this runtime's HYBRID_* environment variables, string values."""
     from cpu_kernels._native import parse_knob
 
     name, sep, vals = text.partition("=")
     try:
-        values = [parse_knob(f"{name}={v}", "--ab")[1] for v in vals.split("/")] if sep else []
+        if name.startswith(ENV_AB):
+            if not name[len(ENV_AB):].startswith("HYBRID_"):
+                raise ValueError(f"--ab {name!r}: env: takes one of the runtime's HYBRID_* variables")
+            values = [v for v in vals.split("/") if v] if sep else []
+        else:
+            values = [parse_knob(f"{name}={v}", "--ab")[1] for v in vals.split("/")] if sep else []
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if len(values) < 2 or len(set(values)) != len(values):
@@ -549,7 +578,9 @@ def main(argv=None) -> int:
     p.add_argument("--ab", type=ab_values, metavar="KNOB=V1/V2",
                    help="after each decode batch's timings, an in-process A/B of one CPU knob: --ab-rounds rounds of "
                         "the same greedy steps per value, forward then backward in turn (medians, runs, share of the "
-                        "same roofline, lane GB/s); one build for every run, and a drifting host moves the values alike")
+                        "same roofline, lane GB/s); one build for every run, and a drifting host moves the values alike; "
+                        "env:HYBRID_NAME=V1/V2 sets that environment variable instead, each value with its own "
+                        "captured graphs (e.g. env:HYBRID_ROUTER_NORM=0/1)")
     p.add_argument("--ab-rounds", type=int, default=4, metavar="N", help="rounds of --ab (default 4)")
     p.add_argument("--trace", help="also profile one prefill per length and 3 decode steps per batch, per "
                    "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
