@@ -1,7 +1,7 @@
 """End to end with hybrid MoE layers: prefill and decode tokens/s per strategy, against the roofline.
 
     python -m bench.hybrid_e2e --profile PROFILE.json --layers 8 --resident 32 --out DIR
-    python -m bench.hybrid_e2e --profile PROFILE.json --layers 12 --resident 0 --graphs --strategies cpu \
+    python -m bench.hybrid_e2e --profile PROFILE.json --layers 12 --resident 0 --graphs --strategies cpu \\
         --prefill 128 --decode-batch 1,8 --cpu-dtype int4 --ab byte_tasks=0/1 --ab-rounds 6   # a knob A/B
     python -m bench.hybrid_e2e ... --graphs --ab env:HYBRID_ROUTER_NORM=0/1 --ab-rounds 6   # a capture-time setting
 
