@@ -43,6 +43,13 @@ def graph_us(fn, weights, rounds: int = 50) -> float:
 NORM_CONFIGS = [GEMV_CONFIG, (2, 2048, 1), (1, 2048, 2), (2, 2048, 2), (4, 2048, 4)]
 
 
+def router_weights(dev, g, E: int, D: int, bias: bool):
+    """One shape's router (w [E, D], its N rotating copies, the bias or None), drawn from g after the rows."""
+    w = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
+    b = (torch.randn(E, device=dev, generator=g) * 0.1).bfloat16() if bias else None
+    return w, [w.clone() for _ in range(N)], b
+
+
 def norm_in_rows(dev) -> list:
     """--norm-in: the folded norm (each config, preload_w on and off) against add_rms_norm + the router."""
     res = []
@@ -51,9 +58,7 @@ def norm_in_rows(dev) -> list:
         h = torch.randn(T, D, device=dev, generator=g).bfloat16()
         delta = torch.randn(T, D, device=dev, generator=g).bfloat16()
         nw = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).bfloat16()
-        w = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
-        ws = [w.clone() for _ in range(N)]
-        b = (torch.randn(E, device=dev, generator=g) * 0.1).bfloat16() if bias else None
+        w, ws, b = router_weights(dev, g, E, D, bias)
         sc = RouterScratch(E, dev)
 
         def pair(_, wi):
@@ -92,13 +97,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("router_probe needs CUDA")
     dev = torch.device("cuda")
-    res = norm_in_rows(dev) if a.norm_in else []
-    for T, E, D, K, bias in [] if a.norm_in else SHAPES:
+    res = norm_in_rows(dev) if a.norm_in else config_rows(dev)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def config_rows(dev) -> list:
+    """The router kernel's configurations against cuBLAS + router_topk, per shape."""
+    res = []
+    for T, E, D, K, bias in SHAPES:
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(T, D, device=dev, generator=g).bfloat16()
-        w = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
-        ws = [w.clone() for _ in range(N)]
-        b = (torch.randn(E, device=dev, generator=g) * 0.1).bfloat16() if bias else None
+        w, ws, b = router_weights(dev, g, E, D, bias)
         base = graph_us(lambda _, wi: router_topk(F.linear(x, wi, b), K, True), ws)
         ref = router_topk(F.linear(x, w, b), K, True)
         row = {"T": T, "E": E, "D": D, "K": K, "cublas_topk_us": base, "configs": {}}
@@ -115,10 +127,7 @@ def main(argv=None) -> int:
             row["configs"][str(cfg)] = {"us": us, "ids_agree": same}
             print(f"   {cfg}: {us:6.2f} us, ids agreeing with cuBLAS's {same:.3f}", flush=True)
         res.append(row)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return res
 
 
 if __name__ == "__main__":

@@ -62,18 +62,20 @@ def target_values(rows: list[dict]) -> list[float | None]:
 def summarize(paths: list[str]) -> str:
     """A markdown table: one row per run's vs_llamacpp.json, each target's value in bold where met, and how
     many of the targets the run measured it met."""
-    head = "| run | " + " | ".join(f"{name} (>= {floor:g}x)" if "ratio" in name else f"{name} (>= {100 * floor:.0f}%)"
-                                   for name, _, _, floor in TARGETS) + " | met |"
+    def show(key, v):
+        return f"{v:.2f}x" if key == "ratio" else f"{100 * v:.0f}%"
+
+    head = "| run | " + " | ".join(f"{name} (>= {show(key, floor)})" for name, _, key, floor in TARGETS) + " | met |"
     lines = [head, "| --- |" + " ---: |" * (len(TARGETS) + 1)]
     for path in paths:
         vals = target_values(json.loads(Path(path).read_text())["rows"])
         cells, met, seen = [], 0, 0
-        for (name, _, _, floor), v in zip(TARGETS, vals):
+        for (_, _, key, floor), v in zip(TARGETS, vals):
             if v is None:
                 cells.append("-")
                 continue
             seen += 1
-            text = f"{v:.2f}x" if "ratio" in name else f"{100 * v:.0f}%"
+            text = show(key, v)
             if v >= floor:
                 met += 1
                 text = f"**{text}**"
