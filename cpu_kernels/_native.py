@@ -186,6 +186,9 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_gated_act.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_float, ctypes.c_float]
     lib.hy_gated_act.restype = None
+    lib.hy_quantize_act.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p]
+    lib.hy_quantize_act.restype = ctypes.c_int
     return lib
 
 
@@ -197,7 +200,7 @@ def pool(isa: str, cpus) -> int:
 # Decode-sized calls without AMX experts run gate/up and down in one barrier-free phase (csrc/fused.h):
 # the profile counts that whole phase as "gate_up".
 PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
-TUNABLES = ("fused", "prefetch", "pf_first", "pf_rows", "pf_l1", "i4_wide", "task_rows", "byte_tasks", "task_min", "spin_us", "stream_pf")
+TUNABLES = ("fused", "fused_prep", "prefetch", "pf_first", "pf_rows", "pf_l1", "i4_wide", "task_rows", "byte_tasks", "task_min", "spin_us", "stream_pf")
 
 
 def parse_knob(item: str, what: str = "knob") -> tuple[str, int]:

@@ -34,3 +34,48 @@ def test_gated_activation_is_fp32_accurate(isa, activation):
     err = (out.double() - ref).abs()
     worst = int(torch.argmax(err / allowed))
     assert bool((err <= allowed).all()), (activation, float(g[worst]), float(u[worst]), float(out[worst]), float(ref[worst]))
+
+
+def act_rows():
+    """Ragged rows (n below, at and past the vector widths, a padded tail) with the largest magnitude in the
+    vector part, in the scalar tail, first and last, negative, tied, all zero; and values that land on x.5."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for n in (1, 7, 8, 15, 16, 17, 31, 33, 64, 100, 127, 128, 129, 191, 192, 255, 256):
+        for where in (0, n // 2, n - 1):
+            v = torch.randn(n, generator=g)
+            v[where] = -9.0 if where % 2 else 9.0
+            rows.append((v, 256))
+    rows.append((torch.zeros(64), 128))
+    rows.append((torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5] + [0.0] * 57), 128))  # inv = 1: half to even
+    rows.append((torch.full((128,), -3.0), 128))
+    return rows
+
+
+@pytest.mark.parametrize("isa", [i for i in COMPILED if i != "amx"] + EMU)
+@pytest.mark.parametrize("dtype,group,fold", [("int8", 64, None), ("int8", 32, None), ("int4", 64, 1), ("int4", 64, 2),
+                                              ("int4", 32, 2), ("int4", 32, "max")])
+def test_activation_rows_match_the_reference_bytes(isa, dtype, group, fold):
+    """quantize_row (the int8 activations of every quantized kernel, int4's in its stored order) byte for byte
+    against reference.activation_row; the scale and group sums the kernels read back included."""
+    from cpu_kernels import quant
+    from cpu_kernels.moe import DTYPES
+    from cpu_kernels.reference import activation_row
+
+    lib = _native.load(isa)
+    for v, ldk in act_rows():
+        f = quant.int4_fold_groups(ldk, group) if fold == "max" else fold
+        nbytes = ldk + 4 + 4 * (ldk // group)
+        row = torch.full((nbytes + 64,), 0x5A, dtype=torch.uint8)
+        rc = lib.hy_quantize_act(v.contiguous().data_ptr(), v.numel(), DTYPES[dtype], ldk, group, f or 0, row.data_ptr())
+        assert rc == 0
+        want = activation_row(v, ldk, group, f if dtype == "int4" else None)
+        assert row[:nbytes].numpy().tobytes() == want, (dtype, group, f, v.numel(), ldk, float(v.abs().max()))
+
+
+def test_activation_row_rejects_bad_layouts():
+    isa = COMPILED[0] if COMPILED else pytest.skip("no compiled ISA on this machine")
+    lib, v, row = _native.load(isa), torch.ones(64), torch.zeros(512, dtype=torch.uint8)
+    for args in ((65, 1, 64, 64, 0), (64, 0, 64, 64, 0), (64, 1, 64, 48, 0), (64, 2, 64, 64, 3), (64, 2, 96, 32, 1)):
+        n, dt, ldk, group, fold = args
+        assert lib.hy_quantize_act(v.data_ptr(), n, dt, ldk, group, fold, row.data_ptr()) == -2, args

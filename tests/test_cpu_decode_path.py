@@ -95,6 +95,29 @@ def test_prefetch_changes_nothing(isa, dtype, knobs):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,x_dtype", [("bf16", torch.bfloat16), ("bf16", torch.float32), ("int8", torch.bfloat16),
+                                           ("int8", torch.float32), ("int4", torch.bfloat16)])
+def test_token_rows_as_fused_tasks_change_nothing(isa, dtype, x_dtype, knobs):
+    """fused_prep 1 writes the token rows as the fused phase's first tasks (one token a task up to 64 tokens, 8
+    past it) and each gate/up task waits for its own expert's tokens; 0 writes them on the caller first. The rows
+    are the same bytes either way, so the outputs are bit-identical; D = 136 pads bf16 rows (no in-place use)."""
+    moe = CpuMoE(*weights(4), dtype=dtype, isa=isa, threads=2, amx_min_tokens=10**9)
+    ref_w = dequantized(weights(4), dtype, moe.group_size)
+    turn(knobs, moe.isa, "spin_us", 0)  # workers sleep between calls: a waiting gate/up task may start first
+    for T in (1, 3, 9, 64, 65, 70):
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(50 + T)).to(x_dtype)
+        ids, w = routing(T, seed=50 + T)
+        outs = []
+        for prep in (1, 0):
+            turn(knobs, moe.isa, "fused_prep", prep)
+            out = torch.full((T, D), float("nan"), dtype=x_dtype)  # out takes x's dtype
+            moe.forward(x, ids, w, out=out)
+            assert rel_err(out, moe_forward(x.float(), *ref_w, ids.long(), w)) < TOL[dtype], (prep, T)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), T
+
+
 def test_many_calls_reuse_state(knobs):
     """Back-to-back decode calls of different shapes reuse the per-call counters: stale state would make a
     call wait forever or skip a reduction (NaN rows)."""

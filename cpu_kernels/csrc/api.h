@@ -16,6 +16,18 @@ HY_API void hy_gated_act(int act, const float* g, const float* u, float* out, in
   gated_act_row(act, g, u, out, n, alpha, limit);
 }
 
+// One token's activation row as the int8/int4/mxfp4 kernels read it (driver.h quantize_row: n values zero padded to
+// ldk, int8, then the fp32 scale and the int32 group sums; int4 in the stored order of `fold`), so the tests can
+// hold it byte for byte to cpu_kernels.reference.activation_row. row: act_stride(dtype, ldk, group) bytes.
+HY_API int hy_quantize_act(const float* v, int n, int dtype, int ldk, int group, int fold, uint8_t* row) {
+  if (dtype == HY_BF16 || n < 0 || n > ldk || group <= 0 || ldk % group || (dtype == HY_INT4 && !i4_fold_ok(ldk, group, fold)))
+    return HY_EARG;
+  HyMat M{};
+  M.dtype = dtype; M.ldk = ldk; M.group = group; M.fold = fold;
+  quantize_row(v, n, M, row);
+  return HY_OK;
+}
+
 // AMX K-block length in 64-byte chunks (benchmarking knob; ignored by builds without AMX).
 HY_API void hy_set_amx_kblock(int kb) {
 #if HY_HAS_AMX
@@ -26,6 +38,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 
 // Run-time knobs (benchmarks and the GPU decode setup); returns the previous value, or -1 for an unknown name.
 //   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
+//   fused_prep 1: in that phase the token rows are its first tasks (one node; default 1); 0: the caller writes them first
 //   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
@@ -41,6 +54,7 @@ HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
   int old;
   if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
+  else if (!std::strcmp(name, "fused_prep")) { old = g_fused_prep; g_fused_prep = value != 0; }
   else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
   else if (!std::strcmp(name, "pf_first")) { old = g_pf_first; g_pf_first = value != 0; }
   else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }

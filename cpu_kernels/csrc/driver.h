@@ -23,11 +23,32 @@ namespace {
 
 // Symmetric per-token int8 quantization of n values (zero padded up to M.ldk) into an activation row for
 // matrix M (hy.h act_stride): for int4 in M's stored order (hy.h i4_for_each_word), the group sums by natural group.
+// max |v[i]| over n values (0 for n = 0; NaNs ignored, as std::max(a, NaN) = a). Written in vectors by hand:
+// a running float max is a serial chain the compiler may not reorder without -ffast-math, and it was half of a
+// 2048-value row's quantize_row (dev box, perf: vmaxss). Max is exact, so the lanes' order changes nothing.
+inline float abs_max(const float* v, int n) {
+  int i = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), m);  // NaN lane: keeps m
+  amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), mag), m);  // NaN lane: keeps m
+  alignas(32) float l[8];
+  _mm256_store_ps(l, m);
+  for (float x : l) amax = std::max(amax, x);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  return amax;
+}
+
 void quantize_row(const float* v, int n, const HyMat& M, uint8_t* row) {
   const int ldk = M.ldk, group = M.group;
   const bool reorder = M.dtype == HY_INT4 && !i4_natural(group, M.fold);
-  float amax = 0.f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float amax = abs_max(v, n);
   float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
   int8_t nat[reorder ? ldk : 1];
   int8_t* q = reorder ? nat : (int8_t*)row;
@@ -242,36 +263,45 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   const bool x_in_place = dt == HY_BF16 && x_dtype == HY_X_BF16 && D == Dk;
   const int64_t xs = x_in_place ? (int64_t)D * 2 : act_stride(dt, Dk, G0.group);
   uint8_t* xrows = x_in_place ? (uint8_t*)x : W.xrows.get<uint8_t>((size_t)T * xs);
-  Pool* p0 = (Pool*)L->nodes[0].pool;
-  if (!x_in_place) p0->run([&](int task, int) {
-    for (int t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
-      uint8_t* row = xrows + t * xs;
-      if (dt == HY_BF16) {
-        uint16_t* r = (uint16_t*)row;
-        if (x_dtype == HY_X_BF16) std::memcpy(r, (const uint16_t*)x + (int64_t)t * D, D * 2);
-        else for (int d = 0; d < D; ++d) r[d] = f32_to_bf16(((const float*)x)[(int64_t)t * D + d]);
-        std::memset(r + D, 0, (Dk - D) * 2);
-      } else {
-        float tmp[D];
-        for (int d = 0; d < D; ++d)
-          tmp[d] = x_dtype == HY_X_BF16 ? bf16_to_f32(((const uint16_t*)x)[(int64_t)t * D + d]) : ((const float*)x)[(int64_t)t * D + d];
-        quantize_row(tmp, D, G0, row);
-      }
+  if (!xrows) return HY_ENOMEM;
+  auto prep_token = [&](int t) {  // token t's row: bf16 (converted, zero padded), or int8 + scale + group sums
+    uint8_t* row = xrows + t * xs;
+    if (dt == HY_BF16) {
+      uint16_t* r = (uint16_t*)row;
+      if (x_dtype == HY_X_BF16) std::memcpy(r, (const uint16_t*)x + (int64_t)t * D, D * 2);
+      else for (int d = 0; d < D; ++d) r[d] = f32_to_bf16(((const float*)x)[(int64_t)t * D + d]);
+      std::memset(r + D, 0, (Dk - D) * 2);
+    } else {
+      float tmp[D];
+      if (x_dtype == HY_X_BF16) for (int d = 0; d < D; ++d) tmp[d] = bf16_to_f32(((const uint16_t*)x)[(int64_t)t * D + d]);
+      else std::memcpy(tmp, (const float*)x + (int64_t)t * D, D * 4);
+      quantize_row(tmp, D, G0, row);
     }
-  }, (T + 7) / 8);
+  };
   const uint8_t** xptr = W.xptr.get<const uint8_t*>(A);
   for (int i = 0; i < A; ++i) xptr[i] = xrows + tok[i] * xs;
   // Decode-sized calls without AMX experts: one barrier-free phase (fused.h). Its [A, D] fp32 expert
   // outputs are bounded (64 MiB) so that big vector-path prefills keep the phased path's [T, D] accumulator.
-  if (g_fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20)) {
-    clk.lap(1);
-    int rc = forward_fused(L, W, act, na, A, xptr, wt, slot, T, K, out, out_dtype, m_max_pad);
-    clk.lap(3);  // the profile counts the whole fused phase (down included) as gate_up
+  // There (g_fused_prep, one node) the token rows are that phase's first tasks, one token each for decode-sized T, and a
+  // gate/up task waits only for its own expert's tokens: no serial preparation on the caller before the phase
+  // (8 tokens of a 2048-wide int4 row took ~15 us there on the dev box, bench.decode_probe's profile).
+  const bool fused = g_fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20);
+  // One node only: with several, another node's waiting workers could hold the caller that node 0's tasks need
+  // (pools shared between fake nodes run one after the other; a forked child runs every pool on the caller).
+  const bool in_phase = fused && g_fused_prep && !x_in_place && L->n_nodes == 1;
+  const int per = in_phase && T <= 64 ? 1 : 8;  // tokens per preparation task
+  const FusedPrep prep{in_phase ? (T + per - 1) / per : 0, tok,
+                       [&](int task) { for (int t = task * per; t < std::min(T, task * per + per); ++t) prep_token(t); }, per};
+  Pool* p0 = (Pool*)L->nodes[0].pool;
+  if (!x_in_place && !prep.tasks) p0->run([&](int task, int) { prep.fn(task); }, (T + per - 1) / per);
+  clk.lap(1);
+  if (fused) {
+    int rc = forward_fused(L, W, act, na, A, xptr, wt, slot, T, K, out, out_dtype, m_max_pad, prep);
+    clk.lap(3);  // the profile counts the whole fused phase (down and any token rows included) as gate_up
     if (g_prof_on) g_prof[7] += 1;
     return rc;
   }
 
-  clk.lap(1);
   // Phase P: pack AMX experts' token rows.
   uint8_t* xpack = W.xpack.get<uint8_t>(pad_rows * (kb_x + 4));
   int np = 0;

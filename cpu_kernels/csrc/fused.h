@@ -2,9 +2,11 @@
 // node with no barrier inside. Included by driver.h (it uses its Workspace, Active and run_nodes).
 //
 // Tasks of one node, in this order (experts heaviest first, as act[] is sorted):
-//   [0, na * nbu)            (expert j, rbu-row block of F_n): gate and up GEMMs, activation -> h rows
-//   [na * nbu, + na * nbd)   (expert j, rbd-row block of D):  down GEMM (+ b_down, node 0) -> Y[j's rows, block], fp32
-// A down task of expert j waits (spins) until j's gate/up blocks are all done; the thread that finishes
+//   [0, np)                  one node only, with FusedPrep tasks: the token rows (prep.fn: bf16 copy or int8 quantize)
+//   [np, + na * nbu)         (expert j, rbu-row block of F_n): gate and up GEMMs, activation -> h rows
+//   [.., + na * nbd)         (expert j, rbd-row block of D):  down GEMM (+ b_down, node 0) -> Y[j's rows, block], fp32
+// A gate/up task of expert j waits (spins) until j's token rows are written (with FusedPrep tasks; else the
+// caller wrote them all before the phase). A down task of expert j waits until j's gate/up blocks are all done; the thread that finishes
 // j's last gate/up block also quantizes j's h rows (int8/int4) before it publishes them. Tasks are taken
 // in index order, so every gate/up task is already running when the first down task is taken: a waiting
 // thread waits only for work in flight, never for work nobody has taken (no deadlock, no idle barrier).
@@ -20,6 +22,16 @@
 namespace {
 
 int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons; hy_tune("fused", 0))
+int g_fused_prep = 1;  // 1: the token rows are the fused phase's first tasks; 0: the caller's phase 0 (hy_tune("fused_prep"))
+
+// The token rows' preparation as tasks of the fused phase: `tasks` tasks (0: the rows are already written),
+// task i writing its tokens' rows with fn(i); tok[a]: the token of sorted assignment a, whose row a gate/up task waits for.
+struct FusedPrep {
+  int tasks;
+  const int* tok;
+  std::function<void(int)> fn;
+  int per;  // tokens per task: task i writes tokens [i * per, (i + 1) * per)
+};
 // Decode task size: at most g_task_rows rows of one expert's matrix (gate/up run it 64 rows, the scratch width,
 // at a time), shrunk while the phase would give fewer than g_task_min tasks per thread (hy_tune knobs).
 // Every task starts new weight streams that the prefetchers have not seen, so fewer, longer tasks read
@@ -55,12 +67,14 @@ struct alignas(64) PaddedFlag { std::atomic<int> v{0}; };
 
 // Per-call synchronisation state, reused across calls (sized by the call).
 struct FusedSync {
-  std::vector<PaddedFlag> gu_done, ready, blk_done;  // [node * na + j], [node * na + j], [D block]
-  void reset(size_t n_exp, size_t n_blk) {
+  std::vector<PaddedFlag> gu_done, ready, blk_done, tok_ready;  // [node * na + j] x 2, [D block], [prep task]
+  void reset(size_t n_exp, size_t n_blk, size_t n_prep) {
     if (gu_done.size() < n_exp) { gu_done = std::vector<PaddedFlag>(n_exp); ready = std::vector<PaddedFlag>(n_exp); }
     if (blk_done.size() < n_blk) blk_done = std::vector<PaddedFlag>(n_blk);
+    if (tok_ready.size() < n_prep) tok_ready = std::vector<PaddedFlag>(n_prep);
     for (size_t i = 0; i < n_exp; ++i) { gu_done[i].v.store(0, std::memory_order_relaxed); ready[i].v.store(0, std::memory_order_relaxed); }
     for (size_t i = 0; i < n_blk; ++i) blk_done[i].v.store(0, std::memory_order_relaxed);
+    for (size_t i = 0; i < n_prep; ++i) tok_ready[i].v.store(0, std::memory_order_relaxed);
   }
 };
 FusedSync* g_fsync = nullptr;
@@ -68,7 +82,8 @@ FusedSync* g_fsync = nullptr;
 // slot[t * K + k]: the sorted assignment index of token t's k-th expert, or -1 if it is not run here.
 // Returns HY_OK, or HY_ENOMEM when a buffer could not be allocated.
 int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int A, const uint8_t* const* xptr,
-                  const float* wt, const int* slot, int T, int K, void* out, int out_dtype, int m_max_pad) {
+                  const float* wt, const int* slot, int T, int K, void* out, int out_dtype, int m_max_pad,
+                  const FusedPrep& prep) {
   const int dt = L->dtype, D = L->D, nn = L->n_nodes;
   if (!g_fsync) g_fsync = new FusedSync();
   int64_t hs[HY_MAX_NODES];
@@ -98,7 +113,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
     nbu[n] = (N.gate.rows_p + rbu[n] - 1) / rbu[n];
   }
   FusedSync& S = *g_fsync;
-  S.reset((size_t)nn * na, (size_t)nbd);
+  S.reset((size_t)nn * na, (size_t)nbd, (size_t)prep.tasks);
 
   auto store_block = [&](int t, int d0, int nd, const float* s) {
     if (out_dtype == HY_X_BF16) {
@@ -131,10 +146,20 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   run_nodes(L, [&](int n) {
     return std::function<void(int, int)>([&, n](int task, int tid) {
       const HyNode& N = L->nodes[n];
+      const int np = n == 0 ? prep.tasks : 0;
+      if (task < np) {
+        prep.fn(task);
+        S.tok_ready[task].v.store(1, std::memory_order_release);
+        return;
+      }
+      task -= np;
       const int gu_tasks = na * nbu[n];
       if (task < gu_tasks) {
         const int j = task / nbu[n], r0 = task % nbu[n] * rbu[n], nr = std::min(rbu[n], N.gate.rows_p - r0);
         const Active& a = act[j];
+        if (prep.tasks)  // j's token rows (prep tasks are taken first, so each wait is for work in flight)
+          for (int i = a.off; i < a.off + a.m; ++i)
+            while (!S.tok_ready[prep.tok[i] / prep.per].v.load(std::memory_order_acquire)) _mm_pause();
         float* Cg = scratch[n] + tid * scr_per;
         float* Cu = Cg + (int64_t)m_max_pad * 64;
         for (int s0 = r0; s0 < r0 + nr; s0 += 64) {  // 64 rows at a time: the scratch width
@@ -166,7 +191,7 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
       }
       if (S.blk_done[b].v.fetch_add(1, std::memory_order_acq_rel) + 1 == na * nn) reduce_block(b);
     });
-  }, [&](int n) { return na * (nbu[n] + nbd); });
+  }, [&](int n) { return (n == 0 ? prep.tasks : 0) + na * (nbu[n] + nbd); });
   return HY_OK;
 }
 
