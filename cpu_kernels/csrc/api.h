@@ -38,7 +38,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 
 // Run-time knobs (benchmarks and the GPU decode setup); returns the previous value, or -1 for an unknown name.
 //   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
-//   fused_prep 1: in that phase the token rows are its first tasks (one node; default 1); 0: the caller writes them first
+//   fused_prep 1: in that phase the token rows are its first tasks (one node); 0: the caller writes them first (default)
 //   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
 //   spin_us   how long idle pool workers spin before sleeping (default 50)
 //   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)

@@ -22,7 +22,10 @@
 namespace {
 
 int g_fused = 1;  // 0: decode calls take the phased path (benchmark comparisons; hy_tune("fused", 0))
-int g_fused_prep = 1;  // 1: the token rows are the fused phase's first tasks; 0: the caller's phase 0 (hy_tune("fused_prep"))
+// 1: the token rows are the fused phase's first tasks; 0 (default): the caller's phase 0 (hy_tune("fused_prep")).
+// Off by default: on the GPU box (run 20 call 1, BENCHMARKS.md session 25) it was 2-4% slower for int4 alone and
+// end to end at batch 1, level at batch 8 (+0.9%), once the rows' abs max was vectorized (driver.h).
+int g_fused_prep = 0;
 
 // The token rows' preparation as tasks of the fused phase: `tasks` tasks (0: the rows are already written),
 // task i writing its tokens' rows with fn(i); tok[a]: the token of sorted assignment a, whose row a gate/up task waits for.
