@@ -6,10 +6,11 @@
 //   [np, + na * nbu)         (expert j, rbu-row block of F_n): gate and up GEMMs, activation -> h rows
 //   [.., + na * nbd)         (expert j, rbd-row block of D):  down GEMM (+ b_down, node 0) -> Y[j's rows, block], fp32
 // A gate/up task of expert j waits (spins) until j's token rows are written (with FusedPrep tasks; else the
-// caller wrote them all before the phase). A down task of expert j waits until j's gate/up blocks are all done; the thread that finishes
-// j's last gate/up block also quantizes j's h rows (int8/int4) before it publishes them. Tasks are taken
-// in index order, so every gate/up task is already running when the first down task is taken: a waiting
-// thread waits only for work in flight, never for work nobody has taken (no deadlock, no idle barrier).
+// caller wrote them all before the phase). A down task of expert j waits until j's gate/up blocks are all
+// done; the thread that finishes j's last gate/up block also quantizes j's h rows (int8/int4) before it
+// publishes them. Tasks are taken in index order, so every task waited for is already running when its waiter
+// is taken: a waiting thread waits only for work in flight, never for work nobody has taken (no deadlock, no
+// idle barrier).
 // The thread that finishes the last (node, expert) of a D block writes that block's final values:
 // out[t, block] = sum over t's assignments i of wt[i] * Y[i, block] (summed over nodes too), so every
 // expert's output is written once, contiguously, and the weighted sum is one pass per token.
