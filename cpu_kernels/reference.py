@@ -71,18 +71,16 @@ def moe_forward(x, w_gate, w_up, w_down, topk_ids, topk_weights, expert_mask=Non
 
 def activation_row(v: torch.Tensor, ldk: int, group: int, int4_fold: int | None = None) -> bytes:
     """The bytes of one token's activation row as the compiled int8/int4/mxfp4 kernels read it (csrc/driver.h
-    quantize_row), the test oracle of that function: v [n] (n <= ldk) in fp32 scaled by 127 / max|v| (in fp32),
-    clamped to +-127, rounded half to even, zero padded to ldk, as int8 (int4_fold: in the stored order of
-    quant.int4_order(ldk, group, int4_fold)); then the fp32 scale max|v| / 127; then the int32 sums of the ldk / group
+    quantize_row), the test oracle of that function: v [n] (n <= ldk) quantized as one row by quant.quantize_int8
+    (127 / max|v| in fp32, rounded half to even, clamped to +-127), zero padded to ldk, as int8 (int4_fold: in the
+    stored order of quant.int4_order(ldk, group, int4_fold)); then the fp32 scale max|v| / 127; then the int32 sums of the ldk / group
     natural groups. An all-zero row has scale 0 and zero values."""
     from cpu_kernels import quant
 
     v = v.float().flatten()
-    amax = v.abs().max() if v.numel() else torch.tensor(0.0)
-    inv = torch.tensor(127.0) / amax if amax > 0 else torch.tensor(0.0)
     q = torch.zeros(ldk, dtype=torch.int32)
-    q[: v.numel()] = torch.round((v * inv).clamp(-127.0, 127.0)).to(torch.int32)
+    vals, scale = quant.quantize_int8(v[None]) if v.numel() else (torch.zeros(1, 0), torch.zeros(1))
+    q[: v.numel()] = vals[0].to(torch.int32)
     sums = q.reshape(ldk // group, group).sum(1).to(torch.int32)
     stored = q[quant.int4_order(ldk, group, int4_fold)] if int4_fold is not None else q
-    scale = (amax / torch.tensor(127.0)).reshape(1).float()
-    return stored.to(torch.int8).numpy().tobytes() + scale.numpy().tobytes() + sums.numpy().tobytes()
+    return stored.to(torch.int8).numpy().tobytes() + scale.reshape(1).float().numpy().tobytes() + sums.numpy().tobytes()

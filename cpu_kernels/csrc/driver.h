@@ -24,8 +24,8 @@ namespace {
 // Symmetric per-token int8 quantization of n values (zero padded up to M.ldk) into an activation row for
 // matrix M (hy.h act_stride): for int4 in M's stored order (hy.h i4_for_each_word), the group sums by natural group.
 // max |v[i]| over n values (0 for n = 0; NaNs ignored, as std::max(a, NaN) = a). Written in vectors by hand:
-// a running float max is a serial chain the compiler may not reorder without -ffast-math, and it was half of a
-// 2048-value row's quantize_row (dev box, perf: vmaxss). Max is exact, so the lanes' order changes nothing.
+// a running float max is a serial chain the compiler may not reorder without -ffast-math. Max is exact, so the
+// lanes' order changes nothing.
 inline float abs_max(const float* v, int n) {
   int i = 0;
   float amax = 0.f;
@@ -284,7 +284,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   // outputs are bounded (64 MiB) so that big vector-path prefills keep the phased path's [T, D] accumulator.
   // With g_fused_prep (one node; off by default, fused.h says why) the token rows are that phase's first tasks, one
   // token each for decode-sized T, and a gate/up task waits only for its own expert's tokens instead of the caller's
-  // phase 0 (8 int4 token rows of 2048 values: 15.3 us of phase 0 on the dev box with a scalar abs max, 12.6 vectorized).
+  // phase 0.
   const bool fused = g_fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20);
   // One node only: with several, another node's waiting workers could hold the caller that node 0's tasks need
   // (pools shared between fake nodes run one after the other; a forked child runs every pool on the caller).
