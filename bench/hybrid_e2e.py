@@ -19,7 +19,9 @@ Bounds (bench/bounds.py says why no strategy can beat them):
   touched cold expert over the link) is kept as `prefill_N_all_ship_link_tok_s`: `cost` can beat it by
   running experts on the CPU, so it is no bound.
 - decode: each step feeds every row its own greedy token (routing as in generation, not one token
-  repeated); the distinct cold experts of each step are read once from DRAM and the resident ones from
+  repeated); with graphs the steps are queued one ahead as greedy generation runs them (Engine.decode_queue: the
+  next step fed on the device, each step timed by CUDA events from the end of the one before), --decode-sync times
+  each alone between host syncs (the measurement before decode-ahead; --ab ahead=0/1 runs both in one process); the distinct cold experts of each step are read once from DRAM and the resident ones from
   HBM (per layer the larger), plus the non-expert weights (lm_head included) from HBM, at the DRAM read
   and HBM bandwidths measured in this run. Distinct experts are counted exactly per step from the
   hybrid layers' routing histograms; captured (graph) steps are re-run eagerly on the same tokens and
@@ -172,9 +174,12 @@ def routed_during(off, fn):
     return out, [layer.stats.routed - b for layer, b in zip(off.layers, before)]
 
 
-def decode_steps(eng, off, slots, first, steps, device, count: bool):
+def decode_steps(eng, off, slots, first, steps, device, count: bool, ahead: bool = False):
     """`steps` timed decode steps, each row fed its own greedy next token. -> (seconds per step, tokens
-    fed per step, greedy next tokens per step, per-step routing [steps][layers] of [E] if count)."""
+    fed per step, greedy next tokens per step, per-step routing [steps][layers] of [E] if count). ahead: the
+    steps queued one ahead as greedy generation runs them (decode_steps_ahead); else each timed alone."""
+    if ahead:
+        return decode_steps_ahead(eng, off, slots, first, steps, device, count)
     fed, nxt, times, routing = [], [], [], []
     tokens = list(first)
     for _ in range(steps):
@@ -192,6 +197,39 @@ def decode_steps(eng, off, slots, first, steps, device, count: bool):
         fed.append(tokens)
         tokens = out["logits"].argmax(-1).tolist()  # consume before the next step reuses the buffer
         nxt.append(tokens)
+    return times, fed, nxt, routing
+
+
+def decode_steps_ahead(eng, off, slots, first, steps, device, count: bool):
+    """decode_steps as `hybrid generate` runs greedy decode (Engine.decode_queue): step i+1 is queued, fed on the
+    device, before step i's tokens are read, so the host's work between steps (reading tokens, launching the next
+    graph) overlaps the GPU's. A step's time is from the end of the step before (the first: from its queueing) to
+    its own end, by CUDA events (the CPU: the host clock); their median is the steady rate of a long generation."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    queue = (lambda toks: routed_during(off, lambda: eng.decode_queue(slots, toks))) if count else \
+        (lambda toks: (eng.decode_queue(slots, toks), None))
+    q, r = queue(list(first))
+    fed, nxt, routing, done = [], [], [], []
+    tokens = list(first)
+    for i in range(steps):
+        nq, nr = queue(None) if i + 1 < steps else (None, None)  # queued before this step's tokens are read
+        fed.append(tokens)
+        tokens = q.tokens()
+        nxt.append(tokens)
+        routing.append(r) if count else None
+        done.append(q.done if cuda else q.done_s)
+        q, r = nq, nr
+    if cuda:
+        marks = [start] + done
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    else:
+        marks = [t0] + done
+        times = [b - a for a, b in zip(marks, marks[1:])]
     return times, fed, nxt, routing
 
 
@@ -218,7 +256,8 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
     value, the values forward then backward in turn (A B, B A, ...), so a host whose memory drifts within the
     process (the GPU box's VM: issue 12 run 14) moves every value alike, and one build serves every run. Kernels
     give bit-identical outputs over every knob (tests/test_cpu_decode_path.py), so every run reads the same experts:
-    the step's roofline (bound_s) and cold bytes are the main measurement's. knob "env:NAME" (ab_values) sets the
+    the step's roofline (bound_s) and cold bytes are the main measurement's. knob "ahead" (0/1) times the steps
+    host-synchronised one by one (0) or queued one ahead as greedy generation runs them (1). knob "env:NAME" sets the
     environment variable NAME instead, for settings the runtime reads when a decode step is captured (e.g.
     HYBRID_ROUTER_NORM): each value then replays its own graphs, captured on its first run (DecodeGraphs.fresh),
     and the runs' routing is assumed unchanged (the fused-kernel tests hold greedy tokens equal)."""
@@ -238,7 +277,7 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
                 os.environ[name] = v
                 if graphs0 is not None:
                     eng.graphs = graphs_for.setdefault(v, graphs0.fresh())
-            else:
+            elif knob != AHEAD_AB:
                 was = _native.tune(isa, knob, v)
             slots = []
             try:
@@ -246,7 +285,8 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
                 first = [int(eng.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
                 first = eng.decode_step(slots, first).argmax(-1).tolist()  # warm-up, as in the main measurement
                 busy0 = off.cpu_lane_busy_s()
-                times = decode_steps(eng, off, slots, first, steps, device, count=False)[0]
+                ahead = bool(int(v)) if knob == AHEAD_AB else eng.decode_ahead
+                times = decode_steps(eng, off, slots, first, steps, device, count=False, ahead=ahead)[0]
                 lane_s = (off.cpu_lane_busy_s() - busy0) / steps
             finally:
                 for s in slots:
@@ -257,7 +297,7 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
                         os.environ.pop(name, None)
                     else:
                         os.environ[name] = was
-                else:
+                elif knob != AHEAD_AB:
                     _native.tune(isa, knob, was)
             tok_s[v].append(len(prompts) / statistics.median(times))
             if lane_s > 0:
@@ -324,7 +364,8 @@ def run(args) -> dict:
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'none'} | {args.preset} x {cfg.num_layers} "
               f"layers, {placed}, CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(len(n) for n in off.layers[0].cpu_moe.topology.nodes)} threads "
-              f"{args.cpu_dtype}, {dtype}, decode {'CUDA graphs' if eng.graphs is not None else 'eager'} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
+              f"{args.cpu_dtype}, {dtype}, decode {'CUDA graphs' if eng.graphs is not None else 'eager'}"
+              f"{', steps queued one ahead' if decode_ahead(eng, args) else ', steps timed one by one'} | profile {hw.name} | build {time.perf_counter() - t0:.0f} s | "
               f"DRAM experts {mem['dram_expert_bytes'] / 2**30:.1f} GiB, "
               + (f"VRAM resident {mem['vram_resident_bytes'] / 2**30:.2f} GiB" if device.type == "cuda" else
                  f"'resident' torch copies {mem['vram_resident_bytes'] / 2**30:.2f} GiB (DRAM; no CUDA device: the "
@@ -409,7 +450,8 @@ def run(args) -> dict:
             snap = snapshot(off)
             captured = eng.graphs is not None
             busy0 = off.cpu_lane_busy_s()
-            times, fed, nxt, routing = decode_steps(eng, off, slots, first, args.steps, device, count=not captured)
+            times, fed, nxt, routing = decode_steps(eng, off, slots, first, args.steps, device, count=not captured,
+                                                    ahead=decode_ahead(eng, args))
             lane_s = (off.cpu_lane_busy_s() - busy0) / args.steps
             dram_after = measure_dram(off, bw["dram_buffer_bytes"])  # the host's memory right after the steps
             row[f"decode_b{b}_sched"] = describe(snapshot(off) - snap, args.steps)
@@ -461,7 +503,8 @@ def run(args) -> dict:
         for k, v in row.items():
             if isinstance(v, dict) and not k.endswith("_ab"):  # an A/B printed its own line
                 print(f"    {k}: " + " ".join(f"{a}={b:.2f}" for a, b in v.items()), flush=True)
-    return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None, "preset": args.preset, "layers": cfg.num_layers, "resident": resident if whole is None else None,
+    return {"header": header, "cpu_only_reduced": args.reduced or None, "graphs": eng.graphs is not None,
+            "decode_ahead": decode_ahead(eng, args), "preset": args.preset, "layers": cfg.num_layers, "resident": resident if whole is None else None,
             "resident_layers": whole,
             "cpu_isa": off.layers[0].cpu_moe.isa, "profile": hw.name, "memory": mem, "measured": bw,
             "dense_bytes": dense, "results": results}
@@ -519,6 +562,13 @@ def knobs(text: str) -> dict:
 
 
 ENV_AB = "env:"  # --ab env:HYBRID_...=V1/V2: an environment variable instead of a CPU knob (decode_ab)
+AHEAD_AB = "ahead"  # --ab ahead=0/1: decode steps timed one by one (0) or queued one ahead (1)
+
+
+def decode_ahead(eng, args) -> bool:
+    """Whether the main decode timings queue steps ahead: as the engine's greedy generation does, unless
+    --decode-sync."""
+    return eng.decode_ahead and not getattr(args, "decode_sync", False)
 
 
 def ab_values(text: str) -> tuple[str, list]:
@@ -529,7 +579,11 @@ def ab_values(text: str) -> tuple[str, list]:
 
     name, sep, vals = text.partition("=")
     try:
-        if name.startswith(ENV_AB):
+        if name == AHEAD_AB:
+            values = [int(v) for v in vals.split("/")] if sep else []
+            if not set(values) <= {0, 1}:
+                raise ValueError(f"--ab {text!r}: ahead takes 0 and 1")
+        elif name.startswith(ENV_AB):
             if not name[len(ENV_AB):].startswith("HYBRID_"):
                 raise ValueError(f"--ab {name!r}: env: takes one of the runtime's HYBRID_* variables")
             values = [v for v in vals.split("/") if v] if sep else []
@@ -583,6 +637,10 @@ def main(argv=None) -> int:
                         "env:HYBRID_NAME=V1/V2 sets that environment variable instead, each value with its own "
                         "captured graphs (e.g. env:HYBRID_ROUTER_NORM=0/1)")
     p.add_argument("--ab-rounds", type=int, default=4, metavar="N", help="rounds of --ab (default 4)")
+    p.add_argument("--decode-sync", action="store_true",
+                   help="time each decode step alone, host-synchronised before and after (the measurement before "
+                        "decode-ahead); by default graph steps are queued one ahead as greedy generation runs them "
+                        "(--ab ahead=0/1 compares the two in one process)")
     p.add_argument("--trace", help="also profile one prefill per length and 3 decode steps per batch, per "
                    "strategy: chrome traces TRACE_<strategy>_prefill<n>.json and TRACE_<strategy>_b<batch>.json")
     p.add_argument("--out", default="bench/results")

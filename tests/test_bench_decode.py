@@ -247,3 +247,49 @@ def test_vs_llamacpp_summarize_marks_each_target_met_or_not(tmp_path, capsys):
     assert cells[-1] == "4 of 6"
     with pytest.raises(SystemExit):  # a run needs the binary, the GGUF and the profile
         vs_llamacpp.main(["--gguf-bf16", "x.gguf"])
+
+
+def test_hybrid_e2e_ab_ahead_times_both_ways_and_the_tokens_agree(tmp_path):
+    """--ab ahead=0/1: the same greedy steps timed one by one (0) and queued one ahead (1, as generation runs them)
+    in one process; both give a rate. The main timings follow the engine (eager here: one by one) and say so."""
+    from bench import hybrid_e2e
+
+    out = tmp_path / "e2e"
+    assert hybrid_e2e.main(["--preset", "demo", "--profile", "ktransformers-paper-amx", "--layers", "2",
+                            "--strategies", "cpu", "--prefill", "16", "--decode-batch", "1,2", "--steps", "3",
+                            "--ab", "ahead=0/1", "--ab-rounds", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "hybrid_e2e_demo.json").read_text())
+    assert res["decode_ahead"] is False and "steps timed one by one" in res["header"]
+    for b in (1, 2):
+        ab = res["results"][0][f"decode_b{b}_ab"]
+        assert ab["knob"] == "ahead" and set(ab["median_tok_s"]) == {"0", "1"}
+        assert all(v > 0 for v in ab["median_tok_s"].values())
+    with pytest.raises(SystemExit):
+        hybrid_e2e.main(["--preset", "demo", "--profile", "ktransformers-paper-amx", "--ab", "ahead=0/2",
+                         "--out", str(out)])
+
+
+def test_decode_steps_ahead_feeds_each_step_the_tokens_of_the_one_before(tmp_path):
+    """The queued-ahead timing loop (bench.hybrid_e2e.decode_steps_ahead) feeds the tokens the one-by-one loop feeds
+    and counts the same routing per step, on an eager engine that queues ahead."""
+    from bench import hybrid_e2e
+    from hybrid.models import build_empty, init_random_
+    from hybrid.models.families import family_for
+    from hybrid.models.presets import hf_config
+    from hybrid.runtime import Engine
+    from hybrid.runtime.config import RuntimeConfig
+    import torch
+
+    raw = hf_config("demo", layers=2)
+    model = init_random_(build_empty(family_for(raw).parse_config(raw), "cpu", torch.float32), seed=0, std=0.1)
+    got = {}
+    for ahead in (False, True):
+        eng = Engine(model, config=RuntimeConfig(max_batch=2, max_context=64, decode_ahead=ahead))
+        slots = [eng.allocate_slot() for _ in range(2)]
+        first = [int(eng.prefill(s, p).argmax()) for s, p in zip(slots, ([3, 4, 5], [9, 8, 7, 6]))]
+        times, fed, nxt, routing = hybrid_e2e.decode_steps(eng, None, slots, first, 4, torch.device("cpu"),
+                                                           count=False, ahead=ahead)
+        assert len(times) == 4 and all(t > 0 for t in times) and routing == []
+        assert fed[0] == first and fed[1:] == nxt[:-1]
+        got[ahead] = nxt
+    assert got[True] == got[False]

@@ -70,6 +70,36 @@ def test_graph_steps_queued_without_a_sync_match_eager():
         assert (lg - le).abs().max().item() <= 2e-2 * le.abs().max().item()
 
 
+def test_graph_decode_ahead_matches_step_by_step():
+    """Greedy generation with graph steps queued one ahead (fed on the device: argmax ids and positions + 1 written
+    by the graph itself) gives the tokens of graph steps fed by the host one at a time, also when a stop token ends
+    one row while the others run on and when more prompts than slots change the batch."""
+    model = tiny_model()
+    ps = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 17, 9, 5, 12)]
+    on = Engine(model, config=RuntimeConfig(max_batch=3, max_context=64, eager=False))
+    off = Engine(model, config=RuntimeConfig(max_batch=3, max_context=64, eager=False, decode_ahead=False))
+    assert on.decode_ahead and not off.decode_ahead
+    free = off.generate(ps, 16, stop_token_ids=[])
+    stop = free[1].token_ids[5]
+    a = on.generate(ps, 16, stop_token_ids=[stop])
+    b = off.generate(ps, 16, stop_token_ids=[stop])
+    assert [(r.token_ids, r.finish_reason) for r in a] == [(r.token_ids, r.finish_reason) for r in b]
+    assert b[1].finish_reason == "stop" and len(b[1].token_ids) == 5
+    # a chain of fed steps straight through DecodeGraphs: the same tokens as host-fed steps
+    slots = [on.allocate_slot() for _ in range(2)]
+    first = [int(on.prefill(s, p).argmax()) for s, p in zip(slots, ps[:2])]
+    queued = [on.decode_queue(slots, first)] + [on.decode_queue(slots) for _ in range(6)]
+    chain = [q.tokens() for q in queued]
+    for s in slots:
+        on.free_slot(s)
+    slots = [off.allocate_slot() for _ in range(2)]
+    toks, ref = [int(off.prefill(s, p).argmax()) for s, p in zip(slots, ps[:2])], []
+    for _ in range(7):
+        toks = off.decode_step(slots, toks).argmax(-1).tolist()
+        ref.append(toks)
+    assert chain == ref
+
+
 def test_graph_decode_across_context_buckets_matches_eager():
     """Sequences that grow past the 256-position context bucket: the graphs of two context buckets (the second
     captured mid-generation) give the eager tokens, and so do graphs over the whole cache."""

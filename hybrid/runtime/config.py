@@ -11,6 +11,9 @@ class RuntimeConfig:
     max_context: int = 4096  # positions per slot (prompt + generated)
     eager: bool | None = None  # None: CUDA graphs for decode on a GPU, eager elsewhere
     context_buckets: bool = True  # decode graphs per context bucket (False: each attends over max_context)
+    # Greedy decode queues step n+1 (fed its tokens on the device) before the host reads step n's
+    # (Engine.decode_queue); None: on with CUDA graphs, off when eager.
+    decode_ahead: bool | None = None
 
     def __post_init__(self):
         if self.max_batch < 1:

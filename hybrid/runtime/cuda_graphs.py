@@ -13,6 +13,11 @@ short the sequences are. So graphs are also keyed by a context bucket: the first
 holds every row's position (max_context last). The first decode step captures every batch bucket at its
 context bucket; a step that needs a (batch, context) pair not captured yet captures it then (Engine.decode_step
 keeps that out of the timed step). All graphs share one memory pool (only one replays at a time).
+
+Every graph of one batch bucket reads the same static inputs (row ids, positions, slots) and ends by writing them
+for the next step: each row's greedy token (argmax of its logits) and its position + 1 (padding stays at -1). A
+greedy decode can so replay step n+1 right behind step n without the host ever seeing step n's tokens in between
+(`replay`, Engine.decode_queue); a step fed by the host (`step`) overwrites them first.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class DecodeGraphs:
         self.device = model.device
         self._pool = None
         self._stage: dict[int, StepInputs] = {}  # batch bucket -> page-locked step inputs
+        self._inputs: dict[int, torch.Tensor] = {}  # batch bucket -> the [3, b] inputs its graphs read and feed
         # (batch bucket, context bucket) -> (graph, static inputs, output logits)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
 
@@ -52,14 +58,19 @@ class DecodeGraphs:
         """Another set of graphs over the same model, cache and buckets, none captured yet (and its own memory
         pool): for an A/B of a setting read at capture time (bench.hybrid_e2e --ab env:...)."""
         other = copy.copy(self)
-        other._pool, other._stage, other.graphs = None, {}, {}
+        other._pool, other._stage, other._inputs, other.graphs = None, {}, {}, {}
         return other
 
-    def _static(self, b: int) -> dict[str, torch.Tensor]:
+    def _static(self, b: int, scratch: bool = False) -> dict[str, torch.Tensor]:
         """A graph's inputs: rows ids / positions / slots of one [3, b] device tensor, so a step writes them all
-        with one copy from a page-locked staging tensor of the same layout (StepInputs)."""
-        inputs = torch.zeros(3, b, dtype=torch.long, device=self.device)
-        inputs[1] = -1  # padding position
+        with one copy from a page-locked staging tensor of the same layout (StepInputs). Shared by the batch
+        bucket's graphs (scratch: a private padding-only one, for warm-up runs that must not touch them)."""
+        inputs = None if scratch else self._inputs.get(b)
+        if inputs is None:
+            inputs = torch.zeros(3, b, dtype=torch.long, device=self.device)
+            inputs[1] = -1  # padding position
+            if not scratch:
+                self._inputs[b] = inputs
         return {
             "inputs": inputs,  # [3, b]
             "ids": inputs[0].view(b, 1),  # [b, 1]
@@ -69,7 +80,9 @@ class DecodeGraphs:
 
     def _run(self, s, L: int):
         kv_len = None if L >= self.cache.max_context else L
-        return self.model(s["ids"], s["pos"], s["slots"], self.cache, last_only=True, kv_len=kv_len)
+        out = self.model(s["ids"], s["pos"], s["slots"], self.cache, last_only=True, kv_len=kv_len)
+        feed_back(s["inputs"], out)
+        return out
 
     @torch.no_grad()
     def capture(self, context: int | None = None) -> None:
@@ -86,11 +99,12 @@ class DecodeGraphs:
             return
         b, L = key
         s = self._static(b)
+        warm = self._static(b, scratch=True)  # a greedy chain's fed inputs in s survive a capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, cuBLAS workspaces
             for _ in range(2):
-                self._run(s, L)
+                self._run(warm, L)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
@@ -133,11 +147,36 @@ class DecodeGraphs:
         g.replay()
         return out[:n]
 
+    @torch.no_grad()
+    def replay(self, n: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of the same n rows as the last step of their batch bucket, fed by that step on the device (its
+        greedy tokens, positions + 1): no input copy, nothing for the host to wait for. positions are the host's
+        count of them (they pick the context bucket; the graph must be captured: prepare()).
+        -> (logits [n, V], the next step's fed ids [n]), both views of graph buffers that the next replay reuses."""
+        key = self.key(n, positions)
+        if key not in self.graphs:
+            raise RuntimeError(f"no decode graph captured for {key}: prepare() it before a fed replay")
+        g, s, out = self.graphs[key]
+        g.replay()
+        return out[:n], s["inputs"][0, :n]
+
+    def fed_ids(self, n: int) -> torch.Tensor:
+        """The ids the last replay of n rows' bucket wrote for the next step (a view; [n])."""
+        return self._inputs[self.bucket(n)][0, :n]
+
     def _staging(self, b: int) -> "StepInputs":
         st = self._stage.get(b)
         if st is None:
             st = self._stage[b] = StepInputs(b)
         return st
+
+
+def feed_back(inputs: torch.Tensor, logits: torch.Tensor) -> None:
+    """A graph's last kernels: inputs [3, b] := the next greedy step's, row 0 each row's argmax token, row 1 its
+    position + 1 (padding rows, at -1, stay there); the slots in row 2 stay."""
+    torch.argmax(logits, dim=-1, out=inputs[0])
+    pos = inputs[1]
+    pos.add_(pos.ge(0))
 
 
 class StepInputs:

@@ -12,6 +12,9 @@ API (what the OpenAI server's continuous batching drives):
         # Appends to what the slot already holds (multi-turn / chunked prefill); always eager.
     logits = engine.decode_step(slots, last_tokens) # [B, V] fp32: one token per slot at its next position.
         # Graph-captured on the GPU; the returned tensor is reused by the next step: consume it first.
+    step = engine.decode_queue(slots, last_tokens)  # a greedy step, queued: step.tokens() waits for its argmax ids
+    step = engine.decode_queue(slots)               # the next one, fed on the device by the step queued before
+        # (same slots, nothing else in between): the GPU never waits for the host between greedy steps.
     engine.free_slot(slot)                          # the slot's cache is simply overwritten on reuse
     engine.lengths[slot]                            # tokens held by a slot
     engine.forward(input_ids, positions, slots)     # raw batched forward (right padding, position -1)
@@ -71,6 +74,41 @@ class Stats:
     @property
     def decode_tps(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class QueuedStep:
+    """A greedy decode step queued on the device (Engine.decode_queue): its rows' argmax tokens reach the host
+    through a page-locked copy behind it; tokens() waits for that copy, nothing else."""
+
+    def __init__(self, engine: "Engine", slots: list[int], lengths: list[int], ids: torch.Tensor, t_queued: float):
+        self.slots = list(slots)
+        self.lengths = list(lengths)  # each slot's length once this step has run (its token's position + 1)
+        self._engine, self._t_queued = engine, t_queued
+        cuda = ids.device.type == "cuda"
+        self._host = torch.empty(len(slots), dtype=torch.long, pin_memory=cuda)
+        self._host.copy_(ids, non_blocking=cuda)
+        self.done = torch.cuda.Event(enable_timing=True) if cuda else None  # timing: the benches' step times
+        if cuda:
+            self.done.record()
+        self.done_s = None if cuda else time.perf_counter()  # CPU: the step ran inside decode_queue
+        self._tokens = None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def tokens(self) -> list[int]:
+        """The step's greedy token per row (waits for the step; counted in engine.stats the first time)."""
+        if self._tokens is None:
+            if self.done is not None:
+                self.done.synchronize()
+                self.done_s = time.perf_counter()
+            self._tokens = self._host.tolist()
+            st, e = self._engine.stats, self._engine
+            # time on the decode clock: from this step's queueing or the previous step's end, whichever is later
+            # (queued steps overlap: each second counts once)
+            st.decode_s += self.done_s - max(self._t_queued, e._decode_clock)
+            e._decode_clock = self.done_s
+        return self._tokens
 
 
 def kv_cache_bytes(cfg, max_batch: int, max_context: int, dtype: torch.dtype) -> int:
@@ -135,6 +173,11 @@ class Engine:
                                    and hasattr(layer.moe.experts, "launcher_pinned")), contextlib.nullcontext)
         self.stats = Stats()
         self.warmup_s = 0.0
+        # greedy steps queued ahead (Engine.decode_queue): with graphs unless the config says otherwise
+        self.decode_ahead = self.graphs is not None if config.decode_ahead is None else config.decode_ahead
+        self._fed = None  # (slots, lengths) a device-fed next step may continue from (decode_queue)
+        self._eager_ids = None  # eager mode: the last queued step's argmax ids [B], on the device
+        self._decode_clock = 0.0  # when the last queued step's tokens were ready (QueuedStep.tokens)
 
     def warmup(self, tokens: int | None = None) -> float:
         """Throw-away prefill of `tokens` dummy tokens and two decode steps through the same paths a request
@@ -223,6 +266,7 @@ class Engine:
                                 kv_len=start + n, fresh=start == 0)  # [1, V]
             self._sync()
         self.lengths[slot] += n
+        self._fed = None  # the graphs' fed inputs are not this slot's next token any more
         self.stats.prefill_tokens += n
         self.stats.prefill_s += time.perf_counter() - t0
         return logits[0]
@@ -246,10 +290,57 @@ class Engine:
             self._sync()
         for s in slots:
             self.lengths[s] += 1
+        self._fed = None  # a host-sampled step: the next one is fed by the host too
         self.stats.decode_tokens += len(slots)
         self.stats.decode_steps += 1
         self.stats.decode_s += time.perf_counter() - t0
         return logits
+
+    def can_feed(self, slots: list[int]) -> bool:
+        """Whether decode_queue(slots) without tokens can continue the last queued step: the same slots in the
+        same order, their lengths untouched since (no prefill, slot reuse or other step in between)."""
+        return self._fed is not None and self._fed == (list(slots), [self.lengths[s] for s in slots])
+
+    @torch.no_grad()
+    def decode_queue(self, slots: list[int], last_tokens: list[int] | None = None) -> QueuedStep:
+        """Queue one greedy decode step and return at once: -> QueuedStep, whose tokens() are each row's argmax
+        token. last_tokens=None feeds it on the device with the greedy tokens of the step queued just before
+        (can_feed must hold), so a greedy decode runs step n+1 right behind step n while the host reads step n's
+        tokens; a caller that stops early (a stop token) discards what it queued past the end. The slots'
+        lengths advance at once. Eager (no graphs) it runs the step before returning."""
+        n = len(slots)
+        positions = [self.lengths[s] for s in slots]
+        if max(positions) >= self.max_context:
+            raise ValueError(f"a slot reached max_context {self.max_context}")
+        fed = last_tokens is None
+        if fed and not self.can_feed(slots):
+            raise ValueError("decode_queue without tokens continues the step queued just before on the same slots")
+        if not fed and len(last_tokens) != n:
+            raise ValueError(f"{len(last_tokens)} tokens for {n} slots")
+        t0 = time.perf_counter()
+        if self.graphs is not None and self.graphs.prepare(n, positions)[1]:
+            t0 = time.perf_counter()  # capture stays outside the decode clock
+        with self._step_context():
+            if self.graphs is not None:
+                if fed:
+                    self.graphs.replay(n, positions)
+                else:
+                    self.graphs.step(list(last_tokens), positions, list(slots))
+                nxt = self.graphs.fed_ids(n)
+            else:
+                dev = self.device
+                ids = self._eager_ids if fed else torch.tensor(last_tokens, device=dev)
+                logits = self.model(ids[:, None], torch.tensor(positions, device=dev)[:, None],
+                                    torch.tensor(slots, device=dev), self.cache, last_only=True,
+                                    kv_len=max(positions) + 1)
+                nxt = self._eager_ids = logits.argmax(-1)
+            for s in slots:
+                self.lengths[s] += 1
+            step = QueuedStep(self, slots, [self.lengths[s] for s in slots], nxt, t0)
+        self._fed = (list(slots), list(step.lengths))
+        self.stats.decode_tokens += n
+        self.stats.decode_steps += 1
+        return step
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, prompts: list, max_new_tokens: int = 64,

@@ -1,5 +1,11 @@
 """The generate loop behind Engine.generate: admit prompts into free slots (prefill), decode all
-active slots together, sample, apply stop tokens / stop strings / length limits, stream text."""
+active slots together, sample, apply stop tokens / stop strings / length limits, stream text.
+
+When every active row is greedy and the engine decodes ahead (Engine.decode_ahead: on with CUDA graphs), the
+loop keeps one step queued beyond the one whose tokens it is reading: step n+1 is queued, fed on the device with
+step n's argmax tokens, before the host accepts step n's tokens, so the GPU does not sit idle while the host reads
+tokens, streams text and launches the next graph. A row that stops at step n (a stop token or string) throws away
+its share of step n+1; the rows still running keep theirs. Tokens are the ones a step-by-step loop gives."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import torch
 from hybrid.runtime.sampling import SamplingParams, sample
 
 
-@dataclass
+@dataclass(eq=False)  # requests compare by identity (a batch is a list of them)
 class _Request:
     index: int
     params: SamplingParams
@@ -94,7 +100,8 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
             engine.free_slot(r.slot)
         active.remove(r)
 
-    def accept(r: _Request, token: int):
+    def accept(r: _Request, token: int, length: int):
+        """r's next token; length: what its slot holds once the step that made the token has run."""
         c = r.completion
         if token in stop_ids:
             finish(r, "stop")
@@ -118,10 +125,28 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
             stream(r.index, token, delta)
         if len(c.token_ids) >= max_new_tokens:
             finish(r, "length")
-        elif engine.lengths[r.slot] >= engine.max_context:
+        elif length >= engine.max_context:
             finish(r, "length")
 
-    while waiting or active:
+    def queue_more(batch: list[_Request]) -> bool:
+        """Whether to queue another device-fed step behind the queued one: the batch is unchanged, no waiting
+        prompt could take a slot, some row could still use the token and every row has a position left."""
+        return (len(batch) == len(active) and all(a is b for a, b in zip(batch, active))
+                and not (waiting and engine.free_slots)
+                and any(len(r.completion.token_ids) + 2 <= max_new_tokens for r in batch)
+                and all(engine.lengths[r.slot] < engine.max_context for r in batch)
+                and engine.can_feed([r.slot for r in batch]))
+
+    pending = None  # (batch, QueuedStep): queued, its tokens not accepted yet
+    while waiting or active or pending:
+        if pending is not None:
+            batch, step = pending
+            # queue the next step first, so the GPU keeps working while the host takes this one's tokens
+            pending = (batch, engine.decode_queue([r.slot for r in batch])) if queue_more(batch) else None
+            for r, t, n in zip(batch, step.tokens(), step.lengths):
+                if r in active:  # a row that stopped one step earlier drops what was queued past its end
+                    accept(r, t, n)
+            continue
         while waiting and (engine.free_slots or conversation is not None):
             r = waiting.pop(0)
             ids = r.completion.prompt_token_ids
@@ -136,12 +161,16 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
                 r.slot = engine.allocate_slot()
             active.append(r)
             logits = engine.prefill(r.slot, ids)
-            accept(r, sample(logits[None], [r.params], [r.generator])[0])
+            accept(r, sample(logits[None], [r.params], [r.generator])[0], engine.lengths[r.slot])
         if not active:
             continue
         batch = list(active)
-        logits = engine.decode_step([r.slot for r in batch], [r.last for r in batch])
+        slots = [r.slot for r in batch]
+        if getattr(engine, "decode_ahead", False) and all(r.params.greedy for r in batch):  # (stand-ins: no)
+            pending = (batch, engine.decode_queue(slots, [r.last for r in batch]))
+            continue
+        logits = engine.decode_step(slots, [r.last for r in batch])
         tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
         for r, t in zip(batch, tokens):
-            accept(r, t)
+            accept(r, t, engine.lengths[r.slot])
     return [r.completion for r in requests]

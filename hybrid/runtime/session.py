@@ -23,6 +23,9 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-context", type=int, default=RuntimeConfig.max_context,
                    help=f"KV-cache positions per sequence (default {RuntimeConfig.max_context})")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
+    p.add_argument("--no-decode-ahead", action="store_true",
+                   help="greedy decode waits for each step's tokens before queueing the next (by default, with CUDA "
+                        "graphs, step n+1 is queued fed on the GPU before the host reads step n's tokens; same tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -93,7 +96,9 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
         model, offload = load_hybrid(model_dir, device, dtype, hcfg, progress=not demo)
     tokenizer = Tokenizer(model_dir)
     warn_vocab_mismatch(cfg.vocab_size, tokenizer.vocab_size, log)
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_context=args.max_context, eager=eager)
+    ahead = False if getattr(args, "no_decode_ahead", False) else None  # None: the engine's default (on with graphs)
+    engine = Engine(model, tokenizer, config=RuntimeConfig(max_batch=max_batch, max_context=args.max_context,
+                                                           eager=eager, decode_ahead=ahead))
     if offload is not None:
         open_hybrid(engine, offload, hcfg, log)
     engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
