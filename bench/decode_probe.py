@@ -21,6 +21,7 @@ with earlier runs), `% best` against the higher of the two (the conservative sha
     python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
     python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused-nopf
     python -m bench.decode_probe --dtypes int4 --variants fused,fused+byte_tasks=1 --rounds 4   # a knob A/B
+    python -m bench.decode_probe --dtypes bf16,int8 --cases 1x1,1x2,1x4,1x8,2x8 --variants fused --fit  # fixed cost
 """
 
 from __future__ import annotations
@@ -83,6 +84,29 @@ def summarize_rounds(rows: list[dict], variants: list[str]) -> list[dict]:
         med = statistics.median(vals)
         out.append(dict(dtype=dtype, case=case, variant=v, rounds=len(vals), median_gbps=med, min_gbps=min(vals),
                         max_gbps=max(vals), vs_first=med / statistics.median(groups[dtype, case, variants[0]])))
+    return out
+
+
+def fit_fixed_cost(rows: list[dict]) -> list[dict]:
+    """Per (dtype, variant) over every timed call of every case: the least-squares line median_s = fixed_s +
+    bytes / stream_gbps. A call that streams at the ceiling but pays a fixed cost per call (waking the pool, the
+    first reads' latency, the last tasks' tail) reads below the ceiling by fixed_s / median_s; the fit separates
+    the two. Needs two or more distinct byte counts (cases of different expert counts)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["variant"]), []).append(r)
+    out = []
+    for (dtype, v), rs in groups.items():
+        xs, ys = [r["bytes"] for r in rs], [r["median_s"] for r in rs]
+        if len(set(xs)) < 2:
+            continue
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+        resid = [y - (fixed + slope * x) for x, y in zip(xs, ys)]
+        out.append(dict(dtype=dtype, variant=v, calls=len(rs), fixed_s=fixed,
+                        stream_gbps=(1 / slope / 1e9) if slope > 0 else float("inf"),
+                        rms_resid_s=(statistics.fmean(e * e for e in resid)) ** 0.5))
     return out
 
 
@@ -181,6 +205,8 @@ def main(argv=None) -> int:
                    "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
     p.add_argument("--rounds", type=int, default=1, help="times each case's variants run, forward then backward in "
                    "turn, for a knob A/B on a drifting host (default 1); a summary of medians per variant follows")
+    p.add_argument("--fit", action="store_true", help="fit each dtype's call time as a fixed cost plus bytes at a "
+                   "stream rate over the cases (give cases of several expert counts, e.g. 1x1,1x2,1x4,1x8,2x8)")
     p.add_argument("--out", help="JSON file")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -240,12 +266,19 @@ def main(argv=None) -> int:
         for m in summary:
             print(f"{m['dtype']:12} {m['case']:9} {m['variant']:10} {m['median_gbps']:7.1f} "
                   f"{m['min_gbps']:6.1f}-{m['max_gbps']:<6.1f} {100 * m['median_gbps'] / best:6.0f}% {m['vs_first']:8.3f}")
+    fits = fit_fixed_cost(rows) if a.fit else []
+    if fits:
+        print("# per call: median_s = fixed + bytes / stream rate, least squares over every case and round")
+        print(f"{'dtype':12} {'variant':10} {'fixed us':>9} {'stream GB/s':>12} {'% best':>7} {'rms us':>7}")
+        for f in fits:
+            print(f"{f['dtype']:12} {f['variant']:10} {f['fixed_s'] * 1e6:9.1f} {f['stream_gbps']:12.1f} "
+                  f"{100 * f['stream_gbps'] / best:6.0f}% {f['rms_resid_s'] * 1e6:7.1f}")
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(machine=platform.node(), isa=isa, threads=threads, shape=a.shape, D=D, F=F, pool=pool, group=a.group,
                            rounds=a.rounds, ceiling_gbps=ceiling, ceiling_after_gbps=after, rows=rows,
-                           summary=summary, floors_s=floors), f, indent=1)
+                           summary=summary, fits=fits, floors_s=floors), f, indent=1)
     return 0
 
 

@@ -26,6 +26,26 @@ def test_decode_probe_writes_rows_per_dtype_case_and_variant(tmp_path):
     assert {r["case"]: r["distinct_experts"] for r in res["rows"]} == {"1x8": 8, "2x4same": 4}
 
 
+def test_fixed_cost_fit_recovers_a_line_and_needs_two_sizes():
+    # 40 us per call plus bytes at 100 GB/s, with +-1 us alternating noise, for two dtypes and one variant
+    rows = [dict(dtype=d, variant="fused", bytes=n * 9e6 * k, median_s=40e-6 + n * 9e6 * k / 100e9 + (-1) ** n * 1e-6)
+            for d, k in (("bf16", 1.0), ("int8", 0.5)) for n in (1, 2, 4, 8, 16)]
+    fits = {f["dtype"]: f for f in decode_probe.fit_fixed_cost(rows)}
+    for f in fits.values():
+        assert abs(f["fixed_s"] - 40e-6) < 2e-6 and abs(f["stream_gbps"] - 100) < 2 and f["calls"] == 5
+        assert 0 < f["rms_resid_s"] < 1.5e-6
+    one_size = [dict(r, bytes=9e6) for r in rows if r["dtype"] == "bf16"]
+    assert decode_probe.fit_fixed_cost(one_size) == []
+
+
+def test_decode_probe_fit_is_written(tmp_path):
+    out = tmp_path / "p.json"
+    assert decode_probe.main(["--shape", "tiny", "--experts", "16", "--dtypes", "int8", "--cases", "1x1,1x4,1x8",
+                              "--variants", "fused", "--iters", "3", "--threads", "2", "--fit", "--out", str(out)]) == 0
+    fits = json.loads(out.read_text())["fits"]
+    assert [(f["dtype"], f["variant"], f["calls"]) for f in fits] == [("int8", "fused", 3)]
+
+
 def test_decode_probe_pool_is_past_the_llc_for_the_smallest_dtype():
     D, F = decode_probe.SHAPES["qwen3-30b-a3b"]
     llc = 300 << 20  # the GPU box's L3
