@@ -105,7 +105,7 @@ def fit_fixed_cost(rows: list[dict]) -> list[dict]:
         fixed = my - slope * mx
         resid = [y - (fixed + slope * x) for x, y in zip(xs, ys)]
         out.append(dict(dtype=dtype, variant=v, calls=len(rs), fixed_s=fixed,
-                        stream_gbps=(1 / slope / 1e9) if slope > 0 else float("inf"),
+                        stream_gbps=(1 / slope / 1e9) if slope > 0 else None,  # None: time fell with bytes
                         rms_resid_s=(statistics.fmean(e * e for e in resid)) ** 0.5))
     return out
 
@@ -271,8 +271,9 @@ def main(argv=None) -> int:
         print("# per call: median_s = fixed + bytes / stream rate, least squares over every case and round")
         print(f"{'dtype':12} {'variant':10} {'fixed us':>9} {'stream GB/s':>12} {'% best':>7} {'rms us':>7}")
         for f in fits:
-            print(f"{f['dtype']:12} {f['variant']:10} {f['fixed_s'] * 1e6:9.1f} {f['stream_gbps']:12.1f} "
-                  f"{100 * f['stream_gbps'] / best:6.0f}% {f['rms_resid_s'] * 1e6:7.1f}")
+            rate = (f"{f['stream_gbps']:12.1f} {100 * f['stream_gbps'] / best:6.0f}%" if f["stream_gbps"]
+                    else f"{'-':>12} {'-':>7}")
+            print(f"{f['dtype']:12} {f['variant']:10} {f['fixed_s'] * 1e6:9.1f} {rate} {f['rms_resid_s'] * 1e6:7.1f}")
     floors = measure_floors(D) if a.floor else {}
     if a.out:
         with open(a.out, "w") as f:

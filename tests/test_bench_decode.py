@@ -31,6 +31,7 @@ def test_fixed_cost_fit_recovers_a_line_and_needs_two_sizes():
     rows = [dict(dtype=d, variant="fused", bytes=n * 9e6 * k, median_s=40e-6 + n * 9e6 * k / 100e9 + (-1) ** n * 1e-6)
             for d, k in (("bf16", 1.0), ("int8", 0.5)) for n in (1, 2, 4, 8, 16)]
     fits = {f["dtype"]: f for f in decode_probe.fit_fixed_cost(rows)}
+    assert set(fits) == {"bf16", "int8"}
     for f in fits.values():
         assert abs(f["fixed_s"] - 40e-6) < 2e-6 and abs(f["stream_gbps"] - 100) < 2 and f["calls"] == 5
         assert 0 < f["rms_resid_s"] < 1.5e-6
