@@ -150,6 +150,10 @@ def test_decode_queue_refuses_to_feed_what_it_cannot(model):
     e.decode_queue([a, b], [7, 8])
     e.prefill(b, [6])  # so is a prefill
     assert not e.can_feed([a, b])
+    e.decode_queue([a, b], [7, 8])
+    assert e.can_feed([a, b])
+    e.lengths[b] -= 1  # a slot's length rewritten in between (a conversation keeping part of its held prefix)
+    assert not e.can_feed([a, b])
     with pytest.raises(ValueError, match="2 tokens for 1 slots"):
         e.decode_queue([a], [1, 2])
     e.lengths[a] = e.max_context
