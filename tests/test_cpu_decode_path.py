@@ -202,6 +202,46 @@ def test_task_size_and_first_block_prefetch_change_nothing(isa, dtype, knobs):
         assert torch.equal(o, outs[0]), k
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("nodes", ["one", "two"])
+def test_tail_tasks_cut_in_parts_change_nothing(isa, dtype, nodes, knobs):
+    """tail_split cuts the last down tasks (one per thread) into parts of 16-row multiples, each counted towards its
+    block's last-finisher sum: every split (down blocks with ragged ends, parts past a block's end that are empty,
+    one expert whose every down task is in the tail, a token with no local expert, two nodes' counts) gives the
+    whole tasks' output bit for bit."""
+    Ft, Dt, Et = 300, 520, 6
+    g = torch.Generator().manual_seed(11)
+    ws = (torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5, torch.randn(Et, Ft, Dt, generator=g) / Dt**0.5,
+          torch.randn(Et, Dt, Ft, generator=g) / Ft**0.5)
+    cpus = sorted(os.sched_getaffinity(0))
+    topo = Topology(((cpus[0],), (cpus[-1],))) if nodes == "two" else None
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, threads=None if topo else 2, topology=topo, amx_min_tokens=10**9)
+    ref_w = dequantized(ws, dtype, moe.group_size)
+    mask = torch.ones(Et, dtype=torch.bool)
+    mask[5] = False
+    for T, Kt, rows in ((1, 1, 256), (1, 3, 64), (5, 3, 128), (4, 2, 512)):
+        x = torch.randn(T, Dt, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(Et, generator=g)[:Kt] for _ in range(T)]).to(torch.int32)
+        if T == 5:
+            ids[2] = 5  # no local expert: its row must come out 0 every way
+        w = torch.rand(T, Kt, generator=g) + 0.05
+        ref = moe_forward(x.float(), *ref_w, ids.long(), torch.where(mask[ids.long()], w, 0.0))
+        turn(knobs, moe.isa, "task_rows", rows)
+        outs = []
+        for parts in (1, 2, 3, 8):
+            turn(knobs, moe.isa, "tail_split", parts)
+            moe.forward(-x, ids, w, expert_mask=mask)  # other values in the workspace: a sum made early reads them
+            out = torch.full((T, Dt), float("nan"), dtype=torch.bfloat16)
+            moe.forward(x, ids, w, expert_mask=mask, out=out)
+            assert rel_err(out, ref) < TOL[dtype], (T, Kt, rows, parts)
+            outs.append(out)
+        for parts, o in zip((2, 3, 8), outs[1:]):
+            assert torch.equal(o, outs[0]), (T, Kt, rows, parts)
+        if T == 5:
+            assert (outs[0][2] == 0).all()
+
+
 def test_task_knobs_are_clamped(knobs):
     isa = COMPILED[0] if COMPILED else pytest.skip("no compiled ISA on this machine")
     for asked, kept in ((1000, 512), (100, 64), (0, 64), (192, 192)):
@@ -223,6 +263,9 @@ def test_task_knobs_are_clamped(knobs):
     for asked, kept in ((-5, 0), (0, 0), (1, 1), (120, 120)):  # spin_us: microseconds, never negative
         turn(knobs, isa, "spin_us", asked)
         assert _native.tune(isa, "spin_us", asked) == kept, asked
+    for asked, kept in ((0, 1), (-3, 1), (3, 3), (8, 8), (100, 8)):  # tail_split: 1..8 parts
+        turn(knobs, isa, "tail_split", asked)
+        assert _native.tune(isa, "tail_split", asked) == kept, asked
     for asked, kept in ((-64, 0), (63, 0), (100, 64), (4096, 4096)):  # stream_pf: whole 64-byte lines, >= 0
         turn(knobs, isa, "stream_pf", asked)
         assert _native.tune(isa, "stream_pf", asked) == kept, asked

@@ -52,6 +52,14 @@ int g_task_min = 2;
 constexpr int HY_MAX_BLOCK_ROWS = 2048;  // reduce_block's buffer holds it
 int g_byte_tasks = 0;
 
+// 2..8: the last down tasks of a call, one per pool thread, are cut into this many parts (16-row multiples, so the
+// results stay bit-identical), so that the threads finish nearer together: with whole tasks the call ends about half
+// a task (~11-22 us of a 30B down block on the GPU box) after the mean thread does. 1: every task whole
+// (hy_tune("tail_split"); default 1). Motive: bench.decode_probe --fit on the GPU box (issue 12 run 22) put a fixed
+// ~25 us on every decode call beside a 98-99% stream rate.
+constexpr int HY_MAX_TAIL_SPLIT = 8;
+int g_tail_split = 1;
+
 // The row cap of one decode task over matrix M (task_rows, scaled by g_byte_tasks).
 inline int task_rows_for(const HyMat& M) {
   if (!g_byte_tasks) return g_task_rows;
@@ -102,6 +110,8 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
   int max_threads = 1;
   for (int n = 0; n < nn; ++n) max_threads = std::max(max_threads, ((Pool*)L->nodes[n].pool)->n);
   const int rbd = fused_block(Dp, na, max_threads, task_rows_for(L->nodes[0].down)), nbd = (Dp + rbd - 1) / rbd;
+  const int ts = g_tail_split;  // parts of each tail task (1: none cut)
+  int dwhole[HY_MAX_NODES], dtail[HY_MAX_NODES];  // per node: down tasks kept whole, then tail tasks cut in ts parts
   for (int n = 0; n < nn; ++n) {
     const HyNode& N = L->nodes[n];
     const int thr = ((Pool*)N.pool)->n;
@@ -115,6 +125,8 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
     for (int i = 0; i < A; ++i) hptr[n][i] = hrows[n] + i * hs[n];
     rbu[n] = fused_block(N.gate.rows_p, na, thr, task_rows_for(N.gate));
     nbu[n] = (N.gate.rows_p + rbu[n] - 1) / rbu[n];
+    dtail[n] = ts > 1 ? std::min(na * nbd, thr) : 0;
+    dwhole[n] = na * nbd - dtail[n];
   }
   FusedSync& S = *g_fsync;
   S.reset((size_t)nn * na, (size_t)nbd, (size_t)prep.tasks);
@@ -181,8 +193,23 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         }
         return;
       }
-      const int dtask = task - gu_tasks, j = dtask / nbd, b = dtask % nbd;
-      const int r0 = b * rbd, nr = std::min(rbd, Dp - r0);
+      // down task: (expert j, block b) whole, or one of ts parts of it in the tail; a whole task counts ts parts
+      int dtask = task - gu_tasks, part = -1;
+      if (dtask >= dwhole[n]) {
+        part = (dtask - dwhole[n]) % ts;
+        dtask = dwhole[n] + (dtask - dwhole[n]) / ts;
+      }
+      const int j = dtask / nbd, b = dtask % nbd, counted = part < 0 ? ts : 1;
+      int r0 = b * rbd, nr = std::min(rbd, Dp - r0);
+      if (part >= 0) {
+        const int step = (nr + ts * 16 - 1) / (ts * 16) * 16;
+        r0 += part * step;
+        nr = std::min(step, b * rbd + nr - r0);
+      }
+      if (nr <= 0) {  // an empty last part: nothing to add, but it still counts
+        if (S.blk_done[b].v.fetch_add(counted, std::memory_order_acq_rel) + counted == na * nn * ts) reduce_block(b);
+        return;
+      }
       const Active& a = act[j];
       const int x = n * na + j;
       while (!S.ready[x].v.load(std::memory_order_acquire)) _mm_pause();
@@ -193,9 +220,9 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         for (int i = 0; i < a.m; ++i)
           for (int r = 0; r < nr; ++r) y[(int64_t)i * Dp + r] += bd[r];
       }
-      if (S.blk_done[b].v.fetch_add(1, std::memory_order_acq_rel) + 1 == na * nn) reduce_block(b);
+      if (S.blk_done[b].v.fetch_add(counted, std::memory_order_acq_rel) + counted == na * nn * ts) reduce_block(b);
     });
-  }, [&](int n) { return (n == 0 ? prep.tasks : 0) + na * (nbu[n] + nbd); });
+  }, [&](int n) { return (n == 0 ? prep.tasks : 0) + na * nbu[n] + dwhole[n] + dtail[n] * ts; });
   return HY_OK;
 }
 
