@@ -200,7 +200,7 @@ def pool(isa: str, cpus) -> int:
 # Decode-sized calls without AMX experts run gate/up and down in one barrier-free phase (csrc/fused.h):
 # the profile counts that whole phase as "gate_up".
 PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
-TUNABLES = ("fused", "fused_prep", "prefetch", "pf_first", "pf_rows", "pf_l1", "i4_wide", "task_rows", "byte_tasks", "task_min", "spin_us", "stream_pf", "tail_split")
+TUNABLES = ("fused", "fused_prep", "prefetch", "pf_first", "pf_rows", "pf_l1", "i4_wide", "task_rows", "byte_tasks", "task_min", "spin_us", "stream_pf", "tail_split", "hsum")
 
 
 def parse_knob(item: str, what: str = "knob") -> tuple[str, int]:

@@ -242,6 +242,43 @@ def test_tail_tasks_cut_in_parts_change_nothing(isa, dtype, nodes, knobs):
             assert (outs[0][2] == 0).all()
 
 
+@pytest.mark.parametrize("isa", [i for i in COMPILED if i in ("avx512_bf16", "amx")] or ["none"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
+def test_block_sums_transposed_or_one_by_one(isa, dtype, knobs):
+    """hsum 1 ends each AVX-512 4-row block with one transposing sum of its 4 x MT accumulators, hsum 0 with a reduce
+    per accumulator. int8 sums integers and then does the same fp32 operations: bit-identical. bf16 and int4 add fp32
+    lanes in another order: within rounding of each other, both within the reference's tolerance. Either way a
+    token's output does not depend on the tokens computed beside it: each token alone gives its row of the batch bit
+    for bit (every expert gets 1..4 tokens, so blocks of MT = 1, 2, 3 and 4 tokens all run; D = 136: a ragged
+    last block)."""
+    if isa == "none":
+        pytest.skip("no AVX-512 library on this machine")
+    ws = weights(6)
+    moe = CpuMoE(*ws, dtype=dtype, isa=isa, threads=2, amx_min_tokens=10**9)
+    ref_w = dequantized(ws, dtype, moe.group_size)
+    g = torch.Generator().manual_seed(60)
+    T = 9
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids = torch.tensor([[t % 5, 5 + t % 3, 8 + t % 4] for t in range(T)], dtype=torch.int32)  # 1..4 tokens an expert
+    w = torch.rand(T, 3, generator=g) + 0.05
+    ref = moe_forward(x.float(), *ref_w, ids.long(), w)
+    outs = {}
+    for hs in (1, 0):
+        turn(knobs, moe.isa, "hsum", hs)
+        out = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
+        moe.forward(x, ids, w, out=out)
+        assert rel_err(out, ref) < TOL[dtype], (hs, rel_err(out, ref))
+        outs[hs] = out
+        for t in (0, 4, 8):  # alone: every block of this token's experts has MT = 1
+            one = torch.full((1, D), float("nan"), dtype=torch.bfloat16)
+            moe.forward(x[t:t + 1], ids[t:t + 1], w[t:t + 1], out=one)
+            assert torch.equal(one[0], out[t]), (hs, t)
+    if dtype == "int8":
+        assert torch.equal(outs[1], outs[0])
+    else:
+        assert rel_err(outs[1].float(), outs[0].float()) < 1e-2
+
+
 def test_task_knobs_are_clamped(knobs):
     isa = COMPILED[0] if COMPILED else pytest.skip("no compiled ISA on this machine")
     for asked, kept in ((1000, 512), (100, 64), (0, 64), (192, 192)):

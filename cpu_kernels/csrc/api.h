@@ -50,6 +50,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //             only with i4_wide 0)
 //   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass (default), 1 token pairs, 0 2-row passes
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
+//   hsum      1: the AVX-512 kernels' block epilogue as one transposing sum (hy.h; default), 0: a reduce per sum
 //   tail_split the last down tasks of a decode call (one per thread) cut into this many parts (fused.h; 1..8; default 1)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
@@ -66,6 +67,7 @@ HY_API int hy_tune(const char* name, int value) {
   else if (!std::strcmp(name, "pf_l1")) { old = g_pf_l1; g_pf_l1 = value != 0; }
   else if (!std::strcmp(name, "i4_wide")) { old = g_i4_wide; g_i4_wide = std::min(2, std::max(0, value)); }
   else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }
+  else if (!std::strcmp(name, "hsum")) { old = g_hsum; g_hsum = value != 0; }
   else if (!std::strcmp(name, "tail_split")) { old = g_tail_split; g_tail_split = std::min(HY_MAX_TAIL_SPLIT, std::max(1, value)); }
   else return -1;
   return old;

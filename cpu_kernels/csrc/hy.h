@@ -83,6 +83,11 @@ int g_pf_l1 = 0;
 // spread. The natural stored order runs 1 for 2.
 int g_i4_wide = 2;
 
+// 1 (default): the AVX-512 bf16, int8 and int4 kernels end each 4-row block with one transposing sum of its 4 x MT
+// accumulators (kern_avx512.h hsum16); 0: one reduce per accumulator, as before issue 12 session 28
+// (hy_tune("hsum")). int8 gives bit-identical results either way; bf16 and int4 add the lanes in another order.
+int g_hsum = 1;
+
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

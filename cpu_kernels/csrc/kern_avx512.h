@@ -14,6 +14,57 @@
 
 namespace {
 
+// The sums of the 16 lanes of 16 vectors at once: lane i of the result is the sum of v[i]'s lanes (FP: fp32 lanes,
+// else int32). The vector kernels end every 4-row block with 4 x MT such sums; one _mm512_reduce_add each is ~9
+// instructions and a move to a scalar per sum, ~150 with the scalar scaling for 16, which at the 30B down rows (12
+// chunks of ~28 instructions at 4 tokens) was a third of the block's instructions. This transposing tree takes 45
+// for all 16 (four levels of two shuffles and an add; the zero vectors of a block with fewer tokens fold away).
+// Level 1 adds lanes (l, l+2) of each 128-bit quarter and interleaves pairs of vectors, level 2 adds (l, l+1) and
+// holds four vectors per quarter, levels 3-4 add the quarters: vector i ends in quarter i / 4, position i % 4.
+// Every vector's lanes are summed in the same tree whatever its index, so a token's result does not depend on the
+// tokens computed beside it (hy.h g_hsum).
+
+template <bool FP>
+inline __m512i add_lanes(__m512i a, __m512i b) {
+  if constexpr (FP) return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  else return _mm512_add_epi32(a, b);
+}
+
+template <bool FP>
+inline __m512i hsum16(const __m512i* v) {
+  __m512i s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = add_lanes<FP>(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = add_lanes<FP>(_mm512_unpacklo_epi64(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi64(s[2 * i], s[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    w[i] = add_lanes<FP>(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return add_lanes<FP>(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
+}
+
+// Quarter q (a compile-time value once the callers' token loops are unrolled) of v.
+inline __m128 quarter(__m512 v, int q) {
+  switch (q) {
+    case 0: return _mm512_castps512_ps128(v);
+    case 1: return _mm512_extractf32x4_ps(v, 1);
+    case 2: return _mm512_extractf32x4_ps(v, 2);
+    default: return _mm512_extractf32x4_ps(v, 3);
+  }
+}
+
+// C[t * ldc + j] = s[t * 4 + j] * scale of token t (j < NR rows, t < MT tokens): the epilogue of a block whose
+// (row j, token t) sums are lanes t * 4 + j of s.
+template <int NR, int MT>
+inline void store_rows(__m512 s, const uint8_t* const* rows, int k, bool scaled, float* C, int ldc) {
+#pragma GCC unroll 4
+  for (int t = 0; t < MT; ++t) {
+    __m128 q = quarter(s, t);
+    if (scaled) q = _mm_mul_ps(q, _mm_set1_ps(act_scale(rows[t], k)));
+    if (NR == 4) _mm_storeu_ps(C + t * ldc, q);
+    else _mm_storel_pi((__m64*)(C + t * ldc), q);
+  }
+}
+
 template <int MT>
 void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* rows, float* C, int ldc, int pf_lo) {
   __m512 acc[4][MT];
@@ -26,6 +77,12 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
     }
+  }
+  if (g_hsum) {
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT ? _mm512_castps_si512(acc[i % 4][i / 4]) : _mm512_setzero_si512();
+    store_rows<4, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, false, C, ldc);
+    return;
   }
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]);
 }
@@ -45,6 +102,15 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
     }
+  }
+  if (g_hsum) {  // the same integer sums and the same fp32 operations in the same order: bit-identical to below
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT ? acc[i % 4][i / 4] : _mm512_setzero_si512();
+    const __m512i rs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)rsum));  // lane t * 4 + j: rsum[j]
+    const __m512 swv = _mm512_broadcast_f32x4(_mm_loadu_ps(sw));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16<false>(v), _mm512_slli_epi32(rs, 7))), swv);
+    store_rows<4, MT>(f, rows, k, true, C, ldc);
+    return;
   }
   for (int j = 0; j < 4; ++j)
     for (int t = 0; t < MT; ++t)
@@ -142,6 +208,14 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
     }
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  if (g_hsum) {
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = i / 4 < MT && i % 4 < NR ? _mm512_castps_si512(_mm512_mul_ps(acc.get(i % 4, i / 4), unscale))
+                                      : _mm512_setzero_si512();
+    store_rows<NR, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, true, C, ldc);
+    return;
+  }
   for (int j = 0; j < NR; ++j)
     for (int t = 0; t < MT; ++t)
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc.get(j, t), unscale)) * act_scale(rows[t], k);
@@ -187,6 +261,14 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     }
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  if (g_hsum) {
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = i / 4 < MT && i % 4 < NR ? _mm512_castps_si512(_mm512_mul_ps(acc[i % 4][i / 4], unscale))
+                                      : _mm512_setzero_si512();
+    store_rows<NR, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, true, C, ldc);
+    return;
+  }
   for (int j = 0; j < NR; ++j)
     for (int t = 0; t < MT; ++t)
       C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
