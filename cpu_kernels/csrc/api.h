@@ -51,7 +51,7 @@ HY_API void hy_set_amx_kblock(int kb) {
 //   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass (default), 1 token pairs, 0 2-row passes
 //   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
 //   hsum      1: the AVX-512 kernels' block epilogue as one transposing sum (hy.h; default), 0: a reduce per sum
-//   tail_split the last down tasks of a decode call (one per thread) cut into this many parts (fused.h; 1..8; default 1)
+//   tail_split the last down tasks of a decode call (one per thread) cut into this many parts (fused.h; 1..8; default 4)
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
   int old;

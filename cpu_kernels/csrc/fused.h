@@ -55,10 +55,13 @@ int g_byte_tasks = 0;
 // 2..8: the last down tasks of a call, one per pool thread, are cut into this many parts (16-row multiples, so the
 // results stay bit-identical), so that the threads finish nearer together: with whole tasks the call ends about half
 // a task (~11-22 us of a 30B down block on the GPU box) after the mean thread does. 1: every task whole
-// (hy_tune("tail_split"); default 1). Motive: bench.decode_probe --fit on the GPU box (issue 12 run 22) put a fixed
-// ~25 us on every decode call beside a 98-99% stream rate.
+// (hy_tune("tail_split"); default 4). Motive: bench.decode_probe --fit on the GPU box (issue 12 run 22) put a fixed
+// ~25 us on every decode call beside a 98-99% stream rate. Issue 12 run 23 (GPU box, 30B expert, 15 threads, pool
+// past the LLC, medians of interleaved rounds; BENCHMARKS.md session 28): 4 parts against whole tasks, call 2 (5
+// rounds) bf16 8 x 1 +2.9%, int8 8 x 4 +3.9%, int8 8 x 1 +1.5%, bf16 8 x 4 +0.4%; the --fit's fixed cost 37.4 -> 34.2
+// us (bf16) and 21.0 -> 18.7 us (int8). Call 1's slower, noisier host: int8 and int4 +1..+3%, bf16 -3%/+3%.
 constexpr int HY_MAX_TAIL_SPLIT = 8;
-int g_tail_split = 1;
+int g_tail_split = 4;
 
 // The row cap of one decode task over matrix M (task_rows, scaled by g_byte_tasks).
 inline int task_rows_for(const HyMat& M) {
