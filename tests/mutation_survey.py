@@ -93,8 +93,18 @@ MUTATIONS = [
      "not 0 <= slot <= self.max_batch:", ["tests/test_engine_limits.py"]),
     ("engine: prompt fills the context", "hybrid/runtime/engine.py", "        if start + n > self.max_context:",
      "        if start + n >= self.max_context:", ["tests/test_engine_limits.py"]),
-    ("engine: decode at the last position", "hybrid/runtime/engine.py", "        if max(positions) >= self.max_context:",
-     "        if max(positions) > self.max_context:", ["tests/test_engine_limits.py"]),
+    ("engine: decode at the last position", "hybrid/runtime/engine.py",
+     "        positions = [self.lengths[s] for s in slots]\n        if max(positions) >= self.max_context:\n"
+     "            raise ValueError(f\"a slot reached max_context {self.max_context}\")\n        t0 = time.perf_counter()\n"
+     "        if self.graphs is not None and self.graphs.prepare(",
+     "        positions = [self.lengths[s] for s in slots]\n        if max(positions) > self.max_context:\n"
+     "            raise ValueError(f\"a slot reached max_context {self.max_context}\")\n        t0 = time.perf_counter()\n"
+     "        if self.graphs is not None and self.graphs.prepare(", ["tests/test_engine_limits.py"]),
+    ("engine: a queued step past the last position", "hybrid/runtime/engine.py",
+     "        if max(positions) >= self.max_context:\n            raise ValueError(f\"a slot reached max_context {self.max_context}\")\n"
+     "        fed = last_tokens is None",
+     "        if max(positions) > self.max_context:\n            raise ValueError(f\"a slot reached max_context {self.max_context}\")\n"
+     "        fed = last_tokens is None", ["tests/test_decode_ahead.py"]),
     ("server: a prompt of the whole context", "hybrid/server/routes.py", "    if prompt_len >= context:",
      "    if prompt_len > context:", ["tests/test_server_limits.py"]),
     ("server: max_tokens exactly the room", "hybrid/server/routes.py", "    if req.max_tokens > room:",
@@ -317,7 +327,8 @@ MUTATIONS = [
      "                        os.environ.pop(name, None)", "                        pass",
      ["tests/test_e2e_cpu_only_sizes.py"]),
     ("decode graphs: fresh() keeps the captured graphs", "hybrid/runtime/cuda_graphs.py",
-     "other._pool, other._stage, other.graphs = None, {}, {}", "other._pool, other._stage = None, {}",
+     "other._pool, other._stage, other._inputs, other.graphs = None, {}, {}, {}",
+     "other._pool, other._stage, other._inputs = None, {}, {}",
      ["tests/test_e2e_cpu_only_sizes.py"]),
     ("decode ahead: a row that ended takes the tokens queued past its end", "hybrid/runtime/generation.py",
      "                if r in active:  # a row that stopped", "                if True:  # a row that stopped",
