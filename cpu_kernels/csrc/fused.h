@@ -54,12 +54,14 @@ int g_byte_tasks = 0;
 
 // 2..8: the last down tasks of a call, one per pool thread, are cut into this many parts (16-row multiples, so the
 // results stay bit-identical), so that the threads finish nearer together: with whole tasks the call ends about half
-// a task (~11-22 us of a 30B down block on the GPU box) after the mean thread does. 1: every task whole
+// a task after the mean thread does (a 256-row int8 30B down task reads 196 KB, ~20 us at a fifteenth of the GPU
+// box's ~140 GB/s; bf16 twice that). 1: every task whole
 // (hy_tune("tail_split"); default 4). Motive: bench.decode_probe --fit on the GPU box (issue 12 run 22) put a fixed
 // ~25 us on every decode call beside a 98-99% stream rate. Issue 12 run 23 (GPU box, 30B expert, 15 threads, pool
 // past the LLC, medians of interleaved rounds; BENCHMARKS.md session 28): 4 parts against whole tasks, call 2 (5
 // rounds) bf16 8 x 1 +2.9%, int8 8 x 4 +3.9%, int8 8 x 1 +1.5%, bf16 8 x 4 +0.4%; the --fit's fixed cost 37.4 -> 34.2
-// us (bf16) and 21.0 -> 18.7 us (int8). Call 1's slower, noisier host: int8 and int4 +1..+3%, bf16 -3%/+3%.
+// us (bf16) and 21.0 -> 18.7 us (int8). Call 1's slower, noisier host (3 rounds): int8 and int4 0..+3%, bf16 -3%
+// at 1 token and +8% at 4.
 constexpr int HY_MAX_TAIL_SPLIT = 8;
 int g_tail_split = 4;
 
@@ -209,19 +211,17 @@ int forward_fused(const HyLayer* L, Workspace& W, const Active* act, int na, int
         r0 += part * step;
         nr = std::min(step, b * rbd + nr - r0);
       }
-      if (nr <= 0) {  // an empty last part: nothing to add, but it still counts
-        if (S.blk_done[b].v.fetch_add(counted, std::memory_order_acq_rel) + counted == na * nn * ts) reduce_block(b);
-        return;
-      }
-      const Active& a = act[j];
-      const int x = n * na + j;
-      while (!S.ready[x].v.load(std::memory_order_acquire)) _mm_pause();
-      float* y = Y[n] + (int64_t)a.off * Dp + r0;
-      vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, y, Dp);
-      if (N.down.bias) {  // Y = W_down h + b_down (node 0 only: the node sum in reduce_block adds it once)
-        const float* bd = N.down.bias + a.e * N.down.b_estride + r0;
-        for (int i = 0; i < a.m; ++i)
-          for (int r = 0; r < nr; ++r) y[(int64_t)i * Dp + r] += bd[r];
+      if (nr > 0) {  // an empty last part adds nothing, but it still counts below
+        const Active& a = act[j];
+        const int x = n * na + j;
+        while (!S.ready[x].v.load(std::memory_order_acquire)) _mm_pause();
+        float* y = Y[n] + (int64_t)a.off * Dp + r0;
+        vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, y, Dp);
+        if (N.down.bias) {  // Y = W_down h + b_down (node 0 only: the node sum in reduce_block adds it once)
+          const float* bd = N.down.bias + a.e * N.down.b_estride + r0;
+          for (int i = 0; i < a.m; ++i)
+            for (int r = 0; r < nr; ++r) y[(int64_t)i * Dp + r] += bd[r];
+        }
       }
       if (S.blk_done[b].v.fetch_add(counted, std::memory_order_acq_rel) + counted == na * nn * ts) reduce_block(b);
     });

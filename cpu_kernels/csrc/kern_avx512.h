@@ -16,9 +16,10 @@ namespace {
 
 // The sums of the 16 lanes of 16 vectors at once: lane i of the result is the sum of v[i]'s lanes (FP: fp32 lanes,
 // else int32). The vector kernels end every 4-row block with 4 x MT such sums; one _mm512_reduce_add each is ~9
-// instructions and a move to a scalar per sum, ~150 with the scalar scaling for 16, which at the 30B down rows (12
-// chunks of ~28 instructions at 4 tokens) was a third of the block's instructions. This transposing tree takes 45
-// for all 16 (four levels of two shuffles and an add; the zero vectors of a block with fewer tokens fold away).
+// instructions and a move to a scalar per sum, ~150 with the scalar scaling for 16 (counted from the intrinsics, not
+// measured), which at the 30B down rows (12 chunks of ~28 instructions at 4 tokens) is about a third of the block's
+// instructions. This transposing tree takes 45 for all 16 (four levels of two shuffles and an add; the zero vectors of
+// a block with fewer tokens fold away, as the compiled code of 1-token bf16 blocks shows).
 // Level 1 adds lanes (l, l+2) of each 128-bit quarter and interleaves pairs of vectors, level 2 adds (l, l+1) and
 // holds four vectors per quarter, levels 3-4 add the quarters: vector i ends in quarter i / 4, position i % 4.
 // Every vector's lanes are summed in the same tree whatever its index, so a token's result does not depend on the
@@ -40,6 +41,14 @@ inline __m512i hsum16(const __m512i* v) {
   for (int i = 0; i < 2; ++i)
     w[i] = add_lanes<FP>(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return add_lanes<FP>(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
+}
+
+// hsum16 of a block's accumulators get(j, t) (row j < NR, token t < MT) in lanes t * 4 + j, the other lanes 0.
+template <bool FP, int NR, int MT, class Get>
+inline __m512i block_sums(Get get) {
+  __m512i v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT && i % 4 < NR ? get(i % 4, i / 4) : _mm512_setzero_si512();
+  return hsum16<FP>(v);
 }
 
 // Quarter q (a compile-time value once the callers' token loops are unrolled) of v.
@@ -79,9 +88,8 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
     }
   }
   if (g_hsum) {
-    __m512i v[16];
-    for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT ? _mm512_castps_si512(acc[i % 4][i / 4]) : _mm512_setzero_si512();
-    store_rows<4, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, false, C, ldc);
+    const __m512i s = block_sums<true, 4, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+    store_rows<4, MT>(_mm512_castsi512_ps(s), rows, k, false, C, ldc);
     return;
   }
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]);
@@ -104,11 +112,10 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     }
   }
   if (g_hsum) {  // the same integer sums and the same fp32 operations in the same order: bit-identical to below
-    __m512i v[16];
-    for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT ? acc[i % 4][i / 4] : _mm512_setzero_si512();
+    const __m512i s = block_sums<false, 4, MT>([&](int j, int t) { return acc[j][t]; });
     const __m512i rs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)rsum));  // lane t * 4 + j: rsum[j]
     const __m512 swv = _mm512_broadcast_f32x4(_mm_loadu_ps(sw));
-    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16<false>(v), _mm512_slli_epi32(rs, 7))), swv);
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_slli_epi32(rs, 7))), swv);
     store_rows<4, MT>(f, rows, k, true, C, ldc);
     return;
   }
@@ -209,11 +216,8 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
   if (g_hsum) {
-    __m512i v[16];
-    for (int i = 0; i < 16; ++i)
-      v[i] = i / 4 < MT && i % 4 < NR ? _mm512_castps_si512(_mm512_mul_ps(acc.get(i % 4, i / 4), unscale))
-                                      : _mm512_setzero_si512();
-    store_rows<NR, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, true, C, ldc);
+    const __m512i s = block_sums<true, NR, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc.get(j, t), unscale)); });
+    store_rows<NR, MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
     return;
   }
   for (int j = 0; j < NR; ++j)
@@ -262,11 +266,8 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
   if (g_hsum) {
-    __m512i v[16];
-    for (int i = 0; i < 16; ++i)
-      v[i] = i / 4 < MT && i % 4 < NR ? _mm512_castps_si512(_mm512_mul_ps(acc[i % 4][i / 4], unscale))
-                                      : _mm512_setzero_si512();
-    store_rows<NR, MT>(_mm512_castsi512_ps(hsum16<true>(v)), rows, k, true, C, ldc);
+    const __m512i s = block_sums<true, NR, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
+    store_rows<NR, MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
     return;
   }
   for (int j = 0; j < NR; ++j)
