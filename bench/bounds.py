@@ -8,7 +8,7 @@ so for a split S (shipped set) the layer takes at least
     max( sum_{e not in S} c_e,  |S| tau,  G_0 + sum_{e in S} g_e ).
 
 The bound is the minimum of that over every fractional split (an LP relaxation, so <= the best integral
-split) with one more relaxation: the shipped experts' GPU compute is dropped (in prefill it is ~1% of
+split) with one more relaxation: the shipped experts' GPU compute is dropped (in prefill it is small beside
 their transfer time; dropping a constraint can only lower the minimum). What is left has a closed form:
 ship the CPU-costliest experts first; the bound is max(G_0, T*) with T* the point where the CPU work left
 equals the link time, sum_{e not shipped} c_e = k tau (k fractional). Every term is priced at the rates
@@ -86,9 +86,9 @@ TOKEN_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))  # tokens per expert, a
 def tokens_per_cold_expert(layers: list[tuple[list[np.ndarray], np.ndarray]]) -> dict[str, float]:
     """How the cold experts a decode step reads split by the tokens routed to each, over every layer and step:
     {"1": share, "2": ..., "3-4": ..., "5-8": ..., "9+": ...} of (expert, step) reads. The CPU kernels' rate
-    per weight byte falls with tokens per expert (more products per byte: on the GPU box's Xeon int4 computes
-    below the DRAM ceiling from 4 tokens, every dtype at 8), so this says how much of a step's lane can be
-    bound by the kernels' instructions rather than by DRAM. layers: (step_counts, resident)."""
+    per weight byte falls with tokens per expert (more products per byte: from a few tokens per expert a
+    kernel computes below the DRAM ceiling, the compact dtypes first), so this says how much of a step's lane
+    can be bound by the kernels' instructions rather than by DRAM. layers: (step_counts, resident)."""
     counts = [np.asarray(c)[~resident] for steps, resident in layers for c in steps]
     tok = np.concatenate(counts) if counts else np.zeros(0)
     tok = tok[tok > 0]
@@ -106,8 +106,8 @@ def llc_adjusted(layers: list[tuple[float, float]], reused: list[float], cold_by
     serve taken out: of each step's cold experts that the step before also read (reused, per layer), at most
     llc_bytes in all, taken from every layer in the same proportion. decode_step_bound over the result is the
     bound of a run whose repeated reads hit the LLC for free (as long as they fit), so no run can beat it even
-    where the DRAM-only bound is beaten: it is the honest bound when the routing repeats (a step of the
-    12-layer int4 model reads ~230 MB, less than the GPU box's 300 MiB L3)."""
+    where the DRAM-only bound is beaten: it is the honest bound when the routing repeats (a small model's step
+    in a compact dtype can read less than a server CPU's L3 holds)."""
     total = sum(reused) * cold_bytes
     served = min(1.0, llc_bytes / total) if total > 0 else 0.0
     return [(c - r * served, res) for (c, res), r in zip(layers, reused)]

@@ -30,10 +30,11 @@ import torch
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native, quant
 from cpu_kernels.bandwidth import available_bytes, default_read_bytes, llc_bytes
+from cpu_kernels.dtypes import VALUE_BYTES
 from cpu_kernels.knee import knee_from_times
 
 # Packed bytes per weight, scales aside except mxfp4's (its exponent byte per 32 values is part of the format).
-BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.53125}
+BYTES_PER_WEIGHT = VALUE_BYTES
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768), "gpt-oss-120b": (2880, 2880),
           "tiny": (512, 256)}
 
@@ -237,13 +238,13 @@ def main(argv=None) -> int:
                               f"which AMX stays faster); this CpuMoE used {knee0}")
                         for m in (1024,) if kblocks else ():  # AMX K-block length (L1/L2 reuse trade-off)
                             for kb in kblocks:
-                                _native.load(isa).hy_set_amx_kblock(kb)
+                                _native.tune(isa, "amx_kblock", kb)
                                 t = run_case(moe, D, 8, m, pool_e, isa)[0]
                                 kb_rows.append(dict(shape=shape, dtype=dtype, experts=8, tokens_per_expert=m, kblock=kb,
                                                     ms=t * 1e3, tflops=2 * 3 * D * F * m * 8 / t / 1e12))
                                 print(f"# kblock {shape} {dtype} 8x{m} kb={kb}: {t * 1e3:.3f} ms, "
                                       f"{kb_rows[-1]['tflops']:.2f} TFLOP/s")
-                            _native.load(isa).hy_set_amx_kblock(16)
+                            _native.tune(isa, "amx_kblock", 16)
                     big = [r for r in rows if r["isa"] == isa and r["dtype"] == dtype and r["shape"] == shape]
                     for r in (big[0], big[-1]) if big else ():
                         print(f"#   phases ms ({r['kind']} {r['experts']}x{r['tokens_per_expert']}): "
@@ -292,4 +293,6 @@ def run_case_knee(moe, D, n, m, pool_experts, isa, knee) -> float:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -3,24 +3,21 @@ in the same process.
 
 bench.cpu_moe routes one expert per token (K = 1); a decode step routes every token to K experts, so a layer
 call reads the distinct experts the batch chose and sums K outputs per token. This probe times exactly that,
-for the decode path's knobs (cpu_kernels._native.tune: fused single phase vs the phased path, software
-prefetch), counting the distinct experts each call really read. Expert pools rotate call to call so that
-weights come from DRAM, not from the last-level cache: the pool holds at least 4 x the LLC of the
-smallest dtype asked for (run 10 on the GPU box, 300 MiB L3: a 128-expert pool read 8 random int4 experts
-x 8 tokens at "118%" of DRAM, 512 experts at 88%).
+for variants of the executor's run-time knobs (cpu_kernels._native.TUNABLES: the fused single phase against the
+phased path, the decode task size, ...), counting the distinct experts each call really read. Expert pools rotate
+call to call so that weights come from DRAM, not from the last-level cache: the pool holds at least 4 x the LLC of
+the smallest dtype asked for (a smaller pool reads partly from the cache and reports more than DRAM can give).
 
-Comparing knobs: the GPU box's host drifts within one process (issue 12 run 14 call 2: the same tasks read 98% and
-103% of DRAM as the first and the last of four variants), so `--rounds N` runs each case's variants N times,
-forward and then backward in turn (A B C, C B A, ...), which cancels a steady drift in the medians it reports per
-variant, with each variant's median against the first variant's (`vs first`).
+Comparing knobs: a host's read rate can drift within one process, so `--rounds N` runs each case's variants N
+times, forward and then backward in turn (A B C, C B A, ...), which cancels a steady drift in the medians it reports
+per variant, with each variant's median against the first variant's (`vs first`).
 
-The ceiling is measured before the cases and again after them: the GPU box's VM read 92.6 GB/s once at the
-start and its kernels then 106-133% of it (run 13 call 4). `% DRAM` is against the first ceiling (comparable
-with earlier runs), `% best` against the higher of the two (the conservative share).
+The ceiling is measured before the cases and again after them, as it can move during a run: `% DRAM` is against
+the first ceiling, `% best` against the higher of the two (the conservative share).
 
     python -m bench.decode_probe --out decode_probe.json                     # 30B expert, bf16/int8/int4
-    python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,fused-nopf
-    python -m bench.decode_probe --dtypes int4 --variants fused,fused+byte_tasks=1 --rounds 4   # a knob A/B
+    python -m bench.decode_probe --cases 1x8,8x8,4x8same --variants fused,phased,small-tasks
+    python -m bench.decode_probe --dtypes int4 --variants fused,fused+tail_split=1 --rounds 4   # a knob A/B
     python -m bench.decode_probe --dtypes bf16,int8 --cases 1x1,1x2,1x4,1x8,2x8 --variants fused --fit  # fixed cost
 """
 
@@ -51,10 +48,9 @@ def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> 
     return max(least, -(-need // 64) * 64)
 
 
-VARIANTS = {"fused": dict(fused=1, prefetch=1), "phased": dict(fused=0, prefetch=1),  # prefetch: the default
-            "fused-nopf": dict(fused=1, prefetch=0), "phased-nopf": dict(fused=0, prefetch=0),
-            # issue 12 run 11's decode tasks before: 64 rows, >= 6 per thread, no prefetch of a call's 2nd block
-            "small-tasks": dict(fused=1, prefetch=1, pf_first=0, task_rows=64, task_min=6)}
+VARIANTS = {"fused": dict(fused=1), "phased": dict(fused=0),
+            # many short decode tasks (64 rows, >= 6 per thread): what the default's longer tasks are measured against
+            "small-tasks": dict(fused=1, task_rows=64, task_min=6)}
 
 
 def variant_knobs(name: str) -> dict:
@@ -163,26 +159,23 @@ def time_case(moe: CpuMoE, T: int, K: int, same: bool, iters: int) -> dict:
 
 
 def measure_floors(D: int) -> dict:
-    """Graph decode's per-layer floor (hybrid.offload.overheads) per placement and lane, each in a fresh
-    process (the lane choice is read when the model's lanes start)."""
+    """Graph decode's per-layer floor (hybrid.offload.overheads) per placement, each in a fresh process (its
+    own CUDA context and doorbell lane, as a served model has)."""
     import subprocess
     import sys
 
     out = {}
-    for lane in ("doorbell", "hostfn"):
-        for resident in ("none", "half", "all"):
-            if lane == "hostfn" and resident == "all":
-                continue  # no CPU lane: the same as the doorbell's
-            code = ("import json; from hybrid.offload.overheads import measure_graph_layer_floor as m; "
-                    f"print(json.dumps(m({D}, resident={resident!r})))")
-            env = dict(os.environ, HYBRID_DOORBELL="1" if lane == "doorbell" else "0")
-            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-            if res.returncode:
-                print(f"# floor {lane}/{resident} failed: {res.stderr.strip().splitlines()[-1:]}")
-                continue
-            fl = json.loads(res.stdout.strip().splitlines()[-1])["graph_layer_floor"]
-            out[f"{lane}_{resident}"] = fl
-            print(f"# graph floor per layer, lane {lane:8} resident {resident:4}: {fl * 1e6:6.1f} us", flush=True)
+    lane = "doorbell"
+    for resident in ("none", "half", "all"):
+        code = ("import json; from hybrid.offload.overheads import measure_graph_layer_floor as m; "
+                f"print(json.dumps(m({D}, resident={resident!r})))")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if res.returncode:
+            print(f"# floor {lane}/{resident} failed: {res.stderr.strip().splitlines()[-1:]}")
+            continue
+        fl = json.loads(res.stdout.strip().splitlines()[-1])["graph_layer_floor"]
+        out[f"{lane}_{resident}"] = fl
+        print(f"# graph floor per layer, lane {lane:8} resident {resident:4}: {fl * 1e6:6.1f} us", flush=True)
     return out
 
 
@@ -196,13 +189,13 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=128, help="int4 group size (32, 64 or 128)")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")
-    p.add_argument("--variants", default="fused,phased,fused-nopf",
+    p.add_argument("--variants", default="fused,phased",
                    help=",".join(VARIANTS) + "; each may add +knob=value overrides (cpu_kernels._native.TUNABLES)")
     p.add_argument("--threads", type=int, help="executor threads (default: every allowed cpu but one, as on a GPU host)")
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--spin-us", type=int, default=2000, help="pool spin before sleeping (the GPU runtime's setting)")
     p.add_argument("--floor", action="store_true", help="also the captured decode floor per layer (CUDA): a tiny-"
-                   "expert model with half / none / all of its experts resident, doorbell and host-function lanes")
+                   "expert model with half / none / all of its experts resident")
     p.add_argument("--rounds", type=int, default=1, help="times each case's variants run, forward then backward in "
                    "turn, for a knob A/B on a drifting host (default 1); a summary of medians per variant follows")
     p.add_argument("--fit", action="store_true", help="fit each dtype's call time as a fixed cost plus bytes at a "

@@ -3,15 +3,15 @@
     python -m bench.decode_timeline [--layers 2,8] [--resident none] [--batch 8] [--out FILE.json]
 
 The model is hybrid.offload.overheads' floor model (the 30B width, small experts, CUDA graphs), at batch 1 or
---batch rows (each its own prompt; at 8 rows the layer's CPU lane reads most of the 16 small experts, ~12 MB).
+--batch rows (each its own prompt; at 8 rows the layer's CPU lane reads most of its 16 small experts).
 Figures:
 - the floor as a slope: decode step time at two layer counts, (t_long - t_short) / (layers difference), the
   cost one more layer adds, apart from the step's own fixed part (embedding, head, sampling, graph launch,
   host sync), which `measure_graph_layer_floor` divides among the layers;
 - with --intermediate 64,128: that slope at two expert widths, extrapolated to zero expert bytes (at the 30B
-  width even 64-wide experts are 0.79 MB each, ~6 MB per layer with every expert cold). Read it with care: on
-  the GPU box's host part of the floor model's experts sits in the large L3, so the 64 more cost 37 us in one
-  call and 14 us in the next (box run 9); the slope at 64 alone is an upper bound of the fixed cost;
+  width even 64-wide experts are most of a megabyte each). Read it with care: on a host with a large L3 part of
+  the floor model's experts sits in it, so the extra width's cost varies from run to run; the slope at 64 alone
+  is an upper bound of the fixed cost;
 - torch.profiler over replays of the longer model: per kernel, launches and GPU microseconds per layer; the
   slope minus the kernels' busy time is what no kernel covers (launch gaps, the CPU lane's round trip);
 - the CPU executor's own clock over the same profiled steps (the host lane jobs' busy time, per layer): the GPU's
@@ -33,8 +33,8 @@ from hybrid.offload.overheads import floor_engine, time_decode_steps
 
 def kernel_table(eng, slots, layers: int, steps: int = 5) -> dict:
     """Kernels of `steps` profiled decode steps: {name: (launches per layer, us per launch)}, and the busy
-    (kernel) microseconds per layer. (A step's span from the trace is not reported: steps split by host-sync
-    gaps were miscounted in the first box run, and the slope above measures the same thing without a profiler.)"""
+    (kernel) microseconds per layer. (A step's span from the trace is not reported: a trace splits steps at
+    host-sync gaps, which miscounts them, and the slope above measures the same thing without a profiler.)"""
     from torch.profiler import ProfilerActivity, profile
 
     time_decode_steps(eng, slots, 2)
@@ -149,4 +149,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

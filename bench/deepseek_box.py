@@ -1,4 +1,4 @@
-"""Issue 13 on the GPU box: a DeepSeek-V3-shaped FP8 checkpoint, loaded as published, end to end.
+"""A DeepSeek-V3-shaped FP8 checkpoint, loaded as published, end to end (the models table's DeepSeek row).
 
     python -m bench.deepseek_box --ckpt /tmp/dsv3-5l --cpu-dtype int8 --profile PROFILE.json --out DIR
 
@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 from bench import hybrid_e2e
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from hybrid.models.presets import hf_config
 from hybrid.models.writer import write_random_checkpoint
-from hybrid.offload.build import HybridConfig, expert_shape, load_hybrid
+from hybrid.offload.build import expert_shape, load_hybrid
+from hybrid.offload.config import HybridConfig
 from placement.json_file import write_json
 
 
@@ -93,12 +95,12 @@ def ensure_checkpoint(path: Path, layers: int, config: str | None = None, preset
 
 
 def arguments(doc: str, ckpt: str, layers: int, preset: str, cpu_dtype: str) -> argparse.ArgumentParser:
-    """The command line of a box script over a preset-shaped checkpoint (deepseek_box, gpt_oss_box)."""
+    """The command line of a model bench over a preset-shaped checkpoint (deepseek_box, gpt_oss_box)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--ckpt", default=ckpt, help="checkpoint directory (written if missing)")
     p.add_argument("--layers", type=int, default=layers, help="decoder layers of the written checkpoint")
     p.add_argument("--config", help=f"a config.json to write instead of the {preset} preset (tests, variants)")
-    p.add_argument("--cpu-dtype", default=cpu_dtype, choices=["bf16", "int8", "int4", "mxfp4"])
+    p.add_argument("--cpu-dtype", default=cpu_dtype, choices=CPU_DTYPE_NAMES)
     p.add_argument("--profile", required=True)
     p.add_argument("--isa")
     p.add_argument("--cpu-threads", type=int)
@@ -155,4 +157,6 @@ def run_box(args, preset: str, quant: str) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

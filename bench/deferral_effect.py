@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid.offload.build import HybridConfig, load_hybrid
+from hybrid.offload.build import load_hybrid
+from hybrid.offload.config import HybridConfig
 from hybrid.runtime.engine import Engine
 from hybrid.runtime.kv_cache import StaticKVCache
 from hybrid.runtime.sampling import SamplingParams
@@ -96,4 +97,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

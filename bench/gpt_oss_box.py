@@ -1,4 +1,4 @@
-"""Issue 15 on the GPU box: a gpt-oss-120b-shaped MXFP4 checkpoint, loaded as published, end to end.
+"""A gpt-oss-120b-shaped MXFP4 checkpoint, loaded as published, end to end (the models table's gpt-oss row).
 
     python -m bench.gpt_oss_box --ckpt /tmp/gpt-oss-4l --cpu-dtype mxfp4 --graphs --profile PROFILE.json --out DIR
 
@@ -59,4 +59,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -2,8 +2,7 @@
 
     python -m bench.hybrid_e2e --profile PROFILE.json --layers 8 --resident 32 --out DIR
     python -m bench.hybrid_e2e --profile PROFILE.json --layers 12 --resident 0 --graphs --strategies cpu \\
-        --prefill 128 --decode-batch 1,8 --cpu-dtype int4 --ab byte_tasks=0/1 --ab-rounds 6   # a knob A/B
-    python -m bench.hybrid_e2e ... --graphs --ab env:HYBRID_ROUTER_NORM=0/1 --ab-rounds 6   # a capture-time setting
+        --prefill 128 --decode-batch 1,8 --cpu-dtype int4 --ab tail_split=1/4 --ab-rounds 6   # a knob A/B
 
 A Qwen3-30B-A3B-shaped model (fewer layers when --layers is given) is built in memory with random
 weights: attention, router and norms on the GPU; every MoE layer's experts in the CPU executor, of
@@ -38,10 +37,10 @@ Bounds (bench/bounds.py says why no strategy can beat them):
   the step's share of it.
 - tokens per expert: `decode_bB_cold_tokens_per_expert` splits a step's cold expert reads by the tokens routed to
   each (1, 2, 3-4, 5-8, 9+; bench.bounds.tokens_per_cold_expert): the CPU kernels' rate per byte falls with it, and
-  from a few tokens per expert they are bound by their instructions, not by DRAM (BENCHMARKS.md, session 23).
-- the DRAM ceiling moves on a shared host (the GPU box's VM: 106-149 GB/s within one device call), so it is
-  measured again right after each batch's timed steps: `decode_bB_dram_after_GBps`, and `_of_roofline_after`
-  the step's share of the roofline at that ceiling. `_of_roofline` stays against the run's first measurement;
+  from a few tokens per expert they are bound by their instructions, not by DRAM.
+- the DRAM ceiling moves on a shared host (a VM's neighbours read memory too), so it is measured again right
+  after each batch's timed steps: `decode_bB_dram_after_GBps`, and `_of_roofline_after` the step's share of the
+  roofline at that ceiling. `_of_roofline` stays against the run's first measurement;
   the two bracket what the host's memory gave while the steps ran.
 """
 
@@ -49,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -58,6 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from hybrid.models import build_empty, init_random_
 from hybrid.models.families import family_for
 from hybrid.models.presets import hf_config
@@ -254,30 +253,19 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
               bound_s: float) -> dict:
     """An in-process A/B of one CPU executor knob at decode: each round runs the same prompts' greedy steps once per
     value, the values forward then backward in turn (A B, B A, ...), so a host whose memory drifts within the
-    process (the GPU box's VM: issue 12 run 14) moves every value alike, and one build serves every run. Kernels
-    give bit-identical outputs over every knob (tests/test_cpu_decode_path.py), so every run reads the same experts:
-    the step's roofline (bound_s) and cold bytes are the main measurement's. knob "ahead" (0/1) times the steps
-    host-synchronised one by one (0) or queued one ahead as greedy generation runs them (1). knob "env:NAME" sets the
-    environment variable NAME instead, for settings the runtime reads when a decode step is captured (e.g.
-    HYBRID_ROUTER_NORM): each value then replays its own graphs, captured on its first run (DecodeGraphs.fresh),
-    and the runs' routing is assumed unchanged (the fused-kernel tests hold greedy tokens equal)."""
+    process moves every value alike, and one build serves every run. Kernels give bit-identical outputs over every
+    knob (tests/test_cpu_decode_path.py), so every run reads the same experts: the step's roofline (bound_s) and cold
+    bytes are the main measurement's. knob "ahead" (0/1) times the steps host-synchronised one by one (0) or queued
+    one ahead as greedy generation runs them (1)."""
     from bench.decode_probe import round_orders
     from cpu_kernels import _native
 
     isa = off.layers[0].cpu_moe.isa
     tok_s = {v: [] for v in values}
     lane_gbps = {v: [] for v in values}
-    env = knob.startswith(ENV_AB)
-    name = knob[len(ENV_AB):] if env else knob
-    graphs0, graphs_for = eng.graphs, {}
     for order in round_orders(values, rounds):
         for v in order:
-            if env:  # a GPU-side setting read while a step is captured: each value gets its own captured graphs
-                was = os.environ.get(name)
-                os.environ[name] = v
-                if graphs0 is not None:
-                    eng.graphs = graphs_for.setdefault(v, graphs0.fresh())
-            elif knob != AHEAD_AB:
+            if knob != AHEAD_AB:
                 was = _native.tune(isa, knob, v)
             slots = []
             try:
@@ -291,13 +279,7 @@ def decode_ab(eng, off, prompts, knob: str, values: list[int], rounds: int, step
             finally:
                 for s in slots:
                     eng.free_slot(s)
-                if env:
-                    eng.graphs = graphs0
-                    if was is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = was
-                elif knob != AHEAD_AB:
+                if knob != AHEAD_AB:
                     _native.tune(isa, knob, was)
             tok_s[v].append(len(prompts) / statistics.median(times))
             if lane_s > 0:
@@ -513,7 +495,7 @@ def run(args) -> dict:
 GPU_DEFAULTS = {"prefill": [2048, 8192], "decode_batch": [1, 8], "steps": 16,
                 "strategies": ["cost", "cpu", "ship", "threshold:32"]}
 # Without CUDA the "GPU" side is torch on the CPU: an 8192-token prefill per strategy runs for minutes on a
-# small box (issue 14), and ship / threshold only copy weights within DRAM there. Bounded defaults instead.
+# small box, and ship / threshold only copy weights within DRAM there. Bounded defaults instead.
 CPU_ONLY_DEFAULTS = {"prefill": [128], "decode_batch": [1], "steps": 4, "strategies": ["cost", "cpu"]}
 CPU_ONLY_CALIBRATION = 128  # tokens of the placement prefill (512 on a GPU)
 
@@ -561,7 +543,6 @@ def knobs(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-ENV_AB = "env:"  # --ab env:HYBRID_...=V1/V2: an environment variable instead of a CPU knob (decode_ab)
 AHEAD_AB = "ahead"  # --ab ahead=0/1: decode steps timed one by one (0) or queued one ahead (1)
 
 
@@ -572,9 +553,8 @@ def decode_ahead(eng, args) -> bool:
 
 
 def ab_values(text: str) -> tuple[str, list]:
-    """'byte_tasks=0/1' -> ('byte_tasks', [0, 1]): one cpu_kernels._native.TUNABLES knob and two or more distinct
-    integer values (the first is the one the others are compared with); 'env:HYBRID_ROUTER_NORM=0/1' ->
-    ('env:HYBRID_ROUTER_NORM', ['0', '1']): one of this runtime's HYBRID_* environment variables, string values."""
+    """'tail_split=1/4' -> ('tail_split', [1, 4]): one cpu_kernels._native.TUNABLES knob (or `ahead`) and two or more
+    distinct integer values (the first is the one the others are compared with)."""
     from cpu_kernels._native import parse_knob
 
     name, sep, vals = text.partition("=")
@@ -583,10 +563,6 @@ def ab_values(text: str) -> tuple[str, list]:
             values = [int(v) for v in vals.split("/")] if sep else []
             if not set(values) <= {0, 1}:
                 raise ValueError(f"--ab {text!r}: ahead takes 0 and 1")
-        elif name.startswith(ENV_AB):
-            if not name[len(ENV_AB):].startswith("HYBRID_"):
-                raise ValueError(f"--ab {name!r}: env: takes one of the runtime's HYBRID_* variables")
-            values = [v for v in vals.split("/") if v] if sep else []
         else:
             values = [parse_knob(f"{name}={v}", "--ab")[1] for v in vals.split("/")] if sep else []
     except ValueError as exc:
@@ -607,7 +583,7 @@ def main(argv=None) -> int:
     p.add_argument("--defer-experts", type=int, default=0, metavar="N",
                    help="expert deferral (changes the output): each token's N lowest-ranked experts one layer late")
     p.add_argument("--profile", required=True)
-    p.add_argument("--cpu-dtype", default="bf16", choices=["bf16", "int8", "int4", "mxfp4"])
+    p.add_argument("--cpu-dtype", default="bf16", choices=CPU_DTYPE_NAMES)
     p.add_argument("--isa")
     p.add_argument("--graphs", action="store_true", help="decode in CUDA graphs (every cold expert on the CPU "
                    "lane as a host function; the strategy then only affects prefill)")
@@ -626,16 +602,15 @@ def main(argv=None) -> int:
                    help="schedules to measure (default cost,cpu,ship,threshold:32; CPU-only cost,cpu)")
     p.add_argument("--isolate", action="store_true",
                    help="measure each strategy in a fresh process (same weights and placement): strategies run "
-                        "one after another in one process can change each other's timings (seen on the GPU box)")
+                        "one after another in one process can change each other's timings)")
     p.add_argument("--tune", type=knobs, default={}, metavar="KNOB=V[,KNOB=V]",
                    help="set CPU executor run-time knobs before the timings (cpu_kernels._native.TUNABLES, e.g. "
                         "pf_rows=16): an A/B of a knob end to end, said in the header")
     p.add_argument("--ab", type=ab_values, metavar="KNOB=V1/V2",
                    help="after each decode batch's timings, an in-process A/B of one CPU knob: --ab-rounds rounds of "
                         "the same greedy steps per value, forward then backward in turn (medians, runs, share of the "
-                        "same roofline, lane GB/s); one build for every run, and a drifting host moves the values alike; "
-                        "env:HYBRID_NAME=V1/V2 sets that environment variable instead, each value with its own "
-                        "captured graphs (e.g. env:HYBRID_ROUTER_NORM=0/1)")
+                        "same roofline, lane GB/s); one build for every run, and a drifting host moves the values "
+                        "alike")
     p.add_argument("--ab-rounds", type=int, default=4, metavar="N", help="rounds of --ab (default 4)")
     p.add_argument("--decode-sync", action="store_true",
                    help="time each decode step alone, host-synchronised before and after (the measurement before "
@@ -658,4 +633,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -65,7 +65,7 @@ def time_layer(layer, x, ids, w, reps: int) -> tuple[float, float]:
     sync()
     times, preds = [], []
     t_start = time.perf_counter()
-    # at least `reps` runs and 0.3 s of them: small batches take ~1-3 ms and are noisy
+    # at least `reps` runs and 0.3 s of them: small batches take a few milliseconds and are noisy alone
     while len(times) < reps or (time.perf_counter() - t_start < 0.3 and len(times) < 50):
         before = layer.stats.predicted_s
         t0 = time.perf_counter()
@@ -171,4 +171,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -6,8 +6,9 @@
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
-Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2, GLM-4.5 and gpt-oss-120b; --layers keeps the first N decoder layers (the GPU
-box has 64 GiB of disk: Qwen3-30B-A3B in bf16 is ~61 GB at 48 layers, ~1.3 GB per layer). By default
+Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2, GLM-4.5 and gpt-oss-120b; --layers keeps
+the first N decoder layers (a whole model in bf16 is tens to hundreds of GB: a cut one fits a small disk and still
+has every layer's shape). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
 in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
 OUT` runs and every id the random model generates shows as text (without the padding, ids past the ~1k
@@ -89,4 +90,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -3,7 +3,7 @@ budgets, peak GPU memory vs each budget, and a synthetic routing shift (online r
 
     python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 8 --out /tmp/q3-8l
     python -m bench.plan_eval --model /tmp/q3-8l --profile PROFILE.json --budgets 4GiB,6GiB,8GiB \
-        --cpu-budget 100GiB --out bench/results/h200-plan
+        --cpu-budget 100GiB --out DIR
 
 Without --model the demo checkpoint is used (CPU smoke run: the "GPU" is torch on the CPU, so the
 numbers only prove the harness works). Steps:
@@ -11,8 +11,8 @@ numbers only prove the harness works). Steps:
 1. Routing statistics: the model is loaded once, every expert in the CPU executor; prompts of random
    token ids are prefilled and continued greedily as the measured decode is (--profile-decode), and the
    router's choices counted (hybrid profile-routing's recorder). With random weights, greedy decode
-   routes very differently from prefill (on the box, run 4: 84% of decode routing went to experts that
-   prefill-only statistics gave 7%), so prefill-only statistics mispredict decode.
+   routes very differently from prefill (most of decode's routing goes to experts that prefill-only
+   statistics rank cold), so prefill-only statistics mispredict decode.
 2. Per budget: `placement.planner.plan`, its residency set on the loaded layers, a fresh Engine (CUDA
    graphs on a GPU), a warm-up, then `--steps` decode steps at batch --max-batch after a short prompt.
    Measured tokens/s vs the plan's predicted_decode_tokens_per_s (error = measured / predicted - 1), and
@@ -39,10 +39,12 @@ import numpy as np
 import torch
 
 from hybrid.commands.profile_routing import profile
-from hybrid.offload.build import HybridConfig, load_hybrid, parse_bytes
+from hybrid.loading.parse import parse_bytes
+from hybrid.offload.build import load_hybrid
+from hybrid.offload.config import HybridConfig
 from hybrid.offload.replace import OnlineReplacer
 from hybrid.runtime.engine import Engine
-from hybrid.runtime.session import resolve_device
+from hybrid.loading.parse import resolve_device
 from placement.calibrate import cpu_name
 from placement.hardware import resolve_profile
 from placement.measure import cuda_sync
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
               f"F={cfg.expert_intermediate_size} | CPU {off.layers[0].cpu_moe.isa} x "
               f"{sum(mem.node_threads)} threads {args.cpu_dtype} | {dtype} | profile {hw.name} | batch {args.max_batch}, "
               f"context {args.max_context} | load {load_s:.0f} s")
-    if not cuda:  # issue 14: predictions price the profile's GPU; the measurement here is torch on the CPU
+    if not cuda:  # predictions price the profile's GPU; the measurement here is torch on the CPU
         header += (f" | CPU-only: no CUDA device, so predicted vs measured errors are not computed (the predictions "
                    f"assume profile {hw.name}'s GPU figures; the measured 'GPU' side is torch on the CPU)")
     print(header, flush=True)
@@ -313,4 +315,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

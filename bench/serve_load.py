@@ -156,6 +156,8 @@ def spawn_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv=None) -> int:
+    from cpu_kernels.knobs import knobs
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--spawn", action="store_true", help="start `hybrid serve` on a free port for the run")
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true")
     p.add_argument("--stream", action="store_true")
-    p.add_argument("--api-key", default=os.environ.get("HYBRID_API_KEY"))
+    p.add_argument("--api-key", default=knobs().api_key, help="the server's key (default: $HYBRID_API_KEY)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="where to write the figures (default: a new file in the temporary directory, so a run "
                    "never leaves an untracked file in the repository; the path is printed)")
@@ -210,4 +212,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))

@@ -13,6 +13,8 @@ import glob
 import logging
 import os
 
+from .knobs import knobs
+
 log = logging.getLogger("cpu_kernels")
 
 ISAS = ("amx", "avx512_bf16", "avx2", "ref")
@@ -116,7 +118,7 @@ def available_isas() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def default_isa() -> str:
-    forced = os.environ.get("HYBRID_CPU_ISA", "").strip()
+    forced = knobs().cpu_isa
     if forced:
         if forced not in ISAS:
             raise IsaUnavailable(f"HYBRID_CPU_ISA={forced!r} is not one of {ISAS}")
@@ -146,7 +148,6 @@ def resolve_isa(isa: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def load(isa: str) -> ctypes.CDLL:
     """The ISA's library with its prototypes, loaded once (every CPU-lane call and host job goes through it)."""
     resolve_isa(isa)
@@ -167,8 +168,6 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_profile_enable.restype = None
     lib.hy_profile_read.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
     lib.hy_profile_read.restype = None
-    lib.hy_set_amx_kblock.argtypes = [ctypes.c_int]
-    lib.hy_set_amx_kblock.restype = None
     lib.hy_lane_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.hy_lane_create.restype = ctypes.c_void_p
     lib.hy_lane_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -200,7 +199,16 @@ def pool(isa: str, cpus) -> int:
 # Decode-sized calls without AMX experts run gate/up and down in one barrier-free phase (csrc/fused.h):
 # the profile counts that whole phase as "gate_up".
 PHASES = ("route", "tokens", "pack_x", "gate_up", "quant_pack_h", "down", "reduce")
-TUNABLES = ("fused", "fused_prep", "prefetch", "pf_first", "pf_rows", "pf_l1", "i4_wide", "task_rows", "byte_tasks", "task_min", "spin_us", "stream_pf", "tail_split", "hsum")
+# The executor's run-time knobs (csrc/hy.h Knobs, csrc/api.h hy_tune). Each changes speed only, never a value:
+#   fused       1 (default): decode-sized calls run one barrier-free phase; 0: the phased path prefill takes
+#   task_rows   most weight rows of one decode task (64..512, a multiple of 64; default 256)
+#   task_min    fewest decode tasks per thread the row blocks shrink to give (>= 1; default 2)
+#   tail_split  parts each of a decode call's last down tasks (one per thread) is cut into (1..8; default 4)
+#   pf_rows     rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (8..64, a multiple of 4; default 16)
+#   amx_kblock  AMX K block in 64-byte chunks (1..64; default 16)
+#   stream_pf   bytes ahead the DRAM-read probe prefetches in software (0: none; whole 64-byte lines)
+#   spin_us     how long idle pool workers spin before they sleep (default 50; the GPU runtime sets more)
+TUNABLES = ("fused", "task_rows", "task_min", "tail_split", "pf_rows", "amx_kblock", "stream_pf", "spin_us")
 
 
 def parse_knob(item: str, what: str = "knob") -> tuple[str, int]:

@@ -5,9 +5,9 @@ A streaming read of a buffer far larger than the last-level cache, split over th
 bench.hybrid_e2e use it as the ceiling for decode.
 
 The buffer must dwarf the last-level cache, or part of every pass is served from it and the "DRAM"
-ceiling reads high... or, as on the GPU box (~300 MiB of LLC, probed with 256 MiB by `calibrate
---quick`), a ceiling that the kernels then exceed. default_read_bytes(): max(1 GiB, 4 x all L3 caches of
-the machine), capped at a quarter of the available memory (the probe holds two such buffers for a moment).
+ceiling reads high (a ceiling that the kernels then exceed). default_read_bytes(): max(1 GiB, 4 x all L3
+caches of the machine), capped at a quarter of the available memory (the probe holds two such buffers for a
+moment).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def measure_read_bandwidth(nbytes: int | None = None, threads: int | None = None
         bufs.append(dst)
         del src
     best = 0.0
-    # With and without software prefetch ahead of the loads: the decode kernels prefetch, and on the GPU box
-    # they out-read the plain stream (bench/results/h200/decode/), so the ceiling is the best of the reads.
+    # With and without software prefetch ahead of the loads: the decode kernels prefetch and can out-read a plain
+    # stream, so the ceiling is the best of the reads.
     for pf in STREAM_PREFETCH:
         old = _native.tune(isa, "stream_pf", pf)
         try:

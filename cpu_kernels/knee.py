@@ -1,10 +1,9 @@
 """The AMX knee: tokens per expert from which the AMX tile path beats the AVX-512 vector path.
 
-It moves between runs and machines (the GPU box: bf16 at 8 in one run, 16 in a later one; int8 at 16,
-then 32: bench/results/h200-cpu_moe/cpu_moe_run2_5d75ab6.json vs ..._run4_4419d6f.json), so it is
-measured, not assumed: `measure_amx_knee` times one CpuMoE call on both paths at a few token counts
-(`hybrid calibrate` stores the result in the profile's machine["amx_knee"], bench.cpu_moe derives it
-from its own knee sweep), and `set_default_knee` makes it the default of every CpuMoE built after.
+It moves between machines, and between runs on one machine, so it is measured, not assumed:
+`measure_amx_knee` times one CpuMoE call on both paths at a few token counts (`hybrid calibrate` stores the
+result in the profile's machine["amx_knee"], bench.cpu_moe derives it from its own knee sweep), and
+`set_default_knee` makes it the default of every CpuMoE built after.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
 
 import torch
+
+from .knobs import knobs
 
 log = logging.getLogger("cpu_kernels")
 
@@ -40,16 +41,9 @@ def thp_mode(path: str = THP_MODE_FILE) -> str:
     return text[start + 1:end] if 0 <= start < end else ""
 
 
-class BadPolicy(ValueError):
-    """HYBRID_HUGEPAGES holds something other than 0 or 1 (the CLI reports it in one line)."""
-
-
 @functools.lru_cache(maxsize=1)
 def hugepages_wanted() -> bool:
-    raw = os.environ.get("HYBRID_HUGEPAGES", "1").strip()
-    if raw not in ("0", "1"):
-        raise BadPolicy(f"HYBRID_HUGEPAGES must be 0 or 1, not {raw!r}")
-    on = raw == "1" and sys.platform.startswith("linux")
+    on = knobs().hugepages and sys.platform.startswith("linux")
     mode = thp_mode()
     log.info("cpu_kernels: expert weights %s (THP mode %s)",
              "advised for 2 MiB pages" if on else "in default pages", mode or "unknown")

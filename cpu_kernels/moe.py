@@ -6,8 +6,8 @@ its own memory (first touch by its pinned threads), runs it with its own pool, a
 are summed; no weight is stored twice. Packed layout: row-major [E, rows_p, ldk], zero padded, so
 the first rows x k of each expert are the plain weight matrix the GPU lane can ship as a strided view.
 On each node an expert's gate, up and down bytes lie back to back in one block (expert-major): the
-ship lane moves an expert in one copy instead of three (a 3 MiB host->device copy ran at 35-38 GB/s
-on the GPU box against 52.6 GB/s for large ones, bench/results/h200/hostlane/lane_probe.txt).
+ship lane moves an expert in one copy instead of three (a host->device copy of a few MiB runs well
+below the link rate of large ones).
 """
 
 from __future__ import annotations
@@ -15,30 +15,28 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import logging
-import os
 import threading
 
 import torch
 
 from . import _native, knee, quant
+from .dtypes import CPU_DTYPES
 from .memory import weight_buffer
 from .reference import ACTIVATIONS, moe_forward
 from .topology import Topology
 
-DTYPES = {"bf16": 0, "int8": 1, "int4": 2, "mxfp4": 3}
+DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROW_ALIGN = 32
 # Tokens per expert from which AMX beats the AVX-512 vector path: only the fallback when nothing was
-# measured. The knee moves between runs (Xeon EMR host, Qwen3-235B expert, 8 experts, bench.cpu_moe knee
-# sweep: run2 bf16 8 / int8 16, run4 bf16 16 / int8 32, bench/results/h200-cpu_moe/): `hybrid calibrate`
-# measures it into the profile (machine["amx_knee"]) and the hybrid runtime applies it with
-# cpu_kernels.knee.set_default_knee; this fallback is the latest box run's (run4). int4's AMX path (groups of
-# 64 or 128, kern_amx.h) has not been timed on an AMX machine yet, so without a measured knee int4 stays on
-# the vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on
-# where the tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of 32 always run on the
-# vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
+# measured (the knee moves between machines and runs, BENCHMARKS.md): `hybrid calibrate` measures it into
+# the profile (machine["amx_knee"]) and the hybrid runtime applies it with cpu_kernels.knee.set_default_knee.
+# int4's AMX path (groups of 64 or 128, kern_amx.h) has not been timed on an AMX machine yet, so without a
+# measured knee int4 stays on the vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the
+# others' and so turns it on where the tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of
+# 32 always run on the vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
 _SAID_VECTOR_ONLY: set = set()
@@ -88,25 +86,6 @@ class _Mx4:
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_mxfp4(self.blocks, self.scales)
-
-
-INT4_ORDER_ENV = "HYBRID_INT4_ORDER"
-_SAID_INT4_ORDER: set = set()
-
-
-def _int4_order_env() -> str | None:
-    """HYBRID_INT4_ORDER=interleaved|natural: the int4 stored order of every CpuMoE that does not name one (an A/B
-    of the two orders end to end without new flags on every command); unset or empty: the ISA's default. Anything
-    else is an error, not a silent default. Logged once per value."""
-    raw = os.environ.get(INT4_ORDER_ENV, "").strip().lower()
-    if not raw:
-        return None
-    if raw not in ("interleaved", "natural"):
-        raise ValueError(f"{INT4_ORDER_ENV} must be 'interleaved' or 'natural', not {raw!r}")
-    if raw not in _SAID_INT4_ORDER:
-        _SAID_INT4_ORDER.add(raw)
-        log.info("cpu_kernels: int4 stored order %s (forced by %s)", raw, INT4_ORDER_ENV)
-    return raw
 
 
 def _align(v: int, a: int) -> int:
@@ -200,7 +179,7 @@ class CpuMoE:
     which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (the stored
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
-    natural on AVX2 and ref; HYBRID_INT4_ORDER=interleaved|natural sets it where int4_order is None. Attributes: isa, nbytes (packed
+    natural on AVX2 and ref. Attributes: isa, nbytes (packed
     weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
 
@@ -264,11 +243,10 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        # The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (dev box: every group
-        # size; the GPU box's Xeon: +3-17% at 4 tokens, level to -3% at 1 token and at batch-8 routing, BENCHMARKS.md
-        # sessions 17-18); the AVX2 ones read groups of 128 as fast either way and groups of 32 up to ~20% slower
-        # interleaved at 1-2 tokens (dev box, 1 thread), so AVX2 (and the ref ISA) keep the natural order unless asked.
-        self.int4_order = int4_order or _int4_order_env() or (
+        # The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (one convert and scale
+        # per fold block instead of per group); the AVX2 ones gain nothing from it and lose in groups of 32, so AVX2
+        # (and the ref ISA) keep the natural order unless asked.
+        self.int4_order = int4_order or (
             "interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
         if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)

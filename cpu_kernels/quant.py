@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import torch
 
-GROUP_SIZES = (32, 64, 128)
+from .dtypes import CPU_DTYPES
+
+GROUP_SIZES = CPU_DTYPES["int4"].group_sizes  # (32, 64, 128)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

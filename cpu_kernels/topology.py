@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SYSFS_NODES = "/sys/devices/system/node"
-SYSFS_CPUS = "/sys/devices/system/cpu"
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -24,17 +23,6 @@ def parse_cpulist(text: str) -> list[int]:
         lo, _, hi = part.partition("-")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
-
-
-def smt_siblings(cpu: int, sysfs_root: str | os.PathLike | None = None) -> set[int]:
-    """The hardware threads sharing `cpu`'s physical core (itself included), from
-    cpu<N>/topology/thread_siblings_list; just {cpu} when sysfs does not say."""
-    root = Path(sysfs_root if sysfs_root is not None else SYSFS_CPUS)
-    try:
-        sib = set(parse_cpulist((root / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()))
-    except (OSError, ValueError):
-        return {cpu}
-    return sib | {cpu}
 
 
 @dataclass(frozen=True)

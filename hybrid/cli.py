@@ -45,16 +45,16 @@ def build_parser() -> Parser:
     return parser
 
 
-def _user_error(exc: BaseException) -> bool:
+def is_user_error(exc: BaseException) -> bool:
     """Errors that are the user's input, not a bug: printed in one line. IsaUnavailable is a bad or
-    unrunnable HYBRID_CPU_ISA, BadPolicy a bad HYBRID_HUGEPAGES (checked only if their kernel modules were
+    unrunnable HYBRID_CPU_ISA, BadKnob any other bad HYBRID_* variable (checked only if their modules were
     ever imported)."""
     if isinstance(exc, UsageError):
         return True
     native = sys.modules.get("cpu_kernels._native")
-    memory = sys.modules.get("cpu_kernels.memory")
+    knobs = sys.modules.get("cpu_kernels.knobs")
     return ((native is not None and isinstance(exc, native.IsaUnavailable))
-            or (memory is not None and isinstance(exc, memory.BadPolicy)))
+            or (knobs is not None and isinstance(exc, knobs.BadKnob)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,24 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - only user errors are caught; everything else re-raised
-        if not _user_error(exc):
+        if not is_user_error(exc):
             raise
-        prefix = f"hybrid {command}" if command in COMMANDS or command == "bench" else "hybrid"
+        prefix = f"hybrid {command}" if command in COMMANDS else "hybrid"
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return 2
 
 
 def _run(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "bench":
-        from hybrid.commands.bench import FORWARDED, run_module
-
-        if argv[1] in FORWARDED:
-            return run_module(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from cpu_kernels.knobs import knobs
+
+    knobs()  # every HYBRID_* variable checked once, before the command starts work
     return int(args.func(args) or 0)
 
 

@@ -1,8 +1,10 @@
-"""Errors the CLI turns into one-line messages with exit status 2 (never a traceback)."""
+"""Errors the CLI turns into one-line messages with exit status 2 (never a traceback).
 
+UsageError is defined on the placement floor, which raises it too; this module re-exports that same class."""
 
-class UsageError(Exception):
-    """A bad value given by the user (unknown preset, malformed profile, nonsense token list, ...)."""
+from placement.errors import UsageError
+
+__all__ = ["TooLarge", "UsageError"]
 
 
 class TooLarge(UsageError, ValueError):

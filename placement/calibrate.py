@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime
 import platform
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from cpu_kernels.dtypes import AMX_DTYPES
 from placement import measure
 from placement.cost_model import ExpertShape
 from placement.hardware import AUTO, HardwareProfile
@@ -29,8 +31,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-KNEE_DTYPES = ("bf16", "int8", "int4")  # int4: groups of 128 (the default), on its AMX path since session 16
+KNEE_DTYPES = AMX_DTYPES  # the dtypes with an AMX path (int4 at its default group size)
 GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph decode floor
+
+
+@dataclass(frozen=True)
+class RuntimeProbes:
+    """The two GPU probes that time the runtime's own hybrid layer (hybrid.offload.overheads): the caller passes
+    them in, so that this floor imports nothing from the runtime above it.
+    fixed_costs(probe_profile) -> {layer_overhead, cpu_lane_overhead, cpu_lane_start, ship_chunk_overhead,
+    ship_expert_overhead, ...}; graph_floor(hidden) -> {graph_layer_floor, ...}."""
+
+    fixed_costs: Callable[[HardwareProfile], dict]
+    graph_floor: Callable[[int], dict]
 
 
 def _has_amx() -> bool:
@@ -77,12 +90,14 @@ def _measure_knee(shape: ExpertShape, quick: bool, progress, step=None) -> dict:
 
 
 def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backends: list[str] | None = None,
-              dram_bytes: int | None = None, progress: Callable[[str], None] = print) -> tuple[HardwareProfile, dict]:
-    """Run every probe; returns the profile and the raw measurements (for the summary and JSON)."""
+              dram_bytes: int | None = None, progress: Callable[[str], None] = print,
+              probes: RuntimeProbes | None = None) -> tuple[HardwareProfile, dict]:
+    """Run every probe; returns the profile and the raw measurements (for the summary and JSON). Without
+    `probes` the hybrid layer's fixed costs and the graph floor are left at 0 with a warning, as when they fail."""
     raw: dict = {"shape": shape.name, "hidden": shape.hidden, "intermediate": shape.intermediate,
                  "experts": experts, "threads": torch.get_num_threads()}
     ms = QUICK_M if quick else FULL_M
-    # well above the last-level cache even in --quick (256 MiB on the box's ~300 MiB LLC read high: issue 16)
+    # well above the last-level cache even in --quick: a buffer that fits in a large L3 reads faster than DRAM
     from cpu_kernels.bandwidth import default_read_bytes
 
     dram_bytes = dram_bytes or (default_read_bytes() if quick else max(2 << 30, default_read_bytes()))
@@ -126,10 +141,8 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
         raw["gpu"] = name
         step("fixed costs of the hybrid layer (tiny layer: launches, copies, hand-offs)...")
         try:
-            from hybrid.offload.overheads import measure_overheads
-
             probe = HardwareProfile(name="probe", cpu_flops=peaks, dram_bw=dram_bw, **gpu)
-            ov = measure_overheads(probe)
+            ov = _require(probes).fixed_costs(probe)
             raw["overheads"] = ov
             keys = ("layer_overhead", "cpu_lane_overhead", "cpu_lane_start", "ship_chunk_overhead", "ship_expert_overhead")
             gpu.update({k: ov[k] for k in keys})
@@ -139,9 +152,7 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
             progress(f"  WARNING: could not measure the hybrid layer's fixed costs ({exc}); left at 0")
         step("latency floor of graph decode per layer (small hybrid model, batch 1)...")
         try:
-            from hybrid.offload.overheads import measure_graph_layer_floor
-
-            fl = measure_graph_layer_floor(shape.hidden)
+            fl = _require(probes).graph_floor(shape.hidden)
             raw["graph_floor"] = fl
             gpu["graph_layer_floor"] = fl["graph_layer_floor"]
             progress(f"  {fl['graph_layer_floor'] * 1e6:.0f} us per decoder layer")
@@ -162,6 +173,12 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
                               dram_bw=dram_bw, cpu_kernel=AUTO, cpu_curves=curves, machine=machine,
                               source="calibrated", **gpu)
     return profile, raw
+
+
+def _require(probes: RuntimeProbes | None) -> RuntimeProbes:
+    if probes is None:
+        raise RuntimeError("no runtime probes were given")
+    return probes
 
 
 def summary(profile: HardwareProfile) -> str:

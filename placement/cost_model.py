@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.hardware import HardwareProfile
 
 MAX_CROSSOVER_TOKENS = 1_000_000  # search bound for the crossover; `None` beyond it

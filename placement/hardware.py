@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.json_file import write_json
 
 SCHEMA_VERSION = 1
@@ -226,8 +226,9 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
 
 
 def default_profile_path() -> Path:
-    cache = os.environ.get("HYBRID_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybrid")
-    return Path(cache) / "profile.json"
+    from cpu_kernels.knobs import knobs  # here, not at the top: the cpu_kernels package imports torch
+
+    return knobs().cache / "profile.json"
 
 
 def resolve_profile(name_or_path: str | None) -> HardwareProfile:

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 
 
 def write_json(path: str | os.PathLike, data, indent: int | None = None) -> Path:

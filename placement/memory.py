@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid.errors import UsageError
+from cpu_kernels.dtypes import CPU_DTYPES as CPU_DTYPE_TABLE, NAMES as CPU_DTYPES  # the one table of CPU dtypes
+from placement.errors import UsageError
 
-CPU_DTYPES = ("bf16", "int8", "int4", "mxfp4")
 MXFP4_BLOCK = 32  # cpu_kernels.quant.MXFP4_BLOCK: values per shared exponent
 ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
-INT4_GROUP = 128  # hybrid.offload.Offload default group size
+INT4_GROUP = CPU_DTYPE_TABLE["int4"].default_group  # hybrid.offload.Offload default group size
 DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
 GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
 
@@ -98,7 +98,7 @@ class MemorySettings:
     max_batch: int = 1  # B (KV slots = decode rows)
     cpu_dtype: str = "bf16"
     gpu_dtype_bytes: int = 2  # bf16 on the GPU
-    staging_slots: int = 4  # hybrid.offload.build.HybridConfig.staging_slots
+    staging_slots: int = 4  # hybrid.offload.config.HybridConfig.staging_slots
     ship_chunk: int = 8  # hybrid.offload.shared.Offload ship_chunk
     reserve: int = DEFAULT_RESERVE
     node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor

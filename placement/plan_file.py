@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid.errors import UsageError
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
+from placement.errors import UsageError
 from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1
@@ -61,7 +62,7 @@ def _check_types(plan) -> None:
     for name in _SETTINGS_INTS:
         if name in plan.settings and not (_is_int(plan.settings[name]) and plan.settings[name] >= 1):
             raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
-    if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in ("bf16", "int8", "int4", "mxfp4"):
+    if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in CPU_DTYPE_NAMES:
         raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8, int4 or mxfp4, got {plan.settings['cpu_dtype']!r}")
     if "stats" in plan.settings and not isinstance(plan.settings["stats"], dict):
         raise UsageError(f"plan: settings.stats must be an object, got {plan.settings['stats']!r}")

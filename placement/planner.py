@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.cost_model import ExpertShape
 from placement.hardware import HardwareProfile
 from placement.memory import (MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, packed_expert_bytes,

@@ -61,9 +61,8 @@ def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, residen
     cpu = 0.0
     if cold.any():
         # A captured step runs the layer's CPU lane whenever the layer has cold experts, used or not: its
-        # copies, host function and executor call are paid every step (BENCHMARKS.md, issue 5: graph decode
-        # took 1.09 ms per layer at batch 1 against ~0.8 ms of kernel time). A measured graph_layer_floor
-        # already holds that fixed part (see decode_floor).
+        # copies, host function and executor call are paid every step, on top of the kernel time. A measured
+        # graph_layer_floor already holds that fixed part (see decode_floor).
         fixed = 0.0
         if not hw.graph_layer_floor:
             fixed = hw.cpu_lane_overhead + float(activation_transfer_time(cpu_shape, hw, rows))

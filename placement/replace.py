@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time, weight_transfer_time
 from placement.hardware import HardwareProfile
 

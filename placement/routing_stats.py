@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1

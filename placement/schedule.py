@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid.errors import UsageError
+from placement.errors import UsageError
 from placement.cost_model import ExpertShape, cpu_compute_time, gpu_compute_time, weight_transfer_time
 from placement.hardware import HardwareProfile
 from placement.split_search import best_split, lane_times, table_sum

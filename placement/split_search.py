@@ -1,10 +1,10 @@
 """The cost strategy's search, compiled: which k most CPU-expensive cold experts to ship.
 
 The decision runs once per layer per batch on the thread that launches GPU work, so it has to stay
-well under the ~50 us per layer that issue 5 asks for. In numpy it is ~20 small array
-calls (5 us each on a slow core) and in a Python loop ~1 us per active expert: both 50-150 us for 128
-experts. Compiled with numba (the design's listed tool for such loops) it is a few microseconds. Without
-numba the same function runs as plain Python, with a warning, and gives the same answers.
+far below a layer's own time. In numpy it is a couple of dozen small array calls and in a Python loop
+one step per active expert, both too slow for 128 experts; compiled with numba (the design's listed tool
+for such loops) it is a few microseconds. Without numba the same function runs as plain Python, with a
+warning, and gives the same answers.
 """
 
 from __future__ import annotations

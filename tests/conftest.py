@@ -57,13 +57,19 @@ def _session_cache():
 
 @pytest.fixture(autouse=True)
 def hermetic_cache(_session_cache, tmp_path_factory, monkeypatch):
+    from cpu_kernels import knobs
+
     current = os.environ.get("HYBRID_CACHE")
     if current and current != str(_session_cache) and \
             Path(current).resolve().is_relative_to(tmp_path_factory.getbasetemp().resolve()):
+        knobs.reset()
         yield Path(current)  # a module fixture already chose a temporary cache of its own
+        knobs.reset()
         return
     monkeypatch.setenv("HYBRID_CACHE", str(_session_cache))
+    knobs.reset()  # each test parses the HYBRID_* variables afresh (cpu_kernels.knobs caches them)
     yield _session_cache
+    knobs.reset()
 
 
 @pytest.fixture(scope="session")

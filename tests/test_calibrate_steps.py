@@ -1,4 +1,4 @@
-"""Issue 14: `hybrid calibrate` numbers its steps ("step 3/7: ...") from the probes it will run, and counts the
+"""`hybrid calibrate` numbers its steps ("step 3/7: ...") from the probes it will run, and counts the
 token counts of each CPU curve ("[m 2/4]"), so a newcomer sees how far it is; what it measures is unchanged."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import re
 import torch
 
 from hybrid.cli import main
+from hybrid.commands.calibrate import runtime_probes
 
 
 def _steps(text: str) -> list[tuple[int, int]]:
@@ -49,7 +50,7 @@ def test_calibrate_step_total_covers_the_gpu_probes(monkeypatch):
     monkeypatch.setattr(ov, "measure_graph_layer_floor", fail)
     lines = []
     cal.calibrate(ExpertShape("t", hidden=256, intermediate=128, num_experts=8, topk=2), quick=True,
-                  backends=["torch"], dram_bytes=1 << 20, progress=lines.append)
+                  backends=["torch"], dram_bytes=1 << 20, progress=lines.append, probes=runtime_probes())
     steps = [l for l in lines if l.startswith("step ")]
     n = 1 + (len(cal.KNEE_DTYPES) if cal._has_amx() else 0) + 1 + cal.GPU_STEPS
     assert [s.split(":")[0] for s in steps] == [f"step {i}/{n}" for i in range(1, n + 1)]
@@ -80,7 +81,8 @@ def test_calibrate_fits_the_profile_from_what_it_measured(monkeypatch):
     monkeypatch.setattr(ov, "measure_overheads", lambda probe: dict(fixed))
     monkeypatch.setattr(ov, "measure_graph_layer_floor", lambda hidden: {"graph_layer_floor": 6e-5})
     prof, raw = cal.calibrate(ExpertShape("t", hidden=256, intermediate=128, num_experts=8, topk=2), quick=True,
-                              backends=["torch"], dram_bytes=1 << 20, progress=lambda line: None)
+                              backends=["torch"], dram_bytes=1 << 20, progress=lambda line: None,
+                              probes=runtime_probes())
     assert prof.cpu_flops == {"torch": 7e9} and prof.dram_bw == 1.5e10
     assert (prof.link_bw, prof.hbm_bw, prof.gpu_flops) == (2e10, 4e12, 6e14)
     assert prof.alpha == (1e-5 + 3e-5) / 2

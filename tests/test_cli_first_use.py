@@ -84,7 +84,8 @@ def test_warmup_restores_hybrid_routing_counters():
 
     from hybrid.runtime.demo import ensure_demo_checkpoint
     from hybrid.runtime.engine import Engine
-    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
 
     model, offload = load_hybrid(str(ensure_demo_checkpoint()), torch.device("cpu"), torch.float32,
                                  HybridConfig(gpu_experts=2, schedule="cpu"), progress=False)

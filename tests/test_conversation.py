@@ -66,9 +66,11 @@ def test_conversation_takes_one_prompt(model):
 def test_chat_cli_reuses_the_conversation(tmp_path, capsys, monkeypatch):
     import re
 
+    from cpu_kernels import knobs
     from hybrid.cli import main
 
     monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    knobs.reset()
     lines = iter(["hi", "and again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
     assert main(["chat", "-n", "4"]) == 0

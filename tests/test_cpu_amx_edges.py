@@ -1,5 +1,5 @@
-"""K blocking of the AMX kernels (cpu_kernels/csrc/kern_amx.h): K is walked in blocks of g_amx_kblock 64-byte
-chunks (hy_set_amx_kblock; default 16), the partial C tiles parked in a per-thread buffer between blocks, int4's
+"""K blocking of the AMX kernels (cpu_kernels/csrc/kern_amx.h): K is walked in blocks of amx_kblock 64-byte
+chunks (the run-time knob; default 16), the partial C tiles parked in a per-thread buffer between blocks, int4's
 blocks rounded to whole groups (and whole fold blocks of the stored order). At the default, every K here fits one
 block, so the parking and the block ends run only when the knob is turned down. Runs on the real AMX build where
 the CPU has it and on amx_emu (the same C++, tiles emulated) everywhere else.
@@ -17,7 +17,7 @@ from test_cpu_moe import COMPILED, EMU, TOL, dequantized, rel_err
 
 AMX_ISAS = [i for i in ("amx", "amx_emu") if i in COMPILED + EMU]
 pytestmark = pytest.mark.skipif(not AMX_ISAS, reason="neither the AMX build nor amx_emu can run here")
-DEFAULT_KBLOCK = 16  # kern_amx.h g_amx_kblock
+DEFAULT_KBLOCK = 16  # hy.h Knobs::amx_kblock
 
 
 @pytest.mark.parametrize("isa", AMX_ISAS)
@@ -34,17 +34,17 @@ def test_amx_k_blocks_change_nothing(isa, dtype, group, order):
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, 2, generator=g) + 0.1
     ref = moe_forward(x.float(), *dequantized(ws, dtype, group), ids.long(), w)
-    lib = _native.load(moe.isa)
     outs = {}
+    old = _native.tune(moe.isa, "amx_kblock", DEFAULT_KBLOCK)
     try:
         for kb in (DEFAULT_KBLOCK, 1, 3, 4):
-            lib.hy_set_amx_kblock(kb)
+            _native.tune(moe.isa, "amx_kblock", kb)
             out = torch.full((T, D), float("nan"), dtype=torch.bfloat16)
             moe.forward(x, ids, w, out=out)
             assert rel_err(out, ref) < TOL[dtype], kb
             outs[kb] = out
     finally:
-        lib.hy_set_amx_kblock(DEFAULT_KBLOCK)
+        _native.tune(moe.isa, "amx_kblock", old)
     for kb, out in outs.items():
         assert torch.equal(out, outs[DEFAULT_KBLOCK]), kb
 

@@ -157,16 +157,9 @@ def test_default_order_follows_the_isa():
         assert moe.int4_order == ("interleaved" if isa in ("avx512_bf16", "amx_emu") else "natural"), isa
 
 
-def test_order_env_override(monkeypatch):
-    """HYBRID_INT4_ORDER sets the order of a CpuMoE that names none (both ways, on any ISA), an explicit int4_order
-    still wins, and a value that is not an order is an error rather than the ISA's default."""
+def test_explicit_order_wins():
+    """An explicit int4_order is kept both ways, whatever the ISA's default."""
     ws = (torch.randn(2, 64, 1024), torch.randn(2, 64, 1024), torch.randn(2, 1024, 64))
     isa = (COMPILED + ["ref"])[0]
     for order in ("natural", "interleaved"):
-        monkeypatch.setenv("HYBRID_INT4_ORDER", order)
-        assert CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1).int4_order == order
-        other = "natural" if order == "interleaved" else "interleaved"
-        assert CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1, int4_order=other).int4_order == other
-    monkeypatch.setenv("HYBRID_INT4_ORDER", "sorted")
-    with pytest.raises(ValueError, match="HYBRID_INT4_ORDER"):
-        CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1)
+        assert CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1, int4_order=order).int4_order == order

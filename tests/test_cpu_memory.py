@@ -6,19 +6,22 @@ import os
 import pytest
 import torch
 
-from cpu_kernels import CpuMoE, memory
+from cpu_kernels import CpuMoE, knobs, memory
 
 
 @pytest.fixture
 def policy(monkeypatch):
-    """Set HYBRID_HUGEPAGES for one test (the policy is cached per process: cleared before and after)."""
+    """Set HYBRID_HUGEPAGES for one test (the knobs and the policy are cached per process: cleared before and
+    after)."""
     def set_(value):
         if value is None:
             monkeypatch.delenv("HYBRID_HUGEPAGES", raising=False)
         else:
             monkeypatch.setenv("HYBRID_HUGEPAGES", value)
+        knobs.reset()
         memory.hugepages_wanted.cache_clear()
     yield set_
+    knobs.reset()
     memory.hugepages_wanted.cache_clear()
 
 

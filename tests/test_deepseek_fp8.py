@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 from hybrid.models import load_model  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.writer import write_random_checkpoint  # noqa: E402
-from hybrid.offload.build import HybridConfig, load_hybrid  # noqa: E402
+from hybrid.offload.build import load_hybrid  # noqa: E402
+from hybrid.offload.config import HybridConfig  # noqa: E402
 from hybrid.runtime import Engine  # noqa: E402
 from tiny_models import check_hybrid_strategies, deepseek_raw, engine_greedy, hf_greedy, hf_logits  # noqa: E402
 

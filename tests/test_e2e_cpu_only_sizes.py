@@ -1,4 +1,4 @@
-"""Issue 14: `bench e2e` without CUDA is bounded: prompt lengths, steps, batches and strategies the user did not
+"""`python -m bench.hybrid_e2e` without CUDA is bounded: prompt lengths, steps, batches and strategies the user did not
 give are the reduced CPU-only ones, said in the header ('CPU-only: reduced sizes') and in the JSON, which keeps
 the keys of a full run (per strategy: prefill_<n>_* and decode_b<b>_*)."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -89,15 +88,13 @@ def test_e2e_knobs_parse_and_refuse():
 
 
 def test_e2e_ab_parse_and_refuse():
-    """--ab names one knob and two or more distinct integer values, or env: and one HYBRID_* variable with two or
-    more distinct values."""
+    """--ab names one knob and two or more distinct integer values."""
     import argparse
 
     from bench.hybrid_e2e import ab_values
 
-    assert ab_values("byte_tasks=0/1") == ("byte_tasks", [0, 1]) and ab_values("pf_rows=16/8/32") == ("pf_rows", [16, 8, 32])
-    assert ab_values("env:HYBRID_ROUTER_NORM=0/1") == ("env:HYBRID_ROUTER_NORM", ["0", "1"])
-    for bad in ("byte_tasks=1", "byte_tasks=1/1", "bogus=0/1", "byte_tasks", "byte_tasks=0/x", "env:PATH=0/1",
+    assert ab_values("tail_split=0/1") == ("tail_split", [0, 1]) and ab_values("pf_rows=16/8/32") == ("pf_rows", [16, 8, 32])
+    for bad in ("tail_split=1", "tail_split=1/1", "bogus=0/1", "tail_split", "tail_split=0/x", "env:PATH=0/1",
                 "env:HYBRID_ROUTER_NORM=1/1", "env:HYBRID_ROUTER_NORM=1", "env:HYBRID_ROUTER_NORM"):
         with pytest.raises(argparse.ArgumentTypeError):
             ab_values(bad)
@@ -142,47 +139,3 @@ def test_e2e_ab_rounds_alternate_on_the_same_tokens(tmp_path, monkeypatch, capsy
         assert ab["of_roofline"][v] == pytest.approx(row["decode_b2_roofline_tok_s"] ** -1 * ab["median_tok_s"][v])
     assert ab["vs_first"]["1"] == 1.0
     assert "# A/B task_min at batch 2, 3 rounds: 1: " in capsys.readouterr().out
-
-
-def test_e2e_env_ab_sets_the_variable_per_run_and_restores_it(tmp_path, monkeypatch):
-    """--ab env:NAME=V1/V2: each run of the A/B sees NAME at its value (values forward then backward), the main
-    measurement and everything after see it as before (unset here)."""
-    from bench import hybrid_e2e
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv("HYBRID_ROUTER_NORM", raising=False)
-    seen = []
-    real = hybrid_e2e.decode_steps
-
-    def spy(*a, **k):
-        seen.append(os.environ.get("HYBRID_ROUTER_NORM"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(hybrid_e2e, "decode_steps", spy)
-    assert hybrid_e2e.main(["--preset", "demo", "--layers", "1", "--profile", "ktransformers-paper-amx",
-                            "--prefill", "24", "--decode-batch", "2", "--steps", "2", "--strategies", "cpu",
-                            "--ab", "env:HYBRID_ROUTER_NORM=0/1", "--ab-rounds", "2", "--out", str(tmp_path)]) == 0
-    assert seen == [None, "0", "1", "1", "0"]
-    assert "HYBRID_ROUTER_NORM" not in os.environ
-    row, = json.loads((tmp_path / "hybrid_e2e_demo.json").read_text())["results"]
-    ab = row["decode_b2_ab"]
-    assert ab["knob"] == "env:HYBRID_ROUTER_NORM" and ab["values"] == ["0", "1"]
-    assert len(ab["tok_s"]["0"]) == len(ab["tok_s"]["1"]) == 2
-
-
-def test_decode_graphs_fresh_shares_the_model_and_captures_nothing():
-    """DecodeGraphs.fresh (the env A/B's graphs per value): same model, cache and buckets, no graphs, no pool, and
-    the original keeps its own."""
-    from types import SimpleNamespace
-
-    from hybrid.runtime.cuda_graphs import DecodeGraphs
-
-    model = SimpleNamespace(device=torch.device("cpu"))
-    cache = SimpleNamespace(max_batch=8, max_context=512)
-    g = DecodeGraphs(model, cache)
-    g.graphs[(1, 64)] = "captured"
-    g._pool, g._stage = "pool", {1: "staging"}
-    f = g.fresh()
-    assert f.model is model and f.cache is cache and f.buckets == g.buckets and f.contexts == g.contexts
-    assert f.graphs == {} and f._pool is None and f._stage == {}
-    assert g.graphs == {(1, 64): "captured"} and g._pool == "pool" and g._stage == {1: "staging"}

@@ -11,7 +11,8 @@ from hybrid.errors import UsageError
 from hybrid.models import load_model
 from hybrid.models.presets import hf_config
 from hybrid.models.writer import write_random_checkpoint
-from hybrid.offload.build import HybridConfig, load_hybrid
+from hybrid.offload.build import load_hybrid
+from hybrid.offload.config import HybridConfig
 from hybrid.runtime.kv_cache import StaticKVCache
 
 IDS = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])

@@ -13,6 +13,7 @@ from hybrid.models import build_empty, init_random_
 from hybrid.models.families import family_for
 from hybrid.models.presets import hf_config
 from hybrid.runtime import Engine, SamplingParams, sample
+from hybrid.runtime.generation import run_generation
 from hybrid.runtime.sampling import filter_logits
 
 
@@ -194,7 +195,7 @@ def test_earliest_of_two_stop_strings_cuts_and_held_text_is_flushed(demo_dir):
     out = e.generate([p], 20, stop_token_ids=[], stop_strings=[free[i + 1:i + 3], free[i:i + 3]])[0]
     assert out.text == free[:i] and out.finish_reason == "stop"
     pieces = []
-    never = "\x00" * 40  # never generated; holds back up to 39 characters
+    never = free[-3:] + "\x00" * 37  # never completed; the text's last characters start it, so they are held back
     out = e.generate([p], 20, stop_token_ids=[], stop_strings=[never], stream=lambda i, t, d: pieces.append(d))[0]
     assert out.finish_reason == "length" and out.text == free and "".join(pieces) == free
 
@@ -287,3 +288,108 @@ def test_chat_template_features(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")  # transformers 5 layout
     assert Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+
+
+# The generate loop (hybrid.runtime.generation) on a scripted engine: the earliest stop string in the text
+# wins, whatever order the strings are given in, and the loop stops exactly when the KV slot is full. The
+# engine plays a fixed script of tokens (one-hot logits, greedy); its tokenizer has multi-character tokens,
+# so one token can complete two stop strings at once, and then only precedence decides the cut.
+
+EOS = 1
+PIECES = {2: "x", 3: "ABC", 4: "y", 5: "zz", 6: "A", 7: "BC"}  # id -> text
+VOCAB = 8
+
+
+class PieceTokenizer:
+    def encode(self, text):
+        raise AssertionError("prompts are token ids here")
+
+    def decode(self, ids):
+        return "".join(PIECES.get(i, "") for i in ids)
+
+
+class ScriptEngine:
+    """Generates `script` token by token whatever it is fed; the KV slot's bound is the engine's own."""
+
+    def __init__(self, script, max_context=64):
+        self.script, self.max_context = script, max_context
+        self.tokenizer = PieceTokenizer()
+        self.device = torch.device("cpu")
+        self.lengths = [0]
+        self._free = [0]
+        self.prompt_len = 0
+
+    def default_stop_ids(self):
+        return [EOS]
+
+    def allocate_slot(self):
+        self.lengths[0] = 0
+        return self._free.pop()
+
+    def free_slot(self, s):
+        self._free.append(s)
+
+    @property
+    def free_slots(self):
+        return len(self._free)
+
+    def _logits(self):
+        out = torch.zeros(1, VOCAB)
+        out[0, self.script[self.lengths[0] - self.prompt_len]] = 10.0
+        return out
+
+    def prefill(self, slot, ids):
+        assert self.lengths[slot] + len(ids) <= self.max_context
+        self.lengths[slot] += len(ids)
+        self.prompt_len = self.lengths[slot]
+        return self._logits()[0]
+
+    def decode_step(self, slots, tokens):
+        # as Engine.decode_step: a token at position max_context has no KV column
+        if self.lengths[slots[0]] >= self.max_context:
+            raise ValueError(f"a slot reached max_context {self.max_context}")
+        self.lengths[slots[0]] += 1
+        return self._logits()
+
+
+def _generate(script, stops, max_new=20, max_context=64, prompt=(2, 2)):
+    streamed = []
+    (c,) = run_generation(ScriptEngine(script, max_context), [list(prompt)], max_new, SamplingParams(), None,
+                          stops, lambda i, tok, delta: streamed.append(delta))
+    assert "".join(streamed) == c.text  # the stream's deltas add up to the final text
+    return c
+
+
+@pytest.mark.parametrize("stops", [("BC", "AB"), ("AB", "BC"), ("C", "AB", "xAB")])
+def test_earliest_stop_string_wins(stops):
+    # one token "ABC" after "x" completes every stop string at once; the earliest one, "AB" at index 1
+    # (or "xAB" at 0 in the last case), cuts the text
+    c = _generate([2, 3, 4, 4, 4, 4], stops)
+    cut = min("xABC".find(s) for s in stops)
+    assert (c.text, c.finish_reason, c.token_ids) == ("xABC"[:cut], "stop", [2, 3])
+
+
+def test_stop_string_across_tokens_and_later_tokens_unread():
+    # "A" then "BC": "AB" completes on the second token, before "BC" does on the same token
+    c = _generate([6, 7, 2, 2, 2], ("BC", "AB"))
+    assert (c.text, c.finish_reason, c.token_ids) == ("", "stop", [6, 7])
+    c = _generate([4, 5, 6, 7, 4], ("zzA", "yzz"))  # "yzz" is complete first, one token earlier
+    assert (c.text, c.finish_reason, c.token_ids) == ("", "stop", [4, 5])
+
+
+def test_stops_exactly_when_the_slot_is_full():
+    # prompt 3, max_context 8: tokens at positions 3..7 are fed back and the one sampled from position 7
+    # needs no KV column, so exactly 8 - 3 + 1 = 6 tokens, "length"; one more would need position 8
+    c = _generate([4] * 20, (), max_new=50, max_context=8, prompt=(2, 2, 2))
+    assert (len(c.token_ids), c.finish_reason, c.text) == (6, "length", "y" * 6)
+    c = _generate([4] * 20, (), max_new=6, max_context=64, prompt=(2, 2, 2))  # max_new_tokens exact too
+    assert (len(c.token_ids), c.finish_reason) == (6, "length")
+    c = _generate([4, EOS, 4, 4], (), max_new=50)
+    assert (c.token_ids, c.finish_reason, c.text) == ([4], "stop", "y")
+
+
+def test_text_held_for_a_stop_string_is_flushed_at_the_length_limit():
+    # "A" could start the stop string "AB", so it is held back until the length limit ends the sequence; then
+    # it is streamed (the deltas add up to the text)
+    c = _generate([2, 6, 4], ("AB",), max_new=2)
+    assert (c.text, c.finish_reason, c.token_ids) == ("xA", "length", [2, 6])

@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 
 from hybrid.models import load_model  # noqa: E402
 from hybrid.models.writer import write_random_checkpoint  # noqa: E402
-from hybrid.offload.build import HybridConfig, load_hybrid  # noqa: E402
+from hybrid.offload.build import load_hybrid  # noqa: E402
+from hybrid.offload.config import HybridConfig  # noqa: E402
 from tiny_models import cuda_bf16_errors, eager_and_graph_tokens, hf_config, make_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 77, 3, 200, 41, 9, 17], [250, 1, 64], [9, 9, 31, 8, 100]]

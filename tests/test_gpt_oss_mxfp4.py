@@ -100,7 +100,8 @@ def test_hybrid_mxfp4_executor_identical_across_strategies(ckpt, reference_token
 def test_hybrid_converting_executor_runs(ckpt, cpu_dtype):
     """--cpu-dtype bf16 converts the MXFP4 values exactly (greedy tokens identical); int8 re-quantizes them
     (runs and gives tokens in the vocabulary)."""
-    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
 
     path, hf = ckpt
     model, off = load_hybrid(path, "cpu", torch.float32, HybridConfig(gpu_experts=0, cpu_dtype=cpu_dtype, cpu_isa="ref",
@@ -117,7 +118,8 @@ def test_mxfp4_is_the_default_for_mxfp4_checkpoints(ckpt, caplog):
     --cpu-dtype is kept."""
     import argparse
 
-    from hybrid.offload.build import add_hybrid_arguments, hybrid_config_from_args, load_hybrid
+    from hybrid.loading.parse import add_hybrid_arguments, hybrid_config_from_args
+    from hybrid.offload.build import load_hybrid
 
     p = argparse.ArgumentParser()
     add_hybrid_arguments(p)
@@ -172,7 +174,8 @@ def test_bad_mxfp4_tensors_are_refused_in_one_line(ckpt, tmp_path, name, config,
 
 
 def test_nan_scale_is_refused_on_the_packed_path_too(ckpt, tmp_path):
-    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
 
     bad = _copy(ckpt[0], tmp_path / "nan", edit=lambda t: t[P + "gate_up_proj_scales"].view(-1).__setitem__(0, 255))
     with pytest.raises(ModelLoadError, match="scale\\(s\\) of 255"):

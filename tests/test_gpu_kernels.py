@@ -228,7 +228,7 @@ def test_router_topk_matches_select_experts(T, E, K, norm, scaling, dtype, devic
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_router_gemv_topk_configs_agree(device):
-    """Every block configuration bench.router_probe may pick gives the same experts and weights."""
+    """Every block configuration in the router's table gives the same experts and weights."""
     from hybrid.gpu_kernels.router import GEMV_CONFIG, RouterScratch, router_gemv_topk
 
     g = torch.Generator().manual_seed(7)
@@ -291,83 +291,6 @@ def test_router_gemv_topk_matches_linear_and_select_experts(T, E, D, K, bias, no
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,E,D,K,bias,dtype", [
-    (1, 128, 2048, 8, False, torch.float32),  # Qwen3-30B-A3B's router
-    (8, 60, 96, 6, False, torch.float32),  # eight rows, E not a power of two, a small D
-    (3, 32, 2880, 4, True, torch.float32),  # gpt-oss: bias, D over two 2048 chunks (the norm's sum spans both)
-    (2, 128, 2048, 8, False, torch.bfloat16),
-    (5, 32, 2880, 4, True, torch.bfloat16),
-])
-@pytest.mark.parametrize("preload_w", [True, False])
-def test_router_gemv_topk_with_the_input_norm_matches_add_rms_norm_then_the_router(T, E, D, K, bias, dtype, preload_w,
-                                                                                   device):
-    """norm_in: the router kernel adds delta to the residual stream and applies the MoE input RMSNorm itself. It
-    returns add_rms_norm's h + delta exactly and its normed row to within one step of the dtype (the norm's sum
-    runs in another order), routes that row as router_gemv_topk routes add_rms_norm's, writes the row, ids and
-    weights to `into`, and leaves its arrival counters at zero (a second launch, as a graph replay, agrees); with
-    the weight tile loaded before the norm (one-chunk rows) or after it."""
-    from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
-
-    g = torch.Generator().manual_seed(T * E + D + K + 1)
-    h = torch.randn(T, D, generator=g).to(dtype)
-    delta = torch.randn(T, D, generator=g).to(dtype)
-    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
-    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype)
-    b = (torch.randn(E, generator=g) * 0.1).to(dtype) if bias else None
-    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
-    want_h, want_y = add_rms_norm(dev(h), dev(delta), dev(nw), 1e-6)
-    want_ids, want_w = router_gemv_topk(want_y, dev(w), dev(b), K, True, 1.0, RouterScratch(E, device))
-    scratch = RouterScratch(E, device)
-    into = (torch.zeros(T, D, dtype=dtype, device=device), torch.zeros(T, K, dtype=torch.int64, device=device),
-            torch.zeros(T, K, dtype=torch.float32, device=device))
-    for launch in range(2):
-        ids, wts, h2, y = router_gemv_topk(dev(h), dev(w), dev(b), K, True, 1.0, scratch,
-                                           into=into if launch else None, norm_in=(dev(delta), dev(nw), 1e-6),
-                                           preload_w=preload_w)
-        assert torch.equal(h2, want_h)
-        step = 1e-5 if dtype == torch.float32 else 2 ** -7  # one bf16 step at |y| < 2; fp32 sums apart
-        torch.testing.assert_close(y.float(), want_y.float(), rtol=step, atol=step)
-        if torch.equal(y, want_y):
-            assert torch.equal(ids, want_ids)
-            torch.testing.assert_close(wts, want_w, rtol=1e-5, atol=1e-6)
-        else:  # a row an ulp apart may swap near-tied experts: the chosen logits must be the K largest of its own
-            logits = F.linear(y.float(), dev(w).float(), None if b is None else dev(b).float()).to(dtype).float()
-            top = logits.topk(K, dim=-1).values
-            torch.testing.assert_close(logits.gather(1, ids), top, rtol=0, atol=0)
-        assert torch.equal(scratch.cnt, torch.zeros_like(scratch.cnt))
-    px, pi, pw = into
-    assert torch.equal(px, y) and torch.equal(pi, ids) and torch.equal(pw, wts)
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_models_decode_the_same_with_the_norm_in_the_router(family, tmp_path, monkeypatch):
-    """HYBRID_ROUTER_NORM=1: decode layers fold the MoE input norm into the router kernel (Qwen3; gpt-oss with
-    its router bias); greedy tokens equal the unfused chain's, and the folded path really ran; rows wider than
-    router.NORM_IN_MAX_D keep the unfused pair."""
-    from hybrid import gpu_kernels
-    from hybrid.gpu_kernels import router
-
-    greedy, want = tiny_greedy(family, tmp_path, {"sinks": 1.0} if family == "gpt_oss" else None)
-    folded = []
-    real = router.router_gemv_topk
-    monkeypatch.setattr(gpu_kernels, "fused_enabled", lambda x: True)
-    monkeypatch.setattr(router, "router_gemv_topk", lambda *a, **k: folded.append(k.get("norm_in") is not None)
-                        or real(*a, **k))
-    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "1")
-    assert greedy() == want
-    assert any(folded)
-    folded.clear()
-    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "0")
-    assert greedy() == want
-    assert folded and not any(folded)  # the router kernel still ran, without the norm
-    folded.clear()
-    monkeypatch.setenv(gpu_kernels.ROUTER_NORM_ENV, "1")
-    monkeypatch.setattr(router, "NORM_IN_MAX_D", 8)  # rows wider than one chunk decline the fold
-    assert greedy() == want
-    assert folded and not any(folded)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,E,K,groups,topk_group,bias,norm,scaling", [
     (1, 256, 8, 8, 4, True, True, 2.5),  # DeepSeek-V3's router shape
     (3, 16, 4, 8, 3, True, True, 1.0),  # groups of two (Kimi-K2 style variant of the tiny tests)
@@ -395,6 +318,7 @@ def test_fused_kernels_are_chosen_once_and_only_for_cuda(monkeypatch, caplog):
     is an error, not a silent fallback."""
     import logging
 
+    from cpu_kernels import knobs
     from hybrid import gpu_kernels
 
     assert not gpu_kernels.fused_enabled(torch.zeros(1))
@@ -405,10 +329,12 @@ def test_fused_kernels_are_chosen_once_and_only_for_cuda(monkeypatch, caplog):
 
     monkeypatch.setattr(gpu_kernels, "_STATE", {})
     monkeypatch.setenv(gpu_kernels.ENV, "0")
+    knobs.reset()
     with caplog.at_level(logging.INFO, logger="hybrid.gpu_kernels"):
         assert not gpu_kernels.fused_enabled(FakeCuda())
     assert "HYBRID_FUSED_DECODE=0" in caplog.text and gpu_kernels.describe() == "off"
     monkeypatch.setenv(gpu_kernels.ENV, "1")
+    knobs.reset()
     assert not gpu_kernels.fused_enabled(FakeCuda())  # decided once: the environment is read at the first call
     monkeypatch.setattr(gpu_kernels, "_STATE", {})
     monkeypatch.setattr(gpu_kernels, "_triton_version", lambda: None)

@@ -10,8 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cpu_kernels
 from cpu_kernels.reference import moe_forward
 from hybrid.offload import HybridExperts, Offload
+from hybrid.offload.experts import add_resident_captured
 from placement.cost_model import ExpertShape
 from placement.hardware import BUILTIN_PROFILES
+from placement.measure import torch_expert
 from placement.schedule import LayerScheduler
 
 E, D, F_, K = 8, 96, 80, 2  # D, F not multiples of the kernels' tiles
@@ -158,13 +160,15 @@ def test_core_split_between_executor_and_launcher(monkeypatch):
 
     if len(_PROCESS_CPUS) < 2:
         pytest.skip("needs two cpus")
+    from cpu_kernels import knobs
+
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
-    monkeypatch.setenv("HYBRID_PIN_LANE", "0")
-    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "0")
+    monkeypatch.setenv("HYBRID_CORE_SPLIT", "0")
+    knobs.reset()
     Offload._split_cores(fake, None)
     assert fake.lane_cpus is None and fake._launcher_cpus is None  # neither thread pinned
-    monkeypatch.delenv("HYBRID_PIN_LANE")
-    monkeypatch.delenv("HYBRID_PIN_LAUNCHER")
+    monkeypatch.delenv("HYBRID_CORE_SPLIT")
+    knobs.reset()
     topo = Offload._split_cores(fake, None)  # the default: both pinned
     pool = {c for n in topo.nodes for c in n}
     assert pool and fake._launcher_cpus and not pool & fake._launcher_cpus
@@ -257,35 +261,13 @@ def test_host_lane_skips_the_re_arm_only_where_no_id_rings_twice_in_a_row():
     assert HostFnLane(torch.device("cpu")).inputs_in_place(layer, 1, D, K, torch.float32) is None
 
 
-def test_spare_physical_core_leaves_its_smt_siblings_out_of_the_pool(monkeypatch, tmp_path):
-    """HYBRID_SPARE_CORE=physical: on a fake 4-core / 8-thread machine (siblings n and n + 4) the pool
-    gives up the last cpu and its sibling."""
-    import types
-
-    import cpu_kernels.topology as topo_mod
-    from hybrid.offload import shared
-
-    for c in range(8):
-        d = tmp_path / f"cpu{c}" / "topology"
-        d.mkdir(parents=True)
-        d.joinpath("thread_siblings_list").write_text(f"{c % 4},{c % 4 + 4}\n")
-    assert topo_mod.smt_siblings(7, tmp_path) == {3, 7} and topo_mod.smt_siblings(9, tmp_path) == {9}
-    monkeypatch.setattr(topo_mod, "SYSFS_CPUS", str(tmp_path))
-    monkeypatch.setattr(shared, "_PROCESS_CPUS", frozenset(range(8)))
-    monkeypatch.setattr(topo_mod.Topology, "discover", classmethod(lambda cls, *a, **k: cls(((0, 1, 2, 3, 4, 5, 6, 7),))))
-    fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
-    pool = {c for n in Offload._split_cores(fake, None).nodes for c in n}
-    assert pool == set(range(7))  # default: one hardware thread
-    monkeypatch.setenv("HYBRID_SPARE_CORE", "physical")
-    monkeypatch.setenv("HYBRID_PIN_LAUNCHER", "1")
-    pool = {c for n in Offload._split_cores(fake, None).nodes for c in n}
-    assert pool == {0, 1, 2, 4, 5, 6} and fake._launcher_cpus == {3, 7}
-
-
 def test_core_split_can_be_turned_off(monkeypatch):
     import types
 
+    from cpu_kernels import knobs
+
     monkeypatch.setenv("HYBRID_CORE_SPLIT", "0")
+    knobs.reset()
     fake = types.SimpleNamespace(lane_cpus=None, _launcher_cpus=None)
     topo = Offload._split_cores(fake, None)
     assert fake.lane_cpus is None and fake._launcher_cpus is None and topo.threads >= 1
@@ -342,3 +324,64 @@ def test_ship_lane_moves_an_expert_in_one_copy(isa):
             assert off.ship_lane.one_copy  # the layer's own lane took the one-copy path
     rel = ((outs["ship"] - outs["cpu"]).norm() / outs["cpu"].norm()).item()
     assert rel < 2e-2, rel  # bf16 activations on both lanes, different accumulation orders
+
+
+# Captured decode's resident-expert merge on the CPU. add_resident_captured sorts a step's assignments by
+# resident slot, has the grouped GEMM compute only the resident rows, and must keep exactly those: the rows
+# after them (cold experts' assignments) are never computed, so here they hold NaN, as uninitialised GEMM
+# output might.
+
+CAP_E, CAP_D, CAP_F = 8, 16, 12
+
+
+def _capture_experts(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((CAP_F, CAP_D), (CAP_F, CAP_D), (CAP_D, CAP_F))
+    return [tuple(torch.randn(*s, generator=g) / 4 for s in shapes) for _ in range(CAP_E)]
+
+
+def _grouped(weights, resident, calls):
+    """grouped(rows, offs): group j (rows offs[j-1]:offs[j]) through resident expert resident[j]; rows past
+    offs[-1] are left NaN, as the real grouped GEMM leaves them uncomputed."""
+
+    def run(rows, offs):
+        calls.append(offs.tolist())
+        y = torch.full_like(rows, float("nan"))
+        start = 0
+        for j, end in enumerate(offs.tolist()):
+            if end > start:
+                y[start:end] = torch_expert(rows[start:end], *weights[resident[j]])
+            start = end
+        return y
+
+    return run
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("resident", [[5, 2, 7], [0], list(range(CAP_E))], ids=["three", "one", "all"])
+def test_resident_merge_keeps_exactly_the_resident_rows(seed, resident):
+    g = torch.Generator().manual_seed(100 + seed)
+    T, K = 5, 3
+    x = torch.randn(T, CAP_D, generator=g)
+    ids = torch.stack([torch.randperm(CAP_E, generator=g)[:K] for _ in range(T)])  # [T, K] distinct per token
+    w = torch.rand(T, K, generator=g)
+    rank = torch.full((CAP_E,), len(resident), dtype=torch.long)
+    rank[resident] = torch.arange(len(resident))
+    weights = _capture_experts(seed)
+    calls = []
+    out = torch.zeros(T, CAP_D)
+    add_resident_captured(out, x, ids, w, rank, len(resident), _grouped(weights, resident, calls))
+
+    expect = torch.zeros(T, CAP_D)
+    n_res = 0
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e in resident:
+                n_res += 1
+                expect[t] += w[t, k] * torch_expert(x[t:t + 1], *weights[e])[0]
+    assert calls and calls[0][-1] == n_res  # the GEMM was asked for the resident rows only
+    assert torch.isfinite(out).all()  # no cold (uncomputed) row leaked in
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+    if len(resident) < CAP_E:
+        assert n_res < T * K  # the case really had cold rows to drop

@@ -11,7 +11,10 @@ from hybrid.errors import UsageError
 from hybrid.models import load_model
 from hybrid.models.presets import hf_config
 from hybrid.models.writer import write_random_checkpoint
-from hybrid.offload.build import HybridConfig, load_hybrid, parse_bytes, place_resident, resident_count
+from hybrid.loading.parse import parse_bytes
+from hybrid.loading.place import place_resident, resident_count
+from hybrid.offload.build import load_hybrid
+from hybrid.offload.config import HybridConfig
 from hybrid.runtime.engine import Engine
 from hybrid.runtime.sampling import SamplingParams
 

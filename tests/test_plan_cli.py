@@ -123,7 +123,7 @@ def test_generate_fails_before_loading(ckpt, capsys, monkeypatch, tmp_path):
 
 
 def test_generate_with_a_plan(ckpt, tmp_path, capsys):
-    from hybrid.runtime.session import open_session
+    from hybrid.loading.session import open_session
     from placement.plan_file import load_plan
 
     plan_file = tmp_path / "plan.json"

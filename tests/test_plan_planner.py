@@ -377,7 +377,9 @@ def test_expert_biases_counted_in_vram_by_plan_and_runtime(tmp_path):
     import torch
     from tiny_models import make_checkpoint
 
-    from hybrid.offload.build import HybridConfig, fixed_vram, load_hybrid
+    from hybrid.loading.place import fixed_vram
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
     from placement.memory import expert_bias_bytes
 
     make_checkpoint("gpt_oss", tmp_path, seed=0)

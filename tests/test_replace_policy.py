@@ -130,7 +130,8 @@ def test_config_validation():
 def hybrid_layer(tmp_path_factory):
     from hybrid.models.presets import hf_config
     from hybrid.models.writer import write_random_checkpoint
-    from hybrid.offload.build import HybridConfig, load_hybrid
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
 
     cfg = hf_config("demo")
     cfg.update(vocab_size=128, num_hidden_layers=1, eos_token_id=None, pad_token_id=None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybrid.server.detok import TextStream
+from hybrid.runtime.streamer import TextStream
 from hybrid.server.errors import ApiError
 from hybrid.server.metrics import Metrics
 from hybrid.server.testing import fake_runtime

@@ -307,7 +307,9 @@ def check_hybrid_strategies(path, greedy, reference_tokens, schedule: str, n_res
     """The hybrid layer over the checkpoint at `path` (CPU reference executor, fp32, n_resident experts
     per layer placed from a profile run) gives `reference_tokens` under greedy(model); `moe_layers` MoE layers
     (DeepSeek / GLM: 2, the dense first layer has none)."""
-    from hybrid.offload.build import HybridConfig, load_hybrid, place_resident
+    from hybrid.loading.place import place_resident
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
     from hybrid.runtime import Engine
 
     hcfg = HybridConfig(gpu_experts=n_resident, schedule=schedule, cpu_isa=cpu_isa, profile="ktransformers-paper-amx",

@@ -1,10 +1,8 @@
 // The C ABI each ISA library exports (mirrored by cpu_kernels/_native.py): pools, the layer call,
-// the streaming-read probe and the benchmark knobs. Included after driver.h.
+// the streaming-read probe and the run-time knobs. Included after driver.h.
 #pragma once
 #include "driver.h"
 #include "lane.h"
-
-namespace { int g_stream_pf = 0; }  // hy_stream_read's software prefetch distance (bytes; hy_tune)
 
 HY_API const char* hy_isa() { return HY_ISA_NAME; }
 
@@ -28,47 +26,21 @@ HY_API int hy_quantize_act(const float* v, int n, int dtype, int ldk, int group,
   return HY_OK;
 }
 
-// AMX K-block length in 64-byte chunks (benchmarking knob; ignored by builds without AMX).
-HY_API void hy_set_amx_kblock(int kb) {
-#if HY_HAS_AMX
-  std::lock_guard<std::mutex> lk(g_job_mu);
-  if (kb >= 1 && kb <= 64) g_amx_kblock = kb;
-#endif
-}
-
-// Run-time knobs (benchmarks and the GPU decode setup); returns the previous value, or -1 for an unknown name.
-//   fused     1: decode calls run the barrier-free phase of fused.h (default); 0: the phased path
-//   fused_prep 1: in that phase the token rows are its first tasks (one node); 0: the caller writes them first (default)
-//   prefetch  1: the vector kernels prefetch the next weight block in software (default 1)
-//   spin_us   how long idle pool workers spin before sleeping (default 50)
-//   pf_first  1: each vector-kernel call's first block also prefetches the next block (hy.h; default 1)
-//   task_rows most weight rows of one decode task (fused.h; 64..512, a multiple of 64; default 256)
-//   byte_tasks 1: task_rows counts bf16 rows' bytes (int8 tasks 2x, int4/mxfp4 4x the rows; fused.h; default 0)
-//   task_min  fewest decode tasks per thread the row blocks shrink to give (fused.h; default 2)
-//   pf_rows   rows ahead the AVX-512 int8/int4 kernels prefetch into L2 (hy.h; a multiple of 4, 8..64; default 16)
-//   pf_l1     1: the AVX-512 int4 kernels at 3-4 tokens also prefetch the next 2-row pass into L1 (hy.h; default 0;
-//             only with i4_wide 0)
-//   i4_wide   the AVX-512 int4 kernels at 3-4 tokens: 2 one 4-row pass (default), 1 token pairs, 0 2-row passes
-//   stream_pf bytes ahead hy_stream_read prefetches in software (0: none; the ceiling takes the best)
-//   hsum      1: the AVX-512 kernels' block epilogue as one transposing sum (hy.h; default), 0: a reduce per sum
-//   tail_split the last down tasks of a decode call (one per thread) cut into this many parts (fused.h; 1..8; default 4)
+// Sets one run-time knob (hy.h Knobs, and the pool's spin_us), clamped to its range; returns the previous value, or
+// -1 for an unknown name. The names are cpu_kernels/_native.py TUNABLES. Taken under the call lock, so a call in
+// flight keeps the knobs it started with.
 HY_API int hy_tune(const char* name, int value) {
   std::lock_guard<std::mutex> lk(g_job_mu);
+  Knobs& k = g_knobs;
   int old;
-  if (!std::strcmp(name, "fused")) { old = g_fused; g_fused = value != 0; }
-  else if (!std::strcmp(name, "fused_prep")) { old = g_fused_prep; g_fused_prep = value != 0; }
-  else if (!std::strcmp(name, "prefetch")) { old = g_prefetch; g_prefetch = value != 0; }
-  else if (!std::strcmp(name, "pf_first")) { old = g_pf_first; g_pf_first = value != 0; }
-  else if (!std::strcmp(name, "task_rows")) { old = g_task_rows; g_task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }
-  else if (!std::strcmp(name, "byte_tasks")) { old = g_byte_tasks; g_byte_tasks = value != 0; }
-  else if (!std::strcmp(name, "task_min")) { old = g_task_min; g_task_min = std::max(1, value); }
+  if (!std::strcmp(name, "fused")) { old = k.fused; k.fused = value != 0; }
+  else if (!std::strcmp(name, "task_rows")) { old = k.task_rows; k.task_rows = std::min(HY_MAX_TASK_ROWS, std::max(64, value / 64 * 64)); }
+  else if (!std::strcmp(name, "task_min")) { old = k.task_min; k.task_min = std::max(1, value); }
+  else if (!std::strcmp(name, "tail_split")) { old = k.tail_split; k.tail_split = std::min(HY_MAX_TAIL_SPLIT, std::max(1, value)); }
+  else if (!std::strcmp(name, "pf_rows")) { old = k.pf_rows; k.pf_rows = std::min(64, std::max(8, value / 4 * 4)); }
+  else if (!std::strcmp(name, "amx_kblock")) { old = k.amx_kblock; k.amx_kblock = std::min(64, std::max(1, value)); }
+  else if (!std::strcmp(name, "stream_pf")) { old = k.stream_pf; k.stream_pf = std::max(0, value) / 64 * 64; }
   else if (!std::strcmp(name, "spin_us")) { old = g_spin_us.load(); g_spin_us.store(std::max(0, value)); }
-  else if (!std::strcmp(name, "pf_rows")) { old = g_pf_rows; g_pf_rows = std::min(64, std::max(8, value / 4 * 4)); }
-  else if (!std::strcmp(name, "pf_l1")) { old = g_pf_l1; g_pf_l1 = value != 0; }
-  else if (!std::strcmp(name, "i4_wide")) { old = g_i4_wide; g_i4_wide = std::min(2, std::max(0, value)); }
-  else if (!std::strcmp(name, "stream_pf")) { old = g_stream_pf; g_stream_pf = std::max(0, value) / 64 * 64; }
-  else if (!std::strcmp(name, "hsum")) { old = g_hsum; g_hsum = value != 0; }
-  else if (!std::strcmp(name, "tail_split")) { old = g_tail_split; g_tail_split = std::min(HY_MAX_TAIL_SPLIT, std::max(1, value)); }
   else return -1;
   return old;
 }
@@ -188,6 +160,7 @@ HY_API void hy_lane_destroy(void* lane) { delete (Lane*)lane; }
 // cannot be optimised away.
 HY_API int64_t hy_stream_read(void* pool, const void* buf, int64_t nbytes) {
   std::lock_guard<std::mutex> lk(g_job_mu);
+  const int64_t stream_pf = g_knobs.stream_pf;
   Pool* p = (Pool*)pool;
   const int64_t chunk = 1 << 20;
   std::vector<int64_t> part(p->n * 8, 0);
@@ -195,7 +168,7 @@ HY_API int64_t hy_stream_read(void* pool, const void* buf, int64_t nbytes) {
     const uint8_t* b = (const uint8_t*)buf + task * chunk;
     int64_t n = std::min(chunk, nbytes - task * chunk) / 128 * 128;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t pf = g_stream_pf;
+    const int64_t pf = stream_pf;
     for (int64_t o = 0; o < n; o += 128) {
       if (pf) { _mm_prefetch((const char*)(b + o + pf), _MM_HINT_T0); _mm_prefetch((const char*)(b + o + pf + 64), _MM_HINT_T0); }
       a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i*)(b + o)));

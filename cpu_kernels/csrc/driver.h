@@ -1,8 +1,9 @@
 // The fused-MoE driver shared by every ISA library: routing, activation preparation, the phases of one
 // layer call and NUMA slices (the exported C API is api.h). The including file first defines the ISA kernels:
-//   vec_gemm(M, e, r0, nr, rows, m, C, ldc)   C[i*ldc + r] = sum_k act_i[k] * W_e[r0 + r][k]
-//   amx_gemm(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc)   same for nmat matrices at once,
+//   vec_gemm(kn, M, e, r0, nr, rows, m, C, ldc)   C[i*ldc + r] = sum_k act_i[k] * W_e[r0 + r][k]
+//   amx_gemm(kn, Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc)   same for nmat matrices at once,
 //                                             activations packed as AMX B tiles
+// (kn: the call's copy of the run-time knobs, hy.h Knobs)
 // and the macros HY_ISA_NAME and HY_HAS_AMX.
 //
 // Phases of one call (each a dynamic parallel-for; NUMA nodes run theirs concurrently on their pools):
@@ -208,6 +209,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         if (!i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
   const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
   std::lock_guard<std::mutex> lk(g_job_mu);
+  const Knobs kn = g_knobs;  // this call's knobs: hy_tune waits for the lock, so none changes mid-call
   if (!g_ws) g_ws = new Workspace();
   Workspace& W = *g_ws;
   PhaseClock clk;
@@ -280,24 +282,18 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   };
   const uint8_t** xptr = W.xptr.get<const uint8_t*>(A);
   for (int i = 0; i < A; ++i) xptr[i] = xrows + tok[i] * xs;
+  Pool* p0 = (Pool*)L->nodes[0].pool;
+  const int per = 8;  // tokens per preparation task
+  if (!x_in_place)
+    p0->run([&](int task, int) { for (int t = task * per; t < std::min(T, task * per + per); ++t) prep_token(t); },
+            (T + per - 1) / per);
+  clk.lap(1);
   // Decode-sized calls without AMX experts: one barrier-free phase (fused.h). Its [A, D] fp32 expert
   // outputs are bounded (64 MiB) so that big vector-path prefills keep the phased path's [T, D] accumulator.
-  // With g_fused_prep (one node; off by default, fused.h says why) the token rows are that phase's first tasks, one
-  // token each for decode-sized T, and a gate/up task waits only for its own expert's tokens instead of the caller's
-  // phase 0.
-  const bool fused = g_fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20);
-  // One node only: with several, another node's waiting workers could hold the caller that node 0's tasks need
-  // (pools shared between fake nodes run one after the other; a forked child runs every pool on the caller).
-  const bool in_phase = fused && g_fused_prep && !x_in_place && L->n_nodes == 1;
-  const int per = in_phase && T <= 64 ? 1 : 8;  // tokens per preparation task
-  const FusedPrep prep{in_phase ? (T + per - 1) / per : 0, tok,
-                       [&](int task) { for (int t = task * per; t < std::min(T, task * per + per); ++t) prep_token(t); }, per};
-  Pool* p0 = (Pool*)L->nodes[0].pool;
-  if (!x_in_place && !prep.tasks) p0->run([&](int task, int) { prep.fn(task); }, (T + per - 1) / per);
-  clk.lap(1);
+  const bool fused = kn.fused && pad_rows == 0 && na > 0 && (int64_t)A * L->nodes[0].down.rows_p <= (16 << 20);
   if (fused) {
-    int rc = forward_fused(L, W, act, na, A, xptr, wt, slot, T, K, out, out_dtype, m_max_pad, prep);
-    clk.lap(3);  // the profile counts the whole fused phase (down and any token rows included) as gate_up
+    int rc = forward_fused(kn, L, W, act, na, A, xptr, wt, slot, T, K, out, out_dtype, m_max_pad);
+    clk.lap(3);  // the profile counts the whole fused phase (down included) as gate_up
     if (g_prof_on) g_prof[7] += 1;
     return rc;
   }
@@ -356,11 +352,11 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
         const float* bs = (const float*)(bp + packed_scales_offset(a.m, kb_x));
         const HyMat* ms[2] = {&N.gate, &N.up};
         float* cs[2] = {Cg, Cu};
-        amx_gemm(ms, cs, 2, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), 64);
+        amx_gemm(kn, ms, cs, 2, a.e, r0, nr, bp, bs, (int)align_up(a.m, 32), 64);
 #endif
       } else {
-        vec_gemm(N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
-        vec_gemm(N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
+        vec_gemm(kn, N.gate, a.e, r0, nr, xptr + a.off, a.m, Cg, 64);
+        vec_gemm(kn, N.up, a.e, r0, nr, xptr + a.off, a.m, Cu, 64);
       }
       store_h(L, N, a.e, Cg, Cu, a.m, r0, nr, hptr[n] + a.off, hf[n] ? hf[n] + (int64_t)a.off * N.gate.rows_p : nullptr);
     });
@@ -391,9 +387,8 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   clk.lap(4);
   // Phase 2: down projection; a task owns a block of D rows for every token, so no two tasks write
   // the same acc element. Smaller blocks when D gives too few tasks for the pool.
-  // AMX tasks re-read every expert's packed h (from L3) per task: 128-row tasks halve that traffic
-  // (measured: down ran at 1.8 TFLOP/s with 64-row tasks at 8 experts x 1024 tokens). The vector path
-  // (decode) streams weights only and balances better with 32-row tasks (shorter tail).
+  // AMX tasks re-read every expert's packed h (from L3) per task: 128-row tasks halve that traffic against
+  // 64-row ones. The vector path (decode) streams weights only and balances better with 32-row tasks (shorter tail).
   bool any_amx = false;
   for (int j = 0; j < na; ++j) any_amx |= act[j].amx != 0;
   int rbd[HY_MAX_NODES];
@@ -430,11 +425,11 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
           const uint8_t* bp = hpack[n] + hpack_off(n, a);
           const HyMat* ms[1] = {&N.down};
           float* cs[1] = {C};
-          amx_gemm(ms, cs, 1, a.e, r0, nr, bp, (const float*)(bp + packed_scales_offset(a.m, kb_h[n])),
+          amx_gemm(kn, ms, cs, 1, a.e, r0, nr, bp, (const float*)(bp + packed_scales_offset(a.m, kb_h[n])),
                    (int)align_up(a.m, 32), ldc);
 #endif
         } else {
-          vec_gemm(N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, ldc);
+          vec_gemm(kn, N.down, a.e, r0, nr, hptr[n] + a.off, a.m, C, ldc);
         }
         const float* bd = N.down.bias ? N.down.bias + a.e * N.down.b_estride + r0 : nullptr;  // node 0 only
         for (int i = 0; i < a.m; ++i) {

@@ -46,47 +46,34 @@ typedef struct {
 
 namespace {
 
-// Software prefetch of the next 4-row weight block in the vector kernels (hy_tune("prefetch", 0) turns it
-// off). GPU box, 30B expert, 15 threads (bench.decode_probe, bench/results/h200/decode/): 8 experts x 1 token
-// bf16 726 -> 606 us, int8 387 -> 291, int4 453 -> 197; 8 experts x 4 tokens bf16 890 -> 656 us. The
-// hardware prefetchers lose the 4 short interleaved row streams of a block at each block's start.
-// Every dtype now prefetches two blocks (8 rows) ahead into L2 (T1), once per 64-byte line, as int4 did
-// first: bf16 and int8 prefetched one block ahead into L1 (T0) until issue 12's run 10. Dev box (2-core
-// EPYC, 30B expert, weights from DRAM, 1 thread): 8 experts x 1 token int8 11.5 -> 17.8 GB/s, bf16 13.2 ->
-// 20.5; 8 x 4 int8 10.0 -> 17.3, bf16 11.7 -> 19.1 (T0 one block ahead read no faster than no prefetch at
-// all there; 2 threads: int8 22.8 -> 29.0, bf16 24.3 -> 28.5 of a 35.5 GB/s ceiling).
-// On the GPU box's EMR host neutral within its noise (pool past the LLC: int8 8x1 85% -> 90% of DRAM, the
-// other bf16/int8 decode cases within 3 points; bench/results/h200/decode/run10/call2/probe_ab.txt).
-int g_prefetch = 1;
-// 1 (default): the first 4-row block of each vector-kernel call also prefetches the block right after it (rows
-// 4..7), which the steady-state prefetch (8 rows down) never covers: every decode task starts fresh streams
-// (hy_tune("pf_first"); AVX-512 kernels). With the bigger decode tasks of fused.h, issue 12 run 11 (GPU box,
-// 15 threads, pool past the LLC, 4 KiB pages): 8 experts x 1 token int8 90 -> 94% of DRAM, int4 82 -> 85%.
-int g_pf_first = 1;
-// Rows ahead that the AVX-512 int8 and int4 kernels prefetch into L2 (hy_tune("pf_rows"): a multiple of 4, 8..64;
-// default 16, four 4-row blocks). A 4-bit row of the 30B expert is 1 KiB (gate/up) or 384 B (down), so the old 8
-// rows were 8 or 3 KiB of lead where bf16 has four times that. GPU box (issue 12 run 13 calls 3-4, 15 threads, pool
-// past the LLC, 8 and 16 rows in one process, 5 runs per case): int4 8 x 1 +1..+4% in every run, 8 tokens x 8
-// experts -1..+8% (4 of 5 ahead); int8 within +-3% but for one run each way; 32 rows no better than 16. bf16 keeps
-// 8 rows (16 rows: -6..+1% in call 3, 32 rows slower still).
-int g_pf_rows = 16;
-// 1: the AVX-512 int4 kernels at 3-4 tokens with 2-row passes (g_i4_wide 0) also prefetch the next pass's rows
-// into L1 (T0), once per 64-byte line (hy_tune("pf_l1"); default 0 until measured on the box). At 4 tokens the
-// kernel does four times 1 token's work per weight byte, and the L2 prefetch alone leaves each pass's loads
-// waiting on L2 (issue 12 run 14: 4 tokens x 8 experts int4 58-65% of the DRAM ceiling, int8 78-83%).
-int g_pf_l1 = 0;
-// How the AVX-512 int4 kernels run 3-4 tokens per 4-row block (kern_avx512.h i4_block_b; hy_tune("i4_wide")):
-// 2 (default) one 4-row pass, fp32 sums in memory; 1 two 4-row passes over token pairs; 0 two 2-row passes over
-// all the tokens. GPU box (issue 12 run 16 call 1, executor alone from DRAM, medians of 3 interleaved rounds): 2 reads
-// 3 tokens x 8 experts at 95.3 GB/s against 0's 86.4 (+10%), 4 tokens at 85.0 against 79.4 (+7%), 1 and 8 tokens
-// level; end to end (hybrid_e2e --ab, 6 rounds) 1.013x at batch 1, 0.976x at batch 8, both inside the rounds'
-// spread. The natural stored order runs 1 for 2.
-int g_i4_wide = 2;
-
-// 1 (default): the AVX-512 bf16, int8 and int4 kernels end each 4-row block with one transposing sum of its 4 x MT
-// accumulators (kern_avx512.h hsum16); 0: one reduce per accumulator, as before issue 12 session 28
-// (hy_tune("hsum")). int8 gives bit-identical results either way; bf16 and int4 add the lanes in another order.
-int g_hsum = 1;
+// The run-time knobs (api.h hy_tune, listed in cpu_kernels/_native.py TUNABLES). A layer call copies them once at
+// its start (driver.h forward) and passes the copy down, so a change never lands inside a call and the kernels'
+// loops read a local. Every knob changes speed only: the outputs are bit-identical at any setting.
+constexpr int HY_MAX_TASK_ROWS = 512;  // task_rows' ceiling: fused.h's per-block sum buffer holds it
+constexpr int HY_MAX_TAIL_SPLIT = 8;
+struct Knobs {
+  // 1: decode-sized calls run fused.h's single phase; 0: the phased path that prefill takes (tests and benchmarks
+  // compare the two paths at decode shapes with it).
+  int fused = 1;
+  // Most weight rows of one decode task, and the fewest decode tasks per thread the row blocks shrink to give
+  // (fused.h): every task starts weight streams the hardware prefetchers have not seen, so fewer, longer tasks read
+  // faster as long as the dynamic tail stays short.
+  int task_rows = 256;
+  int task_min = 2;
+  // Parts (1..HY_MAX_TAIL_SPLIT) each of a decode call's last down tasks, one per thread, is cut into, so that the
+  // threads finish nearer together (fused.h).
+  int tail_split = 4;
+  // Rows ahead that the AVX-512 int8 and int4 kernels prefetch into L2 (a multiple of 4, 8..64): their rows are a half
+  // and a quarter of a bf16 one, so they need more rows of lead than bf16's fixed 8 for the same bytes (kern_avx512.h).
+  int pf_rows = 16;
+  // K block of the AMX kernels in 64-byte chunks (1..64): 16 keeps a 32-row A panel (32 KiB) near L1 across the
+  // token blocks and one K block's B panels in L2 (kern_amx.h).
+  int amx_kblock = 16;
+  // Bytes ahead hy_stream_read prefetches in software (0: none); the DRAM ceiling takes the best of several.
+  int stream_pf = 0;
+};
+Knobs g_knobs;  // written by hy_tune under the call lock (driver.h g_job_mu)
+// spin_us, the pool workers' spin before they sleep, is pool.h's g_spin_us: idle workers read it between calls.
 
 // Sum of the 8 fp32 lanes of a 256-bit vector (every ISA library is built with AVX2 or more).
 inline float hsum8(__m256 v) {

@@ -4,15 +4,12 @@
 // product is C^T = W . X^T, transposed back when written out. Tile shapes: Intel SDM vol. 1 ch. 18
 // (palette 1: 8 tiles of at most 16 rows x 64 bytes; TMUL M, N <= 16, K <= 64 bytes).
 // Blocking: tiles 0-3 accumulate a 32-row x 32-token block (2 A tiles x 2 B tiles, 4 TDPs per 4 tile
-// loads); K is walked in blocks of g_amx_kblock chunks (default 16: 512 bf16 / 1024 int8) so the A panel
-// (32 KiB) stays near L1 across the token blocks and the B panels of one K block (m_pad x 1 KiB) stay in
-// L2; partial
-// C blocks wait in a per-thread buffer between K blocks; the last K block writes C through L1 tiles.
-// Layout choice (DESIGN 3b): W as the A operand keeps the one row-major copy the GPU lane ships; a
-// pre-packed tile layout was not measured against it. On the EMR host (bench.cpu_moe, 8 experts x
-// 1024 tokens, bf16) gate+up ran at ~7.5 TFLOP/s and down at ~3.1: the gap is down's re-reading of
-// every expert's packed activations per row block and the memory passes around the tiles, not the
-// A-operand layout.
+// loads); K is walked in blocks of Knobs::amx_kblock chunks (hy.h; default 16: 512 bf16 / 1024 int8) so the A
+// panel (32 KiB) stays near L1 across the token blocks and the B panels of one K block (m_pad x 1 KiB) stay in
+// L2; partial C blocks wait in a per-thread buffer between K blocks; the last K block writes C through L1 tiles.
+// Layout choice (DESIGN 3b): W as the A operand keeps the one row-major copy the GPU lane ships. Down runs
+// slower than gate+up because it re-reads every expert's packed activations per row block and makes memory
+// passes around the tiles, not because of the A-operand layout.
 #pragma once
 #include <immintrin.h>
 #include <vector>
@@ -62,10 +59,6 @@ inline void emu_dpbssd(int c, int a, int b) {
 #define HY_TDPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #endif
 
-// K chunks (of 64 bytes) per K block; 16 = 32 KiB A panel for 32 rows. Settable for benchmarking.
-int g_amx_kblock = 16;  // GPU box host, 8x1024 (run2): 16 beat 8 and 4 for bf16 and int8; run3 had int8 at 32
-                        // slightly ahead (39.1 vs 41.5 ms), bf16 at 16
-
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -98,7 +91,7 @@ inline void write_tile(const float* tile, float* C, int ldc, int t0, int r0, con
 // activations: K blocks outermost, so each block's B panels are fetched into L2 once for all of them.
 template <bool BF16>
 void amx_gemm_t(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr, const uint8_t* bpack,
-                const float* bscale, int m_pad, int ldc) {
+                const float* bscale, int m_pad, int ldc, int kblock) {
   // Tokens in chunks of TC: the B panels of one K block for one chunk (TC x KB x 64 B) and the
   // parked partial sums (nmat x nr x TC fp32) then stay in L2 together.
   constexpr int TC = 256;
@@ -110,7 +103,7 @@ void amx_gemm_t(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r
   const int64_t ldb = BF16 ? (int64_t)M0.ldk * 2 : M0.ldk;  // bytes per weight row
   const int nkc = (int)(ldb / 64);
   const int64_t cst = (int64_t)TC * 4;  // cbuf row stride in bytes
-  const int KB = g_amx_kblock;
+  const int KB = kblock;
   for (int t0 = 0; t0 < m_pad; t0 += TC) {
     const int tb0 = t0 / 16, tb1 = std::min(m_pad, t0 + TC) / 16;
     for (int kb = 0; kb < nkc; kb += KB) {
@@ -194,14 +187,14 @@ inline void unpack_i4_row(const uint8_t* src, int kb, int ke, const int* nat, in
 // run on across groups); the token scales are applied once at the end. The weights are read once per call as
 // in amx_gemm_t; the fold and the unpacking are vector work the bf16/int8 tiles do not have.
 void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr, const uint8_t* bpack,
-                 const float* bscale, int m_pad, int ldc) {
+                 const float* bscale, int m_pad, int ldc, int kblock) {
   constexpr int TC = 256;  // tokens per chunk: the fp32 accumulators (nmat x nr x TC) stay in L2
   const HyMat& M0 = *Ms[0];
   const int nkc = M0.ldk / 64, cpg = M0.group / 64, G = M0.ldk / M0.group;
   const int64_t ldw = M0.ldk / 2;  // bytes of one packed row
   // K block in whole groups, and in whole fold blocks of the stored order (whose chunks hold several groups)
   const int unit = i4_natural(M0.group, M0.fold) ? cpg : M0.fold * M0.group / 64;
-  const int KB = std::max(unit, g_amx_kblock / unit * unit);
+  const int KB = std::max(unit, kblock / unit * unit);
   static thread_local std::vector<int> nat_v;  // stored word -> natural word (the interleaved order only)
   const int* nat = nullptr;
   if (!i4_natural(M0.group, M0.fold)) {
@@ -271,11 +264,11 @@ void amx_gemm_i4(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int 
 }
 
 // C_i[t * ldc + r] = sum_k X[t][k] W_i[r0 + r][k] for the nmat matrices (see vec_gemm for the layout).
-void amx_gemm(const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr, const uint8_t* bpack,
-              const float* bscale, int m_pad, int ldc) {
-  if (Ms[0]->dtype == HY_BF16) amx_gemm_t<true>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
-  else if (Ms[0]->dtype == HY_INT4) amx_gemm_i4(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
-  else amx_gemm_t<false>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc);
+void amx_gemm(const Knobs& kn, const HyMat* const* Ms, float* const* Cs, int nmat, int e, int r0, int nr,
+              const uint8_t* bpack, const float* bscale, int m_pad, int ldc) {
+  if (Ms[0]->dtype == HY_BF16) amx_gemm_t<true>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc, kn.amx_kblock);
+  else if (Ms[0]->dtype == HY_INT4) amx_gemm_i4(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc, kn.amx_kblock);
+  else amx_gemm_t<false>(Ms, Cs, nmat, e, r0, nr, bpack, bscale, m_pad, ldc, kn.amx_kblock);
 }
 
 }  // namespace

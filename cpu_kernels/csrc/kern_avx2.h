@@ -59,9 +59,8 @@ void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // per group and row and token. The previous form converted and multiply-added both halves of every chunk
 // in fp32 and subtracted 8 * sum_g s_g * gsum_g in a scalar loop after the K loop. GS = 32: the low and
 // high nibbles of a chunk are two groups, each widened, offset, converted and scaled on its own.
-// Prefetch as in the AVX-512 kernels (8 rows down, into L2, once per line). 2-core EPYC, forced avx2, 30B
-// expert, 1 thread, weights from DRAM (bench.int4_core_probe): 8 experts x 1 token 6.9 -> 15 GB/s, x 4
-// tokens 3.4 -> 7.0 GB/s (mxfp4, prefetch only: 7.4 -> 11, 3.7 -> 4.8).
+// Prefetch as in the AVX-512 kernels (8 rows down, into L2, once per line): the hardware prefetchers lose a block's
+// short interleaved row streams at each block's start.
 template <int MT, int GS>
 void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc) {
   constexpr int CPG = GS >= 64 ? GS / 64 : 1;  // 64-value chunks per group (GS = 32: half a chunk)
@@ -77,7 +76,7 @@ void i4_block_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
       off[t] = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * gs[g0]));
       off2[t] = GS < 64 ? _mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * gs[g0 + 1])) : off[t];
     }
-    if (g_prefetch) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c0 * 32), _MM_HINT_T1);
+    for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c0 * 32), _MM_HINT_T1);
     for (int j = 0; j < 4; ++j) {
       if (GS >= 64) {
         __m256i s16[MT];
@@ -155,7 +154,7 @@ void i4_block_fold(const uint8_t* w, int64_t ldw, int k, int group, int fold, co
       for (int t = 0; t < MT; ++t) { s32lo[t] = olo[t]; s32hi[t] = ohi[t]; }
 #pragma GCC unroll 4
       for (int c0 = b * B; c0 < (b + 1) * B; c0 += step) {
-        if (g_prefetch && c0 % 2 == 0) _mm_prefetch((const char*)(wj + 8 * ldw + c0 * 32), _MM_HINT_T1);  // 8 rows down
+        if (c0 % 2 == 0) _mm_prefetch((const char*)(wj + 8 * ldw + c0 * 32), _MM_HINT_T1);  // 8 rows down
         __m256i s16lo[MT], s16hi[MT];
         for (int t = 0; t < MT; ++t) s16lo[t] = s16hi[t] = zero;
         for (int c = c0; c < c0 + step; ++c) {  // 2 x 15 x 127 x 2 chunks: no int16 saturation
@@ -206,8 +205,7 @@ void i4_block(const uint8_t* w, int64_t ldw, int k, int group, int fold, const u
 // mxfp4 (hy.h, HY_MX4_LUT): per 64 K values 32 bytes, low nibbles one 32-value block, high nibbles the next.
 // Codes -> 2 * FP4 + 12 (u8, <= 24) by VPSHUFB, maddubs with the int8 activations (pair sums <= 2*24*127, no
 // saturation), minus 12 * each lane's activation sum: the exact integer dot per lane, then one scale per block.
-// Tokens' activations and offsets are loaded once per chunk and each row unpacked once for all of them
-// (2-core EPYC, 30B expert, 8 x 1 token: 1.96 -> 1.80 ms against unpacking per token).
+// Tokens' activations and offsets are loaded once per chunk and each row unpacked once for all of them.
 template <int MT>
 void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* se, float* C,
                int ldc) {
@@ -225,7 +223,7 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       olo[t] = dot_u8s8_i32(twelve, alo[t]);
       ohi[t] = dot_u8s8_i32(twelve, ahi[t]);
     }
-    if (g_prefetch && c % 2 == 0)  // the rows 2 blocks down, once per 64-byte line (as the AVX-512 kernels)
+    if (c % 2 == 0)  // the rows 2 blocks down, once per 64-byte line (as the AVX-512 kernels)
       for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
@@ -260,7 +258,8 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   }
 }
 
-void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
+// C[t * ldc + r] = sum_k act_t[k] W_e[r0 + r][k] for r < nr, t < m (the AVX2 kernels read no knob).
+void vec_gemm(const Knobs&, const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
   for (int r = 0; r < nr; r += 4)
     for (int t = 0; t < m; t += 2) {
       if (m - t >= 2) vec_block<2>(M, e, r0 + r, rows + t, C + t * ldc + r, ldc);

@@ -1,6 +1,6 @@
 // AVX-512 kernels: the vector (GEMV-like) path for few tokens per expert, reading row-major weights.
 // Blocks of 4 weight rows x up to 4 tokens: 16 zmm accumulators + 4 weight + 1 activation registers
-// of the 32 (int4 at 3-4 tokens: two passes of 2 rows, as it needs int32 and fp32 accumulators).
+// of the 32 (int4 at 3-4 tokens needs int32 and fp32 accumulators: see i4_rows and i4_block_nat).
 // bf16: VDPBF16PS (pairs of bf16 products into fp32). int8: VPDPBUSD (u8 x s8, 4 products into int32)
 // with the activations offset by +128 to make them unsigned, undone with the precomputed row sums:
 // sum((a+128) w) - 128 sum(w) = sum(a w). int4: the stored nibbles (0..15) are the unsigned operand, the
@@ -8,6 +8,8 @@
 // group in int32 with the activation group sums. mxfp4: nibble unpacking, then VPSHUFB through the 16-entry
 // code table (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the
 // sum of its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
+// Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
+// start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
@@ -15,15 +17,13 @@
 namespace {
 
 // The sums of the 16 lanes of 16 vectors at once: lane i of the result is the sum of v[i]'s lanes (FP: fp32 lanes,
-// else int32). The vector kernels end every 4-row block with 4 x MT such sums; one _mm512_reduce_add each is ~9
-// instructions and a move to a scalar per sum, ~150 with the scalar scaling for 16 (counted from the intrinsics, not
-// measured), which at the 30B down rows (12 chunks of ~28 instructions at 4 tokens) is about a third of the block's
-// instructions. This transposing tree takes 45 for all 16 (four levels of two shuffles and an add; the zero vectors of
-// a block with fewer tokens fold away, as the compiled code of 1-token bf16 blocks shows).
+// else int32). The vector kernels end every 4-row block with 4 x MT such sums; a reduce and a move to a scalar per
+// sum would be a large share of a short row's instructions, where this transposing tree of four levels (two shuffles
+// and an add each) makes all 16 at once (the zero vectors of a block with fewer tokens fold away).
 // Level 1 adds lanes (l, l+2) of each 128-bit quarter and interleaves pairs of vectors, level 2 adds (l, l+1) and
 // holds four vectors per quarter, levels 3-4 add the quarters: vector i ends in quarter i / 4, position i % 4.
 // Every vector's lanes are summed in the same tree whatever its index, so a token's result does not depend on the
-// tokens computed beside it (hy.h g_hsum).
+// tokens computed beside it.
 
 template <bool FP>
 inline __m512i add_lanes(__m512i a, __m512i b) {
@@ -43,11 +43,11 @@ inline __m512i hsum16(const __m512i* v) {
   return add_lanes<FP>(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
 }
 
-// hsum16 of a block's accumulators get(j, t) (row j < NR, token t < MT) in lanes t * 4 + j, the other lanes 0.
-template <bool FP, int NR, int MT, class Get>
+// hsum16 of a block's accumulators get(j, t) (row j < 4, token t < MT) in lanes t * 4 + j, the other lanes 0.
+template <bool FP, int MT, class Get>
 inline __m512i block_sums(Get get) {
   __m512i v[16];
-  for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT && i % 4 < NR ? get(i % 4, i / 4) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; ++i) v[i] = i / 4 < MT ? get(i % 4, i / 4) : _mm512_setzero_si512();
   return hsum16<FP>(v);
 }
 
@@ -61,16 +61,15 @@ inline __m128 quarter(__m512 v, int q) {
   }
 }
 
-// C[t * ldc + j] = s[t * 4 + j] * scale of token t (j < NR rows, t < MT tokens): the epilogue of a block whose
+// C[t * ldc + j] = s[t * 4 + j] * scale of token t (j < 4 rows, t < MT tokens): the epilogue of a block whose
 // (row j, token t) sums are lanes t * 4 + j of s.
-template <int NR, int MT>
+template <int MT>
 inline void store_rows(__m512 s, const uint8_t* const* rows, int k, bool scaled, float* C, int ldc) {
 #pragma GCC unroll 4
   for (int t = 0; t < MT; ++t) {
     __m128 q = quarter(s, t);
     if (scaled) q = _mm_mul_ps(q, _mm_set1_ps(act_scale(rows[t], k)));
-    if (NR == 4) _mm_storeu_ps(C + t * ldc, q);
-    else _mm_storel_pi((__m64*)(C + t * ldc), q);
+    _mm_storeu_ps(C + t * ldc, q);
   }
 }
 
@@ -81,105 +80,86 @@ void bf16_block(const uint16_t* w, int64_t ldw, int k, const uint8_t* const* row
   for (int kk = 0; kk < k; kk += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch) for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_loadu_si512((const void*)((const uint16_t*)rows[t] + kk));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wv[j], (__m512bh)a);
     }
   }
-  if (g_hsum) {
-    const __m512i s = block_sums<true, 4, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
-    store_rows<4, MT>(_mm512_castsi512_ps(s), rows, k, false, C, ldc);
-    return;
-  }
-  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]);
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, false, C, ldc);
 }
 
 template <int MT>
 void i8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw,
-              const int32_t* rsum, float* C, int ldc, int pf_lo) {
+              const int32_t* rsum, float* C, int ldc, int pf_lo, int pf_rows) {
   const __m512i off = _mm512_set1_epi8((char)0x80);
   __m512i acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_si512();
   for (int kk = 0; kk < k; kk += 64) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512((const void*)(w + j * ldw + kk));
-    if (g_prefetch)  // rows g_pf_rows.. +3 (the first block: rows 4 on, too; g_pf_first)
-      for (int j = pf_lo == 8 ? g_pf_rows : 4; j < g_pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
+    // rows pf_rows.. +3 (the first block of a call: from row 4 on, see vec_gemm)
+    for (int j = pf_lo == 8 ? pf_rows : 4; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + kk), _MM_HINT_T1);
     for (int t = 0; t < MT; ++t) {
       __m512i a = _mm512_xor_si512(_mm512_loadu_si512((const void*)(rows[t] + kk)), off);  // a + 128
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm512_dpbusd_epi32(acc[j][t], a, wv[j]);
     }
   }
-  if (g_hsum) {  // the same integer sums and the same fp32 operations in the same order: bit-identical to below
-    const __m512i s = block_sums<false, 4, MT>([&](int j, int t) { return acc[j][t]; });
-    const __m512i rs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)rsum));  // lane t * 4 + j: rsum[j]
-    const __m512 swv = _mm512_broadcast_f32x4(_mm_loadu_ps(sw));
-    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_slli_epi32(rs, 7))), swv);
-    store_rows<4, MT>(f, rows, k, true, C, ldc);
-    return;
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int t = 0; t < MT; ++t)
-      C[t * ldc + j] = (float)(_mm512_reduce_add_epi32(acc[j][t]) - 128 * rsum[j]) * sw[j] * act_scale(rows[t], k);
+  // sum((a + 128) w) - 128 sum(w) per row, then the row's and the token's scales
+  const __m512i s = block_sums<false, MT>([&](int j, int t) { return acc[j][t]; });
+  const __m512i rs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)rsum));  // lane t * 4 + j: rsum[j]
+  const __m512 swv = _mm512_broadcast_f32x4(_mm_loadu_ps(sw));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_slli_epi32(rs, 7))), swv);
+  store_rows<MT>(f, rows, k, true, C, ldc);
 }
 
-// int4 (quant.py / hy.h: the stored order), NR rows x MT tokens. Per row and chunk (32 bytes, 64 stored values)
+// int4 (quant.py / hy.h: the stored order), 4 rows x MT tokens. Per row and chunk (32 bytes, 64 stored values)
 // the unpacking is one broadcast load and one AND: the low 256 bits keep the low nibbles (stored values 0..31),
 // the high 256 bits the high nibbles where they are, i.e. 16 x their value (stored 32..63; <= 240 is still a
-// valid unsigned VPDPBUSD operand). A shift to bring them down cost one more instruction per row and chunk, on
+// valid unsigned VPDPBUSD operand). A shift to bring them down would cost one more instruction per row and chunk, on
 // the port VPDPBUSD needs (Intel p0). So lanes 8-15 hold 16 x their sums throughout, and one multiply by 1/16
 // before the final reduction restores them: a power-of-two factor does not change any fp32 rounding.
 // The stored order gives each int32 lane one group for a whole fold block (`fold` groups, fold * group / 64
 // chunks): the products are summed in int32 across the block, and each row and token is converted and scaled
-// once per block, with a vector of the block's group scales (lane l: group l / L, L = 16 / fold lanes a group).
-// A 2048-value row in groups of 128 is one block: one convert + FMA per row and token where the natural order
-// took 16 (per group). Dev box (EPYC Zen4, 1 thread, 30B expert, 8 experts from the L3, both orders in one
-// process: bench.decode_probe --dtypes int4,int4-natural): +16% at 2-4 tokens in groups of 128, +30-44% in
-// groups of 64, +14-36% in groups of 32 (BENCHMARKS.md, session 17).
+// once per block, with a vector of the block's group scales (lane l: group l / L, L = 16 / fold lanes a group),
+// where the natural order converts and scales once per group.
 // The +8 of the stored nibbles is undone in int32: each group's first lane starts at -8 x (the token's group
 // sum of activations; x 16 in lanes 8-15), so every group's lanes add up to its exact signed dot.
-// NR rows (4; 2 for 3-4 tokens) x MT tokens: NR * MT int32 and as many fp32 accumulators stay in the 32 zmm
-// registers, and each row is unpacked once for all MT tokens.
-// Prefetch (int4 and mxfp4): the same columns 8 rows down (two 4-row blocks ahead), once per 64-byte line,
-// into L2 (T1) rather than L1. A 4-bit row is half as long as an int8 one, so one block ahead is half the
-// lead time, and L1 prefetches are bounded by the few L1 miss buffers, L2 ones by the larger L2 queue: on a
-// 2-core EPYC (1 thread, 30B expert, 8 experts x 1 token, weights from DRAM) int4 went from 11 GB/s with
-// T0 4 rows ahead to 17 with T1 4 rows ahead and 20 with T1 8 rows ahead; mxfp4 from 11 to 16.
+// Each row is unpacked once for all MT tokens.
 // B = fold * group / 64, the chunks of a block, is a template argument (i4_block) so that the block's K loop has
-// a known trip count: with a run-time count the natural order (fold 1, 2 chunks a block) ran ~1.5x slower.
-// The int4 kernels' software prefetch at chunk c of an NR-row pass: rows g_pf_rows.. ahead into L2; the first block
-// of a call (pf_lo 4, g_pf_first) from row 4 on, which the steady-state lead never covers.
-// With g_pf_l1 and NR 2 (2-row passes: g_i4_wide 0), also the next pass's rows (NR on) into L1.
-template <int NR, int MT>
-inline void i4_prefetch(const uint8_t* w, int64_t ldw, int c, int pf_lo) {
-  for (int j = pf_lo == 8 ? 0 : 4 - g_pf_rows; j < NR; ++j)
-    _mm_prefetch((const char*)(w + (j + g_pf_rows) * ldw + c * 32), _MM_HINT_T1);
-  if (NR == 2 && MT > 2 && g_pf_l1)
-    for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(w + (j + NR) * ldw + c * 32), _MM_HINT_T0);
+// a known trip count: with a run-time count the compiler keeps the loop rolled.
+// Software prefetch (int4 and mxfp4) into L2 (T1), once per 64-byte line, rather than into L1: a 4-bit row is short,
+// so the lead must be several rows, and L1 prefetches are bounded by the few L1 miss buffers, L2 ones by the larger
+// L2 queue. At chunk c: rows pf_rows.. ahead (hy.h Knobs); the first block of a call (pf_lo 4) from row 4 on, which
+// the steady-state lead never covers.
+inline void i4_prefetch(const uint8_t* w, int64_t ldw, int c, int pf_lo, int pf_rows) {
+  for (int j = pf_lo == 8 ? 0 : 4 - pf_rows; j < 4; ++j)
+    _mm_prefetch((const char*)(w + (j + pf_rows) * ldw + c * 32), _MM_HINT_T1);
 }
 
-// fp32 sums of NR rows x MT tokens in i4_rows: in registers, or (MEM: 4 rows x 3-4 tokens, whose int32 sums take 12-16
-// of the 32 registers with the 4 weight vectors beside them) in memory, read and written once per fold block: once
-// per row for the 30B gate/up rows (one block of 2048 values), 3 times for its down rows.
-template <int NR, int MT, bool MEM = (NR * MT > 8)>
+// fp32 sums of 4 rows x MT tokens in i4_rows: in registers, or (MEM: 3-4 tokens, whose int32 sums take 12-16 of the
+// 32 registers with the 4 weight vectors beside them) in memory, read and written once per fold block (once per row
+// when a row is one block). One pass with the sums in memory reads the weights once where two passes (of 2 rows or
+// of token pairs) would start twice the row streams, which leaves the loads waiting on memory.
+template <int MT, bool MEM = (MT > 2)>
 struct I4Sums {
-  __m512 v[NR][MT];
-  I4Sums() { for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) v[j][t] = _mm512_setzero_ps(); }
+  __m512 v[4][MT];
+  I4Sums() { for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) v[j][t] = _mm512_setzero_ps(); }
   void fma(int j, int t, __m512 x, __m512 s) { v[j][t] = _mm512_fmadd_ps(x, s, v[j][t]); }
   __m512 get(int j, int t) const { return v[j][t]; }
 };
-template <int NR, int MT>
-struct I4Sums<NR, MT, true> {
-  alignas(64) float m[NR][MT][16];
-  I4Sums() { for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) _mm512_store_ps(m[j][t], _mm512_setzero_ps()); }
+template <int MT>
+struct I4Sums<MT, true> {
+  alignas(64) float m[4][MT][16];
+  I4Sums() { for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) _mm512_store_ps(m[j][t], _mm512_setzero_ps()); }
   void fma(int j, int t, __m512 x, __m512 s) { _mm512_store_ps(m[j][t], _mm512_fmadd_ps(x, s, _mm512_load_ps(m[j][t]))); }
   __m512 get(int j, int t) const { return _mm512_load_ps(m[j][t]); }
 };
 
-template <int NR, int MT, int B>
+template <int MT, int B>
 void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
-             float* C, int ldc, int pf_lo) {
+             float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = k / group, L = 16 / fold;  // lanes a group
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -188,75 +168,67 @@ void i4_rows(const uint8_t* w, int64_t ldw, int k, int group, int fold, const ui
   __mmask16 first = 0;  // each group's first lane
   for (int l = 0; l < 16; l += L) first |= (__mmask16)(1u << l);
   const __mmask16 gm = (__mmask16)((1u << fold) - 1);
-  I4Sums<NR, MT> acc;
+  I4Sums<MT> acc;
   for (int b = 0; b < G / fold; ++b) {
-    __m512i iacc[NR][MT];
+    __m512i iacc[4][MT];
     for (int t = 0; t < MT; ++t) {
       const __m512i gs = _mm512_maskz_loadu_epi32(gm, act_gsum(rows[t], k) + b * fold);
       const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(),
                                            _mm512_sllv_epi32(_mm512_maskz_permutexvar_epi32(first, gidx, gs), shl));
-      for (int j = 0; j < NR; ++j) iacc[j][t] = off;
+      for (int j = 0; j < 4; ++j) iacc[j][t] = off;
     }
 #pragma GCC unroll 4
     for (int c = b * B; c < (b + 1) * B; ++c) {
-      __m512i wq[NR];
-      for (int j = 0; j < NR; ++j)
+      __m512i wq[4];
+      for (int j = 0; j < 4; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
-      if (g_prefetch && c % 2 == 0)
-        i4_prefetch<NR, MT>(w, ldw, c, pf_lo);
+      if (c % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
-        for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
+        for (int j = 0; j < 4; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
       }
     }
-    for (int j = 0; j < NR; ++j) {
+    for (int j = 0; j < 4; ++j) {
       const __m512 sv = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gm, sw + j * G + b * fold));
       for (int t = 0; t < MT; ++t) acc.fma(j, t, _mm512_cvtepi32_ps(iacc[j][t]), sv);
     }
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
-  if (g_hsum) {
-    const __m512i s = block_sums<true, NR, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc.get(j, t), unscale)); });
-    store_rows<NR, MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
-    return;
-  }
-  for (int j = 0; j < NR; ++j)
-    for (int t = 0; t < MT; ++t)
-      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc.get(j, t), unscale)) * act_scale(rows[t], k);
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc.get(j, t), unscale)); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
 // The natural order (fold 1 with groups >= 64, or groups of 32 two to a chunk: quant.py), group size GS a
 // compile-time constant: each group's sums are converted and scaled once per group (GS >= 64: per 1-2 chunks;
 // GS = 32: lanes 0-7 and 8-15 are two groups, with a scale each).
-template <int NR, int MT, int GS>
+template <int MT, int GS>
 void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
-               int pf_lo) {
+               int pf_lo, int pf_rows) {
   constexpr int CPG = GS >= 64 ? GS / 64 : 1;  // 64-value chunks per scaling step
   const int G = k / GS;
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
-  __m512 acc[NR][MT];
-  for (int j = 0; j < NR; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int c0 = 0; c0 < k / 64; c0 += CPG) {
-    __m512i iacc[NR][MT];
+    __m512i iacc[4][MT];
     for (int t = 0; t < MT; ++t) {
       const int32_t* gs = act_gsum(rows[t], k);
       __m512i off = _mm512_maskz_set1_epi32(1, -8 * gs[GS >= 64 ? c0 / CPG : 2 * c0]);  // lane 0: 1 x
       if (GS < 64) off = _mm512_mask_set1_epi32(off, 0x100, -128 * gs[2 * c0 + 1]);   // lane 8: 16 x
-      for (int j = 0; j < NR; ++j) iacc[j][t] = off;
+      for (int j = 0; j < 4; ++j) iacc[j][t] = off;
     }
     for (int i = 0; i < CPG; ++i) {
       const int c = c0 + i;
-      __m512i wq[NR];
-      for (int j = 0; j < NR; ++j)
+      __m512i wq[4];
+      for (int j = 0; j < 4; ++j)
         wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
-      if (g_prefetch && (CPG > 1 ? i % 2 == 0 : c % 2 == 0))
-        i4_prefetch<NR, MT>(w, ldw, c, pf_lo);
+      if (CPG > 1 ? i % 2 == 0 : c % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
-        for (int j = 0; j < NR; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
+        for (int j = 0; j < 4; ++j) iacc[j][t] = _mm512_dpbusd_epi32(iacc[j][t], wq[j], a);
       }
     }
-    for (int j = 0; j < NR; ++j) {
+    for (int j = 0; j < 4; ++j) {
       __m512 sv;
       if (GS >= 64) sv = _mm512_set1_ps(sw[j * G + c0 / CPG]);
       else sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sw[j * G + 2 * c0])),
@@ -265,73 +237,39 @@ void i4_rows_g(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     }
   }
   const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
-  if (g_hsum) {
-    const __m512i s = block_sums<true, NR, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
-    store_rows<NR, MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
-    return;
-  }
-  for (int j = 0; j < NR; ++j)
-    for (int t = 0; t < MT; ++t)
-      C[t * ldc + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[j][t], unscale)) * act_scale(rows[t], k);
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-// A 4-row block: one pass for up to 2 tokens. 3-4 tokens (4 rows x 4 tokens of int32 and fp32 accumulators do not
-// fit in the registers), by g_i4_wide: 2 one 4-row pass with the fp32 sums in memory (I4Sums); 1 two 4-row
-// passes, tokens 0-1 then the rest, the second re-reading the block's weights from L1; 0 two 2-row passes over all
-// tokens, re-reading the activations (2 is the default: faster on both boxes, run 16). Each token's sums are formed in the same order every way, so all three give
-// bit-identical results. Dev box (EPYC Zen4, session 20): the executor from DRAM (bench.decode_probe, 8 experts x 4
-// tokens, medians of 3 interleaved rounds) read 12.0 / 10.5 / 7.8 GB/s (2 / 1 / 0) at 1 thread and 20.9 / 19.4 /
-// 14.7 at 2; 3 tokens 10.4 / 11.4 / 8.7 and 22.5 / 18.4 / 17.0. A standalone timing of this function over 30B gate/up
-// rows (1 thread; a driver outside the tree) showed why: the 2-row passes read 5-6 GB/s at 4 tokens with 12 MiB of weights in the L3 (in the
-// runs where the shared L3 was busy) but 17.8 from L2, where they do the fewest loads per product: their two row
-// streams leave the loads waiting on memory.
-template <int MT, int B>
-void i4_block_b(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
-                float* C, int ldc, int pf_lo) {
-  if constexpr (MT <= 2) {
-    i4_rows<4, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
-  } else if (g_i4_wide == 2) {
-    i4_rows<4, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
-  } else if (g_i4_wide == 1) {
-    i4_rows<4, 2, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
-    i4_rows<4, MT - 2, B>(w, ldw, k, group, fold, rows + 2, sw, C + 2 * ldc, ldc, pf_lo);
-  } else {
-    i4_rows<2, MT, B>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
-    i4_rows<2, MT, B>(w + 2 * ldw, ldw, k, group, fold, rows, sw + 2 * (k / group), C + 2, ldc, pf_lo);
-  }
-}
-
-// The same for the natural order, whose per-group scaling (every 1-2 chunks) would touch in-memory sums too often:
-// g_i4_wide 2 runs token pairs here.
+// The natural order at 3-4 tokens runs token pairs: its per-group scaling (every 1-2 chunks) would touch in-memory
+// sums (I4Sums) too often, and 4 rows x 4 tokens of int32 and fp32 sums do not fit in the registers. The second pair
+// re-reads the block's weights from L1. A token's sums are formed in the same order either way.
 template <int MT, int GS>
 void i4_block_nat(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const float* sw, float* C, int ldc,
-                  int pf_lo) {
+                  int pf_lo, int pf_rows) {
   if constexpr (MT <= 2) {
-    i4_rows_g<4, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-  } else if (g_i4_wide) {
-    i4_rows_g<4, 2, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-    i4_rows_g<4, MT - 2, GS>(w, ldw, k, rows + 2, sw, C + 2 * ldc, ldc, pf_lo);
+    i4_rows_g<MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo, pf_rows);
   } else {
-    i4_rows_g<2, MT, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-    i4_rows_g<2, MT, GS>(w + 2 * ldw, ldw, k, rows, sw + 2 * (k / GS), C + 2, ldc, pf_lo);
+    i4_rows_g<2, GS>(w, ldw, k, rows, sw, C, ldc, pf_lo, pf_rows);
+    i4_rows_g<MT - 2, GS>(w, ldw, k, rows + 2, sw, C + 2 * ldc, ldc, pf_lo, pf_rows);
   }
 }
 
 template <int MT>
 void i4_block(const uint8_t* w, int64_t ldw, int k, int group, int fold, const uint8_t* const* rows, const float* sw,
-              float* C, int ldc, int pf_lo) {
+              float* C, int ldc, int pf_lo, int pf_rows) {
   if (i4_natural(group, fold)) {  // the packer allows groups of 32, 64 and 128 (cpu_kernels/quant.py)
-    if (group == 32) i4_block_nat<MT, 32>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-    else if (group == 64) i4_block_nat<MT, 64>(w, ldw, k, rows, sw, C, ldc, pf_lo);
-    else i4_block_nat<MT, 128>(w, ldw, k, rows, sw, C, ldc, pf_lo);
+    if (group == 32) i4_block_nat<MT, 32>(w, ldw, k, rows, sw, C, ldc, pf_lo, pf_rows);
+    else if (group == 64) i4_block_nat<MT, 64>(w, ldw, k, rows, sw, C, ldc, pf_lo, pf_rows);
+    else i4_block_nat<MT, 128>(w, ldw, k, rows, sw, C, ldc, pf_lo, pf_rows);
     return;
   }
   switch (fold * group / 64) {  // forward() checked the layout (hy.h i4_fold_ok): 2..32 chunks, a power of two
-    case 2: i4_block_b<MT, 2>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
-    case 4: i4_block_b<MT, 4>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
-    case 8: i4_block_b<MT, 8>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
-    case 16: i4_block_b<MT, 16>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo); break;
-    default: i4_block_b<MT, 32>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo);
+    case 2: i4_rows<MT, 2>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo, pf_rows); break;
+    case 4: i4_rows<MT, 4>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo, pf_rows); break;
+    case 8: i4_rows<MT, 8>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo, pf_rows); break;
+    case 16: i4_rows<MT, 16>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo, pf_rows); break;
+    default: i4_rows<MT, 32>(w, ldw, k, group, fold, rows, sw, C, ldc, pf_lo, pf_rows);
   }
 }
 
@@ -370,12 +308,12 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
         __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
         wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), lo4));
       }
-      // 1-2 tokens: 2 blocks ahead, into L2, once per 64-byte line (see i4_rows). 3-4 tokens, where the
-      // per-block scaling makes this kernel compute-bound: the next block into L1 at every chunk, as before
-      // (into L2 was no faster there, 8 experts x 4 tokens, 1 thread, and if anything a little slower).
-      if (g_prefetch && MT <= 2 && c % 2 == 0)
+      // 1-2 tokens: 2 blocks ahead, into L2, once per 64-byte line (see i4_prefetch). 3-4 tokens, where the
+      // per-block scaling makes this kernel compute-bound: the next block into L1 at every chunk (into L2 was no
+      // faster there).
+      if (MT <= 2 && c % 2 == 0)
         for (int j = pf_lo; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
-      if (g_prefetch && MT > 2) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
+      if (MT > 2) for (int j = 4; j < 8; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T0);
       __m512i a[MT], off[MT];
       for (int t = 0; t < MT; ++t) {
         a[t] = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
@@ -393,33 +331,37 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 }
 
 template <int MT>
-void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo) {
+void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
   const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc, pf_lo);
   } else if (M.dtype == HY_INT8) {
     i8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, sw,
-                 M.rsum + e * M.r_estride + r, C, ldc, pf_lo);
+                 M.rsum + e * M.r_estride + r, C, ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_MXFP4) {
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc, pf_lo);
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
-                 pf_lo);
+                 pf_lo, pf_rows);
   }
 }
 
-void vec_gemm(const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
+// C[t * ldc + r] = sum_k act_t[k] W_e[r0 + r][k] for r < nr, t < m, in 4-row x (up to) 4-token blocks.
+// Every call's first block also prefetches the block right after it (pf_lo 4: rows 4..7), which the steady-state
+// prefetch never covers: every decode task starts fresh weight streams.
+void vec_gemm(const Knobs& kn, const HyMat& M, int e, int r0, int nr, const uint8_t* const* rows, int m, float* C, int ldc) {
   const int mt = 4;  // every dtype: int4 splits its 4-row block itself (i4_block)
+  const int pf_rows = kn.pf_rows;
   for (int r = 0; r < nr; r += 4)
     for (int t = 0; t < m; t += mt) {
       float* c = C + t * ldc + r;
-      const int pf_lo = r == 0 && t == 0 && g_pf_first ? 4 : 8;  // see g_pf_first (hy.h)
+      const int pf_lo = r == 0 && t == 0 ? 4 : 8;
       switch (std::min(mt, m - t)) {
-        case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
-        case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
-        case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc, pf_lo); break;
-        default: vec_block<1>(M, e, r0 + r, rows + t, c, ldc, pf_lo);
+        case 4: vec_block<4>(M, e, r0 + r, rows + t, c, ldc, pf_lo, pf_rows); break;
+        case 3: vec_block<3>(M, e, r0 + r, rows + t, c, ldc, pf_lo, pf_rows); break;
+        case 2: vec_block<2>(M, e, r0 + r, rows + t, c, ldc, pf_lo, pf_rows); break;
+        default: vec_block<1>(M, e, r0 + r, rows + t, c, ldc, pf_lo, pf_rows);
       }
     }
 }

@@ -1,4 +1,7 @@
-"""`hybrid bench ...`: benchmarks whose code lives in bench/ (crossover sweep, ...)."""
+"""`hybrid bench crossover`: the crossover sweep by tokens per expert (placement.crossover) on this machine.
+
+The other benchmarks are developer tools run from a checkout as `python -m bench.<module>`; the installed
+package does not carry them."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from placement.hardware import default_profile_path, resolve_profile
 
 
 def run_crossover(args) -> int:
-    from bench import crossover
+    from placement import crossover
 
     shape = shape_from_args(args)
     if args.experts < 1:
@@ -41,36 +44,8 @@ def run_crossover(args) -> int:
     return 0
 
 
-# `hybrid bench NAME ARGS...` runs bench/<module>.py with ARGS (its own --help explains them).
-FORWARDED = {
-    "layer": ("layer_sweep", "one hybrid MoE layer: strategies x batch size x routing skew, measured vs predicted"),
-    "e2e": ("hybrid_e2e", "a whole hybrid model per strategy: prefill/decode tokens/s against the roofline"),
-    "cpu-moe": ("cpu_moe", "the CPU expert kernels against the DRAM ceiling and torch"),
-    "generate": ("generate", "all-in-VRAM prefill/decode ceiling"),
-    "plan": ("plan_eval", "the planner's predictions against measured tokens/s and memory"),
-    "serve-load": ("serve_load", "N concurrent OpenAI clients against hybrid serve"),
-}
-
-
-def run_module(name: str, argv: list[str]) -> int:
-    """Run bench/<module>.py's main with argv (hybrid.cli routes `hybrid bench NAME ...` here before
-    argparse, which cannot hand a sub-command's leading options through untouched)."""
-    import importlib
-
-    import sys
-
-    module = importlib.import_module(f"bench.{FORWARDED[name][0]}")
-    prog, sys.argv[0] = sys.argv[0], f"hybrid bench {name}"  # the module's argparse names itself from it
-    try:
-        return int(module.main(argv) or 0)
-    except SystemExit as exc:  # the module's argparse: --help (0) or a usage error (2)
-        return exc.code if isinstance(exc.code, int) else 2
-    finally:
-        sys.argv[0] = prog
-
-
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (crossover sweep, ...)")
+    p = sub.add_parser("bench", help="the crossover sweep (other benchmarks: python -m bench.<module> in a checkout)")
     inner = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p), required=True)
     c = inner.add_parser("crossover", help="measured vs predicted T_C and T_G over tokens per expert",
                          description="Measures, per tokens-per-expert m, shipping activations to the CPU (T_C) "
@@ -86,6 +61,3 @@ def register(sub) -> None:
     c.add_argument("--out", default="bench/results", help="output folder; default %(default)s")
     c.add_argument("--tag", help="file name tag (default: the shape name)")
     c.set_defaults(func=run_crossover)
-    for name, (module, text) in FORWARDED.items():
-        # listed here for `hybrid bench --help`; hybrid.cli.main routes the call to run_module before argparse
-        inner.add_parser(name, help=text, add_help=False)

@@ -72,6 +72,24 @@ def _backends(text: str | None) -> list[str] | None:
     return asked
 
 
+def runtime_probes():
+    """The hybrid layer's own GPU probes for placement.calibrate, each imported when it runs (so that a failing
+    import costs a warning line, as a failing probe does, not the whole calibration)."""
+    from placement.calibrate import RuntimeProbes
+
+    def fixed_costs(profile):
+        from hybrid.offload.overheads import measure_overheads
+
+        return measure_overheads(profile)
+
+    def graph_floor(hidden):
+        from hybrid.offload.overheads import measure_graph_layer_floor
+
+        return measure_graph_layer_floor(hidden)
+
+    return RuntimeProbes(fixed_costs=fixed_costs, graph_floor=graph_floor)
+
+
 def run(args) -> int:
     from placement.calibrate import calibrate, summary  # imports torch: keep `hybrid --help` fast
 
@@ -88,7 +106,8 @@ def run(args) -> int:
     print(f"calibrating ({'quick, tens of seconds; --full for the dense sweep' if quick else 'full sweep, about 10 minutes on a small CPU box'})",
           flush=True)
     with Progress() as progress:
-        profile, raw = calibrate(shape, quick=quick, experts=args.experts, backends=backends, progress=progress)
+        profile, raw = calibrate(shape, quick=quick, experts=args.experts, backends=backends, progress=progress,
+                                 probes=runtime_probes())
     out = profile.save(out)
     if args.raw:
         with open(args.raw, "w") as f:

@@ -8,7 +8,7 @@ from hybrid.errors import UsageError
 
 
 def register(subparsers) -> None:
-    from hybrid.runtime.session import add_model_arguments
+    from hybrid.loading.parse import add_model_arguments
 
     p = subparsers.add_parser("chat", help="interactive chat (chat template, streaming)",
                               description="Chat in the terminal. Commands: /reset clears the history, "
@@ -21,7 +21,8 @@ def register(subparsers) -> None:
 
 def run(args, input_fn=None) -> int:
     input_fn = input_fn or input  # looked up per call, so tests can replace builtins.input
-    from hybrid.runtime.session import open_session, sampling_from_args
+    from hybrid.loading.parse import sampling_from_args
+    from hybrid.loading.session import open_session
 
     sampling = sampling_from_args(args)
     s = open_session(args)

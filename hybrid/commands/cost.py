@@ -216,8 +216,3 @@ def register(sub) -> None:
     lay.add_argument("--json", action="store_true", help="print one JSON object")
     lay.set_defaults(func=run_layer)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from hybrid.cli import main
-
-    sys.exit(main(["cost", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ from hybrid.errors import UsageError
 
 
 def register(subparsers) -> None:
-    from hybrid.runtime.session import add_model_arguments
+    from hybrid.loading.parse import add_model_arguments
 
     p = subparsers.add_parser("generate", help="generate text from a prompt",
                               description="Generate a completion. Without --model a small demo model with "
@@ -25,7 +25,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from hybrid.runtime.session import open_session, sampling_from_args
+    from hybrid.loading.parse import sampling_from_args
+    from hybrid.loading.session import open_session
 
     if args.max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
@@ -78,7 +79,7 @@ def run(args) -> int:
 
 
 def device_fields(s) -> dict:
-    """--json's account of who played the GPU's part (issue 14): on a machine without CUDA the 'GPU' side is
+    """--json's account of who played the GPU's part: on a machine without CUDA the 'GPU' side is
     torch on the CPU, and the hybrid layer's 'resident' experts are DRAM copies, its ship lane a DRAM copy."""
     from hybrid.runtime.device_role import CPU_ONLY_NOTE, gpu_role, is_cuda
 

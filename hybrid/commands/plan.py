@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import sys
 
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from hybrid.errors import UsageError
 
 
 def register(subparsers) -> None:
+    from hybrid.loading.parse import add_max_context_argument
     from placement.memory import DEFAULT_RESERVE, MemorySettings
     from placement.planner import DEFAULT_PREFILL_TOKENS
 
@@ -34,9 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--stats", metavar="FILE", help="routing statistics from `hybrid profile-routing` (default: uniform)")
     p.add_argument("--profile", help="hardware profile (built-in name or JSON from `hybrid calibrate`; default: this "
                    "machine's calibrated one, else the built-in ktransformers-paper-amx)")
-    p.add_argument("--max-context", type=int, default=d.max_context, help="KV positions per sequence (default %(default)s)")
+    add_max_context_argument(p)
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=("bf16", "int8", "int4", "mxfp4"),
+    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=CPU_DTYPE_NAMES,
                    help="dtype of the experts in DRAM (default %(default)s; mxfp4: 0.53125 bytes a weight)")
     p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
@@ -69,7 +71,8 @@ def node_threads(args) -> tuple[int, ...]:
 
 def build_plan(args):
     from hybrid.models.loader import read_config
-    from hybrid.offload.build import parse_bytes, scheduler_profile
+    from hybrid.loading.parse import parse_bytes
+    from hybrid.offload.build import scheduler_profile
     from placement.memory import MemorySettings
     from placement.planner import PlanSettings, plan
     from placement.routing_stats import load_stats
@@ -106,7 +109,7 @@ def build_plan(args):
 
 
 def prediction_basis(hw, cuda: bool | None = None) -> dict:
-    """Whose GPU the predicted tokens/s describe (issue 14): the profile's GPU and link figures, which on a
+    """Whose GPU the predicted tokens/s describe: the profile's GPU and link figures, which on a
     machine without CUDA are a hypothetical GPU, never this machine."""
     from hybrid.runtime.device_role import is_cuda
 

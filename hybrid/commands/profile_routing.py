@@ -56,7 +56,7 @@ BUILTIN_PROMPTS = (
 
 
 def register(subparsers) -> None:
-    from hybrid.runtime.session import add_model_arguments
+    from hybrid.loading.parse import add_model_arguments
 
     p = subparsers.add_parser("profile-routing", help="record tokens per expert per layer (for `hybrid plan`)",
                               description="Run prompts through the model and write routing statistics: tokens per "
@@ -180,7 +180,7 @@ def profile(engine, token_lists: list[list[int]], window: int, decode_tokens: in
 
 
 def run(args) -> int:
-    from hybrid.runtime.session import open_session
+    from hybrid.loading.session import open_session
     from placement.routing_stats import RoutingStats
 
     if args.window < 1:

@@ -13,8 +13,7 @@ API_KEY_ENV = "HYBRID_API_KEY"
 
 
 def register(subparsers) -> None:
-    from hybrid.offload.build import add_hybrid_arguments
-    from hybrid.runtime.session import DTYPES
+    from hybrid.loading.parse import DTYPES, add_hybrid_arguments, add_max_context_argument
     from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE
     from hybrid.server.config import ServerConfig
 
@@ -32,8 +31,7 @@ def register(subparsers) -> None:
                    "prefer the variable: command lines are visible to other users)")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help="KV cache slots = sequences decoded together (default %(default)s)")
-    p.add_argument("--max-context", type=int, default=d.max_context,
-                   help="tokens per sequence, prompt + completion (default %(default)s)")
+    add_max_context_argument(p)
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="sequences waiting for a slot before requests get 429 (default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
@@ -68,12 +66,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args) -> int:
+    from cpu_kernels.knobs import knobs
     from hybrid.server.adapter import load_runtime
     from hybrid.server.app import serve
     from hybrid.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else knobs().api_key
     try:
         config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                               max_context=args.max_context, max_queue=args.max_queue,

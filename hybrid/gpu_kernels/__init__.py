@@ -17,29 +17,28 @@ microseconds even inside a CUDA graph, and nothing of it overlaps the CPU expert
   one kernel each instead of 3 and ~12; `router_gemv_topk`: at decode sizes the softmax router's logits GEMV
   in the same kernel, which in captured steps also writes the CPU lane's inputs into its page-locked block;
 - `gemv.linear_small`: the q/k/v and o_proj projections of a one-row decode step (cuBLAS's batch-1 GEMMs
-  reach 1.8-2.7 TB/s there);
-- `router_gemv_topk(..., norm_in=...)`: the MoE input's residual add + RMSNorm inside the router kernel (one
-  kernel fewer per layer, 0.7 us less GPU time on the box, level end to end within its noise); opt-in with
-  HYBRID_ROUTER_NORM=1 (router_norm_fused).
+  leave most of the memory bandwidth unused there).
 
 Each kernel has a pure-PyTorch reference (the model's own layers) and is tested against it over ragged shapes
 with Triton's interpreter on the CPU (tests/test_gpu_kernels.py) and compiled on the GPU box.
 
-Chosen once per process: on when the device is CUDA (compute capability 8.0 or later) and Triton imports; `HYBRID_FUSED_DECODE=0` turns it
-off (the unfused torch chain, as before), `=1` insists (an error if Triton is missing). The choice is logged
-once; a CUDA run without Triton says so loudly (a warning) and runs the unfused chain.
+Chosen once per process: on when the device is CUDA (compute capability 8.0 or later) and Triton imports;
+`HYBRID_FUSED_DECODE=0` turns it off (the unfused torch chain, a fallback), `=1` insists (an error if Triton is
+missing). The choice is logged once; a CUDA run without Triton says so loudly (a warning) and runs the
+unfused chain.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from cpu_kernels.knobs import knobs
+
 log = logging.getLogger("hybrid.gpu_kernels")
 
-ENV = "HYBRID_FUSED_DECODE"
+ENV = "HYBRID_FUSED_DECODE"  # named in the log lines (cpu_kernels.knobs parses it)
 _STATE: dict[str, object] = {}
 
 
@@ -57,12 +56,12 @@ def fused_enabled(x: torch.Tensor) -> bool:
         return False
     on = _STATE.get("on")
     if on is None:
-        want = os.environ.get(ENV, "").strip().lower()
+        want = knobs().fused_decode  # "auto" | "0" | "1"
         version = _triton_version()
-        if want in ("0", "off", "false", "no"):
+        if want == "0":
             on, why = False, f"off ({ENV}=0)"
         elif version is None:
-            if want in ("1", "on", "true", "yes"):
+            if want == "1":
                 raise RuntimeError(f"{ENV}=1 but Triton does not import: install triton (torch's CUDA builds ship it)")
             on, why = False, "unavailable: Triton does not import; decode runs the unfused torch chain"
             log.warning("fused decode kernels %s", why)
@@ -76,20 +75,6 @@ def fused_enabled(x: torch.Tensor) -> bool:
         _STATE["on"] = on
         log.info("fused decode kernels: %s", why)
     return bool(on)
-
-
-ROUTER_NORM_ENV = "HYBRID_ROUTER_NORM"
-
-
-def router_norm_fused() -> bool:
-    """Whether decode layers fold the MoE input norm into the router kernel (HYBRID_ROUTER_NORM=1; off by default:
-    on the GPU box it saved 0.7 us of GPU kernels per layer, not measurable end to end, BENCHMARKS.md session
-    23). Read at each call, so a process can A/B it between graph captures."""
-    on = os.environ.get(ROUTER_NORM_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
-    if on and not _STATE.get("router_norm_logged"):
-        _STATE["router_norm_logged"] = True
-        log.info("router kernel takes the MoE input norm (%s=1, opt-in)", ROUTER_NORM_ENV)
-    return on
 
 
 def describe() -> str:

@@ -1,12 +1,9 @@
 """Decode-sized dense projections: y = x @ w.T (+ bias) for x [T, K] with T <= 8, in one Triton kernel.
 
-Why by hand: at batch 1 the decoder layer's dense projections run cuBLAS kernels sized for GEMMs, far from the
-H200's ~4.8 TB/s of HBM (profiled on the box, bf16, batch 1):
-- fused q/k/v, x [1, 2048] @ [5120, 2048]^T (21 MB): 7.5 us, 2.8 TB/s;
-- o_proj, x [1, 4096] @ [2048, 4096]^T (16.8 MB): 6.85 us plus a 1.73 us split-K reduce kernel, 1.95 TB/s;
-- router, x [1, 2048] @ [128, 2048]^T (0.5 MB): 5.0 us (0.1 TB/s: latency, not bandwidth).
-A GEMV only has to stream W once at full bandwidth (3.5-4 TB/s is what good ones reach at these sizes), so
-the kernel is built for that, not for FLOPs.
+Why by hand: at batch 1 the decoder layer's dense projections run cuBLAS kernels sized for GEMMs, which
+stream the weights well below HBM bandwidth (o_proj adds a split-K reduce kernel; the router's small matrix is
+all latency). A GEMV only has to stream W once at full bandwidth, so the kernel is built for that, not for
+FLOPs.
 
 Design. One program per BLOCK_N rows of W (optionally times `split` slices of K); each streams its rows in
 BLOCK_K-wide tiles (16-byte vector loads: K is a compile-time constant and a multiple of 16, rows past N are
@@ -31,14 +28,11 @@ different orders and agree only to fp32 rounding before the final cast. The pric
 launch (what cuBLAS's o_proj pays too), so the default table splits nothing and uses small BLOCK_N instead
 (256-640 programs on q/k/v and o_proj at T = 1; 32 on the router, whose time is latency anyway).
 The table's configs compile for sm_90 without register spills (triton.compile for GPUTarget("cuda", 90, 32)
-needs no GPU: tests/test_gpu_kernels_gemv.py checks it; so did the probe's grid when this was written).
+needs no GPU: tests/test_gpu_kernels_gemv.py checks it).
 
-The config table (`TABLE`) is keyed by T and (N, K) ranges. Its rows were reasoned defaults when written;
-bench/gemv_probe.py then timed them and a grid around them against cuBLAS on the GPU box (box run 9 call 3,
-weights rotated past L2; bench/results/h200/decode/run9/call3/gemv_probe.txt). At T = 1 the table's configs
-beat cuBLAS: q/k/v (5120 x 2048) 7.09 us vs 7.77, o_proj (2048 x 4096) 6.22 vs 9.32, router (128 x 2048) 2.46
-vs 5.41 (the best of the grid was at most 4% faster than the table). At T = 8 they lost (12.9 / 12.7 us vs 7.8 / 9.3;
-the best dot configs 10.3 / 10.5), so the model calls this kernel at one row only (layers.decode_linear).
+The config table (`TABLE`) is keyed by T and (N, K) ranges. Timed against cuBLAS with the weights rotated past
+L2, its configs beat cuBLAS at one row (q/k/v, o_proj and the router) and lost at eight, so the model calls
+this kernel at one row only (layers.decode_linear).
 On the CPU the same source runs in Triton's interpreter (TRITON_INTERPRET=1, see launch.py): operands are
 widened to fp32 first and dots run in IEEE fp32 (the interpreter's bf16 arithmetic is wrong), and its
 fp32->bf16 casts truncate where the GPU rounds.

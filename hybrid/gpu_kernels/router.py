@@ -2,8 +2,8 @@
 
 router_topk (softmax routers: Qwen, Mixtral, OLMoE, gpt-oss):
 
-Replaces the unfused chain's cast to fp32, torch.topk (two kernels on the GPU box: a radix select and a
-bitonic sort, ~8 us together at E = 128) and the softmax: one program per token takes the K largest logits by
+Replaces the unfused chain's cast to fp32, torch.topk (two kernels on the GPU: a radix select and a
+bitonic sort) and the softmax: one program per token takes the K largest logits by
 K rounds of argmax (descending, ties to the lower index, as torch.topk orders them), then
 - norm_topk_prob: the softmax over those K logits (= softmax over all E, top-K, renormalised);
 - otherwise: the K probabilities of the softmax over all E;
@@ -146,63 +146,26 @@ def router_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, t
 
 
 GEMV_MAX_T = 8  # rows router_gemv_topk takes (decode batches); larger batches: F.linear + router_topk
-# (experts per program, D chunk, warps). bench.router_probe on the GPU box (router weights past L2, box run 9
-# call 3): one expert a program with one warp was fastest at every shape tried: 4.6 us at 128 x 2048 (T = 1;
-# 5.2 at T = 8), 5.5 at 128 x 4096, 4.1 at gpt-oss-20b's 32 x 2880, against 7.7 / 7.8 / 11.4 / 6.5 us for
-# (4, 2048, 4) and 8.2 / 8.5 / 9.8 / 8.2 us for cuBLAS's GEMM + router_topk.
+# (experts per program, D chunk, warps): one expert a program with one warp was the fastest measured at every
+# router shape of the supported models, ahead of wider programs and of cuBLAS's GEMM + router_topk.
 GEMV_CONFIG = (1, 2048, 1)
-# The widest row decode layers fold the MoE input norm into (MoEBlock.folds_norm): one D chunk, where each
-# program loads its weight tile before it reduces the norm. `python3 -m bench.router_probe --norm-in` (issue 12
-# run 18 call 2), fold against add_rms_norm + the router: 4.75 vs 5.44 us at 1 x 2048, 5.84 vs 6.87 at 8 x 2048;
-# two chunks: 7.33 vs 7.46 at 1 x 4096, 6.32 vs 5.93 at gpt-oss-20b's 32 x 2880 (slower).
-NORM_IN_MAX_D = GEMV_CONFIG[1]
 
 
 @triton.jit
 def _router_gemv_topk(x, w, bias, logits, cnt, ids, wts, pk_x, pk_ids, pk_w, E, D, sx, scaling,
-                      delta, nw, h_out, y_out, sd, eps,
                       K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EB: tl.constexpr,
                       BD: tl.constexpr, ND: tl.constexpr, NB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORM: tl.constexpr, PACK: tl.constexpr, NORM_IN: tl.constexpr,
-                      PRELOAD_W: tl.constexpr):
+                      NORM: tl.constexpr, PACK: tl.constexpr):
     t = tl.program_id(0)
     j = tl.program_id(1)
     r = j * EB + tl.arange(0, EB)
     rm = r < E
     acc = tl.zeros([EB], tl.float32)
-    if PRELOAD_W:  # one chunk: issue the weight tile's load first, so its latency hides behind the norm's
-        d0 = tl.arange(0, BD)
-        w0 = tl.load(w + r[:, None] * D + d0[None, :], mask=rm[:, None] & (d0 < D)[None, :], other=0.0)
-    if NORM_IN:
-        # x is the residual stream h: the row the router reads is rms_norm(h + delta) * nw, computed by every
-        # program from the same values in the same order (so all agree), with add_rms_norm's roundings
-        ss = tl.zeros([BD], tl.float32)
-        for it in tl.static_range(ND):
-            d = it * BD + tl.arange(0, BD)
-            dm = d < D
-            hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
-            hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
-            hs = hs.to(x.dtype.element_ty).to(tl.float32)
-            ss += hs * hs
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
     for it in tl.static_range(ND):
         d = it * BD + tl.arange(0, BD)
         dm = d < D
-        if NORM_IN:
-            if ND > 1:  # with one chunk (D <= BD) pass 1's rounded sum is still in registers
-                hs = tl.load(x + t * sx + d, mask=dm, other=0.0).to(tl.float32)
-                hs += tl.load(delta + t * sd + d, mask=dm, other=0.0).to(tl.float32)
-                hs = hs.to(x.dtype.element_ty).to(tl.float32)
-            xr = (hs * rstd * tl.load(nw + d, mask=dm, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
-            if j == 0:
-                tl.store(h_out + t * D + d, hs.to(x.dtype.element_ty), mask=dm)  # the residual stream after the add
-                tl.store(y_out + t * D + d, xr, mask=dm)  # the normed row, for the experts on the GPU
-        else:
-            xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
-        if PRELOAD_W:
-            wv = w0.to(tl.float32)
-        else:
-            wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        xr = tl.load(x + t * sx + d, mask=dm, other=0.0)
+        wv = tl.load(w + r[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xr.to(tl.float32)[None, :], axis=1)
         if PACK:
             if j == 0:
@@ -245,23 +208,17 @@ def router_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_topk_prob: bool,
-                     scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None,
-                     norm_in: tuple | None = None, preload_w: bool = True):
+                     scaling: float, scratch: RouterScratch, into: tuple | None = None, config: tuple | None = None):
     """Softmax routers at decode sizes, the logits GEMV included: x [T, D] (T <= GEMV_MAX_T), router weights
     w [E, D] (+ bias [E]) -> (ids [T, K] int64, weights [T, K] fp32), as F.linear + router_topk give them
     (logits rounded to the model's dtype before the top-k; the sums' order differs from cuBLAS's).
 
-    Replaces the router's cuBLAS GEMM (5.0 us at batch 1 on the GPU box for 128 x 2048: one small tile on a
-    few SMs) and the top-k kernel: T x ceil(E / EB) programs each reduce EB experts' rows over the whole D, and
-    the row's last program to finish (an arrival counter in `scratch`) takes the top K. config = (EB, D chunk,
-    warps), GEMV_CONFIG by default.
+    Replaces the router's cuBLAS GEMM (at batch 1 one small tile on a few SMs) and the top-k kernel:
+    T x ceil(E / EB) programs each reduce EB experts' rows over the whole D, and the row's last program to
+    finish (an arrival counter in `scratch`) takes the top K. config = (EB, D chunk, warps), GEMV_CONFIG by
+    default.
     into = (x, ids, weights) targets (the CPU lane's page-locked inputs through their mapped aliases): the
-    kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel.
-    norm_in = (delta [T, D], norm weight [D], eps): x is the residual stream h and the router's row is the MoE
-    input norm of h + delta, computed in the same kernel (add_rms_norm's roundings; one kernel fewer per decode
-    layer); -> (ids, weights, h + delta, the normed row), the row being also what `into` receives. With the
-    norm folded in and the row in one D chunk, each program loads its weight tile before it reduces the norm
-    (preload_w, on by default; False is bench.router_probe's A/B)."""
+    kernel also writes the row, ids (int64) and weights (fp32) there, which saves the lane its packing kernel."""
     T, D = x.shape
     E = w.shape[0]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
@@ -270,17 +227,8 @@ def router_gemv_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     BD = min(next_pow2(D), bd)
     nb = -(-E // eb)
     px, pi, pw = into if into is not None else (x, ids, wts)
-    if norm_in is not None:
-        delta, nw, eps = norm_in
-        h_out, y = torch.empty(T, D, dtype=x.dtype, device=x.device), torch.empty(T, D, dtype=x.dtype, device=x.device)
-    else:
-        delta, nw, eps, h_out, y = x, x, 0.0, x, x
     _router_gemv_topk[(T, nb)](
         x, w, bias if bias is not None else w, scratch.logits, scratch.cnt, ids, wts, px, pi, pw, E, D, x.stride(0),
-        float(scaling), delta, nw, h_out, y, delta.stride(0), float(eps),
-        K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
-        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, NORM_IN=norm_in is not None,
-        PRELOAD_W=bool(preload_w and norm_in is not None and D <= BD), num_warps=warps)
-    if norm_in is not None:
-        return ids, wts, h_out, y
+        float(scaling), K=top_k, K_PAD=next_pow2(top_k), E_PAD=scratch.e_pad, EB=eb, BD=BD, ND=-(-D // BD), NB=nb,
+        HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PACK=into is not None, num_warps=warps)
     return ids, wts

@@ -84,10 +84,9 @@ class GatedMLP(nn.Module):
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The fused decode path's dense projections, x [B, K]: one row through the decode GEMV
-    (hybrid.gpu_kernels.gemv), more rows through F.linear. Measured on the GPU box (bench.gemv_probe, weights
-    past L2): at one row the GEMV took 7.1 / 6.2 us for the 30B shape's q/k/v / o_proj against cuBLAS's 7.8 /
-    9.3 (whose o_proj is a split-K GEMM plus a reduce kernel); at eight rows it was slower (12.9 / 12.7 us
-    against 7.8 / 9.3)."""
+    (hybrid.gpu_kernels.gemv), more rows through F.linear: at one row the GEMV beat cuBLAS on the GPU box (whose
+    o_proj runs as a split-K GEMM plus a reduce kernel), at eight rows it lost (BENCHMARKS.md, Choices behind
+    the defaults)."""
     if x.shape[0] == 1:
         from hybrid.gpu_kernels.gemv import linear_small, linear_small_supported
 

@@ -17,7 +17,6 @@ on the packed bytes; cpu_kernels.CpuMoE.from_mxfp4 packs them without a float co
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from cpu_kernels.knobs import knobs
 from hybrid.models import checks, fp8, mxfp4
 from hybrid.models.config import ModelConfig
 from hybrid.models.errors import ModelLoadError
@@ -326,7 +326,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     order = sorted(plan, key=lambda n: (_layer_of(n), str(ckpt[n][0]), ckpt[n][1]["data_offsets"][0]))
     total = sum(ckpt[n][1]["data_offsets"][1] - ckpt[n][1]["data_offsets"][0] for n in plan)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
-               disable=not progress or os.environ.get("HYBRID_NO_PROGRESS") == "1")
+               disable=not progress or knobs().no_progress)
     handles: dict[Path, object] = {}
 
     def read(name: str, entry: tuple[Path, dict]) -> torch.Tensor:

@@ -133,10 +133,8 @@ class StackedExperts(nn.Module):
 
     # mode: "grouped" (sort + grouped GEMMs; the default, "auto") or "dense" (every expert on every
     # token, weighted by a [T, E] matrix that is zero where a token did not route; plain batched
-    # GEMMs that read each expert once). Dense was tried for small decode batches on the H200 and
-    # was no faster (batch 32: 51.2 vs 52.1 ms/step) or slower (batch 8: 29.5 vs 24.9 ms/step) for the
-    # Qwen3-30B-A3B shape (bench/results/h200-generate/run2_*.json), so "auto"
-    # means grouped; dense stays for experiments and as a second reference in the tests.
+    # GEMMs that read each expert once). Dense measured no faster than grouped at small decode batches on
+    # the GPU, and slower at some, so "auto" means grouped; dense stays as a second reference in the tests.
     def _dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, D, E = x.shape[0], x.shape[1], self.num_experts
         comb = torch.zeros(T, E, dtype=torch.float32, device=x.device)
@@ -283,34 +281,13 @@ class MoEBlock(nn.Module):
 
         return router_gemv_supported(x, self.router)
 
-    def _route_gemv(self, x: torch.Tensor, into: tuple | None = None, norm_in: tuple | None = None):
+    def _route_gemv(self, x: torch.Tensor, into: tuple | None = None):
         from hybrid.gpu_kernels.router import RouterScratch, router_gemv_topk
 
         if self._router_scratch is None:  # made once, by the first call (an eager one, before any capture)
             self._router_scratch = RouterScratch(self.router.shape[0], x.device)
         return router_gemv_topk(x, self.router, self.router_bias, self.top_k, self.norm_topk_prob,
-                                self.router_cfg.scaling, self._router_scratch, into=into, norm_in=norm_in)
-
-    def folds_norm(self, h: torch.Tensor, delta: torch.Tensor) -> bool:
-        """Whether forward_norm can take these rows: HYBRID_ROUTER_NORM=1 (gpu_kernels.router_norm_fused), a
-        router the GEMV kernel takes at this size, and rows of one D chunk (router.NORM_IN_MAX_D: wider rows
-        read the norm twice per program, level with the unfused pair or slower on the GPU box)."""
-        if not gpu_kernels.router_norm_fused():
-            return False
-        from hybrid.gpu_kernels.router import NORM_IN_MAX_D  # needs Triton: only once the fold is asked for
-
-        return (h.shape[-1] <= NORM_IN_MAX_D and self._gemv_router(h) and delta.shape == h.shape
-                and delta.stride(-1) == 1)
-
-    def forward_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """h, delta [T, D] (the residual stream and the attention's output), norm: this layer's MoE input RMSNorm
-        -> (h + delta, the MoE output of norm(h + delta)), the add and the norm inside the router kernel (one
-        kernel fewer than norm.add_norm + forward). Only where folds_norm says so. Not a module call: hooks on
-        this block do not see it (the executor's do)."""
-        ask = getattr(self.experts, "lane_inputs", None)
-        into = ask(h, self.top_k) if ask is not None else None
-        ids, weights, h, x = self._route_gemv(h, into, norm_in=(delta, norm.weight, norm.eps))
-        return h, self._experts_out(x, ids, weights, into)
+                                self.router_cfg.scaling, self._router_scratch, into=into)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A captured step's CPU lane can take its inputs (the row, ids, weights) straight from the router

@@ -43,9 +43,6 @@ class DecoderLayer(nn.Module):
             h, x = self.attn_norm.add_norm(h, pending)
         a = self.attn(x, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         B, T, D = h.shape  # the MLP takes [T, D] (T = the batch's tokens)
-        if self.moe is not None and self.moe.folds_norm(h2 := h.reshape(B * T, D), a2 := a.reshape(B * T, D)):
-            h, out = self.moe.forward_norm(h2, a2, self.mlp_norm)  # the norm inside the router kernel
-            return h.view(B, T, D), out.view(B, T, D)
         h, x = self.mlp_norm.add_norm(h, a)
         ffn = self.moe if self.moe is not None else self.mlp
         return h, ffn(x.reshape(B * T, D)).view(B, T, D)

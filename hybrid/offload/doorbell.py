@@ -13,14 +13,13 @@ callback thread a wake-up and the stream a hand-back after it returns, plus one 
 here both sides already poll (the lane thread on the CPU, the GPU's front end on `done`). The stream
 memory operations are the driver API's (v2 entry points, on by default since CUDA 11.7) and graphs capture
 them as memory-operation nodes. Only the driver library torch already loaded is used; nothing is compiled
-against CUDA. HYBRID_DOORBELL=0 keeps captured steps on host functions (the previous lane), for comparison.
+against CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
@@ -78,10 +77,6 @@ def write_mapped(dst: torch.Tensor, src: torch.Tensor) -> None:
         torch.mul(src, 1, out=dst)
     else:
         dst.copy_(src)
-
-
-def wanted() -> bool:
-    return os.environ.get("HYBRID_DOORBELL", "1") != "0"
 
 
 class DoorbellLane:

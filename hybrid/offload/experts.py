@@ -69,7 +69,7 @@ def add_resident_captured(out, x, topk_ids, topk_weights, rank, R: int, grouped)
     """Captured decode's resident experts, no host sync: out [T, D] fp32 += each resident assignment's
     weighted output. rank [E]: resident slot of each expert, R for cold. Assignments are sorted by slot and
     grouped(rows [T*K, D], offs [R] int32) computes only the first offs[-1] rows; the cold rows after them
-    hold whatever the GEMM left there, so the keep mask must drop exactly them (tests/test_guard_capture.py
+    hold whatever the GEMM left there, so the keep mask must drop exactly them (tests/test_hybrid_layer.py
     checks this on the CPU)."""
     K = topk_ids.shape[1]
     r = rank[topk_ids.reshape(-1)]  # [T*K] resident slot, R = cold

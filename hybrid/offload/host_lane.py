@@ -19,7 +19,8 @@ resident experts on the GPU, every cold expert on this lane. Eager steps send th
 chose. With a compiled ISA on CUDA both kinds of step hand their jobs to the doorbell lane
 (hybrid.offload.doorbell: a spinning CPU thread signalled by stream memory operations) rather than to host
 functions; captured steps also write their inputs and read their output in place (mapped page-locked
-memory, no copies). HYBRID_DOORBELL=0 restores host functions and copies. With the `ref` ISA (pure
+memory, no copies). Host functions remain the fallback where no doorbell lane can take a job (a full lane, a
+capture that started none). With the `ref` ISA (pure
 torch) the host function is a Python callback (tests); it takes the GIL, so after replaying such a graph
 synchronise with torch.cuda.synchronize (which releases the GIL) before a call that blocks on the GPU while
 holding it (.item(), .cpu()).
@@ -31,10 +32,10 @@ import collections
 import ctypes
 import itertools
 import logging
-import os
 
 import torch
 
+from cpu_kernels.knobs import knobs
 from hybrid.offload import doorbell
 from hybrid.offload.lanes import HostBuffers
 
@@ -82,7 +83,7 @@ class HostFnLane:
         self._py_fn_ptr = ctypes.cast(self._py_fn, ctypes.c_void_p).value
         self._failures = 0
         self._doorbells: dict[str, doorbell.DoorbellLane] = {}  # per ISA library: its own lane thread
-        self._use_doorbell = self.stream is not None and doorbell.wanted()
+        self._use_doorbell = self.stream is not None  # the doorbell lane needs CUDA's stream memory operations
         self._aliases: dict[tuple, torch.Tensor] = {}
         self._packs: dict[tuple, tuple] = {}  # captured decode's packed input blocks by (T, D, K, dtype)
         self._eager_ids: dict[str, list[int]] = {}  # per lane: the ids eager jobs cycle through
@@ -106,15 +107,15 @@ class HostFnLane:
             import cpu_kernels
 
             # Workers spin through the gap between two layer calls of a step (GPU attention etc.) instead of
-            # sleeping and paying a futex wake-up per call; HYBRID_SPIN_US overrides the 2 ms.
-            cpu_kernels._native.tune(isa, "spin_us", int(os.environ.get("HYBRID_SPIN_US", "2000")))
+            # sleeping and paying a futex wake-up per call (HYBRID_SPIN_US, cpu_kernels.knobs).
+            cpu_kernels._native.tune(isa, "spin_us", knobs().spin_us)
             self._doorbells[isa] = doorbell.DoorbellLane(isa, self.pin_cpu, self.device)
             log.info("captured CPU-lane jobs go to the doorbell lane (%s, cpu %d)", isa, self.pin_cpu)
         lane = self._doorbells[isa]
         if lane.full and not self._full_warned:
             self._full_warned = True
             log.warning("the doorbell lane holds %d jobs (re-captured decode graphs keep their old jobs); new "
-                        "captures use CUDA host functions, which cost ~0.1 ms more per layer", lane.CAP)
+                        "captures use CUDA host functions, which are slower per layer", lane.CAP)
         return None if lane.full else lane
 
     def buffers(self, T: int, D: int, K: int, dtype):

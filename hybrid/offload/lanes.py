@@ -1,7 +1,7 @@
 """The two lanes that serve cold experts, shared by every hybrid MoE layer of a model.
 
-CpuLane (the worker-thread CPU lane: a CPU device, the `ref` ISA, or HYBRID_CPU_LANE=worker; on CUDA with a
-compiled kernel the CPU lane is hybrid.offload.host_lane.HostFnLane): the batch's rows, routing ids and weights
+CpuLane (the worker-thread CPU lane: a CPU device or the `ref` ISA; on CUDA with a compiled kernel the CPU
+lane is hybrid.offload.host_lane.HostFnLane): the batch's rows, routing ids and weights
 go device->host into pinned buffers, a worker thread waits for that copy and runs the CPU executor on the
 CPU-lane experts (an expert mask), and the summed outputs come back host->device. The GPU keeps working
 (resident and shipped experts) meanwhile.

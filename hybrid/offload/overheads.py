@@ -2,7 +2,7 @@
 
 The cost model of DESIGN section 3 prices bytes and FLOPs; our runtime adds per-call costs that do not
 scale with them: reading the routing histogram on the host, pinned copies and the host function of
-the CPU lane, copy and grouped-GEMM launches of the ship lane (~10-30 us per launch on the GPU box).
+the CPU lane, copy and grouped-GEMM launches of the ship lane (each launch a fixed cost on the GPU).
 `hybrid calibrate` stores these in the profile so that predictions and decisions include them.
 """
 
@@ -135,9 +135,9 @@ def measure_graph_layer_floor(hidden: int, isa: str | None = None, layers: int =
     planner's decode prediction adds it per layer (placement.predict.decode_floor).
 
     An upper bound of the fixed cost, by the small experts' reads: at the 30B width each is 0.79 MB, so a
-    layer's cold ones are ~3 MB (~25 us from DRAM). Extrapolating over two expert widths to zero bytes was
-    tried (bench.decode_timeline --intermediate 64,128) and is not used here: on the GPU box's host the floor
-    model's experts partly sit in the large L3, so the extra bytes' cost swung 14-37 us between two calls.
+    layer's cold ones are ~3 MB. Extrapolating over two expert widths to zero bytes (bench.decode_timeline
+    --intermediate 64,128) is not used here: the floor model's experts partly sit in a large L3, so the extra
+    bytes' cost is not stable from one measurement to the next.
     On a CPU device the same model decodes eagerly (tests of this code; the figure then means nothing for a
     GPU). resident: "half" (the calibrated floor), "none" (every expert on the CPU lane: the floor of an
     all-DRAM placement) or "all" (no CPU lane: what the GPU alone costs per layer)."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cpu_kernels.knobs import knobs
 from hybrid.offload.lanes import CpuLane, ShipLane
 from placement.schedule import LayerScheduler
 
@@ -38,8 +39,6 @@ class Offload:
         self.cpu_dtype, self.cpu_isa, self.threads, self.group_size = cpu_dtype, cpu_isa, threads, group_size
         self.cpu_lane = CpuLane(self.device, pin_cpus=self.lane_cpus)
         self.graphs = graphs and self.device.type == "cuda"
-        # HYBRID_CPU_LANE=worker: eager calls use the Python worker-thread lane (for comparison)
-        self.eager_host_lane = os.environ.get("HYBRID_CPU_LANE", "host") != "worker"
         self._host_lane = None
         self.ship_lane = ShipLane(self.device, staging_slots, ship_chunk)
         self.replacer = None  # hybrid.offload.replace.OnlineReplacer when --replace online
@@ -59,21 +58,15 @@ class Offload:
         The launching thread spin-waits in CUDA syncs and, while the ship lane runs, launches copies for a
         millisecond or more; on a core of the pool it would steal a pinned worker's time slice (ms) in the
         middle of a layer call. The pool's first core is left by its pinned workers to the thread that calls
-        the executor (participant 0: the CUDA host-callback thread), which is pinned there at its first job.
-        HYBRID_PIN_LANE=0 leaves it floating (measured on the GPU box, 8-layer 30B model, bench/results/h200/
-        hostlane/*_lane_unpinned.json against the pinned runs beside them: graphs decode at batch 1 +9%, but
-        batch 8 -17% and eager CPU-lane decode at batch 1 / 8 -8% / -24%, so pinned is the default);
-        HYBRID_CORE_SPLIT=0 gives the pool every core; HYBRID_SPARE_CORE=physical leaves the spare cpu's
-        SMT siblings out of the pool too;
-        The launching thread is pinned to the spare cpu(s) while it runs a hybrid layer call (launcher_pinned)
-        and gets its own affinity back after it, so torch CPU work outside the layers keeps every core.
-        Measured on the GPU box (bench.lane_probe --layers 8 --variants, bench/results/h200/lane_probe/): with the
-        launcher floating, eager CPU-lane decode of an 8-layer 30B stack took 17-27 ms per step at batch 1,
-        pinned 13-15 ms. HYBRID_PIN_LAUNCHER=0 leaves it floating. Returns the pool's topology."""
+        the executor (the CPU lane's thread), which is pinned there at its first job (pinned measured faster
+        than floating at batched and eager decode). The launching thread is pinned to the spare cpu while it
+        runs a hybrid layer call (launcher_pinned) and gets its own affinity back after it, so torch CPU work
+        outside the layers keeps every core. HYBRID_CORE_SPLIT=0 (a machine shared with other work) gives the
+        pool the cpus asked for and pins neither thread. Returns the pool's topology."""
         import cpu_kernels
 
         topo = cpu_kernels.Topology.discover(allowed=_PROCESS_CPUS).limit(threads)
-        if os.environ.get("HYBRID_CORE_SPLIT", "1") == "0":  # opt out: the pool as asked, nothing pinned
+        if not knobs().core_split:
             return topo
         pool = sorted(c for n in topo.nodes for c in n)
         rest = sorted(_PROCESS_CPUS - set(pool))
@@ -81,20 +74,11 @@ class Offload:
             if len(pool) < 2:
                 return topo
             give = {topo.nodes[-1][-1]}
-            if os.environ.get("HYBRID_SPARE_CORE", "thread") == "physical":
-                # the whole physical core: an SMT sibling running the executor's AMX/AVX-512 loops would
-                # slow the launching thread (not measured: the GPU box's VM shows no SMT siblings, so
-                # bench/lane_probe.py --variants ran this as the default there)
-                give = cpu_kernels.topology.smt_siblings(topo.nodes[-1][-1]) & set(pool)
-                if len(give) >= len(pool):
-                    give = {topo.nodes[-1][-1]}
             topo = cpu_kernels.Topology(tuple(t for t in (tuple(c for c in n if c not in give) for n in topo.nodes) if t))
             rest = sorted(give)
             pool = [c for c in pool if c not in give]
-        if os.environ.get("HYBRID_PIN_LANE", "1") != "0":
-            self.lane_cpus = {pool[0]}
-        if os.environ.get("HYBRID_PIN_LAUNCHER", "1") != "0":
-            self._launcher_cpus = set(rest)
+        self.lane_cpus = {pool[0]}
+        self._launcher_cpus = set(rest)
         log.info("hybrid: CPU executor on %d cpus (%s..%s), spare for GPU launches: %s", len(pool), pool[0], pool[-1], rest)
         return topo
 
@@ -138,8 +122,8 @@ class Offload:
         return self._host_lane.busy_s if self._host_lane is not None else 0.0
 
     def uses_host_lane(self, layer) -> bool:
-        """Eager calls: CUDA with a compiled CPU kernel use host functions; else the Python worker lane."""
-        return self.device.type == "cuda" and layer.cpu_moe.isa != "ref" and self.eager_host_lane
+        """Eager calls: CUDA with a compiled CPU kernel use the host lane (no GIL); else the Python worker lane."""
+        return self.device.type == "cuda" and layer.cpu_moe.isa != "ref"
 
     def memory(self) -> dict:
         """Bytes: DRAM of the CPU executors, pinned host memory, VRAM of resident experts and staging."""

@@ -19,4 +19,4 @@ class RuntimeConfig:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+            raise ValueError(f"--max-context must be at least 2, got {self.max_context}")

@@ -22,8 +22,6 @@ greedy decode can so replay step n+1 right behind step n without the host ever s
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,13 +51,6 @@ class DecodeGraphs:
         self._inputs: dict[int, torch.Tensor] = {}  # batch bucket -> the [3, b] inputs its graphs read and feed
         # (batch bucket, context bucket) -> (graph, static inputs, output logits)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
-
-    def fresh(self) -> "DecodeGraphs":
-        """Another set of graphs over the same model, cache and buckets, none captured yet (and its own memory
-        pool): for an A/B of a setting read at capture time (bench.hybrid_e2e --ab env:...)."""
-        other = copy.copy(self)
-        other._pool, other._stage, other._inputs, other.graphs = None, {}, {}, {}
-        return other
 
     def _static(self, b: int, scratch: bool = False) -> dict[str, torch.Tensor]:
         """A graph's inputs: rows ids / positions / slots of one [3, b] device tensor, so a step writes them all

@@ -43,7 +43,9 @@ Question: how many tokens per second can this machine generate? Answer: it depen
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HYBRID_CACHE") or Path.home() / ".cache" / "hybrid")
+    from cpu_kernels.knobs import knobs
+
+    return knobs().cache
 
 
 def demo_path() -> Path:

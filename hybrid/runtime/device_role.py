@@ -1,4 +1,4 @@
-"""Who plays the GPU's part in this run (issue 14: say what is real on a machine without a GPU).
+"""Who plays the GPU's part in this run, so that a machine without a GPU is told what is real on it.
 
 With a CUDA device, attention, the router, resident experts and shipped experts run on the GPU, resident
 experts live in VRAM and shipped ones cross PCIe. Without one, the same code runs with torch on the CPU:

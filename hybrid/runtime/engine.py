@@ -26,8 +26,9 @@ API (what the OpenAI server's continuous batching drives):
         # prompts than slots are queued and admitted as slots free up. sampling: one SamplingParams or
         # one per prompt (per-request seed). stop_token_ids=None: the model's and tokenizer's EOS ids.
         # stream(index, token_id, text_delta) is called for every generated token; text that could
-        # still become a stop string or an incomplete UTF-8 character is held back and flushed at the
-        # end in one extra call with token_id -1. The deltas of a prompt concatenate to its text.
+        # still become a stop string or an incomplete UTF-8 character is held back and flushed with the
+        # last token (or, when a stop token ends it, in one extra call with token_id -1). The deltas of a
+        # prompt concatenate to its text (hybrid.runtime.streamer.TextStream, as the server streams).
         # -> list[Completion(prompt_token_ids, token_ids, text, finish_reason)], and engine.stats.
 
 Shapes: B rows, T tokens, V vocab. The stop token itself is not part of token_ids or text.
@@ -37,26 +38,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from hybrid.runtime.config import RuntimeConfig
+from hybrid.runtime.generation import Completion, run_generation
 from hybrid.runtime.kv_cache import StaticKVCache
-from hybrid.runtime.sampling import SamplingParams, sample
+from hybrid.runtime.sampling import SamplingParams
 
 StreamCallback = Callable[[int, int, str], None]
 WARMUP_TOKENS_GPU = 2048 # prompt-sized shapes for the kernel selection and the CPU lane's buffers
 WARMUP_TOKENS_CPU = 8
-
-
-@dataclass
-class Completion:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS / stop string) or "length"
 
 
 @dataclass
@@ -349,7 +343,6 @@ class Engine:
                  stream: StreamCallback | None = None, conversation=None) -> list[Completion]:
         """conversation: a hybrid.runtime.generation.Conversation whose slot this (single) prompt continues;
         only the part of the prompt after what the slot already holds is prefilled."""
-        from hybrid.runtime.generation import run_generation
 
         return run_generation(self, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream,
                               conversation)

@@ -15,12 +15,19 @@ from dataclasses import dataclass
 import torch
 
 
+SEED_MOD = 1 << 64  # torch.Generator.manual_seed takes 0..2**64-1; other seeds wrap (two's complement for negatives)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling, for the CLI and the server alike. The defaults are the CLI's (greedy); the
+    server's request parsing passes its own (temperature 1, as OpenAI's API) explicitly."""
+
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # per-request torch.Generator; None = nondeterministic
+    seed: int | None = None  # per-request torch.Generator (same seed + prompt -> same tokens, batched or alone)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the earliest one
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -41,7 +48,7 @@ class SamplingParams:
         if self.seed is None:
             g.seed()
         else:
-            g.manual_seed(self.seed)
+            g.manual_seed(self.seed % SEED_MOD)
         return g
 
 

@@ -88,25 +88,3 @@ class Tokenizer:
         return encode_chat_plain_contents(
             self, messages, lambda msgs: self.apply_chat_template(msgs, add_generation_prompt, **kwargs))
 
-
-class IncrementalDecoder:
-    """Streams text for a growing list of token ids. Holds back output that ends in an incomplete
-    UTF-8 sequence (shown by the decoder as U+FFFD) until the next token completes it."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already handed out
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
-
-    @property
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids)

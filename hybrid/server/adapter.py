@@ -1,16 +1,13 @@
 """The only module that touches the model runtime's API (hybrid.runtime + hybrid.models).
 
-`Runtime` wraps an engine and its tokenizer into what the scheduler and the routes use:
+`Runtime` is the runtime's EngineSteps (what the generation loop drives: slots, prefill, decode steps,
+decode(ids) -> text, eos_token_ids) plus what the routes use:
 
-    max_batch, max_context, vocab_size, eos_token_ids, max_token_chars
-    encode(text) / encode_chat(messages) -> ids;  decode(ids) -> text
-    allocate_slot() -> slot;  free_slot(slot);  free_slots (count)
-    prefill(slots, chunks) -> logits [B, V];  decode_step(slots, tokens) -> logits [B, V]
-    sampler(SamplingParams) -> per-sequence sampling state;  sample(logits [B, V], samplers) -> ids
+    vocab_size, max_token_chars;  encode(text) / encode_chat(messages) -> ids
 
     expert_split() -> {layer: (cold experts run on the CPU, shipped)} for /metrics
 
-`load_runtime` opens the model through hybrid.runtime.session, as `hybrid generate` does.
+`load_runtime` opens the model through hybrid.loading.session, as `hybrid generate` does.
 """
 
 from __future__ import annotations
@@ -19,10 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid.server.schemas import SamplingParams
-
-SEED_MOD = 1 << 64  # torch.Generator.manual_seed takes 0..2**64-1; OpenAI seeds may be negative
-
+from hybrid.runtime.steps import EngineSteps
 
 BATCH_PREFILL = ("on", "off")
 # Unicode composition (NFC/NFKC) can shrink text before it is tokenized, at most ~3x (three Hangul
@@ -75,29 +69,22 @@ def max_token_chars(tokenizer) -> int | None:
     return longest * NORMALIZER_SHRINK
 
 
-class Runtime:
+class Runtime(EngineSteps):
     def __init__(self, engine, tokenizer, batch_prefill: str = "on"):
-        from hybrid.runtime.sampling import SamplingParams as EngineSampling, sample
-
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.max_batch = engine.max_batch
-        self.max_context = engine.max_context
+        if batch_prefill not in BATCH_PREFILL:
+            raise ValueError(f"batch_prefill must be one of {BATCH_PREFILL}, got {batch_prefill!r}")
+        # One padded forward for several prompts instead of one pass each (on a GPU: one Python loop of
+        # small ops and one read of each expert's weights instead of B); BENCHMARKS.md has the server
+        # figures. "off" = one prompt per pass.
+        super().__init__(engine, tokenizer, batch_prefill=batch_prefill == "on")
+        # Every step's tokens go to the clients, and cancellations and new requests join at each step
+        # boundary, so the server samples on the host after every step.
+        self.decode_ahead = False
         # Prompt token ids index the embedding table, so its size (not the tokenizer's) is the bound.
         self.vocab_size = engine.model.cfg.vocab_size
-        self.eos_token_ids = frozenset(engine.default_stop_ids())
         # The most characters of text one token can stand for, if the tokenizer bounds it: prompts
         # longer than max_context times this are refused by size alone (server/prompt_limits.py).
         self.max_token_chars = max_token_chars(tokenizer)
-        self._EngineSampling, self._sample = EngineSampling, sample
-        # One padded forward for several prompts instead of one pass each (on a GPU: one Python loop of
-        # small ops and one read of each expert's weights instead of B). Measured on the 2-core dev box,
-        # demo model, 16 streaming clients, two alternating pairs of `bench.serve_load` runs: 11.9-12.5 vs
-        # 8.2-10.2 req/s, TTFT p50 0.21-0.25 vs 0.42-0.47 s (the second pair in
-        # bench/results/dev/serve_load_c16_stream_prefill_{on,off}.json). "off" = one prompt per pass.
-        if batch_prefill not in BATCH_PREFILL:
-            raise ValueError(f"batch_prefill must be one of {BATCH_PREFILL}, got {batch_prefill!r}")
-        self.batch_prefill = batch_prefill == "on"
 
     # tokenizer (called from worker threads and the engine thread; the tokenizers library is thread-safe
     # for encode/decode, which take no mutable state)
@@ -109,56 +96,6 @@ class Runtime:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
-
-    # KV slots and model steps (engine thread only)
-    def allocate_slot(self) -> int:
-        return self.engine.allocate_slot()
-
-    def free_slot(self, slot: int) -> None:
-        self.engine.free_slot(slot)
-
-    @property
-    def free_slots(self) -> int:
-        return self.engine.free_slots
-
-    def prefill(self, slots: list[int], chunks: list[list[int]]):
-        """Append chunks[i] to slot i's cache, all in one forward -> logits [B, V] after each chunk.
-        Several slots at once only when `batch_prefill`; the scheduler asks one by one otherwise.
-        On failure no slot's length has advanced, so a retry rewrites the same positions."""
-        import torch
-
-        if len(slots) == 1:  # the engine's own path (causal flash SDPA)
-            return self.engine.prefill(slots[0], chunks[0])[None]
-        # Engine.prefill takes one slot; a burst of short prompts would cost one model pass each (and
-        # on a GPU one Python loop of small ops each). So: one right-padded forward over all of them
-        # (position -1 = padding, which writes nothing), more tokens per expert as well. Engine.forward
-        # does not advance the slots' lengths (tokens held per slot), so this does.
-        eng = self.engine
-        B, T = len(chunks), max(len(c) for c in chunks)
-        ids = torch.zeros(B, T, dtype=torch.long)  # [B, T]
-        pos = torch.full((B, T), -1, dtype=torch.long)  # [B, T]
-        for i, (slot, chunk) in enumerate(zip(slots, chunks)):
-            start = eng.lengths[slot]
-            if start + len(chunk) > eng.max_context:
-                raise ValueError(f"{start + len(chunk)} tokens exceed max_context {eng.max_context}")
-            ids[i, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-            pos[i, : len(chunk)] = torch.arange(start, start + len(chunk))
-        logits = eng.forward(ids, pos, torch.tensor(slots, dtype=torch.long), last_only=True)  # [B, V]
-        for slot, chunk in zip(slots, chunks):
-            eng.lengths[slot] += len(chunk)
-        return logits
-
-    def decode_step(self, slots: list[int], tokens: list[int]):
-        return self.engine.decode_step(slots, tokens)  # [B, V] fp32, reused next step: sample at once
-
-    # sampling: one seeded generator per sequence, so batching does not change a seeded draw
-    def sampler(self, p: SamplingParams):
-        seed = None if p.seed is None else p.seed % SEED_MOD
-        params = self._EngineSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed)
-        return params, params.generator(self.engine.device)
-
-    def sample(self, logits, samplers) -> list[int]:
-        return self._sample(logits, [s[0] for s in samplers], [s[1] for s in samplers])
 
     @property
     def device_type(self) -> str | None:
@@ -182,7 +119,7 @@ EXACT_DTYPE = "float64"
 
 
 def load_runtime(opts, log=lambda m: print(m, file=sys.stderr, flush=True)) -> tuple[Runtime, str]:
-    """Open the model the way `hybrid generate` does (hybrid.runtime.session: --model or the demo,
+    """Open the model the way `hybrid generate` does (hybrid.loading.session: --model or the demo,
     --device, --dtype, --eager, the hybrid-expert flags) with `opts.max_batch` KV slots.
     -> (runtime, served model name).
 
@@ -194,7 +131,7 @@ def load_runtime(opts, log=lambda m: print(m, file=sys.stderr, flush=True)) -> t
     if opts.dtype == EXACT_DTYPE:
         engine, tokenizer, model_dir = _open_exact(opts, log)
     else:
-        from hybrid.runtime.session import open_session
+        from hybrid.loading.session import open_session
 
         s = open_session(opts, max_batch=opts.max_batch, log=log)
         engine, tokenizer, model_dir = s.engine, s.tokenizer, s.model_dir
@@ -206,10 +143,10 @@ def _open_exact(opts, log):
 
     from hybrid.errors import UsageError
     from hybrid.models import ModelLoadError, load_model
-    from hybrid.offload.build import hybrid_config_from_args
+    from hybrid.loading.parse import hybrid_config_from_args
     from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
     from hybrid.runtime.engine import Engine
-    from hybrid.runtime.session import resolve_device
+    from hybrid.loading.parse import resolve_device
     from hybrid.runtime.tokenizer import Tokenizer
 
     if hybrid_config_from_args(opts) is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.runtime.config import RuntimeConfig
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -11,7 +13,8 @@ class ServerConfig:
     port: int = 8000  # 0 = any free port (the bound one is printed; tests use this)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_batch: int = 8  # KV cache slots = sequences decoded together
-    max_context: int = 4096  # positions per slot: prompt + completion must fit (as `hybrid generate`)
+    # positions per slot: prompt + completion must fit; the runtime's default, checked where the engine is built
+    max_context: int = RuntimeConfig.max_context
     max_queue: int = 64  # sequences waiting for a slot before new requests get 429
     max_body_bytes: int = 1 << 20  # request bodies above this get 413 before they are parsed
     # Prompt tokens prefilled per scheduler iteration, in chunks of at most this size: bounds how long
@@ -27,7 +30,6 @@ class ServerConfig:
         checks = [
             (0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}"),
             (self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}"),
-            (self.max_context >= 2, f"max_context must be >= 2, got {self.max_context}"),
             (self.max_queue >= 1, f"max_queue must be >= 1, got {self.max_queue}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
             (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybrid.runtime.sampling import SamplingParams
 from hybrid.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16
@@ -18,17 +19,9 @@ MAX_SEED = (1 << 64) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax)
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off (an extension; OpenAI has no top_k)
-    seed: int | None = None  # same seed + same prompt -> same tokens, batched or alone
-    stop: tuple[str, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+# OpenAI's defaults, which parse_request passes explicitly (the runtime's SamplingParams defaults are the CLI's)
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
 
 
 @dataclass
@@ -41,7 +34,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None  # None = completions: 16, chat: whatever fits in the context
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
 
 
 def _is_int(v) -> bool:
@@ -198,9 +191,9 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
         raise bad_request("'best_of' other than n is not supported", param="best_of", code="unsupported_parameter")
     top_k = _int(body, "top_k", 0, lo=-1)
     sampling = SamplingParams(
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(top_k, 0),  # vLLM spells "off" as -1; accept both
+        temperature=_float(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
+        top_p=_float(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),  # 0 = off (an extension; OpenAI has no top_k); vLLM spells "off" as -1: both accepted
         seed=_int(body, "seed", None, lo=-(1 << 63), hi=MAX_SEED),
         stop=_stop(body),
     )

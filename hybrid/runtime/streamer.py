@@ -1,4 +1,6 @@
-"""Incremental detokenization with stop strings, for streaming.
+"""The text of a generated sequence, streamed as it grows: incremental detokenization with stop strings.
+
+One implementation for `hybrid generate`/`hybrid chat` (hybrid.runtime.generation) and the server.
 
 Each new token re-decodes the sequence's generated ids (cheap next to a model step, and the only way
 that is correct for byte-level and sentencepiece tokenizers alike) and hands out only text that is

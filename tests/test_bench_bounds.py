@@ -1,4 +1,4 @@
-"""The e2e bench's bounds bound (issue 16): the prefill bound is at most every split's time, the decode
+"""The e2e bench's bounds (bench.bounds) bound: the prefill bound is at most every split's time, the decode
 roofline counts the distinct experts each step really read; and the bench runs on the CPU (smoke)."""
 
 import itertools

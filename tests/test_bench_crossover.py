@@ -1,5 +1,5 @@
 """The crossover bench says whether a prediction is in-sample (the profile's CPU curves were calibrated on
-the swept shape) or a hold-out, and sweeps a hold-out shape beside the calibrated one (issue 16)."""
+the swept shape) or a hold-out, and sweeps a hold-out shape beside the calibrated one."""
 
 import dataclasses
 

@@ -1,6 +1,6 @@
-"""bench.cpu_moe on this machine in its quick configuration (issue 16): the phase profile counts only
-the timed calls (the warm-up call inflated it), every decode row above the DRAM ceiling carries a note,
-and the rotation pool tiles by 64 experts."""
+"""bench.cpu_moe on this machine in its quick configuration: the phase profile counts only the timed
+calls (a warm-up call would inflate it), every decode row above the DRAM ceiling carries a note, and the
+rotation pool tiles by 64 experts."""
 
 import json
 

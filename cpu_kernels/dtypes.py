@@ -1,0 +1,47 @@
+"""The CPU executor's weight dtypes, in one table: name, the C++ executor's id, bytes per weight, group sizes
+and the ISAs whose kernels run it. Everything else (the CLI's choices, the planner's memory model, the
+cost model's bytes per weight, the benches) reads it from here.
+
+Plain data, no imports: the placement floor reads it without loading torch or the compiled kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALL_ISAS = ("amx", "avx512_bf16", "avx2", "ref")  # cpu_kernels._native.ISAS
+VECTOR_ISAS = ("avx512_bf16", "avx2", "ref")
+
+
+@dataclass(frozen=True)
+class CpuDtype:
+    name: str
+    code: int  # the executor's dtype id (cpu_kernels/csrc: MoE.dtype)
+    # packed bytes per weight, scales aside except where the format fixes them per block (mxfp4's exponent
+    # byte per 32 values)
+    value_bytes: float
+    scale_bytes: int = 0  # bytes of one fp32 scale: int8 has one per row, int4 one per group
+    scale_per_row: bool = False
+    group_sizes: tuple[int, ...] = ()  # values per scale (int4) or per shared exponent (mxfp4)
+    default_group: int | None = None
+    isas: tuple[str, ...] = ALL_ISAS  # ISAs with kernels for it ("amx": the AMX tiles)
+    amx_min_group: int = 0  # int4 groups below this run the vector kernels even where AMX is chosen
+
+    def bytes_per_weight(self, k: int | None = None, group: int | None = None) -> float:
+        """Packed bytes per weight with the scales: k is the row length (int8's per-row scale), group int4's
+        group size (default: its default)."""
+        if self.scale_bytes == 0:
+            return float(self.value_bytes)
+        per = k if self.scale_per_row else (group or self.default_group)
+        return self.value_bytes + self.scale_bytes / per
+
+
+CPU_DTYPES = {d.name: d for d in (
+    CpuDtype("bf16", 0, 2),
+    CpuDtype("int8", 1, 1, scale_bytes=4, scale_per_row=True),
+    CpuDtype("int4", 2, 0.5, scale_bytes=4, group_sizes=(32, 64, 128), default_group=128, amx_min_group=64),
+    CpuDtype("mxfp4", 3, 0.53125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+)}
+NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4"): the CLI's --cpu-dtype choices, in this order
+AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
+VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

@@ -1,0 +1,160 @@
+"""Parse: the command-line flags of every command that opens a model, and the frozen config built from them.
+
+The CLI's defaults come from the config dataclasses (RuntimeConfig, HybridConfig) and their checks are the
+only ones: a bad value fails here, in one line, before a checkpoint is opened.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.errors import UsageError
+from hybrid.offload.config import CPU_DTYPES, FALLBACK_PROFILE, HybridConfig
+from hybrid.runtime.config import RuntimeConfig
+from placement.replace import REPLACE_MODES
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything open_session needs, checked: the checkpoint (None: the demo), where and in what dtype it runs,
+    how the engine runs it, and how the hybrid layer holds its experts (None: all on the model's device)."""
+
+    model: str | None
+    device: torch.device
+    dtype: torch.dtype
+    runtime: RuntimeConfig
+    hybrid: HybridConfig | None = None
+
+
+def add_max_context_argument(p) -> None:
+    """--max-context, declared once for every command that sizes a KV cache (its default is RuntimeConfig's)."""
+    p.add_argument("--max-context", type=int, default=RuntimeConfig.max_context,
+                   help="KV-cache positions per sequence, prompt + generated (default %(default)s)")
+
+
+def add_model_arguments(p) -> None:
+    p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
+                   "tokenizer.json). Default: a small built-in demo model with random weights.")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
+    add_max_context_argument(p)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
+    p.add_argument("--no-decode-ahead", action="store_true",
+                   help="greedy decode waits for each step's tokens before queueing the next (by default, with CUDA "
+                        "graphs, step n+1 is queued fed on the GPU before the host reads step n's tokens; same tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    add_hybrid_arguments(p)
+
+
+def add_hybrid_arguments(p) -> None:
+    g = p.add_argument_group("hybrid experts (cold experts on the CPU; any of these turns it on)")
+    g.add_argument("--gpu-experts", type=int, metavar="N",
+                   help="resident experts per MoE layer, chosen by routing counts of a short calibration run")
+    g.add_argument("--gpu-budget", metavar="SIZE", help="VRAM for the whole model (24GiB, 24000MB or bytes); "
+                   "resident experts get what the rest leaves")
+    g.add_argument("--schedule", default=None, help="cold-expert split per batch: cost (default: the calibrated "
+                   "cost model), cpu (llama.cpp -ot exps=CPU), ship (always ship weights), threshold:N")
+    g.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPES, help="dtype of the CPU-resident experts "
+                   "(default bf16, and mxfp4 for MXFP4 checkpoints: 4-bit e2m1 + one exponent per 32 values, "
+                   "gpt-oss's published format, kept as published; bf16/int8/int4 convert them)")
+    g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
+    g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
+                   f"profile, else the built-in {FALLBACK_PROFILE})")
+    g.add_argument("--plan", metavar="FILE", help="placement plan written by `hybrid plan --out` (resident experts "
+                   "per layer, CPU dtype); replaces --gpu-experts / --gpu-budget")
+    g.add_argument("--defer-experts", type=int, default=None, metavar="N",
+                   help="expert deferral, experimental (changes the model's output; off by default): each token's N lowest-ranked "
+                   "routed experts of a layer are added to the next layer's output, so that in decode graphs their "
+                   "CPU work overlaps the next layer's attention (KTransformers' Expert Deferral)")
+    g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "
+                   "routing shifts, when the copy pays for itself (DESIGN.md, Placement); decodes eagerly (default off)")
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24000MB', '1.5TB', '123' -> bytes (binary for KiB/MiB/GiB/TiB, decimal for KB/MB/GB/TB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise UsageError(f"cannot read {text!r} as a size (examples: 24GiB, 24000MB, 25769803776)")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * scale)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but CUDA is not available")
+    return dev
+
+
+def runtime_config_from_args(args, max_batch: int, device: torch.device) -> RuntimeConfig:
+    """The engine's config; RuntimeConfig's own check of --max-context is the only one."""
+    ahead = False if getattr(args, "no_decode_ahead", False) else None  # None: the engine's default (on with graphs)
+    try:
+        return RuntimeConfig(max_batch=max_batch, max_context=args.max_context,
+                             eager=args.eager or device.type != "cuda", decode_ahead=ahead)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def hybrid_config_from_args(args) -> HybridConfig | None:
+    """None when no hybrid flag was given (all experts on the model's device). Every flag of the group turns it
+    on, as its title says: --cpu-threads or --profile alone must not be dropped without a word."""
+    flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "cpu_threads", "profile", "plan", "replace",
+             "defer_experts")
+    if all(getattr(args, f, None) is None for f in flags):
+        return None
+    plan, cpu_dtype = None, args.cpu_dtype
+    if getattr(args, "plan", None) is not None:
+        from placement.plan_file import load_plan
+
+        plan = load_plan(args.plan)
+        planned = plan.settings.get("cpu_dtype", "bf16")
+        if cpu_dtype is not None and cpu_dtype != planned:
+            raise UsageError(f"--cpu-dtype {cpu_dtype} differs from the plan's {planned}; make a new plan with "
+                             f"`hybrid plan --cpu-dtype {cpu_dtype}` or drop --cpu-dtype")
+        cpu_dtype = planned
+    return HybridConfig(gpu_experts=args.gpu_experts,
+                        gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
+                        schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
+                        cpu_dtype_chosen=cpu_dtype is not None,
+                        cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
+                        plan=plan, replace=getattr(args, "replace", None) or "off",
+                        defer_experts=getattr(args, "defer_experts", None) or 0,
+                        # the plan's VRAM includes its staging slots
+                        staging_slots=int(plan.settings.get("staging_slots", HybridConfig.staging_slots))
+                        if plan is not None else HybridConfig.staging_slots)
+
+
+def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:
+    """Every flag checked, in the order the user reads them: device, dtype, context, then the hybrid flags."""
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    runtime = runtime_config_from_args(args, max_batch, device)
+    return SessionConfig(model=args.model or None, device=device, dtype=dtype, runtime=runtime,
+                         hybrid=hybrid_config_from_args(args))
+
+
+def sampling_from_args(args):
+    from hybrid.runtime.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

@@ -1,0 +1,63 @@
+"""HybridConfig: how the hybrid layer holds a model's experts (cold ones in the CPU executor, hot ones resident),
+validated once; `hybrid.loading.parse` builds it from the command line."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from cpu_kernels.dtypes import NAMES as CPU_DTYPES  # the one table of CPU dtypes
+from hybrid.errors import UsageError
+from placement.replace import REPLACE_MODES
+from placement.schedule import parse_strategy
+
+log = logging.getLogger("hybrid.offload")
+
+FALLBACK_PROFILE = "ktransformers-paper-amx"  # the scheduler's profile when this machine has no calibrated one
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    gpu_experts: int | None = None  # resident experts per MoE layer
+    gpu_budget: int | None = None  # bytes of VRAM for everything; resident experts get what is left
+    schedule: str = "cost"
+    cpu_dtype: str = "bf16"
+    # False: cpu_dtype is the default, not the user's choice; an MXFP4 checkpoint then keeps its experts in mxfp4
+    cpu_dtype_chosen: bool = True
+    cpu_isa: str | None = None
+    cpu_threads: int | None = None
+    profile: str | None = None
+    staging_slots: int = 4
+    plan: object = None  # placement.plan_file.Plan: residency from the planner instead of a calibration run
+    replace: str = "off"  # "online": re-place experts from a sliding window of routing counts (eager only)
+    defer_experts: int = 0  # expert deferral: each token's N lowest-ranked experts added one layer late (opt-in)
+
+    def __post_init__(self):
+        parse_strategy(self.schedule)
+        if self.replace not in REPLACE_MODES:
+            raise UsageError(f"--replace must be one of {', '.join(REPLACE_MODES)}, got {self.replace!r}")
+        if self.plan is not None and (self.gpu_experts is not None or self.gpu_budget is not None):
+            raise UsageError("give --plan or --gpu-experts / --gpu-budget, not both (the plan holds the placement)")
+        if self.cpu_dtype not in CPU_DTYPES:
+            raise UsageError(f"--cpu-dtype must be one of {', '.join(CPU_DTYPES)}, got {self.cpu_dtype!r}")
+        if self.gpu_experts is not None and self.gpu_experts < 0:
+            raise UsageError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
+        if self.gpu_budget is not None and self.gpu_budget <= 0:
+            raise UsageError("--gpu-budget must be positive")
+        if self.gpu_experts is not None and self.gpu_budget is not None:
+            raise UsageError("give --gpu-experts or --gpu-budget, not both")
+        if self.staging_slots < 1:
+            raise UsageError("--staging-slots must be >= 1")
+        if self.defer_experts < 0:
+            raise UsageError(f"--defer-experts must be >= 0, got {self.defer_experts}")
+        if self.defer_experts and self.replace != "off":
+            raise UsageError("--defer-experts and --replace online cannot be combined (a deferred layer call is "
+                             "two calls of the re-placement's batch)")
+        if self.cpu_threads is not None:
+            if self.cpu_threads < 1:
+                raise UsageError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if self.cpu_threads > cores:  # threads beyond the cores only contend with each other
+                log.warning("--cpu-threads %d is more than the %d cores this process may use; the executor's "
+                            "threads will share cores", self.cpu_threads, cores)
