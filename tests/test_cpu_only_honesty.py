@@ -1,4 +1,4 @@
-"""Issue 14: on a machine without a GPU every output says what is real there. generate / chat status lines and
+"""On a machine without a GPU every output says what is real there. generate / chat status lines and
 --json name torch on the CPU as the 'GPU' side (no VRAM, no shipped-to-GPU claims), /metrics labels the
 cold-expert series and exposes hybrid_device_info, `hybrid plan` marks its prediction as the profile's GPU
 (hypothetical without CUDA) and refuses a profile without GPU figures in one line, `bench plan` prints no

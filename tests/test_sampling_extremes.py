@@ -1,4 +1,4 @@
-"""Sampling is safe for every value the server accepts (issue 14), and one request's sampling failure
+"""Sampling is safe for every value the server accepts, and one request's sampling failure
 stays with that request.
 
 Before: a temperature of 1e-40 overflowed logits / T to inf (softmax NaN), a top_p of 1e-300 became 0

@@ -1,4 +1,4 @@
-"""Chat role forgery (issue 14): control-token strings typed inside a message are text, not control
+"""Chat role forgery: control-token strings typed inside a message are text, not control
 tokens; only the chat template's own markers are special. Uses the demo's ChatML tokenizer."""
 
 import contextlib

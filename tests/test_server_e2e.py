@@ -247,7 +247,7 @@ def test_hybrid_layer_split_reaches_metrics(tmp_path):
     b, a = split(before), split(after)
     import torch
 
-    # without CUDA the series say so (their "shipped" lane is a DRAM copy for torch on the CPU), issue 14
+    # without CUDA the series say so (their "shipped" lane is a DRAM copy for torch on the CPU)
     dev = "" if torch.cuda.is_available() else ',device="cpu"'
     assert {f'hybrid_cold_experts_total{{layer="{i}",lane="{lane}"{dev}}}' for i in range(4)
             for lane in ("cpu", "shipped")} == set(a)

@@ -1,4 +1,4 @@
-"""Hostile clients (issue 14): requests that can never be served, broken or misplaced credentials,
+"""Hostile clients: requests that can never be served, broken or misplaced credentials,
 cross-site and DNS-rebinding requests, stalled uploads, huge prompts, clients that leave while queued.
 
 Each test drives the in-process server of test_server_http.py (fake engine) over real sockets.

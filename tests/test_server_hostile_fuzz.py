@@ -1,4 +1,4 @@
-"""Fuzz (issue 14): a seeded barrage of generated bad and odd requests against the in-process server
+"""Fuzz: a seeded barrage of generated bad and odd requests against the in-process server
 (fake engine, hybrid.server.testing). Every answer must be a 4xx with an OpenAI-style error body, or a
 200 with a well-formed completion; never a 5xx, never a hang. Afterwards the server is idle with every
 KV slot free and a greedy request returns the same text as before the barrage.

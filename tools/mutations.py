@@ -487,4 +487,10 @@ MUTATIONS = [
       "const int step = (nr + ts * 16 - 1) / (ts * 16) * 16;",
       "const int step = (nr + ts - 1) / ts;",
       ["tests/test_cpu_decode_path.py"]),
+    M("knobs: a boolean knob takes any text",
+      'if raw not in ("0", "1"):', "if False:",
+      ["tests/test_knobs.py"]),
+    M("knobs: reset() keeps the parsed values",
+      "global _CACHED\n    _CACHED = None", "global _CACHED\n    pass",
+      ["tests/test_knobs.py"]),
 ]

@@ -6,7 +6,7 @@ returning {layer: (cold experts run on the CPU, cold experts shipped to the GPU)
 scrape time (the adapter reads the hybrid executors' own counters). With no hybrid layer it returns {}
 and those series are absent (not zero), so dashboards can tell "no hybrid layer" from "all shipped".
 `device` (the engine's device type) gives hybrid_device_info; without CUDA the cold-expert series carry a
-device="cpu" label, since their "shipped" lane is then a DRAM copy for torch on the CPU (issue 14).
+device="cpu" label, since their "shipped" lane is then a DRAM copy for torch on the CPU.
 """
 
 from __future__ import annotations
