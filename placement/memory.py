@@ -153,11 +153,20 @@ def expert_bias_bytes(cfg) -> int:
     return cfg.num_moe_layers * cfg.num_experts * (2 * cfg.expert_intermediate_size + cfg.hidden_size) * 4
 
 
+def router_fp32_bytes(cfg, gpu_dtype_bytes: int) -> int:
+    """VRAM the sigmoid router (DeepSeek-V3, GLM-4.5) takes beyond the compute dtype: its weight and score bias
+    are kept in fp32 (hybrid.models.moe.MoEBlock.fp32_params). 0 for the softmax router."""
+    if cfg.router.kind != "sigmoid":
+        return 0
+    per_layer = cfg.num_experts * (cfg.hidden_size + int(cfg.router.score_bias))
+    return cfg.num_moe_layers * per_layer * max(0, 4 - gpu_dtype_bytes)
+
+
 def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     """The fixed memory of model `cfg` (a hybrid.models.ModelConfig) under settings `s`."""
     D, F, K = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
     gb = s.gpu_dtype_bytes
-    non_expert = cfg.param_counts()["non_expert"] * gb + expert_bias_bytes(cfg)
+    non_expert = cfg.param_counts()["non_expert"] * gb + expert_bias_bytes(cfg) + router_fp32_bytes(cfg, gb)
     kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * gb
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)

@@ -162,3 +162,23 @@ def test_malformed_fp8_checkpoints_are_refused(fp8_ckpt, tmp_path):
     (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="quant_method 'compressed-tensors' is not supported"):
         load_model(tmp_path / "c", progress=False)
+
+
+@pytest.mark.parametrize("block", [(4, 3), (3, 4), (1, 5)])
+@pytest.mark.parametrize("shape", [(12, 12), (10, 7), (12, 7), (10, 12)])
+def test_non_square_blocks_at_ragged_edges(block, shape):
+    """Blocks of b0 rows x b1 columns, the last ones cut short where b0 or b1 does not divide the matrix (both
+    dividing: the broadcast path). The reference is w[r, c] = q[r, c] * scale_inv[r // b0, c // b1], element by
+    element."""
+    from hybrid.models.fp8 import dequantize, quantize, scale_shape
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(shape, generator=g) * torch.linspace(0.1, 3.0, shape[1])  # block scales differ by column
+    q, s = quantize(w, block)
+    assert tuple(s.shape) == scale_shape(shape, block) == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    want = torch.empty(shape)
+    for r in range(shape[0]):
+        for c in range(shape[1]):
+            want[r, c] = q[r, c].float() * s[r // block[0], c // block[1]]
+    assert torch.equal(dequantize(q, s, block), want)
+    assert torch.allclose(want, w, rtol=0.07, atol=1e-3)  # e4m3 keeps 3 mantissa bits: within 1/16 of each value

@@ -393,3 +393,10 @@ def test_text_held_for_a_stop_string_is_flushed_at_the_length_limit():
     # it is streamed (the deltas add up to the text)
     c = _generate([2, 6, 4], ("AB",), max_new=2)
     assert (c.text, c.finish_reason, c.token_ids) == ("xA", "length", [2, 6])
+
+
+def test_text_held_for_a_stop_string_is_flushed_at_eos():
+    # "A" could start the stop string "AB" and is held back; EOS ends the sequence next, and the "A" is streamed
+    # then (the deltas add up to the text, checked in _generate)
+    c = _generate([2, 6, EOS, 4], ("AB",))
+    assert (c.text, c.finish_reason, c.token_ids) == ("xA", "stop", [2, 6])

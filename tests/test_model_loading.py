@@ -217,3 +217,81 @@ def test_mixtral_transformers5_router_spelling(tmp_path):
     save_file(t, str(f))
     ids = [5, 4, 3, 2, 1, 7, 9]
     assert (logits_of(tmp_path, ids) - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+# EOS ids: config.json's, then those generation_config.json adds (transformers' generate stops on the latter).
+@pytest.mark.parametrize("config_eos,generation_eos,merged", [
+    ([5, 6], [6, 7], (5, 6, 7)),  # config's first, in order, the shared id once
+    (5, 9, (5, 9)),  # single ids
+    (None, [3], (3,)),  # only generation_config.json names one
+    (5, None, (5,)),  # generation_config.json without eos_token_id changes nothing
+])
+def test_generation_config_eos_ids_are_added_to_config_ids(tmp_path, config_eos, generation_eos, merged):
+    from hybrid.models.loader import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf_config("qwen3_moe").to_dict(), model_type="qwen3_moe",
+                                                          eos_token_id=config_eos)))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos, "do_sample": True}))
+    assert read_config(tmp_path)[1].eos_token_ids == merged
+
+
+def test_gpt_oss_stops_on_the_ids_only_generation_config_names(tmp_path):
+    """openai/gpt-oss-120b: config.json names <|return|> (200002); its generation_config.json adds <|endoftext|>
+    (199999) and <|call|> (200012), which end a tool-calling turn."""
+    from hybrid.models.loader import read_config
+    from hybrid.models.presets import hf_config as preset
+
+    (tmp_path / "config.json").write_text(json.dumps(preset("gpt-oss-120b", layers=2)))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012], "pad_token_id": 199999}))
+    assert read_config(tmp_path)[1].eos_token_ids == (200002, 199999, 200012)
+
+
+# Fields a config.json leaves out mean what they mean to transformers (each family's config class): a config
+# holding only the fields neither side defaults is parsed against transformers' config and model of it.
+MINIMAL = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=16, moe_intermediate_size=8)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=16, moe_intermediate_size=8)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=16, intermediate_size=8)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=16, intermediate_size=8)),
+    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=8, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=8)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=16, intermediate_size=8)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MINIMAL))
+def test_config_defaults_follow_transformers(model_type):
+    import transformers
+
+    cls, fields = MINIMAL[model_type]
+    raw = dict(model_type=model_type, vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=16,
+               num_experts_per_tok=2, **fields)
+    ref = getattr(transformers, cls).from_dict(raw)
+    cfg = FAMILIES[model_type].parse_config(raw)
+    get = lambda name, default: default if getattr(ref, name, None) is None else getattr(ref, name)  # noqa: E731
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        ref.rms_norm_eps, ref.max_position_embeddings, ref.tie_word_embeddings)
+    assert (cfg.rope.theta, cfg.rope.kind) == (ref.rope_parameters["rope_theta"], ref.rope_parameters["rope_type"])
+    assert cfg.rope.partial_rotary_factor == ref.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert cfg.norm_topk_prob == get("norm_topk_prob", True)  # Mixtral always renormalises
+    r = cfg.router
+    assert (r.n_group, r.topk_group, r.scaling) == (get("n_group", 1), get("topk_group", 1),
+                                                    get("routed_scaling_factor", 1.0))
+    dense = get("first_k_dense_replace", 0)
+    assert cfg.moe_layers == tuple(i >= dense for i in range(4))
+    if cfg.mla is not None:
+        assert (cfg.mla.q_lora_rank, cfg.mla.rope_interleave) == (ref.q_lora_rank, ref.rope_interleave)
+    else:
+        head_dim = get("head_dim", 64 // 16)
+        assert (cfg.num_kv_heads, cfg.head_dim) == (ref.num_key_value_heads, head_dim)
+    window = get("sliding_window", None) if get("use_sliding_window", True) else None
+    assert cfg.sliding_window == window
+    # the sizes: every tensor transformers' model of this config has (kv heads, head_dim, shared experts, dense
+    # layers and their width, the q bottleneck)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(ref)
+    kept = model.state_dict().keys()
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for k, b in model.named_buffers() if k in kept)
+    assert sum(cfg.param_counts().values()) == n

@@ -358,7 +358,7 @@ class ScriptEngine:
         return torch.stack(out)
 
 
-def _run_script(engine, prompts_and_limits):
+def _run_script(engine, prompts_and_limits, params=GREEDY):
     """-> [(text, done event)] per sequence, run to the end through the real scheduler."""
     rt = Runtime(engine, VisibleEosTokenizer(), batch_prefill="off")
     sched = Scheduler(rt, Metrics(), max_queue=8, prefill_chunk=64)
@@ -371,7 +371,7 @@ def _run_script(engine, prompts_and_limits):
             if ev.kind in ("done", "error"):
                 done.set()
 
-        results.append((Sequence(list(prompt), max_tokens, GREEDY, sink), events, done))
+        results.append((Sequence(list(prompt), max_tokens, params, sink), events, done))
     sched.start()
     try:
         for seq, _, _ in results:
@@ -399,6 +399,15 @@ def test_eos_stops_exactly_when_sampled():
     assert (t2, e2.finish_reason, e2.completion_tokens) == ("", "stop", 1)
     assert (t3, e3.finish_reason, e3.completion_tokens) == ("defgh", "length", 5)
     assert "<EOS>" not in t1 + t2 + t3
+
+
+def test_eos_flushes_text_held_back_for_a_stop_string():
+    # stop "end": "e" could start it, so it is held back; EOS arrives next and ends the sequence, and the "e"
+    # is streamed then (it was output, and no stop string completed)
+    scripts = {2: [25, 26, 6, EOS] + list(range(5, 25))}  # "x" "y" "e" EOS
+    ((text, end),) = _run_script(ScriptEngine(scripts, max_context=64), [([2], 10)],
+                                 SamplingParams(temperature=0.0, stop=("end",)))
+    assert (text, end.finish_reason, end.completion_tokens) == ("xye", "stop", 4)
 
 
 def test_max_context_stop_is_exact():

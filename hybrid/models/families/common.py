@@ -12,10 +12,12 @@ from hybrid.models.errors import ModelLoadError
 
 
 class Fields:
-    """config.json accessor whose missing-field error names the field and the family."""
+    """config.json accessor whose missing-field error names the field and the family. `defaults`: the family's
+    own defaults (its transformers config class's), which take precedence over the generic one a caller of
+    get() passes, so that a config.json that leaves a field out means what it means to transformers."""
 
-    def __init__(self, raw: dict, family: str):
-        self.raw, self.family = raw, family
+    def __init__(self, raw: dict, family: str, defaults: dict | None = None):
+        self.raw, self.family, self.defaults = raw, family, defaults or {}
 
     def req(self, *names: str) -> Any:
         for n in names:
@@ -25,7 +27,7 @@ class Fields:
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self.raw.get(name)
-        return default if value is None else value
+        return self.defaults.get(name, default) if value is None else value
 
 
 def parse_rope(f: Fields, partial_rotary_default: float | None = None) -> RopeConfig:

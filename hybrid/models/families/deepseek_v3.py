@@ -19,6 +19,10 @@ from hybrid.models.errors import ModelLoadError
 from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_fields, make_config, mlp_experts
 
 EXPERTS, FUSED = mlp_experts()
+# DeepseekV3Config's defaults (transformers) for fields a config.json may leave out (DeepSeek-V3's own sizes);
+# num_key_value_heads is not read: MLA expands keys and values for every query head.
+DEFAULTS = {"intermediate_size": 18432, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8,
+            "topk_group": 4, "first_k_dense_replace": 3}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -36,7 +40,8 @@ def text_config(raw: dict) -> dict:
 
 
 def parse_config(raw: dict):
-    f = Fields(text_config(raw), "deepseek_v3")
+    text = text_config(raw)
+    f = Fields(text, "deepseek_v3", DEFAULTS)
     base = base_fields(f)
     L, E = base["num_layers"], int(f.req("n_routed_experts", "num_local_experts"))
     if int(f.get("moe_layer_freq", 1)) != 1:  # DeepSeek-V2 spacing; transformers' V3 has none
@@ -45,13 +50,14 @@ def parse_config(raw: dict):
     if scoring != "sigmoid" or f.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ModelLoadError(f"config.json: router scoring_func {scoring!r} / topk_method {f.get('topk_method')!r} "
                              "is not DeepSeek-V3's (sigmoid, noaux_tc)")
-    first_dense = int(f.get("first_k_dense_replace", 0))
-    q_lora = f.get("q_lora_rank")
+    first_dense = int(f.get("first_k_dense_replace"))
+    # absent: DeepseekV3Config's 1536; an explicit null means no q bottleneck (DeepSeek-V2-Lite)
+    q_lora = text.get("q_lora_rank", 1536)
     mla = MLAConfig(kv_lora_rank=int(f.req("kv_lora_rank")), qk_nope_head_dim=int(f.req("qk_nope_head_dim")),
                     qk_rope_head_dim=int(f.req("qk_rope_head_dim")), v_head_dim=int(f.req("v_head_dim")),
                     q_lora_rank=None if q_lora is None else int(q_lora),
                     rope_interleave=bool(f.get("rope_interleave", True)))
-    n_shared = int(f.get("n_shared_experts", 0))
+    n_shared = int(f.get("n_shared_experts"))
     F_ = int(f.req("moe_intermediate_size"))
     return make_config(dict(
         base,
@@ -63,8 +69,8 @@ def parse_config(raw: dict):
         shared_expert_intermediate_size=F_ * n_shared,
         shared_expert_gate=False,
         norm_topk_prob=bool(f.get("norm_topk_prob", True)),
-        router=RouterConfig(kind="sigmoid", n_group=int(f.get("n_group", 1)), topk_group=int(f.get("topk_group", 1)),
-                            scaling=float(f.get("routed_scaling_factor", 1.0)), score_bias=True),
+        router=RouterConfig(kind="sigmoid", n_group=int(f.get("n_group")), topk_group=int(f.get("topk_group")),
+                            scaling=float(f.get("routed_scaling_factor")), score_bias=True),
         mla=mla,
         qkv_bias=bool(f.get("attention_bias", False)),
         o_bias=bool(f.get("attention_bias", False)),

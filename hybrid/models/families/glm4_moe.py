@@ -16,11 +16,13 @@ from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_
 from hybrid.models.families.deepseek_v3 import skipped
 
 EXPERTS, FUSED = mlp_experts()
+# Glm4MoeConfig's defaults (transformers) that base_fields reads; the rest are passed where they are read.
+DEFAULTS = {"num_key_value_heads": 8, "max_position_embeddings": 131072, "intermediate_size": 10944}
 
 
 def parse_config(raw: dict):
     # Defaults are Glm4MoeConfig's (transformers), used only where config.json leaves a field out.
-    f = Fields(raw, "glm4_moe")
+    f = Fields(raw, "glm4_moe", DEFAULTS)
     base = base_fields(f, partial_rotary_default=0.5)
     L = base["num_layers"]
     first_dense = int(f.get("first_k_dense_replace", 1))

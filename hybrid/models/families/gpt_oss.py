@@ -21,14 +21,18 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 PREFIX = "model.layers.{i}.mlp.experts"
 
 
+# GptOssConfig's defaults (transformers) for fields a config.json may leave out.
+DEFAULTS = {"head_dim": 64, "num_key_value_heads": 8, "max_position_embeddings": 131072}
+
+
 def parse_config(raw: dict):
-    f = Fields(raw, "gpt_oss")
+    f = Fields(raw, "gpt_oss", DEFAULTS)
     if not (f.get("rope_parameters") or f.get("rope_scaling")):
         raw = dict(raw, rope_parameters=dict(DEFAULT_ROPE, rope_theta=f.get("rope_theta", 150000.0)))
-        f = Fields(raw, "gpt_oss")
+        f = Fields(raw, "gpt_oss", DEFAULTS)
     elif f.get("rope_theta") is None and "rope_theta" not in (f.get("rope_parameters") or {}):
         raw = dict(raw, rope_theta=150000.0)  # GptOssConfig.default_theta
-        f = Fields(raw, "gpt_oss")
+        f = Fields(raw, "gpt_oss", DEFAULTS)
     base = base_fields(f)
     L = base["num_layers"]
     types = f.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(L)]  # GptOssConfig: sliding first

@@ -5,8 +5,12 @@ from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_
     mlp_experts
 
 
+# MixtralConfig's defaults (transformers) for fields a config.json may leave out.
+DEFAULTS = {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072}
+
+
 def parse_config(raw: dict):
-    f = Fields(raw, "mixtral")
+    f = Fields(raw, "mixtral", DEFAULTS)
     base = base_fields(f)
     L = base["num_layers"]
     return make_config(dict(

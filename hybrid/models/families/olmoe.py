@@ -6,8 +6,12 @@ from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_
 EXPERTS, FUSED = mlp_experts()
 
 
+# OlmoeConfig's defaults (transformers) for fields a config.json may leave out.
+DEFAULTS = {"rms_norm_eps": 1e-5}
+
+
 def parse_config(raw: dict):
-    f = Fields(raw, "olmoe")
+    f = Fields(raw, "olmoe", DEFAULTS)
     base = base_fields(f)
     return make_config(dict(
         base,

@@ -7,8 +7,13 @@ from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_
 EXPERTS, FUSED = mlp_experts()
 
 
+# Qwen2MoeConfig's defaults (transformers) for fields a config.json may leave out: a shared expert too.
+DEFAULTS = {"num_key_value_heads": 16, "max_position_embeddings": 32768, "intermediate_size": 5632,
+            "shared_expert_intermediate_size": 5632, "sliding_window": 4096}
+
+
 def parse_config(raw: dict):
-    f = Fields(raw, "qwen2_moe")
+    f = Fields(raw, "qwen2_moe", DEFAULTS)
     base = base_fields(f)
     return make_config(dict(
         base,

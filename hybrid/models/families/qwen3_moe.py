@@ -6,8 +6,13 @@ from hybrid.models.families.common import DECODER_WEIGHTS, Family, Fields, base_
 EXPERTS, FUSED = mlp_experts()
 
 
+# Qwen3MoeConfig's defaults (transformers) for fields a config.json may leave out.
+DEFAULTS = {"num_key_value_heads": 4, "max_position_embeddings": 32768, "intermediate_size": 6144,
+            "sliding_window": 4096}
+
+
 def parse_config(raw: dict):
-    f = Fields(raw, "qwen3_moe")
+    f = Fields(raw, "qwen3_moe", DEFAULTS)
     base = base_fields(f)
     return make_config(dict(
         base,
