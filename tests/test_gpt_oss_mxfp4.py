@@ -132,6 +132,30 @@ def test_mxfp4_is_the_default_for_mxfp4_checkpoints(ckpt, caplog):
         assert ("MXFP4 checkpoint: the CPU experts stay mxfp4" in caplog.text) == (want == "mxfp4")
 
 
+def test_plan_and_checks_price_the_dtype_the_loader_keeps(ckpt, capsys):
+    """Without --cpu-dtype, `hybrid plan` prices an MXFP4 checkpoint's experts (and the preset of a model
+    published in MXFP4) as mxfp4, the dtype load_hybrid keeps, so the plan file does not tell `--plan` to
+    de-quantize them; the checks before loading price that dtype too. A given --cpu-dtype wins everywhere."""
+    from hybrid.cli import build_parser, main
+    from hybrid.loading.check import check_before_load
+    from hybrid.loading.parse import session_config_from_args
+
+    def planned(*argv):
+        assert main(["plan", "--profile", "ktransformers-paper-amx", "--reserve", "0", "--json", "--numa-threads", "2",
+                     "--gpu-budget", "80GiB", "--cpu-budget", "1024GiB", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["settings"]["cpu_dtype"]
+
+    assert planned("--model", str(ckpt[0])) == "mxfp4"
+    assert planned("--preset", "gpt-oss-120b") == "mxfp4"
+    assert planned("--preset", "gpt-oss-120b", "--cpu-dtype", "int8") == "int8"
+    assert planned("--preset", "qwen3-30b-a3b") == "bf16"
+    for extra, want in (([], "mxfp4"), (["--cpu-dtype", "int4"], "int4")):
+        args = build_parser().parse_args(["generate", "--model", str(ckpt[0]), "--device", "cpu",
+                                          "--gpu-experts", "0", *extra])
+        _, config = check_before_load(str(ckpt[0]), session_config_from_args(args))
+        assert config.hybrid.cpu_dtype == want
+
+
 def _copy(path: Path, out: Path, config=None, edit=None) -> Path:
     """The checkpoint at `path` re-written into `out` as one file, with config.json fields and tensors edited
     (edit(tensors) changes the dict in place)."""

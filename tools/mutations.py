@@ -545,4 +545,13 @@ MUTATIONS = [
       "return self.defaults.get(name, default) if value is None else value",
       "return default if value is None else value",
       ["tests/test_model_loading.py"]),
+    M("plan: the CPU dtype defaults to bf16 whatever the checkpoint",
+      "if args.cpu_dtype is None:", "if False:",
+      ["tests/test_gpt_oss_mxfp4.py"]),
+    M("plan: a preset's published expert quantization ignored",
+      'cfg["quantization_config"] = copy.deepcopy(PUBLISHED_EXPERT_QUANTIZATION[name])', "pass",
+      ["tests/test_gpt_oss_mxfp4.py"]),
+    M("checks: the memory checks price bf16 for an MXFP4 checkpoint",
+      "config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, read_config(model_dir)[2]))", "pass",
+      ["tests/test_gpt_oss_mxfp4.py"]),
 ]

@@ -38,8 +38,9 @@ def register(subparsers) -> None:
                    "machine's calibrated one, else the built-in ktransformers-paper-amx)")
     add_max_context_argument(p)
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--cpu-dtype", default=d.cpu_dtype, choices=CPU_DTYPE_NAMES,
-                   help="dtype of the experts in DRAM (default %(default)s; mxfp4: 0.53125 bytes a weight)")
+    p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
+                   help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
+                   "checkpoints published in MXFP4 such as gpt-oss; mxfp4: 0.53125 bytes a weight)")
     p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
                    help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")
@@ -78,7 +79,7 @@ def build_plan(args):
     from placement.routing_stats import load_stats
 
     # settings and budgets first: a bad value fails before the checkpoint is even opened
-    mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype,
+    mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype or "bf16",
                          staging_slots=args.staging_slots, reserve=parse_bytes(args.reserve),
                          node_threads=node_threads(args))
     settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
@@ -86,10 +87,10 @@ def build_plan(args):
     model_dir = args.model
     if args.preset:
         from hybrid.models.families import family_for
-        from hybrid.models.presets import hf_config
+        from hybrid.models.presets import published_config
 
         try:
-            raw = hf_config(args.preset)
+            raw = published_config(args.preset)
         except KeyError as exc:
             raise UsageError(str(exc.args[0])) from None
         cfg, model_dir = family_for(raw).parse_config(raw), f"preset {args.preset}"
@@ -98,7 +99,14 @@ def build_plan(args):
             from hybrid.runtime.demo import ensure_demo_checkpoint
 
             model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
-        _, cfg, _ = read_config(model_dir)
+        _, cfg, raw = read_config(model_dir)
+    if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
+        from dataclasses import replace
+
+        from hybrid.offload.config import default_cpu_dtype
+
+        mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
+        settings = replace(settings, memory=mem)
     stats = load_stats(args.stats) if args.stats else None
     hw = scheduler_profile(args.profile)
     if not hw.has_gpu:  # plan() prices residency with the GPU figures: there is nothing to predict without them

@@ -17,16 +17,21 @@ from hybrid.loading.parse import SessionConfig
 
 
 def check_before_load(model_dir: str, config: SessionConfig):
-    """Every check that needs only config.json and the headers; returns the model's config."""
-    from hybrid.models.loader import check_checkpoint
+    """Every check that needs only config.json and the headers; returns the model's config and the session
+    config with the checkpoint's defaults filled in (the CPU experts' dtype), so that what is checked is
+    what is loaded."""
+    from hybrid.models.loader import check_checkpoint, read_config
+    from hybrid.offload.config import checkpoint_cpu_dtype
     from hybrid.runtime.engine import check_kv_cache_fits
 
     rt = config.runtime
     cfg = check_checkpoint(model_dir)
+    if config.hybrid is not None:
+        config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, read_config(model_dir)[2]))
     check_kv_cache_fits(cfg, rt.max_batch, rt.max_context, config.dtype, config.device)
     if config.hybrid is not None:
         check_placement(model_dir, config.hybrid, rt.max_context, rt.max_batch, config.dtype)
-    return cfg
+    return cfg, config
 
 
 def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype) -> None:

@@ -30,7 +30,7 @@ class Session:
 def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stderr)) -> Session:
     config = session_config_from_args(args, max_batch)
     model_dir, demo = resolve_model_dir(config, log)
-    cfg = check_before_load(model_dir, config)
+    cfg, config = check_before_load(model_dir, config)
     config = eager_for_online_replace(config, log)
     model, offload = load_weights(model_dir, config, progress=not demo)
     tokenizer = load_tokenizer(model_dir)

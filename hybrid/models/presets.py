@@ -121,6 +121,23 @@ PRESETS: dict[str, dict] = {
 
 
 
+# How OpenAI's gpt-oss config.json declares its MXFP4 experts (what `make_checkpoint --mxfp4` writes).
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+# Presets whose published experts are quantized in a format the CPU executor keeps as it is, so `hybrid plan
+# --preset` prices the bytes a user's download has. (FP8 checkpoints are de-quantized into --cpu-dtype at load,
+# so their format does not change what a plan prices.)
+PUBLISHED_EXPERT_QUANTIZATION = {"gpt-oss-120b": MXFP4_QUANTIZATION}
+
+
+def published_config(name: str) -> dict:
+    """hf_config(name) as the published config.json has it, with its experts' quantization_config."""
+    cfg = hf_config(name)
+    if name in PUBLISHED_EXPERT_QUANTIZATION:
+        cfg["quantization_config"] = copy.deepcopy(PUBLISHED_EXPERT_QUANTIZATION[name])
+    return cfg
+
+
 def hf_config(name: str, layers: int | None = None) -> dict:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")

@@ -105,9 +105,9 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     if mxfp4:
-        raw_config = dict(raw_config, quantization_config={
-            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                "model.embed_tokens", "lm_head"]})
+        from hybrid.models.presets import MXFP4_QUANTIZATION
+
+        raw_config = dict(raw_config, quantization_config=MXFP4_QUANTIZATION)
     if fp8_block is not None:
         raw_config = dict(raw_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                            "quant_method": "fp8", "weight_block_size": list(fp8_block)})

@@ -16,7 +16,7 @@ import torch
 from cpu_kernels.dtypes import CPU_DTYPES as CPU_DTYPE_TABLE
 from cpu_kernels.knobs import knobs
 from hybrid.errors import UsageError
-from hybrid.offload.config import FALLBACK_PROFILE, HybridConfig
+from hybrid.offload.config import FALLBACK_PROFILE, HybridConfig, checkpoint_cpu_dtype
 from placement.cost_model import ExpertShape
 from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
 from placement.schedule import LayerScheduler
@@ -67,14 +67,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
 
     device = torch.device(device)
     _, cfg, raw = read_config(model_dir)
-    from hybrid.models.mxfp4 import declared
-
-    if declared(raw) and not hcfg.cpu_dtype_chosen and hcfg.cpu_dtype != "mxfp4":
-        from dataclasses import replace as _replace
-
-        log.warning("MXFP4 checkpoint: the CPU experts stay mxfp4 as published (the default for MXFP4 checkpoints; "
-                 "--cpu-dtype bf16|int8|int4 converts them)")
-        hcfg = _replace(hcfg, cpu_dtype="mxfp4")
+    hcfg = checkpoint_cpu_dtype(hcfg, raw)
     hw = scheduler_profile(hcfg.profile)
     from cpu_kernels.knee import set_default_knee
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpu_kernels.dtypes import NAMES as CPU_DTYPES  # the one table of CPU dtypes
 from hybrid.errors import UsageError
@@ -61,3 +61,21 @@ class HybridConfig:
             if self.cpu_threads > cores:  # threads beyond the cores only contend with each other
                 log.warning("--cpu-threads %d is more than the %d cores this process may use; the executor's "
                             "threads will share cores", self.cpu_threads, cores)
+
+
+def checkpoint_cpu_dtype(hcfg: HybridConfig | None, raw: dict) -> HybridConfig | None:
+    """`hcfg` with the CPU experts' dtype this checkpoint gets when the user named none: experts published as
+    MXFP4 stay mxfp4 (0.53125 bytes a weight, no float copy), anything else bf16. `hybrid plan`, the checks
+    before loading and the loader all take the dtype from here, so they price and load the same bytes."""
+    if hcfg is None or hcfg.cpu_dtype_chosen or default_cpu_dtype(raw) == hcfg.cpu_dtype:
+        return hcfg
+    log.warning("MXFP4 checkpoint: the CPU experts stay mxfp4 as published (the default for MXFP4 checkpoints; "
+                "--cpu-dtype bf16|int8|int4 converts them)")
+    return replace(hcfg, cpu_dtype=default_cpu_dtype(raw))
+
+
+def default_cpu_dtype(raw: dict) -> str:
+    """The CPU experts' dtype for a checkpoint's config.json when the user names none."""
+    from hybrid.models.mxfp4 import declared
+
+    return "mxfp4" if declared(raw) else "bf16"
