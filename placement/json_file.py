@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -10,10 +11,30 @@ from placement.errors import UsageError
 
 
 def write_json(path: str | os.PathLike, data, indent: int | None = None) -> Path:
-    """Write `data` to `path` (parents created); returns the expanded path."""
+    """Write `data` to `path` (parents created); returns the expanded path. The text goes to a temporary file
+    beside `path` that is renamed over it once complete, so a full or read-only disk, a size limit or a
+    signal never leaves a truncated profile, plan or statistics file behind: the old file stays intact, and
+    the failure is one UsageError line."""
+    import tempfile
+
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    text = json.dumps(data, indent=indent) + "\n"
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}; any previous file there is unchanged") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return path
 
 

@@ -554,4 +554,11 @@ MUTATIONS = [
     M("checks: the memory checks price bf16 for an MXFP4 checkpoint",
       "config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, read_config(model_dir)[2]))", "pass",
       ["tests/test_gpt_oss_mxfp4.py"]),
+    M("json: a file written in place, not renamed over the old one",
+      'fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")',
+      "fd, tmp = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), None",
+      ["tests/test_json_file.py"]),
+    M("json: a failed write's temporary file left behind",
+      "os.unlink(tmp)", "pass",
+      ["tests/test_json_file.py"]),
 ]

@@ -8,7 +8,6 @@ that is still running, so a long probe is never a silent one.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -16,7 +15,7 @@ import time
 from hybrid.commands.cost import add_shape_args, shape_from_args
 from hybrid.errors import UsageError
 from placement.hardware import default_profile_path
-from placement.json_file import check_writable
+from placement.json_file import check_writable, write_json
 
 HEARTBEAT_S = 30.0
 
@@ -110,8 +109,7 @@ def run(args) -> int:
                                  probes=runtime_probes())
     out = profile.save(out)
     if args.raw:
-        with open(args.raw, "w") as f:
-            json.dump(raw, f, indent=2)
+        write_json(args.raw, raw, indent=2)
     print(f"\nprofile {profile.name} written to {out}")
     print(summary(profile))
     return 0
