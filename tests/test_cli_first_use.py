@@ -94,3 +94,16 @@ def test_warmup_restores_hybrid_routing_counters():
     e.warmup(tokens=20)
     after = [layer.moe.experts.stats.routed for layer in model.layers if layer.moe is not None]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_an_unwritable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """The demo is built under HYBRID_CACHE: a folder that cannot be made there is one line and exit 2."""
+    from cpu_kernels import knobs
+    from hybrid.cli import main
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "file" / "cache"))
+    knobs.reset()
+    assert main(["generate", "-n", "1", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HYBRID_CACHE" in err[0] and "Traceback" not in err[0]

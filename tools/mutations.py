@@ -561,4 +561,8 @@ MUTATIONS = [
     M("json: a failed write's temporary file left behind",
       "os.unlink(tmp)", "pass",
       ["tests/test_json_file.py"]),
+    M("demo: an unwritable cache folder a traceback",
+      'tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))\n    except OSError as exc:',
+      'tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))\n    except KeyError as exc:',
+      ["tests/test_cli_first_use.py"]),
 ]

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hybrid.errors import UsageError
+
 DEMO_NAME = "demo-qwen3-moe-v1"
 DEMO_NOTICE = ("note: no --model given, using the built-in demo checkpoint ({path}); its weights are RANDOM, "
                "so the text is gibberish. Pass --model DIR for a real Hugging Face checkpoint.")
@@ -89,9 +91,13 @@ def ensure_demo_checkpoint(progress_print=print) -> Path:
     path = demo_path()
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))
+    except OSError as exc:
+        raise UsageError(f"cannot build the demo checkpoint under {path.parent} (HYBRID_CACHE): "
+                         f"{exc.strerror or exc}; set HYBRID_CACHE to a writable folder or pass --model") from None
     progress_print(f"building the demo checkpoint in {path} (random weights, first use only)...")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))
     os.chmod(tmp, 0o755)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
@@ -113,6 +119,9 @@ def ensure_demo_checkpoint(progress_print=print) -> Path:
         except OSError:  # another process finished first
             if not (path / "config.json").is_file():
                 raise
+    except OSError as exc:  # a full disk: the half-built folder goes, nothing named like the demo is left
+        raise UsageError(f"cannot build the demo checkpoint in {path.parent} (HYBRID_CACHE): "
+                         f"{exc.strerror or exc}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
