@@ -33,9 +33,10 @@ _ROW_ALIGN = 32
 # Tokens per expert from which AMX beats the AVX-512 vector path: only the fallback when nothing was
 # measured (the knee moves between machines and runs, BENCHMARKS.md): `hybrid calibrate` measures it into
 # the profile (machine["amx_knee"]) and the hybrid runtime applies it with cpu_kernels.knee.set_default_knee.
-# int4's AMX path (groups of 64 or 128, kern_amx.h) has not been timed on an AMX machine yet, so without a
-# measured knee int4 stays on the vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the
-# others' and so turns it on where the tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of
+# int4's AMX path (groups of 64 or 128, kern_amx.h) was no faster than the vector path up to 64 tokens per
+# expert on the GPU box's host (BENCHMARKS.md, CPU kernels alone), so without a measured knee int4 stays on the
+# vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on where the
+# tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of
 # 32 always run on the vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
@@ -248,7 +249,8 @@ class CpuMoE:
         # (and the ref ISA) keep the natural order unless asked.
         self.int4_order = int4_order or (
             "interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
-        if (dtype == "mxfp4" or (dtype == "int4" and group_size < 64)) and self.isa in ("amx", "amx_emu"):
+        spec = CPU_DTYPES[dtype]
+        if self.isa in ("amx", "amx_emu") and ("amx" not in spec.isas or group_size < spec.amx_min_group):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
         topo = topology if topology is not None else Topology.discover()
         if not isinstance(topo, Topology):
