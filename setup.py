@@ -7,6 +7,8 @@ machine's CPU to have the ISA. A compiler that lacks an ISA's flags skips that l
 warning instead of failing the install (the runtime then falls back to the next ISA, or to torch).
 """
 
+import sys
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -30,8 +32,43 @@ def lib(name, source, flags):
     )
 
 
+BUILDING = "building the CPU kernels (once, ~1 min)..."
+
+
+def announce_build(line: str = BUILDING) -> None:
+    """One line before the compiler runs for a minute. pip keeps a build's own output to itself unless -v, so the
+    line also goes to the controlling terminal when there is one and stdout is not it."""
+    print(line, flush=True)
+    if sys.stdout.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:  # no terminal (CI, a service): the line above is in the build log
+        pass
+
+
 class LoudBuildExt(build_ext):
-    """Say plainly which ISA library could not be built and what that means at run time."""
+    """Say when the kernels start building (a minute of compiling), and plainly which ISA library could not be
+    built and what that means at run time."""
+
+    def run(self):
+        if any(self.stale(ext) for ext in self.extensions):
+            announce_build()
+        super().run()
+
+    def stale(self, ext) -> bool:
+        """Whether build_ext will compile `ext` (setuptools skips a library newer than its sources)."""
+        try:
+            from setuptools.modified import newer_group
+        except ImportError:  # setuptools < 69: say it anyway
+            return True
+        inplace, self.inplace = self.inplace, 0  # setuptools builds into build_lib, then copies in place
+        try:
+            target = self.get_ext_fullpath(ext.name)
+        finally:
+            self.inplace = inplace
+        return self.force or newer_group(list(ext.sources) + list(ext.depends), target, "newer")
 
     def build_extension(self, ext):
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from placement.cost_model import get_shape
 from placement.crossover import PREDICTION_KIND, calibration_match, print_table, run_sweep, write_outputs
-from placement.hardware import resolve_profile
+from placement.hardware import pricing_profile
 
 __all__ = ["calibration_match", "main"]
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-refine", action="store_true")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
-    profile = resolve_profile(a.profile)
+    profile = pricing_profile(a.profile, note=lambda line: print(f"# note: {line}", flush=True))
     sweep = [int(v) for v in a.tokens.split(",")] if a.tokens else None
     rows = []
     for name in a.shapes.split(","):

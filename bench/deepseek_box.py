@@ -132,7 +132,7 @@ def run_box(args, preset: str, quant: str) -> dict:
         rss0 = rss_bytes()[0]
         t0 = time.perf_counter()
         hcfg = HybridConfig(gpu_experts=0, schedule="cost", cpu_dtype=a.cpu_dtype, cpu_isa=a.isa,
-                            cpu_threads=a.cpu_threads, profile=a.profile)
+                            cpu_threads=a.cpu_threads, profile=hw)  # hw: hybrid_e2e.run's pricing_profile
         with AnonPeak() as anon:
             model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
         cur, peak = rss_bytes()

@@ -88,6 +88,29 @@ class CountingExperts(torch.nn.Module):
         return self.inner(x, ids, w)
 
 
+def check_dram(args, dev, dtype) -> None:
+    """Refuse in one line (exit 2) a model this machine's DRAM cannot hold (on the CPU every weight is there:
+    the default, all 48 layers of Qwen3-30B-A3B in fp32, is ~120 GB), before minutes of building it end in
+    the OOM killer (hybrid.loading.dram)."""
+    from hybrid.loading.dram import check_dram_fits, model_dram
+    from hybrid.models.families import family_for
+
+    if args.checkpoint:
+        from hybrid.models import read_config
+
+        cfg = read_config(args.checkpoint)[1]
+    else:
+        raw = hf_config(args.preset, layers=args.layers)
+        cfg = family_for(raw).parse_config(raw)
+    # the prefill engine (one slot of the longest prompt) and the decode engine (the largest batch) in turn
+    shapes = [(max(args.prefill or [1]) + 1, 1), (args.decode_context + args.decode_steps + 8, max(args.decode_batch or [1]))]
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    need = max((model_dram(cfg, dev.type != "cuda", dtype_bytes, None, c, b) for c, b in shapes), key=lambda n: n.total)
+    what = args.checkpoint or f"{args.preset} x {cfg.num_layers} layers"
+    check_dram_fits(need, f"{what} in {str(dtype).replace('torch.', '')} on {dev.type}",
+                    "use fewer --layers, or --preset demo" + (" (or a CUDA device)" if dev.type != "cuda" else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -108,6 +131,7 @@ def main(argv=None) -> int:
 
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    check_dram(args, dev, dtype)
     t0 = time.perf_counter()
     if args.checkpoint:
         model = load_model(args.checkpoint, device=dev, dtype=dtype)

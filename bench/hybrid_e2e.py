@@ -68,7 +68,8 @@ from bench.bounds import (decode_step_bound, distinct_per_step, llc_adjusted, re
                           split_lower_bound, tokens_per_cold_expert)
 from placement.calibrate import cpu_name
 from placement.cost_model import cpu_compute_time, gpu_compute_time
-from placement.hardware import resolve_profile
+from placement.errors import UsageError
+from placement.hardware import pricing_profile
 from placement.json_file import write_json
 from placement.schedule import LayerScheduler
 
@@ -77,9 +78,23 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
 
+def check_dram(cfg, args, device, dtype) -> None:
+    """Refuse in one line (exit 2) a model this machine's DRAM cannot hold, before minutes of building it ends in
+    the OOM killer: the runtime's own estimate (hybrid.loading.dram), at this run's context and batch."""
+    from cpu_kernels.bandwidth import default_read_bytes
+    from hybrid.loading.dram import DramNeed, check_dram_fits, model_dram
+
+    need = model_dram(cfg, device.type != "cuda", torch.empty((), dtype=dtype).element_size(), args.cpu_dtype,
+                      max_context(args), max(args.decode_batch))
+    need = DramNeed(need.parts + (("DRAM probe buffer", default_read_bytes()),))  # bench.hybrid_e2e.measure_dram
+    check_dram_fits(need, f"{args.preset} x {cfg.num_layers} layers ({args.cpu_dtype} experts)",
+                    "use fewer --layers, or --cpu-dtype int8 / int4")
+
+
 def build(args, hw, device, dtype):
     raw = hf_config(args.preset, layers=args.layers)
     cfg = family_for(raw).parse_config(raw)
+    check_dram(cfg, args, device, dtype)
     model = build_empty(cfg, device, dtype, build_experts=False)
     init_random_(model, seed=0)
     shape = expert_shape(cfg, args.cpu_dtype, dtype)
@@ -312,22 +327,27 @@ def resident_ids(i: int, n_layers: int, counts, resident: int, whole: int | None
     return np.argsort(-np.asarray(counts), kind="stable")[:resident].tolist()
 
 
+def max_context(args) -> int:
+    """KV positions per slot: --max-context, else the longest prefill (or calibration prefill) + 64."""
+    need = max(max(args.prefill), CPU_ONLY_CALIBRATION if args.reduced else 512) + 64
+    given = getattr(args, "max_context", None)
+    if given and given < need:
+        raise UsageError(f"--max-context {given} is below what the run needs ({need})")
+    return given or need
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hw = resolve_profile(args.profile)
+    hw = pricing_profile(args.profile, note=lambda line: print(f"# note: {line}", flush=True))
     from cpu_kernels.knee import set_default_knee
 
     set_default_knee(hw.machine.get("amx_knee"))  # as the runtime does (hybrid.offload.build)
     t0 = time.perf_counter()
+    calib_len = CPU_ONLY_CALIBRATION if args.reduced else 512
+    max_ctx = max_context(args)
     model, cfg, shape, off = build(args, hw, device, dtype)
     resident = args.resident if args.resident is not None else cfg.num_experts // 4
-    calib_len = CPU_ONLY_CALIBRATION if args.reduced else 512
-    max_ctx = max(max(args.prefill), calib_len) + 64
-    if getattr(args, "max_context", None):
-        if args.max_context < max_ctx:
-            raise SystemExit(f"--max-context {args.max_context} is below what the run needs ({max_ctx})")
-        max_ctx = args.max_context
     eng = Engine(model, None, config=RuntimeConfig(max_batch=max(args.decode_batch), max_context=max_ctx,
                                                    eager=not args.graphs,
                                                    context_buckets=not getattr(args, "no_context_buckets", False)))
@@ -336,10 +356,14 @@ def run(args) -> dict:
     slot = eng.allocate_slot()
     _, routed = routed_during(off, lambda: eng.prefill(slot, calib))
     whole = getattr(args, "resident_layers", None)  # other benches (deepseek_box, gpt_oss_box) run this without it
-    for i, (layer, counts) in enumerate(zip(off.layers, routed)):
-        layer.set_resident(resident_ids(i, len(off.layers), counts, resident, whole))
-    placed = (f"{resident}/{cfg.num_experts} experts resident per layer" if whole is None else
-              f"every expert of the last {whole} of {len(off.layers)} hybrid layers resident, none elsewhere")
+    if device.type == "cuda":
+        for i, (layer, counts) in enumerate(zip(off.layers, routed)):
+            layer.set_resident(resident_ids(i, len(off.layers), counts, resident, whole))
+        placed = (f"{resident}/{cfg.num_experts} experts resident per layer" if whole is None else
+                  f"every expert of the last {whole} of {len(off.layers)} hybrid layers resident, none elsewhere")
+    else:  # resident experts need a GPU: here they would be second copies in DRAM, only costing memory
+        resident, whole = 0, None
+        placed = "no resident experts (no CUDA device: they would be second copies in DRAM)"
     eng.free_slot(slot)
     mem = off.memory()
     header = (f"# hybrid e2e | {cpu_name()} ({platform.node()}), GPU "

@@ -23,7 +23,7 @@ import torch
 from placement.calibrate import cpu_name
 from placement.measure import ExpertWeights
 from placement.cost_model import get_shape
-from placement.hardware import resolve_profile
+from placement.hardware import pricing_profile
 from placement.schedule import LayerScheduler
 
 DEFAULT_T = [1, 4, 16, 64, 256, 1024, 4096, 8192]
@@ -78,7 +78,7 @@ def time_layer(layer, x, ids, w, reps: int) -> tuple[float, float]:
 
 def sweep(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    profile = resolve_profile(args.profile)
+    profile = pricing_profile(args.profile, note=lambda line: print(f"# note: {line}", flush=True))
     shape = get_shape(args.shape)
     layer, off = build_layer(shape, profile, device, args.resident, args.cpu_dtype, args.isa)
     gen = torch.Generator().manual_seed(1)

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from hybrid.errors import UsageError
 from hybrid.models.presets import PRESETS, hf_config
 from hybrid.models.writer import write_random_checkpoint
 
@@ -69,7 +70,10 @@ def main(argv=None) -> int:
         return 0 if args.list else 2
     if args.fp8 and args.mxfp4:
         p.error("give --fp8 or --mxfp4, not both")
-    raw = hf_config(args.preset, layers=args.layers)
+    try:
+        raw = hf_config(args.preset, layers=args.layers)
+    except ValueError as exc:  # --layers outside the preset's
+        raise UsageError(f"--layers: {exc}") from None
     t0 = time.perf_counter()
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
                                   device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None,

@@ -46,7 +46,7 @@ from hybrid.offload.replace import OnlineReplacer
 from hybrid.runtime.engine import Engine
 from hybrid.loading.parse import resolve_device
 from placement.calibrate import cpu_name
-from placement.hardware import resolve_profile
+from placement.hardware import pricing_profile
 from placement.measure import cuda_sync
 from placement.memory import MemorySettings, breakdown
 from placement.planner import PlanSettings, decode_step_time, expert_shapes, plan
@@ -178,10 +178,10 @@ def main(argv=None) -> int:
         from hybrid.runtime.demo import ensure_demo_checkpoint
 
         args.model = str(ensure_demo_checkpoint())
-    hw = resolve_profile(args.profile)
+    hw = pricing_profile(args.profile, note=lambda line: print(f"# note: {line}", flush=True))
     t0 = time.perf_counter()
     model, off = load_hybrid(args.model, device, dtype, HybridConfig(gpu_experts=0, cpu_dtype=args.cpu_dtype,
-                                                                     cpu_isa=args.cpu_isa, profile=args.profile),
+                                                                     cpu_isa=args.cpu_isa, profile=hw),
                              progress=False)
     cfg = model.cfg
     load_s = time.perf_counter() - t0

@@ -8,6 +8,9 @@ concurrency the server sees. Tokens are the server's own usage counts. The mean 
 the server's /metrics (rows / steps over the run), which shows whether continuous batching kept the
 batch full. Figures go to stdout and to a JSON file (--json FILE; default a new file in the temporary
 directory, never the repository).
+
+With --spawn the server is this process's child and never outlives it: it is stopped (SIGTERM, then
+SIGKILL if it hangs) and reaped when the run ends, fails, or is interrupted by SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -139,7 +143,12 @@ async def run_load(url: str, args) -> dict:
     }
 
 
+SERVER_STOP_TIMEOUT_S = 30  # the server's shutdown grace and engine stop fit well within this
+
+
 def spawn_server(args) -> tuple[subprocess.Popen, str]:
+    """Start `hybrid serve` on a free port; -> (process, URL) once it listens. The caller must
+    stop_server() it; if the start fails or is interrupted, it is stopped here."""
     cmd = [sys.executable, "-m", "hybrid", "serve", "--port", "0", "--max-batch", str(args.max_batch),
            "--max-context", str(args.max_context), "--max-queue", str(max(64, args.requests))]
     if args.model:
@@ -148,11 +157,38 @@ def spawn_server(args) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, HYBRID_NO_PROGRESS="1")
     if args.api_key:
         env["HYBRID_API_KEY"] = args.api_key
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:  # "hybrid serve: listening on http://127.0.0.1:PORT (...)"
-        if "listening on " in line:
-            return proc, line.split("listening on ")[1].split()[0]
-    raise SystemExit(f"server exited with {proc.wait()} before listening")
+    # A session of its own: a Ctrl-C at the terminal reaches only this process, which then stops the
+    # server with one SIGTERM (a signal to both would be the server's second one: stop at once).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        for line in proc.stdout:  # "hybrid serve: listening on http://127.0.0.1:PORT (...)"
+            if "listening on " in line:
+                return proc, line.split("listening on ")[1].split()[0]
+        raise SystemExit(f"server exited with {proc.wait()} before listening")
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains and exits), SIGKILL if it has not exited within SERVER_STOP_TIMEOUT_S
+    or if waiting is interrupted; in every case the process is reaped before this returns."""
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(SERVER_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM as an exception, so that `finally` blocks (stop_server) run as they do for Ctrl-C."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> int:
@@ -181,19 +217,25 @@ def main(argv=None) -> int:
     args.requests = args.requests or 4 * args.clients
     proc = None
     url = args.url.rstrip("/")
-    if args.spawn:
-        proc, url = spawn_server(args)
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if args.spawn else None
     try:
+        if args.spawn:
+            proc, url = spawn_server(args)
+            print(f"# spawned `hybrid serve` (pid {proc.pid}) at {url}", flush=True)
         print(f"# serve_load: {platform.node()} {platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cpus, python {platform.python_version()}")
         print(f"# {url}: clients={args.clients} requests={args.requests} max_tokens={args.max_tokens} "
               f"prompt_words={args.prompt_words} temperature={args.temperature} "
               f"{'chat' if args.chat else 'completions'} {'stream' if args.stream else 'no-stream'}")
         res = asyncio.run(run_load(url, args))
+    except KeyboardInterrupt:  # (the server, if spawned, is stopped below)
+        print("serve_load: interrupted", file=sys.stderr)
+        return 130
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+            stop_server(proc)
+        if args.spawn:
+            signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
     res["settings"] = {k: v for k, v in vars(args).items() if k != "api_key"}
     print(f"# server: {res['server']}")
     print(f"requests/s {res['requests_per_s']}  output tokens/s {res['output_tokens_per_s']}  "

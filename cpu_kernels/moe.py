@@ -16,6 +16,7 @@ import concurrent.futures
 import ctypes
 import logging
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -41,6 +42,9 @@ _ROW_ALIGN = 32
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
 _SAID_VECTOR_ONLY: set = set()
+# The packed layout's version: bump it whenever packing changes the bytes it writes, so that bytes packed
+# before (a packed cache) are refused by from_packed instead of being run as something else.
+PACK_FORMAT = 1
 
 
 def _say_vector_only(dtype: str, isa: str) -> None:
@@ -104,6 +108,57 @@ def _check_tensor(name, t, ndim, dtypes, contiguous: bool = True):
         raise ValueError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _kpad_for(dtype: str, group_size: int) -> int:
+    """K padding of every packed row: int4 rows hold whole groups, every other dtype whole 64-value chunks."""
+    return max(64, group_size) if dtype == "int4" else 64
+
+
+def _int4_order_for(isa: str, asked: str | None) -> str:
+    """The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (one convert and scale
+    per fold block instead of per group); the AVX2 ones gain nothing from it and lose in groups of 32, so AVX2
+    (and the ref ISA) keep the natural order unless asked."""
+    return asked or ("interleaved" if isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
+
+
+def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
+    """Split F over the nodes in proportion to their threads, in multiples of the K padding."""
+    total = topology.threads
+    bounds, acc = [0], 0
+    for n in topology.nodes[:-1]:
+        acc += len(n)
+        bounds.append(min(F, _align(round(F * acc / total), step)))
+    bounds.append(F)
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology) -> dict:
+    kpad = _kpad_for(dtype, group_size)
+    return dict(format=PACK_FORMAT, isa=isa, dtype=dtype, group_size=group_size if dtype in ("int4", "mxfp4") else 0,
+                int4_order=int4_order if dtype == "int4" else "", kpad=kpad, row_align=_ROW_ALIGN,
+                slices=[[a, b] for a, b in _split_f(F, topology, kpad)])
+
+
+def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = None,
+                  topology: Topology | None = None, threads=None, int4_order: str | None = None) -> dict:
+    """What the packed bytes of a layer of expert width F depend on besides its weights, as plain data: the
+    format version, ISA, int4 order, K padding, row alignment and the F slice of every NUMA node (from the
+    threads per node). The same weights pack to the same bytes under equal layouts, so a packed cache keys on
+    it (computed before anything is packed, from CpuMoE's own arguments) and CpuMoE.from_packed refuses bytes
+    packed under another."""
+    isa = _native.resolve_isa(isa)
+    topo = (topology if topology is not None else Topology.discover()).limit(threads)
+    group = quant.MXFP4_BLOCK if dtype == "mxfp4" else group_size
+    return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo)
+
+
+class _Packed:
+    """Bytes a CpuMoE packed before (its packed_state, e.g. read back from a packed cache), standing in for one
+    of the weight stacks [E, rows, k]: from_packed copies them into node-local buffers with no conversion."""
+
+    def __init__(self, state: Mapping, layout: dict, shape):
+        self.state, self.layout, self.shape = state, layout, torch.Size(shape)
 
 
 class HostJob:
@@ -189,13 +244,16 @@ class CpuMoE:
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
                  int4_order: str | None = None):
-        mx_source = isinstance(w_gate, _Mx4)  # from_mxfp4: the published blocks, never a float copy
+        # float tensors; _Mx4 (from_mxfp4: the published blocks, never a float copy); _Packed (from_packed)
+        source = {type(w) if isinstance(w, (_Mx4, _Packed)) else torch.Tensor for w in (w_gate, w_up, w_down)}
+        if len(source) != 1:
+            raise ValueError("w_gate, w_up and w_down must all be float tensors (from_mxfp4 takes blocks, "
+                             "from_packed packed bytes)")
+        source = source.pop()
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            if mx_source != isinstance(w, _Mx4):
-                raise ValueError("w_gate, w_up and w_down must all be float tensors (from_mxfp4 takes blocks)")
-            if not mx_source:
+            if source is torch.Tensor:
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
-        if mx_source and dtype != "mxfp4":
+        if source is _Mx4 and dtype != "mxfp4":
             raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
@@ -244,11 +302,7 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        # The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (one convert and scale
-        # per fold block instead of per group); the AVX2 ones gain nothing from it and lose in groups of 32, so AVX2
-        # (and the ref ISA) keep the natural order unless asked.
-        self.int4_order = int4_order or (
-            "interleaved" if self.isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
+        self.int4_order = _int4_order_for(self.isa, int4_order)
         spec = CPU_DTYPES[dtype]
         if self.isa in ("amx", "amx_emu") and ("amx" not in spec.isas or group_size < spec.amx_min_group):
             _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
@@ -257,10 +311,38 @@ class CpuMoE:
             raise ValueError("topology must be a cpu_kernels.Topology")
         self.topology = topo.limit(threads)
         self._keep: list[torch.Tensor] = []
+        if source is _Packed:
+            self._check_packed(w_gate.layout)
         if self.isa == "ref":
             self._pack_ref(w_gate, w_up, w_down)
         else:
             self._pack_native(w_gate, w_up, w_down)
+
+    @classmethod
+    def from_packed(cls, state: Mapping[str, torch.Tensor], shape, layout: dict, **kwargs) -> "CpuMoE":
+        """The executor over bytes another CpuMoE packed (its packed_state(), e.g. memory-mapped from a packed
+        cache), copied into node-local buffers by each node's threads with no conversion, so it computes
+        exactly what that one did. shape: (E, F, D); layout: that executor's `layout`, which must equal the
+        one these arguments give on this machine (ValueError otherwise, as for missing, extra or mis-sized
+        bytes). The biases come from the bytes. kwargs: CpuMoE's (dtype, group_size, threads, topology, isa,
+        activation, ...), as the packing executor had them."""
+        E, F, D = (int(v) for v in shape)
+        mats = [_Packed(state, layout, s) for s in ((E, F, D), (E, F, D), (E, D, F))]
+        return cls(*mats, **kwargs)
+
+    def _check_packed(self, layout: dict) -> None:
+        """from_packed's bytes must have been packed under this executor's layout, and carry their biases."""
+        if self.isa == "ref":
+            raise ValueError("packed bytes run on a compiled ISA; the ref ISA keeps plain tensors")
+        if layout != self.layout:
+            raise ValueError(f"bytes packed under layout {layout} do not fit this executor's {self.layout}")
+        if any(b is not None for b in self._bias):
+            raise ValueError("from_packed takes the biases from the packed bytes; pass none")
+
+    @property
+    def layout(self) -> dict:
+        """packed_layout() of this executor: what its packed bytes depend on besides the weights."""
+        return _layout(self.isa, self.dtype, self.group_size, self.int4_order, self.F, self.topology)
 
     @classmethod
     def from_mxfp4(cls, gate, up, down, **kwargs) -> "CpuMoE":
@@ -330,19 +412,10 @@ class CpuMoE:
         self.nbytes = sum(t.numel() * t.element_size() for t in self._ref)
 
     def _f_slices(self) -> list[tuple[int, int]]:
-        """Split F over the nodes in proportion to their threads, in multiples of the K padding."""
-        step = self._kpad()
-        nodes = self.topology.nodes
-        total = self.topology.threads
-        bounds, acc = [0], 0
-        for n in nodes[:-1]:
-            acc += len(n)
-            bounds.append(min(self.F, _align(round(self.F * acc / total), step)))
-        bounds.append(self.F)
-        return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return _split_f(self.F, self.topology, self._kpad())
 
     def _kpad(self) -> int:
-        return max(64, self.group_size) if self.dtype == "int4" else 64
+        return _kpad_for(self.dtype, self.group_size)
 
     # Experts quantized per chunk, so packing a layer needs fp32 staging for 8 experts, not for all E.
     _PACK_CHUNK = 8
@@ -352,10 +425,18 @@ class CpuMoE:
         n = _align(rows, row_align) * _align(k, self._kpad())
         return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2}[self.dtype]
 
-    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple) -> _native.HyMat:
-        """w [E, rows, k] float -> node-local packed matrix padded to [E, rows_p, ldk], its bytes for
-        expert e at block = (buffer, offset, stride): buffer + offset + e * stride. Each chunk of experts is
-        copied into untouched pages by the node's pinned threads (first touch = local)."""
+    def _aux_strides(self, rows_p: int, ldk: int) -> list[int | None]:
+        """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
+        scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block."""
+        return {"bf16": [None, None], "int8": [4 * rows_p, 4 * rows_p],
+                "int4": [4 * rows_p * (ldk // self.group_size), None],
+                "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None]}[self.dtype]
+
+    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple):
+        """w [E, rows, k] float -> (node-local packed matrix padded to [E, rows_p, ldk], its [scale, rsum]
+        buffers or None), its bytes for expert e at block = (buffer, offset, stride): buffer + offset + e *
+        stride. Each chunk of experts is quantized, then copied into untouched pages by the node's pinned
+        threads (first touch = local)."""
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
         lib = _native.load(self.isa)
         q_buf, q_off, q_stride = block
@@ -372,40 +453,77 @@ class CpuMoE:
                 parts = list(self._quantized(wp))  # q, scale or None, rsum or None
             if bufs is None:
                 strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
-                if strides[0] != q_bytes:
-                    raise AssertionError(f"packed expert is {strides[0]} bytes, its block slot {q_bytes}")
+                if strides[0] != q_bytes or strides[1:] != self._aux_strides(rows_p, ldk):
+                    raise AssertionError(f"packed expert is {strides} bytes, its slots {q_bytes} and "
+                                         f"{self._aux_strides(rows_p, ldk)}")
                 bufs = [None] + [None if s is None else weight_buffer(self.E * s) for s in strides[1:]]
-                self._keep += [t for t in bufs if t is not None]
             for j in range(parts[0].shape[0]):  # q: one expert at a time into its block
                 lib.hy_pool_copy(pool, q_buf.data_ptr() + q_off + (e0 + j) * q_stride, parts[0][j].data_ptr(), q_bytes)
             for t, buf, s in zip(parts[1:], bufs[1:], strides[1:]):
                 if t is not None:
                     lib.hy_pool_copy(pool, buf.data_ptr() + e0 * s, t.data_ptr(), t.numel() * t.element_size())
+        return self._hymat(block, bufs[1:], rows, k, row_align), bufs[1:]
+
+    def _mat_packed(self, pool: int, packed: Mapping, key: str, rows: int, k: int, row_align: int, block: tuple):
+        """_mat from packed bytes (from_packed): its q bytes are already in the block; its scales and row sums
+        are copied from packed[key + '.scale' / '.rsum'] as they are."""
+        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
+        aux = []
+        for part, stride in zip(("scale", "rsum"), self._aux_strides(rows_p, ldk)):
+            buf = None if stride is None else weight_buffer(self.E * stride)
+            if buf is not None:
+                self._copy_in(pool, buf, packed, f"{key}.{part}")
+            aux.append(buf)
+        return self._hymat(block, aux, rows, k, row_align), aux
+
+    def _hymat(self, block: tuple, aux: list, rows: int, k: int, row_align: int) -> _native.HyMat:
+        """The kernels' view of one packed matrix: q bytes at block = (buffer, offset, stride), aux = its
+        [scale, rsum] buffers or None."""
+        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
+        strides = self._aux_strides(rows_p, ldk)
+        q_buf, q_off, q_stride = block
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
-        if bufs[1] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes
-            m.scale, m.s_estride = bufs[1].data_ptr(), strides[1] if self.dtype == "mxfp4" else strides[1] // 4
-        if bufs[2] is not None:
-            m.rsum, m.r_estride = bufs[2].data_ptr(), strides[2] // 4
+        if aux[0] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes
+            m.scale, m.s_estride = aux[0].data_ptr(), strides[0] if self.dtype == "mxfp4" else strides[0] // 4
+        if aux[1] is not None:
+            m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
         m.group, m.dtype = self.group_size, DTYPES[self.dtype]
         m.fold = self._fold(ldk) if self.dtype == "int4" else 1
-        self.nbytes += self.E * q_bytes + sum(b.numel() for b in bufs if b is not None)
+        self.nbytes += self.E * self._q_bytes(rows, k, row_align) + sum(b.numel() for b in aux if b is not None)
         return m
 
-    def _set_bias(self, pool: int, m: _native.HyMat, b) -> None:
-        """m.bias = b [E, rows] fp32, zero padded to [E, rows_p] in node-local memory (nullptr when b is None)."""
-        if b is None:
+    def _copy_in(self, pool: int, dst: torch.Tensor, packed: Mapping, key: str) -> None:
+        """dst <- packed[key] byte for byte, by the node's pinned threads (first touch = node-local)."""
+        src, n = packed.get(key), dst.numel() * dst.element_size()
+        got = None if src is None else src.numel() * src.element_size()
+        if got != n or not src.is_contiguous() or src.device.type != "cpu":
+            raise ValueError(f"packed bytes {key!r}: {'missing' if got is None else f'{got} bytes'}, "
+                             f"expected {n} contiguous bytes on the CPU")
+        _native.load(self.isa).hy_pool_copy(pool, dst.data_ptr(), src.data_ptr(), n)
+
+    def _set_bias(self, pool: int, m: _native.HyMat, b, packed: Mapping | None = None,
+                  key: str = "") -> torch.Tensor | None:
+        """m.bias = b [E, rows] fp32, zero padded to [E, rows_p] in node-local memory (nullptr when b is None);
+        from packed bytes (from_packed): packed[key] if present, else none. Returns the node's buffer."""
+        if packed is not None:
+            bp = packed.get(key)
+        elif b is not None:
+            bp = torch.nn.functional.pad(b.float(), (0, m.rows_p - b.shape[1])).contiguous()
+        else:
+            bp = None
+        if bp is None:
             m.bias, m.b_estride = None, 0
-            return
-        bp = torch.nn.functional.pad(b.float(), (0, m.rows_p - b.shape[1])).contiguous()
-        dst = torch.empty_like(bp)
-        _native.load(self.isa).hy_pool_copy(pool, dst.data_ptr(), bp.data_ptr(), bp.numel() * 4)
-        self._keep.append(dst)
+            return None
+        dst = torch.empty(self.E, m.rows_p, dtype=torch.float32)
+        self._copy_in(pool, dst, {key: bp}, key)
         m.bias, m.b_estride = dst.data_ptr(), m.rows_p
         self.nbytes += dst.numel() * 4
+        return dst
 
     def _pack_native(self, w_gate, w_up, w_down):
+        packed = w_gate.state if isinstance(w_gate, _Packed) else None  # from_packed: bytes, no conversion
         self.nbytes = 0
         layer = _native.HyLayer()
         layer.dtype, layer.act, layer.n_local, layer.D = DTYPES[self.dtype], ACTIVATIONS.index(self.activation), self.E, self.D
@@ -413,24 +531,52 @@ class CpuMoE:
         slices = self._f_slices()
         layer.n_nodes = len(slices)
         self._blocks = []  # per node: [E, block bytes] uint8, expert e's gate | up | down packed bytes
+        self._named = []  # per node: name -> every buffer the kernels read (packed_state)
         for n, (f0, f1) in enumerate(slices):
             node = layer.nodes[n]
             node.pool = _native.pool(self.isa, self.topology.nodes[n])
             # gate/up rows padded like down's reduction length, so h [m, F_n] rows need no tail fix-up.
             Fn, kp = f1 - f0, self._kpad()
-            sizes = [self._q_bytes(Fn, self.D, kp), self._q_bytes(Fn, self.D, kp), self._q_bytes(self.D, Fn, _ROW_ALIGN)]
+            mats = (("gate", Fn, self.D, kp), ("up", Fn, self.D, kp), ("down", self.D, Fn, _ROW_ALIGN))
+            sizes = [self._q_bytes(rows, k, a) for _, rows, k, a in mats]
             stride = sum(sizes)  # every size is a multiple of 64 bytes: each matrix starts cache-line aligned
             block = weight_buffer(self.E * stride)  # 2 MiB pages where the OS allows (memory.py)
             self._blocks.append(block.view(self.E, stride))  # holds the memory the kernels read
-            node.gate = self._mat(node.pool, w_gate[:, f0:f1, :], Fn, self.D, kp, (block, 0, stride))
-            node.up = self._mat(node.pool, w_up[:, f0:f1, :], Fn, self.D, kp, (block, sizes[0], stride))
-            node.down = self._mat(node.pool, w_down[:, :, f0:f1], self.D, Fn, _ROW_ALIGN, (block, sizes[0] + sizes[1], stride))
-            bg, bu, bd = self._bias
-            self._set_bias(node.pool, node.gate, None if bg is None else bg[:, f0:f1])
-            self._set_bias(node.pool, node.up, None if bu is None else bu[:, f0:f1])
-            self._set_bias(node.pool, node.down, bd if n == 0 else None)  # added once: node 0's partial carries it
+            named = {"block": block}
+            self._named.append(named)
+            if packed is not None:  # the three matrices' q bytes in one copy
+                self._copy_in(node.pool, block, packed, f"n{n}.block")
+            else:
+                weights = (w_gate[:, f0:f1, :], w_up[:, f0:f1, :], w_down[:, :, f0:f1])
+            bg, bu, bd = self._bias  # down's bias is added once: node 0's partial carries it
+            biases = (None if bg is None else bg[:, f0:f1], None if bu is None else bu[:, f0:f1],
+                      bd if n == 0 else None)
+            for j, (name, rows, k, align) in enumerate(mats):
+                where = (block, sum(sizes[:j]), stride)
+                if packed is not None:
+                    m, aux = self._mat_packed(node.pool, packed, f"n{n}.{name}", rows, k, align, where)
+                else:
+                    m, aux = self._mat(node.pool, weights[j], rows, k, align, where)
+                setattr(node, name, m)
+                named.update({f"{name}.{part}": t for part, t in zip(("scale", "rsum"), aux) if t is not None})
+                bias = self._set_bias(node.pool, getattr(node, name), biases[j], packed, f"n{n}.{name}.bias")
+                if bias is not None:
+                    named[f"{name}.bias"] = bias
+            self._keep += [t for t in named.values() if t is not block]
         self._layer = layer
         self._slices = slices
+        if packed is not None and set(packed) != set(self.packed_state()):
+            raise ValueError(f"packed bytes name {sorted(set(packed) - set(self.packed_state()))} that this "
+                             "executor does not hold")
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        """Every byte the kernels read, by name: n{node}.block (the experts' gate | up | down q bytes) and
+        n{node}.{gate,up,down}.{scale,rsum,bias} where the dtype and biases have them, each a flat uint8 view
+        (no copy). What a packed cache stores; from_packed takes it back."""
+        if self.isa == "ref":
+            raise ValueError("the ref ISA packs nothing (plain tensors): packed_state needs a compiled ISA")
+        return {f"n{n}.{name}": t.reshape(-1).view(torch.uint8)
+                for n, named in enumerate(self._named) for name, t in named.items()}
 
     def packed_weights(self) -> list[dict]:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:

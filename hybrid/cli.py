@@ -1,8 +1,12 @@
 """The `hybrid` command line: one sub-command per module in hybrid.commands.
 
 Each command module exposes `register(subparsers)`, which adds its parser and sets `func` (a callable
-taking the parsed namespace and returning an exit status). Adding a command = adding its module name to
-COMMANDS below; nothing else here changes.
+taking the parsed namespace and returning an exit status), and starts its docstring with "`hybrid NAME`:
+summary", the line `hybrid --help` lists. Adding a command = adding its module name to COMMANDS below; nothing
+else here changes.
+
+Only the command being run registers its flags: registering may import what the flags need (the runtime,
+torch), which takes seconds, and `hybrid --help` lists every command from its module's docstring alone.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
+from collections.abc import Iterable
 
 from hybrid.errors import UsageError
 
@@ -23,6 +29,7 @@ COMMANDS = [
     "serve",
     "profile-routing",
     "plan",
+    "cache",
 ]
 
 
@@ -33,7 +40,20 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> Parser:
+def command_module(name: str):
+    return importlib.import_module(f"hybrid.commands.{name.replace('-', '_')}")
+
+
+def summary(module) -> str:
+    """The first line of a command module's docstring without its "`hybrid NAME`: " lead and final period."""
+    first = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+    return re.sub(r"^`hybrid [^`]*`:\s*", "", first).rstrip(".")
+
+
+def build_parser(register: Iterable[str] = COMMANDS) -> Parser:
+    """The parser with the commands in `register` fully declared; every other command is listed by its summary
+    (enough for `hybrid --help` and for naming the choices of a mistyped command)."""
+    register = set(register)
     parser = Parser(
         prog="hybrid",
         description="Serve big MoE models on one box: hot experts on the GPU, cold experts on the CPU, "
@@ -41,7 +61,11 @@ def build_parser() -> Parser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        importlib.import_module(f"hybrid.commands.{name.replace('-', '_')}").register(sub)
+        module = command_module(name)
+        if name in register:
+            module.register(sub)
+        else:
+            sub.add_parser(name, help=summary(module))
     return parser
 
 
@@ -60,8 +84,11 @@ def is_user_error(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv else "hybrid"
+    from hybrid.loading.progress import line_bars_when_redirected
+
     try:
-        return _run(argv)
+        with line_bars_when_redirected():
+            return _run(argv)
     except BrokenPipeError:
         # `hybrid ... | head`: the reader left. Point stdout at /dev/null so the interpreter's final flush
         # does not raise again, and exit as a C tool killed by SIGPIPE would (128 + 13), silently.
@@ -82,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    parser = build_parser()
+    parser = build_parser(register=argv[:1])
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

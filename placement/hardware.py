@@ -8,15 +8,19 @@ turns every problem into a one-line UsageError.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from placement.errors import UsageError
 from placement.json_file import write_json
+
+log = logging.getLogger("placement")
 
 SCHEMA_VERSION = 1
 AUTO = "auto"  # cpu_kernel value: per m, the fastest kernel kind the profile knows
@@ -231,8 +235,11 @@ def default_profile_path() -> Path:
     return knobs().cache / "profile.json"
 
 
-def resolve_profile(name_or_path: str | None) -> HardwareProfile:
-    """A built-in name, a JSON path, or (None) the calibrated profile of this machine if one exists."""
+def resolve_profile(name_or_path: str | HardwareProfile | None) -> HardwareProfile:
+    """A built-in name, a JSON path, or (None) the calibrated profile of this machine if one exists; a profile
+    already resolved (pricing_profile's) is returned as it is."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
     if name_or_path is None:
         path = default_profile_path()
         if path.exists():
@@ -245,3 +252,41 @@ def resolve_profile(name_or_path: str | None) -> HardwareProfile:
         return load_profile(name_or_path)
     raise UsageError(f"unknown profile {name_or_path!r}: built-ins are {', '.join(BUILTIN_PROFILES)}; "
                      f"or pass a JSON file written by `hybrid calibrate`")
+
+
+FALLBACK_PROFILE = "ktransformers-paper-amx"  # whose GPU figures every command borrows when a profile has none
+GPU_FIELDS = ("gpu_flops", "hbm_bw", "link_bw", "alpha", "layer_overhead", "cpu_lane_overhead", "cpu_lane_start",
+              "ship_chunk_overhead", "ship_expert_overhead", "graph_layer_floor")
+
+
+def with_borrowed_gpu(hw: HardwareProfile, donor: HardwareProfile) -> HardwareProfile:
+    """`hw`'s CPU figures (B_D, C_C and its curves, the AMX knee) with `donor`'s GPU, link and fixed-cost figures:
+    a CPU-only calibration measured this machine's CPU, and nothing else should replace what it measured."""
+    machine = dict(hw.machine, gpu_figures_from=donor.name)
+    return replace(hw, name=f"{hw.name}+{donor.name}", machine=machine,
+                   **{name: getattr(donor, name) for name in GPU_FIELDS})
+
+
+def _warn(line: str) -> None:
+    log.warning("%s", line)
+
+
+def pricing_profile(name_or_path: str | HardwareProfile | None = None, note: Callable[[str], None] = _warn,
+                    say_fallback: bool = True) -> HardwareProfile:
+    """The one rule every command prices with: the profile named (a built-in or a JSON file), else this machine's
+    calibrated one, else the built-in FALLBACK_PROFILE. A profile without GPU figures (`hybrid calibrate` on a
+    machine without CUDA) keeps its own CPU figures and borrows only the GPU and link figures of FALLBACK_PROFILE.
+    `note` gets one line whenever figures are borrowed, and (unless say_fallback is False: an output that names
+    its profile anyway) when there is no calibrated profile."""
+    fallback = BUILTIN_PROFILES[FALLBACK_PROFILE]
+    if name_or_path is None and not default_profile_path().exists():
+        if say_fallback:
+            note(f"no calibrated profile at {default_profile_path()} (run `hybrid calibrate`): pricing with the "
+                 f"built-in {FALLBACK_PROFILE}")
+        return fallback
+    hw = resolve_profile(name_or_path)
+    if hw.has_gpu:
+        return hw
+    note(f"profile {hw.name!r} has no GPU figures (calibrated without a GPU): pricing with its own CPU figures "
+         f"(B_D, C_C) and only the GPU and link figures (C_G, B_H, B_L, alpha) of the built-in {FALLBACK_PROFILE}")
+    return with_borrowed_gpu(hw, fallback)

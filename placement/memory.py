@@ -4,13 +4,16 @@ The planner checks budgets with these figures before anything is read from disk,
 mirrors what the runtime allocates (the code each function mirrors is named in its docstring):
 
 GPU (VRAM):
-    non-expert weights  attention, norms, routers, shared experts, dense MLPs, embeddings, head
+    non-expert weights  attention, norms, routers, shared experts, dense MLPs, embeddings, head; the matrices of
+                        each part in its GPU dtype (gpu_weight_bytes: bf16, or hybrid.models.qweight's int8 /
+                        int4 / fp8 bytes + fp32 scales), everything else in the compute dtype
     KV cache            hybrid.runtime.kv_cache.StaticKVCache: B x (C + 1) x the attention kind's values per
                         token (ModelConfig.kv_values_per_token: grouped-query 2 x layers x Hkv x hd; MLA
                         layers x (kv_lora_rank + qk_rope_head_dim), the latent and the rope key)
     staging             hybrid.offload.lanes.ShipLane: n_slots x chunk experts, dense (+ packed raw
                         buffers when the packed layout is not the dense one)
-    graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output
+    graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output; with
+                        quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear)
     resident experts    3 x D x F each, de-quantized to the compute dtype (HybridExperts.set_resident)
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
@@ -24,7 +27,7 @@ Shapes: E experts, D hidden, F expert intermediate, K experts per token, B batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpu_kernels.dtypes import CPU_DTYPES as CPU_DTYPE_TABLE, NAMES as CPU_DTYPES  # the one table of CPU dtypes
 from placement.errors import UsageError
@@ -34,6 +37,35 @@ ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
 INT4_GROUP = CPU_DTYPE_TABLE["int4"].default_group  # hybrid.offload.Offload default group size
 DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
 GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
+GPU_KINDS = ("bf16", "int8", "int4", "fp8")  # per part: the compute dtype, or hybrid.models.qweight's kinds
+GPU_PARTS = ("attention", "shared", "dense", "embed", "head")  # hybrid.models.gpu_weights.PARTS
+QUANT_GROUP = 128  # hybrid.models.qweight.GROUP (int8 / int4 inputs per scale); fp8: 128 x 128 blocks
+DEQUANT_CHUNK_VALUES = 32 * 2**20  # hybrid.models.qweight.DEQUANT_CHUNK_VALUES
+
+
+def gpu_weight_bytes(kind: str, n: int, k: int, compute_bytes: int = 2) -> int:
+    """VRAM of one [n, k] matrix in GPU dtype `kind` (hybrid.models.qweight's formats, fp32 scales)."""
+    if kind == "bf16":
+        return compute_bytes * n * k
+    if kind == "int8":
+        return n * k + 4 * n * -(-k // QUANT_GROUP)
+    if kind == "int4":
+        return n * -(-k // 2) + 4 * n * -(-k // QUANT_GROUP)
+    if kind == "fp8":
+        return n * k + 4 * -(-n // 128) * -(-k // 128)
+    raise UsageError(f"GPU dtype must be one of {', '.join(GPU_KINDS)}, got {kind!r}")
+
+
+def non_expert_bytes(cfg, gpu_dtypes: dict, compute_bytes: int) -> dict[str, int]:
+    """VRAM of the non-expert weights per part (GPU_PARTS, + "other": norms, routers, gates, biases, in the
+    compute dtype), each part's matrices in its dtype from `gpu_dtypes` (missing: bf16)."""
+    out, matrix_params = {}, 0
+    for part, mats in cfg.gpu_matrices().items():
+        kind = gpu_dtypes.get(part, "bf16")
+        out[part] = sum(c * gpu_weight_bytes(kind, n, k, compute_bytes) for n, k, c in mats)
+        matrix_params += sum(c * n * k for n, k, c in mats)
+    out["other"] = (cfg.param_counts()["non_expert"] - matrix_params) * compute_bytes
+    return out
 
 
 def _align(v: int, a: int) -> int:
@@ -103,6 +135,7 @@ class MemorySettings:
     reserve: int = DEFAULT_RESERVE
     node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor
     group: int = INT4_GROUP
+    gpu_dtypes: dict = field(default_factory=dict)  # part (GPU_PARTS) -> GPU_KINDS; missing parts: bf16
 
     def __post_init__(self):
         if self.max_context < 2:
@@ -120,6 +153,10 @@ class MemorySettings:
         if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
             raise UsageError(f"every NUMA node needs >= 1 thread, got {self.node_threads}")
         object.__setattr__(self, "node_threads", tuple(int(t) for t in self.node_threads))
+        for part, kind in self.gpu_dtypes.items():
+            if part not in GPU_PARTS or kind not in GPU_KINDS:
+                raise UsageError(f"GPU dtype {part}={kind!r}: parts are {', '.join(GPU_PARTS)}, dtypes "
+                                 f"{', '.join(GPU_KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +172,7 @@ class MemoryBreakdown:
     dram_expert: int  # DRAM bytes of ONE expert (packed)
     dram_experts_all: int  # every expert of every MoE layer
     pinned_buffers: int
+    parts: dict = field(default_factory=dict)  # non_expert split by part (non_expert_bytes), for reports
 
     @property
     def gpu_fixed(self) -> int:
@@ -166,7 +204,8 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     """The fixed memory of model `cfg` (a hybrid.models.ModelConfig) under settings `s`."""
     D, F, K = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
     gb = s.gpu_dtype_bytes
-    non_expert = cfg.param_counts()["non_expert"] * gb + expert_bias_bytes(cfg) + router_fp32_bytes(cfg, gb)
+    parts = non_expert_bytes(cfg, s.gpu_dtypes, gb)
+    non_expert = sum(parts.values()) + expert_bias_bytes(cfg) + router_fp32_bytes(cfg, gb)
     kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * gb
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
@@ -186,11 +225,14 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     lane_rows = 2 * rows + 2 * GRAPH_MAX_ROWS
     graph = (16 * B * width * gb + 2 * B * cfg.num_heads * (s.max_context + 1) * 4 + 2 * B * cfg.vocab_size * 4
              + lane_rows * D * gb)
+    if any(k != "bf16" for k in s.gpu_dtypes.values()):  # one de-quantized row chunk (or MLA's kv_b) at a time
+        kv_b = 0 if cfg.mla is None else cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim) * cfg.mla.kv_lora_rank
+        graph += max(DEQUANT_CHUNK_VALUES, kv_b) * gb
     pinned = lane_rows * (2 * D * gb + K * 8)
     n_experts = cfg.num_moe_layers * cfg.num_experts
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
                            resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed,
-                           pinned_buffers=pinned)
+                           pinned_buffers=pinned, parts=parts)
 
 
 def gib(n: float) -> str:

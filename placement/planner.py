@@ -4,12 +4,15 @@
     check_budgets(cfg, settings)            # UsageError before any weight is read, if nothing can work
     p = plan(cfg, stats, hw, settings)      # -> Plan; p.save(path); load_plan(path)
 
-Choice of resident experts: after the fixed part of VRAM (placement.memory), the rest holds
-floor(left / bytes per expert) experts, chosen across ALL layers by predicted decode time saved per
-byte (placement.predict.decode_savings over the measured routing shares): a skewed layer, whose top
-experts take most tokens, gets more residents than a flat one. Every resident expert costs the same
-bytes, so the greedy choice by saving per byte is optimal for this additive objective. Ties (uniform
-statistics) are broken round-robin over layers, so flat statistics give every layer the same count.
+Choice of resident experts: after the fixed part of VRAM (placement.memory), the rest holds up to
+floor(left / bytes per expert) experts, chosen greedily across ALL layers by the seconds each saves in its
+layer's decode makespan, max(CPU lane, GPU lane) (placement.predict.DecodeLanes: the lanes run at once, and the
+CPU lane's fixed part goes with the layer's last cold expert), per byte (choose_resident_by_makespan): a skewed
+layer, whose top experts take most tokens, gets more residents than a flat one, and an expert the CPU would run
+faster than the GPU is still placed while the CPU lane is the longer one. Picking stops when no further resident
+shortens a layer, so VRAM may stay idle. Ties (uniform statistics) are broken round-robin over layers, so flat
+statistics give every layer the same count. Experts unseen while profiling get a prior of half a token
+(placement.routing_stats.PRIOR_TOKENS): free VRAM goes to them last, but it does go to them.
 
 NUMA: the CPU executor splits every expert's F across the nodes in proportion to their threads and
 keeps each slice in node-local memory (never a copy per node); the plan reports each node's slice and
@@ -25,12 +28,12 @@ import numpy as np
 from placement.errors import UsageError
 from placement.cost_model import ExpertShape
 from placement.hardware import HardwareProfile
-from placement.memory import (MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, packed_expert_bytes,
-                              packed_slice_bytes)
+from placement.memory import (GPU_PARTS, MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, non_expert_bytes,
+                              packed_expert_bytes, packed_slice_bytes)
 from placement.plan_file import LayerPlan, Plan
-from placement.predict import (decode_floor, decode_layer_time, decode_savings, gpu_shape_of, non_expert_step_time,
-                               prefill_layer_time)
-from placement.routing_stats import RoutingStats
+from placement.predict import (decode_floor, decode_lanes, decode_layer_time, gpu_shape_of,
+                               non_expert_step_time, prefill_layer_time)
+from placement.routing_stats import PRIOR_TOKENS, RoutingStats
 from placement.schedule import LayerScheduler
 
 DEFAULT_PREFILL_TOKENS = 512
@@ -65,6 +68,13 @@ def expert_shapes(cfg, s: MemorySettings) -> tuple[ExpertShape, ExpertShape]:
     return cpu, gpu_shape_of(cpu, s.gpu_dtype_bytes)
 
 
+def _smaller_gpu_hint(s: MemorySettings) -> str:
+    """What --gpu-dtype could still take off the weights (nothing once every part is int4)."""
+    if all(s.gpu_dtypes.get(p) == "int4" for p in GPU_PARTS):
+        return ""
+    return " (or --gpu-dtype int4: 4-bit GPU weights)"
+
+
 def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
     """Fail (UsageError) when no placement can fit: the GPU's fixed part or the DRAM part is too big.
     Uses the config only, so it runs before any weight is loaded."""
@@ -76,7 +86,7 @@ def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
             f"expert (non-expert weights {gib(mem.non_expert)}, KV cache {gib(mem.kv_cache)} for "
             f"--max-context {s.max_context} x --max-batch {s.max_batch}, staging {gib(mem.staging)}, graph buffers "
             f"{gib(mem.graph_buffers)}, reserve {gib(mem.reserve)}); raise --gpu-budget to at least "
-            f"{gib(mem.gpu_fixed)} or lower --max-context / --max-batch")
+            f"{gib(mem.gpu_fixed)} or lower --max-context / --max-batch{_smaller_gpu_hint(s)}")
     if mem.cpu_total > settings.cpu_budget:
         smaller = [d for d in ("int8", "int4") if d != s.cpu_dtype and
                    breakdown(cfg, replace(s, cpu_dtype=d)).cpu_total <= settings.cpu_budget]
@@ -90,7 +100,9 @@ def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
 
 
 def choose_resident(savings: np.ndarray, expert_bytes: int, budget_bytes: int) -> np.ndarray:
-    """bool [L, E]: the experts with the largest saving per byte that fit in `budget_bytes`.
+    """bool [L, E]: the experts with the largest saving per byte that fit in `budget_bytes`, for savings
+    that add up (each expert's alone, as decode_savings gives them). The planner does not use it: a
+    layer's lanes run at once, so what an expert saves depends on the others (choose_resident_by_makespan).
 
     Only experts that save time (> 0) are taken. Ties go round-robin over layers (rank within its layer
     first, then layer index), so equal savings spread evenly."""
@@ -108,6 +120,56 @@ def choose_resident(savings: np.ndarray, expert_bytes: int, budget_bytes: int) -
     return chosen
 
 
+def choose_resident_by_makespan(lanes: list, expert_bytes: int, budget_bytes: int) -> np.ndarray:
+    """bool [L, E]: resident experts for layers whose decode step costs max(CPU lane, GPU lane)
+    (placement.predict.DecodeLanes, one per layer), chosen greedily across all layers by the makespan
+    seconds each saves per byte, within `budget_bytes`.
+
+    A pick changes only its own layer's lanes, so a priority queue holds each layer's best next pick
+    (next_resident) and only the picked layer's entry is recomputed. Picking stops when the best pick
+    saves nothing (every further resident would lengthen the GPU lane past the CPU lane) or the budget
+    is full. Ties go round-robin: fewest residents in the layer first, then layer index, so equal
+    layers end with equal counts +-1."""
+    import heapq
+
+    L = len(lanes)
+    E = len(lanes[0].cpu) if L else 0
+    chosen = np.zeros((L, E), dtype=bool)
+    n = int(max(budget_bytes, 0) // expert_bytes) if expert_bytes > 0 else 0
+    queue = []
+    for li in range(L if n else 0):
+        saved, e = next_resident(lanes[li], chosen[li])
+        queue.append((-saved / expert_bytes, 0, li, e))
+    heapq.heapify(queue)
+    taken = 0
+    while queue and taken < n:
+        per_byte, count, li, e = heapq.heappop(queue)
+        if -per_byte <= 0 or e < 0:
+            break  # the best pick left saves nothing, so no other does
+        chosen[li, e] = True
+        taken += 1
+        saved, e = next_resident(lanes[li], chosen[li])
+        heapq.heappush(queue, (-saved / expert_bytes, count + 1, li, e))
+    return chosen
+
+
+def next_resident(lanes, resident: np.ndarray) -> tuple[float, int]:
+    """(seconds saved, expert id) of the best cold expert to make resident in one layer, (0.0, -1) when
+    none is cold. Moving expert e takes its CPU time c_e off the CPU lane (and the lane's fixed part with
+    the last cold expert) and adds its GPU time g_e to the GPU lane, so with makespan T it saves
+    min(T - cpu + c_e, T - gpu - g_e). Among equal savings the largest CPU time wins, then the lowest id."""
+    cold = np.flatnonzero(~resident)
+    if cold.size == 0:
+        return 0.0, -1
+    gpu = float(lanes.gpu[resident].sum()) if resident.any() else 0.0
+    cpu = lanes.cpu_fixed + float(lanes.cpu[cold].sum())
+    span = max(cpu, gpu)
+    freed = lanes.cpu[cold] if cold.size > 1 else np.array([cpu])
+    saved = np.minimum(span - cpu + freed, span - gpu - lanes.gpu[cold])
+    best = np.lexsort((cold, -lanes.cpu[cold], -saved))[0]  # last key sorts first
+    return float(saved[best]), int(cold[best])
+
+
 def numa_split(cfg, s: MemorySettings, cold_experts: int) -> list[dict]:
     """Per node: its threads, its slice of F and the DRAM bytes of its slices of all experts / cold ones."""
     D, F = cfg.hidden_size, cfg.expert_intermediate_size
@@ -122,12 +184,20 @@ def numa_split(cfg, s: MemorySettings, cold_experts: int) -> list[dict]:
     return out
 
 
+def gpu_read_bytes(cfg, s: MemorySettings) -> int:
+    """Bytes of non-expert weights a step reads on the GPU, each part in its GPU dtype: all but the embedding
+    table, which is gathered (predict.non_expert_step_time)."""
+    parts = non_expert_bytes(cfg, s.gpu_dtypes, s.gpu_dtype_bytes)
+    return sum(parts.values()) - parts["embed"]
+
+
 def decode_step_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, rows: int) -> float:
     """Predicted seconds of one decode step of `rows` rows: routing shares [L, E], resident bool [L, E].
     The step attends the whole cache (decode graphs' shapes are fixed at capture, so they read all
     max_context positions whatever the sequence length), plus the measured per-layer graph floor."""
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
-    t = non_expert_step_time(cfg, hw, rows, s.max_context, s.gpu_dtype_bytes) + decode_floor(cfg, hw)
+    t = non_expert_step_time(cfg, hw, rows, s.max_context, s.gpu_dtype_bytes, weight_bytes=gpu_read_bytes(cfg, s))
+    t += decode_floor(cfg, hw)
     return t + sum(decode_layer_time(cpu_shape, gpu_shape, hw, sh, res, rows) for sh, res in zip(shares, resident))
 
 
@@ -139,11 +209,13 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     stats.check_model(cfg)
     s = settings.memory
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
-    shares = stats.decode_shares()  # [L, E] decode: what residency is for
+
+    # [L, E] decode: what residency is for; with a prior, so an expert unseen while profiling still ranks
+    shares = stats.decode_shares(prior=PRIOR_TOKENS)
     pre_shares = stats.prefill_shares()  # [L, E] prompts (the same when decode was not recorded apart)
     rows = settings.decode_rows
-    savings = np.stack([decode_savings(cpu_shape, gpu_shape, hw, sh, rows) for sh in shares])  # [L, E]
-    resident = choose_resident(savings, mem.resident_expert, settings.gpu_budget - mem.gpu_fixed)  # [L, E]
+    lanes = [decode_lanes(cpu_shape, gpu_shape, hw, sh, rows) for sh in shares]
+    resident = choose_resident_by_makespan(lanes, mem.resident_expert, settings.gpu_budget - mem.gpu_fixed)  # [L, E]
 
     n_res = int(resident.sum())
     gpu_bytes = mem.gpu_fixed + n_res * mem.resident_expert
@@ -154,17 +226,19 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     sched = LayerScheduler(cpu_shape, hw, "cost")
     gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
     P = min(settings.prefill_tokens, s.max_context)
-    prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True)  # causal: P/2 keys on average
+    prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True, weight_bytes=gpu_read_bytes(cfg, s))  # causal: P/2 keys on average
     layers = []
     for li, (layer, sh) in enumerate(zip(stats.layers, pre_shares)):
         prefill_s += prefill_layer_time(sched, gpu_sched, sh, resident[li], P)
         ids = np.nonzero(resident[li])[0]
-        layers.append(LayerPlan(layer, tuple(int(e) for e in ids), float(savings[li, ids].sum())))
+        saved = lanes[li].layer_time(np.zeros_like(resident[li])) - lanes[li].layer_time(resident[li])
+        layers.append(LayerPlan(layer, tuple(int(e) for e in ids), float(saved)))
     cold = cfg.num_moe_layers * cfg.num_experts - n_res
     memory = {
         "gpu": {"non_expert": mem.non_expert, "kv_cache": mem.kv_cache, "staging": mem.staging,
                 "graph_buffers": mem.graph_buffers, "reserve": mem.reserve,
-                "resident_experts": n_res * mem.resident_expert, "per_resident_expert": mem.resident_expert},
+                "resident_experts": n_res * mem.resident_expert, "per_resident_expert": mem.resident_expert,
+                "non_expert_parts": dict(mem.parts)},
         "cpu": {"experts": mem.dram_experts_all, "cold_experts": cold * mem.dram_expert,
                 "pinned_buffers": mem.pinned_buffers, "per_expert": mem.dram_expert},
     }
@@ -174,7 +248,8 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
                "moe_layers": list(stats.layers), "attention": cfg.attention_kind,
                "kv_bytes_per_token": cfg.kv_values_per_token * gb},
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
-                  "gpu_dtype_bytes": gb, "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
+                  "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in GPU_PARTS},
+                  "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,
                   "profile": hw.name, "stats": stats.source or {"kind": "measured"}},
         gpu_bytes=gpu_bytes, gpu_budget_bytes=settings.gpu_budget, cpu_bytes=mem.cpu_total,

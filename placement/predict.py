@@ -14,7 +14,7 @@ histogram round(P * share).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,30 +46,51 @@ def expected_gpu_time(shape: ExpertShape, hw: HardwareProfile, shares, rows: int
 
 
 def decode_savings(cpu_shape: ExpertShape, gpu_shape: ExpertShape, hw: HardwareProfile, shares, rows: int) -> np.ndarray:
-    """[E] seconds per decode step saved by making each expert resident: its expected CPU-lane time
-    minus its expected GPU time. (The activation rows cross the link whenever any cold expert is used,
-    so they do not depend on one expert's placement and are left out.)"""
+    """[E] each expert's expected CPU time minus its expected GPU time: what making it resident would save
+    if the two lanes ran one after the other. They run at once (decode_layer_time), so this is NOT the
+    saving of a placement (an expert the CPU runs faster than the GPU still shortens a layer whose CPU
+    lane is the longer one); the planner prices residency with decode_lanes. Kept as the per-expert view."""
     return expected_cpu_time(cpu_shape, hw, shares, rows) - expected_gpu_time(gpu_shape, hw, shares, rows)
 
 
-def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, resident, rows: int) -> float:
-    """Expected seconds of one MoE layer's experts in a decode step of `rows` tokens (graph split)."""
+@dataclass(frozen=True)
+class DecodeLanes:
+    """One MoE layer's decode-step costs, the parts that decode_layer_time adds up per lane: each expert's
+    expected seconds on the CPU lane if cold and on the GPU lane if resident, and the CPU lane's fixed
+    seconds, paid whenever the layer has a cold expert (used or not) and gone when it has none."""
+    cpu: np.ndarray  # [E]
+    gpu: np.ndarray  # [E]
+    cpu_fixed: float
+
+    def layer_time(self, resident) -> float:
+        """max(CPU lane, GPU lane) with the bool [E] `resident` experts on the GPU."""
+        resident = np.asarray(resident, dtype=bool)
+        gpu = float(self.gpu[resident].sum()) if resident.any() else 0.0
+        cpu = self.cpu_fixed + float(self.cpu[~resident].sum()) if not resident.all() else 0.0
+        return max(cpu, gpu)
+
+
+def cpu_lane_fixed(cpu_shape: ExpertShape, hw: HardwareProfile, rows: int) -> float:
+    """Seconds a captured step's CPU lane costs in a layer with any cold expert, used or not: its copies,
+    host function and executor call. A measured graph_layer_floor already holds that part (decode_floor)."""
+    if hw.graph_layer_floor:
+        return 0.0
+    return hw.cpu_lane_overhead + float(activation_transfer_time(cpu_shape, hw, rows))
+
+
+def decode_lanes(cpu_shape: ExpertShape, gpu_shape: ExpertShape, hw: HardwareProfile, shares, rows: int) -> DecodeLanes:
+    """The lane costs of one layer with routing `shares` [E] at `rows` decode rows (see DecodeLanes)."""
     shares = np.asarray(shares, dtype=np.float64)
-    resident = np.asarray(resident, dtype=bool)
-    cold = ~resident
-    gpu = float(expected_gpu_time(gpu_shape, hw, shares[resident], rows).sum()) if resident.any() else 0.0
-    cpu = 0.0
-    if cold.any():
-        # A captured step runs the layer's CPU lane whenever the layer has cold experts, used or not: its
-        # copies, host function and executor call are paid every step, on top of the kernel time. A measured
-        # graph_layer_floor already holds that fixed part (see decode_floor).
-        fixed = 0.0
-        if not hw.graph_layer_floor:
-            fixed = hw.cpu_lane_overhead + float(activation_transfer_time(cpu_shape, hw, rows))
-        cpu = fixed + float(expected_cpu_time(cpu_shape, hw, shares[cold], rows).sum())
-    # No hw.layer_overhead: it prices an eager call's routing histogram to the host and its bookkeeping,
-    # which a captured decode step does not do (the split is fixed inside the graph).
-    return max(cpu, gpu)
+    return DecodeLanes(expected_cpu_time(cpu_shape, hw, shares, rows), expected_gpu_time(gpu_shape, hw, shares, rows),
+                       cpu_lane_fixed(cpu_shape, hw, rows))
+
+
+def decode_layer_time(cpu_shape, gpu_shape, hw: HardwareProfile, shares, resident, rows: int) -> float:
+    """Expected seconds of one MoE layer's experts in a decode step of `rows` tokens (graph split): the
+    longer of the CPU lane (fixed part + cold experts) and the GPU lane (resident experts), which run at once.
+    No hw.layer_overhead: it prices an eager call's routing histogram to the host and its bookkeeping, which
+    a captured decode step does not do (the split is fixed inside the graph)."""
+    return decode_lanes(cpu_shape, gpu_shape, hw, shares, rows).layer_time(resident)
 
 
 def decode_floor(cfg, hw: HardwareProfile) -> float:
@@ -86,13 +107,17 @@ def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, sha
     return scheduler.decide(hist[~resident], batch_tokens=tokens, gpu_busy=busy, rows=tokens).total
 
 
-def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int, prefill: bool = False) -> float:
+def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int, prefill: bool = False,
+                         weight_bytes: float | None = None) -> float:
     """GPU seconds of everything but the routed experts for `rows` tokens that each attend `context`
     positions: the weight read or the FLOPs, whichever is larger, plus attention. Decode: every row reads
     its own K/V (bandwidth-bound). Prefill: the rows share one pass over K/V (fused attention tiles the
-    queries), so the causal scores' FLOPs dominate. The embedding table is gathered, not read whole."""
+    queries), so the causal scores' FLOPs dominate. The embedding table is gathered, not read whole.
+    weight_bytes: the bytes those weights hold on the GPU when some are quantized (placement.memory
+    non_expert_bytes without the embedding); default every one in `gb` bytes."""
     params = cfg.param_counts()["non_expert"] - cfg.vocab_size * cfg.hidden_size
-    weights = max(2.0 * rows * params / hw.gpu_flops, params * gb / hw.hbm_bw)
+    read = params * gb if weight_bytes is None else weight_bytes
+    weights = max(2.0 * rows * params / hw.gpu_flops, read / hw.hbm_bw)
     kv_bytes = context * cfg.kv_values_per_token * gb  # the attention kind's cache (MLA: latent + rope key)
     kv_read = (1 if prefill else rows) * kv_bytes / hw.hbm_bw
     attn_flops = rows * context * cfg.attention_flops_per_key(prefill) * cfg.num_layers / hw.gpu_flops

@@ -7,6 +7,13 @@ row sums to `tokens * topk`; `share = counts / tokens` is the probability that a
 order, for judging how long a hot set persists. `decode_counts` / `decode_tokens` are the part of them
 that generated tokens routed (decode steps): decode can route very differently from prompts, so the
 planner places and predicts decode by them and prefill by the rest, when they are recorded.
+
+A count of 0 is a sampling artefact, not a promise that the expert is never used: the planner reads
+decode shares with a prior (`decode_shares(prior=PRIOR_TOKENS)`, additive smoothing): every expert is
+credited PRIOR_TOKENS pseudo-tokens on top of its count, and the token total grows so that a row still
+sums to K: share = (count + a) / (tokens + a E / K). The prior weighs a / tokens against the data, so it
+fades as more tokens are counted; an unseen expert gets about a / tokens, below any expert seen once,
+so it is placed after every seen expert of its layer, but it is placed when VRAM is left.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ KIND = "hybrid-routing-stats"
 # More tokens than any profiling run records (a trillion); bounding them keeps every array the planner
 # derives from the counts small (a hand-edited 1e12 once asked for a multi-TiB allocation).
 MAX_TOKENS = 10**12
+# Pseudo-tokens credited to every expert when shares are read with a prior: half a token, the
+# Krichevsky-Trofimov (Jeffreys) estimate for a use/no-use outcome, small next to one observed token.
+PRIOR_TOKENS = 0.5
 
 
 def _counts(rows, what: str) -> np.ndarray:
@@ -95,11 +105,12 @@ class RoutingStats:
         """[L, E] probability that a token routes to each expert (rows sum to K); uniform without data."""
         return self._shares(self.counts, self.tokens)
 
-    def decode_shares(self) -> np.ndarray:
-        """[L, E] the same for generated tokens (decode steps); all tokens' when decode was not recorded."""
+    def decode_shares(self, prior: float = 0.0) -> np.ndarray:
+        """[L, E] the same for generated tokens (decode steps); all tokens' when decode was not recorded.
+        `prior`: pseudo-tokens added to every expert's count (see the module docstring; 0: the raw shares)."""
         if self.decode_counts is None or self.decode_tokens == 0:
-            return self.shares()
-        return self._shares(self.decode_counts, self.decode_tokens)
+            return self._shares(self.counts, self.tokens, prior)
+        return self._shares(self.decode_counts, self.decode_tokens, prior)
 
     def prefill_shares(self) -> np.ndarray:
         """[L, E] the same for prompt tokens; all tokens' when there were no others."""
@@ -107,10 +118,13 @@ class RoutingStats:
             return self.shares()
         return self._shares(self.counts - self.decode_counts, self.tokens - self.decode_tokens)
 
-    def _shares(self, counts: np.ndarray, tokens: int) -> np.ndarray:
+    def _shares(self, counts: np.ndarray, tokens: int, prior: float = 0.0) -> np.ndarray:
+        if prior < 0:
+            raise ValueError(f"a prior of {prior} pseudo-tokens; it must be >= 0")
         if tokens == 0:
             return np.full(self.counts.shape, self.topk / self.num_experts)
-        return counts / float(tokens)
+        # (count + a) / (tokens + a E / K): every expert gains a pseudo-tokens and a row still sums to K
+        return (counts + prior) / (tokens + prior * self.num_experts / self.topk)
 
     @classmethod
     def uniform(cls, cfg) -> "RoutingStats":

@@ -32,10 +32,13 @@ def test_cost_with_cpu_only_calibrated_profile_falls_back(capsys):
         default_profile_path().unlink()
 
 
-def test_cost_with_explicit_cpu_only_profile_is_one_line(tmp_path, capsys):
-    # an explicit --profile is what the user asked for: no silent substitution, one line, exit 2
+def test_cost_with_explicit_cpu_only_profile_keeps_its_cpu_figures(tmp_path, capsys):
+    """An explicit --profile without GPU figures is used for what it has: its CPU figures, the GPU and link figures
+    borrowed from the built-in fallback, and a note saying exactly that."""
     p = tmp_path / "cpu.json"
     _cpu_only_profile(p)
-    assert main(["cost", "--profile", str(p), "--tokens", "1"]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "no GPU" in err
+    assert main(["cost", "--profile", str(p), "--tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "cpu-box" in err and "ktransformers-paper" in err and "T_C" in out
+
+

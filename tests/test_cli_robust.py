@@ -105,15 +105,6 @@ def test_calibrate_unwritable_out_before_measuring(tmp_path):
     assert "DRAM" not in r.stdout
 
 
-@pytest.mark.parametrize("bench", ["layer_sweep", "hybrid_e2e"])
-def test_bench_with_cpu_only_profile_is_one_line(tmp_path, bench):
-    _cpu_only_profile(tmp_path / "cpu.json")
-    r = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--profile", str(tmp_path / "cpu.json")],
-                       capture_output=True, text=True, env={**ENV, **os.environ}, timeout=300,
-                       cwd=Path(__file__).resolve().parents[1])  # bench/ runs from the checkout
-    one_line_exit_2(r, "has no GPU or link figures")
-
-
 @pytest.mark.parametrize("flag", ["--stats", "--profile"])
 def test_non_utf8_files(tiny, tmp_path, flag):
     bad = tmp_path / "bad.json"
@@ -225,3 +216,15 @@ def test_missing_kernels_fall_back_loudly(monkeypatch, caplog):
         monkeypatch.undo()
         _native.why_unavailable.cache_clear()
         _native.default_isa.cache_clear()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bench.make_checkpoint", "--preset", "demo", "--layers", "0", "--out", "OUT"], "--layers"),
+    (["bench.quality", "--settings", "cpu:int9"], "unknown setting"),
+    (["bench.quality", "--settings", "cpu:int8:64"], "only int4 takes a group size"),
+])
+def test_bad_bench_arguments_are_one_line(tmp_path, argv, needle):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env={**ENV, **os.environ},
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    one_line_exit_2(r, needle)

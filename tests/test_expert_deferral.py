@@ -89,14 +89,16 @@ def test_bad_deferral_settings_are_refused(ckpt):
         HybridConfig(defer_experts=1, replace="online")
 
 
-def test_deferral_effect_bench_reports_tokens_and_perplexity(ckpt, tmp_path):
+def test_quality_bench_reports_tokens_and_perplexity(ckpt, tmp_path):
     import json
 
-    from bench.deferral_effect import main
+    from bench.quality import main
 
     out = tmp_path / "d.json"
-    assert main(["--model", str(ckpt), "--defer", "1", "--tokens", "6", "--device", "cpu", "--out", str(out)]) == 0
+    assert main(["--model", str(ckpt), "--settings", "defer:1,cpu:int4:64", "--new", "6", "--prompts", "2",
+                 "--device", "cpu", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["defer"] for r in rows] == [0, 1]
-    assert rows[0]["same_tokens"] == 1.0 and 0.0 <= rows[1]["same_tokens"] <= 1.0
+    assert [r["setting"] for r in rows] == ["ref", "defer:1", "cpu:int4:64"]
+    assert rows[0]["same_tokens"] == 1.0 and all(0.0 <= r["same_tokens"] <= 1.0 for r in rows)
     assert all(r["perplexity"] > 1.0 for r in rows)
+    assert rows[1]["perplexity"] != rows[0]["perplexity"]  # deferral changes the math

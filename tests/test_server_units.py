@@ -14,7 +14,7 @@ from hybrid.server.schemas import SamplingParams, parse_request
 def test_parse_completion_defaults_and_values():
     req = parse_request({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5,
                          "seed": 3, "stop": "x", "stream": True, "stream_options": {"include_usage": True},
-                         "some_vendor_extra": 1}, chat=False, max_choices=4)
+                         "user": "u1"}, chat=False, max_choices=4)
     assert req.prompts == ["hi"] and req.max_tokens == 5 and req.stream and req.include_usage
     assert req.sampling == SamplingParams(temperature=0.0, top_p=0.5, seed=3, stop=("x",))
     assert req.sampling.greedy
@@ -58,9 +58,10 @@ def test_parse_chat_normalises_messages():
     ({"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "some_vendor_extra": 1}, "some_vendor_extra"),
     ({"prompt": "x", "model": 3}, "model"),
 ])
 def test_parse_completion_rejects(body, param):

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 from hybrid.errors import UsageError
 from placement import cost_model as cm
-from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
+from placement.hardware import BUILTIN_PROFILES, FALLBACK_PROFILE, default_profile_path, pricing_profile, resolve_profile
 
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
-DEFAULT_PROFILE = "ktransformers-paper-avx512"  # without --profile or a calibrated profile with GPU figures
+GPU_OVERRIDES = ("gpu_flops", "hbm_bw", "link_bw", "alpha")
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -37,7 +37,8 @@ def parse_tokens(text: str) -> list[int]:
 def add_profile_args(p) -> None:
     p.add_argument("--profile", help=f"built-in profile ({', '.join(BUILTIN_PROFILES)}) or a JSON file from "
                    f"`hybrid calibrate`; default: this machine's calibrated profile ({default_profile_path()}) "
-                   "if present, else ktransformers-paper-avx512")
+                   f"if present, else {FALLBACK_PROFILE}; one calibrated without a GPU borrows {FALLBACK_PROFILE}'s "
+                   "GPU figures unless --gpu-flops --hbm-bw --link-bw --alpha give them")
     p.add_argument("--cpu-kernel", help="CPU kernel kind to price (a key of the profile's cpu_flops, or 'auto' "
                    "= the fastest at each m); default: the profile's")
     p.add_argument("--cpu-flops", type=float, help="override C_C, FLOP/s (replaces the profile's CPU kernels)")
@@ -59,19 +60,14 @@ def add_shape_args(p) -> None:
 
 
 def profile_from_args(args):
-    if args.profile is None:
-        hw = BUILTIN_PROFILES[DEFAULT_PROFILE]
-        if default_profile_path().exists():
-            calibrated = load_profile(default_profile_path())
-            gpu_given = all(getattr(args, k) is not None for k in ("gpu_flops", "hbm_bw", "link_bw", "alpha"))
-            if calibrated.has_gpu or gpu_given:
-                hw = calibrated
-            else:  # as generate and plan do: a CPU-only calibration cannot price the ship lane
-                print(f"note: the calibrated profile {default_profile_path()} has no GPU figures (calibrated "
-                      f"without a GPU); pricing with the built-in {DEFAULT_PROFILE} (pass --profile to choose)",
-                      file=sys.stderr)
-    else:
+    """placement.hardware.pricing_profile, as every command resolves it, with the command line's overrides; when
+    the overrides give every GPU figure, a profile without GPU figures borrows none."""
+    gpu_given = all(getattr(args, k) is not None for k in GPU_OVERRIDES)
+    if gpu_given and (args.profile is not None or default_profile_path().exists()):
         hw = resolve_profile(args.profile)
+    else:
+        hw = pricing_profile(args.profile, note=lambda line: print(f"note: {line}", file=sys.stderr),
+                             say_fallback=False)  # the output's first line names the profile
     if args.cpu_flops is not None:
         kind = args.cpu_kernel if args.cpu_kernel not in (None, "auto") else "override"
         hw = replace(hw, cpu_flops={kind: args.cpu_flops}, cpu_curves={}, cpu_kernel=kind)

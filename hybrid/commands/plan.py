@@ -13,6 +13,7 @@ import sys
 
 from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from hybrid.errors import UsageError
+from placement.hardware import FALLBACK_PROFILE
 
 
 def register(subparsers) -> None:
@@ -27,20 +28,24 @@ def register(subparsers) -> None:
                               "and predicted tokens/s. Fails before loading anything if the budgets cannot work.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
-    from hybrid.models.presets import PRESETS
-
-    src.add_argument("--preset", help="plan for a published model's config without its checkpoint "
-                     f"({', '.join(n for n in PRESETS if n != 'demo')})")
+    # the preset names are not listed here: reading them imports the model package and torch (slow --help)
+    src.add_argument("--preset", help="plan for a published model's config without its checkpoint (README, Models, "
+                     "lists them, e.g. qwen3-235b-a22b; an unknown name lists them too)")
     p.add_argument("--gpu-budget", required=True, metavar="SIZE", help="VRAM for everything (24GiB, 24000MB, bytes)")
     p.add_argument("--cpu-budget", required=True, metavar="SIZE", help="DRAM for the experts and pinned buffers")
     p.add_argument("--stats", metavar="FILE", help="routing statistics from `hybrid profile-routing` (default: uniform)")
     p.add_argument("--profile", help="hardware profile (built-in name or JSON from `hybrid calibrate`; default: this "
-                   "machine's calibrated one, else the built-in ktransformers-paper-amx)")
+                   f"machine's calibrated one, else the built-in {FALLBACK_PROFILE}; one calibrated without a GPU "
+                   f"borrows {FALLBACK_PROFILE}'s GPU figures)")
     add_max_context_argument(p)
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
     p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
                    help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
                    "checkpoints published in MXFP4 such as gpt-oss; mxfp4: 0.53125 bytes a weight)")
+    p.add_argument("--gpu-dtype", default="auto", choices=("auto", "bf16", "int8", "int4", "fp8"),
+                   help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
+                   "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "
+                   "bytes first; see placement/gpu_dtypes.py)")
     p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
                    help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")
@@ -71,9 +76,9 @@ def node_threads(args) -> tuple[int, ...]:
 
 
 def build_plan(args):
-    from hybrid.models.loader import read_config
+    from hybrid.models.checkpoints import read_config
     from hybrid.loading.parse import parse_bytes
-    from hybrid.offload.build import scheduler_profile
+    from placement.hardware import pricing_profile
     from placement.memory import MemorySettings
     from placement.planner import PlanSettings, plan
     from placement.routing_stats import load_stats
@@ -100,19 +105,19 @@ def build_plan(args):
 
             model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
         _, cfg, raw = read_config(model_dir)
-    if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
         from hybrid.offload.config import default_cpu_dtype
 
         mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
         settings = replace(settings, memory=mem)
+    from placement.gpu_dtypes import checkpoint_kind, choose
+
+    mem = replace(mem, gpu_dtypes=choose(cfg, mem, settings.gpu_budget, args.gpu_dtype, checkpoint_kind(raw)))
+    settings = replace(settings, memory=mem)
     stats = load_stats(args.stats) if args.stats else None
-    hw = scheduler_profile(args.profile)
-    if not hw.has_gpu:  # plan() prices residency with the GPU figures: there is nothing to predict without them
-        raise UsageError(f"profile {hw.name!r} has no GPU figures (calibrated without a GPU), and a plan prices VRAM "
-                         "and the link with them: pass --profile with GPU figures (a built-in such as "
-                         "ktransformers-paper-amx, or one calibrated on the GPU machine)")
+    hw = pricing_profile(args.profile, note=lambda line: print(f"note: {line}", file=sys.stderr))
     return plan(cfg, stats, hw, settings), model_dir, hw
 
 
@@ -125,11 +130,15 @@ def prediction_basis(hw, cuda: bool | None = None) -> dict:
     figures = (f"C_G {hw.gpu_flops / 1e12:.0f} TFLOP/s, HBM {hw.hbm_bw / 1e9:.0f} GB/s, link {hw.link_bw / 1e9:.0f} GB/s, "
                f"DRAM {hw.dram_bw / 1e9:.0f} GB/s")
     source = "built-in" if hw.source != "calibrated" else "calibrated"
+    donor = hw.machine.get("gpu_figures_from")  # a CPU-only calibration: only its CPU figures are this machine's
+    whose = (f"the built-in {donor}'s GPU figures (profile {hw.name}: CPU calibrated without a GPU)" if donor
+             else f"profile {hw.name}'s ({source}) GPU figures")
+    if donor:
+        source = f"calibrated CPU, built-in {donor} GPU"
     if cuda:
-        note = f"assumes profile {hw.name}'s ({source}) GPU figures: {figures}"
+        note = f"assumes {whose}: {figures}"
     else:
-        note = (f"HYPOTHETICAL: this machine has no CUDA device; the prediction assumes profile {hw.name}'s "
-                f"({source}) GPU figures: {figures}")
+        note = f"HYPOTHETICAL: this machine has no CUDA device; the prediction assumes {whose}: {figures}"
     return {"profile": hw.name, "profile_source": source, "cuda_device_here": cuda, "hypothetical": not cuda,
             "note": note}
 
@@ -161,6 +170,16 @@ def kv_note(model: dict) -> str:
     return f"; {kind}: {model['kv_bytes_per_token'] / 1024:.1f} KiB per token"
 
 
+def gpu_weights_line(p) -> list[str]:
+    """Each non-expert part's GPU dtype and bytes (plans written before GPU dtypes existed: nothing)."""
+    from placement.gpu_dtypes import describe as describe_dtypes
+
+    dtypes, parts = p.settings.get("gpu_dtypes"), p.memory["gpu"].get("non_expert_parts")
+    if not dtypes or not parts:
+        return []
+    return [f"GPU weights: {describe_dtypes(dtypes, parts)}, other (norms, routers, biases) {parts['other'] / 2**20:.1f} MiB"]
+
+
 def describe(p, model_dir: str) -> str:
     from placement.memory import gib
 
@@ -173,6 +192,7 @@ def describe(p, model_dir: str) -> str:
         f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model)}), staging {gib(g['staging'])}, "
         f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
         f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
+        *gpu_weights_line(p),
         f"DRAM {gib(p.cpu_bytes)} of {gib(p.cpu_budget_bytes)}: experts {gib(c['experts'])} (cold "
         f"{gib(c['cold_experts'])}), pinned buffers {gib(c['pinned_buffers'])}",
         "resident experts per layer: " + " ".join(f"{lp.layer}:{len(lp.resident_experts)}" for lp in p.layers),

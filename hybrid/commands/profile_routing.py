@@ -137,12 +137,16 @@ class RoutingRecorder:
             h.remove()
 
 
-def profile(engine, token_lists: list[list[int]], window: int, decode_tokens: int = 0):
+def profile(engine, token_lists: list[list[int]], window: int, decode_tokens: int = 0, progress: bool = False):
     """Prefill every prompt (fresh slot each) in chunks ending on window boundaries, then decode
-    `decode_tokens` greedy tokens one step at a time.
+    `decode_tokens` greedy tokens one step at a time; with `progress`, a bar counts the prompts (a run takes
+    about a minute even on a small model, and says nothing else until it is done).
     -> (layers, total counts [L, E], tokens, series [(tokens, counts [L, E])], decode counts [L, E] (the part
     of the total the decode steps routed), decode tokens)."""
+    from hybrid.loading.progress import progress_bar
+
     rec = RoutingRecorder(engine.model)
+    bar = progress_bar(total=len(token_lists), desc="profiling routing", unit="prompt", disable=not progress)
     series, in_window, tokens, n_decode = [], 0, 0, 0
 
     def count(n):
@@ -172,9 +176,11 @@ def profile(engine, token_lists: list[list[int]], window: int, decode_tokens: in
                 rec.decoding = False
             finally:
                 engine.free_slot(slot)
+            bar.update(1)
         if in_window:
             series.append((in_window, rec.cut()))
     finally:
+        bar.close()
         rec.close()
     return rec.layers, rec.total, tokens, series, rec.decode, n_decode
 
@@ -195,8 +201,10 @@ def run(args) -> int:
     token_lists = [t for t in (s.tokenizer.encode(p) for p in prompts) if t]
     if not token_lists:
         raise UsageError("the prompts encode to no tokens")
+    from cpu_kernels.knobs import knobs
+
     layers, counts, tokens, series, dec_counts, dec_tokens = profile(s.engine, token_lists, args.window,
-                                                                     args.decode_tokens)
+                                                                     args.decode_tokens, progress=not knobs().no_progress)
     cfg = s.engine.model.cfg
     stats = RoutingStats(cfg.num_experts, cfg.experts_per_token, tuple(layers), counts, tokens, args.window,
                          tuple(series), {"kind": "measured", "model": s.model_dir, "demo_random_weights": s.demo,

@@ -45,12 +45,19 @@ def register(subparsers) -> None:
     p.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="SECONDS",
                    help="a client must send a request's headers, and then its body, within this many seconds "
                    "(also the longest an idle keep-alive connection stays open); default %(default)s")
+    p.add_argument("--max-messages", type=int, default=d.max_messages, metavar="N",
+                   help="messages in one chat request; more get 400 (default %(default)s, as OpenAI)")
+    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to this many "
+                   "seconds, then end them with a 503 (streams: an error event) and exit 0; a second signal "
+                   "exits at once (default %(default)s)")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES) + [EXACT_DTYPE],
                    help="default: bfloat16 on the GPU, float32 on the CPU; float64 (plain model only) makes "
                    "greedy output independent of batching, for exactness tests")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
-    p.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    p.add_argument("--served-model-name", help="the model id clients send: printable UTF-8 text (default: the "
+                   "directory name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_hybrid_arguments(p)
     p.set_defaults(func=run)
@@ -69,7 +76,7 @@ def run(args) -> int:
     from cpu_kernels.knobs import knobs
     from hybrid.server.adapter import load_runtime
     from hybrid.server.app import serve
-    from hybrid.server.config import ServerConfig
+    from hybrid.server.config import ServerConfig, model_name_problem
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api_key = args.api_key if args.api_key is not None else knobs().api_key
@@ -77,7 +84,8 @@ def run(args) -> int:
         config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                               max_context=args.max_context, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, prefill_chunk=args.prefill_chunk,
-                              served_model_name=args.served_model_name, read_timeout_s=args.read_timeout)
+                              served_model_name=args.served_model_name, read_timeout_s=args.read_timeout,
+                              max_messages=args.max_messages, shutdown_grace_s=args.shutdown_grace)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.plan is not None and not os.path.isfile(args.plan):  # (--plan comes with the hybrid flags)
@@ -86,8 +94,11 @@ def run(args) -> int:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
     runtime, name = load_runtime(args)  # the session warms the engine up (graph capture) on a GPU
+    name = config.served_model_name or name
+    if model_name_problem(name) is not None:  # a directory name that is not printable UTF-8
+        raise UsageError(f"{model_name_problem(name)} (the model directory's name); pass --served-model-name")
     try:
-        serve(config, runtime, config.served_model_name or name)
+        serve(config, runtime, name)
     except OSError as exc:  # port in use, address not available
         raise UsageError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
     return 0

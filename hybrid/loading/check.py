@@ -1,9 +1,10 @@
 """Check: the refusals made before any weight is read, each one line (UsageError), and the warnings about a
 tokenizer that does not fit its model.
 
-config.json is read against the safetensors headers, then the KV cache's size against free memory, then a
-plan against the model it was made for and a --gpu-budget against the non-expert weights + KV cache
-(placement.memory computes both from config.json alone): minutes of loading never end in a refusal.
+config.json is read against the safetensors headers, then the KV cache's size against free memory, then the
+whole process's DRAM against what this machine has (hybrid.loading.dram), then a plan against the model it was
+made for and a --gpu-budget against the non-expert weights + KV cache (placement.memory computes these from
+config.json alone): minutes of loading never end in a refusal, nor in the OOM killer.
 """
 
 from __future__ import annotations
@@ -20,25 +21,114 @@ def check_before_load(model_dir: str, config: SessionConfig):
     """Every check that needs only config.json and the headers; returns the model's config and the session
     config with the checkpoint's defaults filled in (the CPU experts' dtype), so that what is checked is
     what is loaded."""
-    from hybrid.models.loader import check_checkpoint, read_config
+    from hybrid.models.checkpoints import check_checkpoint, read_config
     from hybrid.offload.config import checkpoint_cpu_dtype
     from hybrid.runtime.engine import check_kv_cache_fits
 
     rt = config.runtime
     cfg = check_checkpoint(model_dir)
+    raw = read_config(model_dir)[2]
     if config.hybrid is not None:
-        config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, read_config(model_dir)[2]))
+        config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, raw))
+    config = replace(config, gpu_dtypes=gpu_dtypes_for(cfg, raw, config))
     check_kv_cache_fits(cfg, rt.max_batch, rt.max_context, config.dtype, config.device)
+    check_dram(cfg, config)
     if config.hybrid is not None:
-        check_placement(model_dir, config.hybrid, rt.max_context, rt.max_batch, config.dtype)
+        check_placement(model_dir, config.hybrid, rt.max_context, rt.max_batch, config.dtype, config.gpu_dtypes)
     return cfg, config
 
 
-def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype) -> None:
+SMALLER_CPU_DTYPES = ("bf16", "int8", "int4")  # what --cpu-dtype can shrink the experts to, largest first
+
+
+def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = None) -> None:
+    """The process's DRAM for this model, device and dtypes against what this machine has; above it, one line
+    that names the parts, the memory available and what to change."""
+    from hybrid.loading.dram import available_dram, check_dram_fits, model_dram
+
+    dtype_bytes = torch.empty((), dtype=config.dtype).element_size()
+    if dtype_bytes not in (2, 4):  # float64 exactness runs (the server's) are for small models
+        return
+    on_cpu, rt = config.device.type != "cuda", config.runtime
+    cpu_dtype = config.hybrid.cpu_dtype if config.hybrid is not None else None
+    need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch)
+    available = available or available_dram()
+    if need.total <= available[0]:
+        return
+    what = f"the model ({cfg.num_layers} layers{', no CUDA device: all of it on the CPU' if on_cpu else ''})"
+    check_dram_fits(need, what, dram_change(cfg, config, need, available[0]), available)
+
+
+def dram_change(cfg, config: SessionConfig, need, available: int) -> str:
+    """What to change, most effective first: the first smaller --cpu-dtype that fits (said with its need), a
+    lower --max-context when the KV cache is a large part, fewer layers."""
+    from hybrid.loading.dram import gib, model_dram
+
+    dtype_bytes = torch.empty((), dtype=config.dtype).element_size()
+    on_cpu, rt = config.device.type != "cuda", config.runtime
+    current = config.hybrid.cpu_dtype if config.hybrid is not None else None
+    order = SMALLER_CPU_DTYPES
+    smaller = order if current is None else order[order.index(current) + 1:] if current in order else ()
+    options = []
+    for dt in smaller:
+        total = model_dram(cfg, on_cpu, dtype_bytes, dt, rt.max_context, rt.max_batch).total
+        if total <= available:
+            options.append(f"--cpu-dtype {dt} (experts packed for the CPU executor: about {gib(total)})")
+            break
+    kv = dict(need.parts).get("KV cache", 0)
+    if kv > need.total // 10:
+        options.append(f"a lower --max-context (the KV cache is {gib(kv)} at {rt.max_context} x {rt.max_batch})")
+    options.append("a checkpoint with fewer layers (python -m bench.make_checkpoint --layers N)")
+    return "use " + ", or ".join(options)
+
+
+def without_cpu_residents(config: SessionConfig, log) -> SessionConfig:
+    """Resident experts are copies of hot experts in VRAM. Without CUDA they would be second copies in DRAM of
+    experts the CPU executor already holds, which only cost memory: none are made, and the log says so (a plan's
+    residents are skipped by hybrid.loading.place)."""
+    h = config.hybrid
+    if h is None or config.device.type == "cuda":
+        return config
+    asked = [flag for flag, given in ((f"--gpu-experts {h.gpu_experts}", bool(h.gpu_experts)),
+                                      ("--gpu-budget", h.gpu_budget is not None),
+                                      ("--plan's resident experts", h.plan is not None)) if given]
+    if not asked:
+        return config
+    log(f"hybrid: no CUDA device: {' and '.join(asked)} makes no resident experts here (they need a GPU; on the "
+        "CPU they would be second copies in DRAM of experts the CPU executor holds); every expert runs from that one "
+        "copy")
+    if h.plan is not None:
+        return config
+    return replace(config, hybrid=replace(h, gpu_experts=0, gpu_budget=None))
+
+
+def gpu_dtypes_for(cfg, raw: dict, config: SessionConfig) -> dict | None:
+    """The non-expert parts' GPU dtypes (placement.gpu_dtypes.choose: --gpu-dtype, auto under --gpu-budget), or
+    a plan's; None when every part stays in the compute dtype."""
+    from placement.gpu_dtypes import checkpoint_kind, choose
+    from placement.memory import MemorySettings
+
+    hcfg, rt = config.hybrid, config.runtime
+    planned = hcfg.plan.settings.get("gpu_dtypes") if hcfg is not None and hcfg.plan is not None else None
+    if planned and config.gpu_dtype == "auto":
+        dtypes = dict(planned)
+    elif planned and any(k != config.gpu_dtype for k in planned.values()):
+        raise UsageError(f"--gpu-dtype {config.gpu_dtype} differs from the plan's GPU dtypes ({planned}); make a new "
+                         f"plan with `hybrid plan --gpu-dtype {config.gpu_dtype}` or drop --gpu-dtype")
+    else:
+        s = MemorySettings(max_context=rt.max_context, max_batch=rt.max_batch,
+                           cpu_dtype=hcfg.cpu_dtype if hcfg is not None else "bf16",
+                           gpu_dtype_bytes=torch.empty((), dtype=config.dtype).element_size(),
+                           staging_slots=hcfg.staging_slots if hcfg is not None else 1)
+        dtypes = choose(cfg, s, hcfg.gpu_budget if hcfg is not None else None, config.gpu_dtype, checkpoint_kind(raw))
+    return None if all(k == "bf16" for k in dtypes.values()) else dtypes
+
+
+def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype, gpu_dtypes: dict | None = None) -> None:
     """Fail before any weight is read: a plan made for another model, or a --gpu-budget below the
     non-expert weights + KV cache."""
     from hybrid.models import ModelLoadError
-    from hybrid.models.loader import read_config
+    from hybrid.models.checkpoints import read_config
 
     try:
         _, cfg, _ = read_config(model_dir)
@@ -50,7 +140,8 @@ def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype) ->
         from placement.memory import MemorySettings, breakdown, gib
 
         mem = breakdown(cfg, MemorySettings(max_context=max_context, max_batch=max_batch, cpu_dtype=hcfg.cpu_dtype,
-                                            gpu_dtype_bytes=torch.empty((), dtype=dtype).element_size(), reserve=0))
+                                            gpu_dtype_bytes=torch.empty((), dtype=dtype).element_size(), reserve=0,
+                                            gpu_dtypes=gpu_dtypes or {}))
         need = mem.non_expert + mem.kv_cache
         if need > hcfg.gpu_budget:
             raise UsageError(f"--gpu-budget {gib(hcfg.gpu_budget)} is below the non-expert weights and KV cache alone "

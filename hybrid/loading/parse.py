@@ -2,22 +2,29 @@
 
 The CLI's defaults come from the config dataclasses (RuntimeConfig, HybridConfig) and their checks are the
 only ones: a bad value fails here, in one line, before a checkpoint is opened.
+
+Declaring the flags imports neither torch nor the runtime (`hybrid --help` and `hybrid <cmd> --help` answer at
+once): torch, HybridConfig and RuntimeConfig are imported by the functions that build the configs.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
-import torch
-
+from cpu_kernels.dtypes import NAMES as CPU_DTYPES  # the one table of CPU dtypes
 from hybrid.errors import UsageError
-from hybrid.offload.config import CPU_DTYPES, FALLBACK_PROFILE, HybridConfig
-from hybrid.runtime.config import RuntimeConfig
+from placement.hardware import FALLBACK_PROFILE
 from placement.replace import REPLACE_MODES
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+# --dtype names -> torch attribute names (the torch.dtype is looked up when a config is built, not at import)
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+          "float16": "float16", "fp16": "float16"}
+GPU_DTYPE_CHOICES = ("auto", "bf16", "int8", "int4", "fp8")  # placement.gpu_dtypes.CHOICES (test_gpu_weights)
+# RuntimeConfig.max_context, which cannot be read without importing the runtime (and torch) from here;
+# tests/test_cli_help_fast.py holds the two equal
+MAX_CONTEXT_DEFAULT = 4096
 
 
 @dataclass(frozen=True)
@@ -26,15 +33,17 @@ class SessionConfig:
     how the engine runs it, and how the hybrid layer holds its experts (None: all on the model's device)."""
 
     model: str | None
-    device: torch.device
+    device: torch.device  # annotations stay strings (__future__): torch is not imported to declare them
     dtype: torch.dtype
     runtime: RuntimeConfig
     hybrid: HybridConfig | None = None
+    gpu_dtype: str = "auto"  # --gpu-dtype as asked (placement.gpu_dtypes.CHOICES)
+    gpu_dtypes: dict | None = None  # what each non-expert part got (check_before_load fills it in)
 
 
 def add_max_context_argument(p) -> None:
     """--max-context, declared once for every command that sizes a KV cache (its default is RuntimeConfig's)."""
-    p.add_argument("--max-context", type=int, default=RuntimeConfig.max_context,
+    p.add_argument("--max-context", type=int, default=MAX_CONTEXT_DEFAULT,
                    help="KV-cache positions per sequence, prompt + generated (default %(default)s)")
 
 
@@ -44,10 +53,18 @@ def add_model_arguments(p) -> None:
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
     add_max_context_argument(p)
+    p.add_argument("--gpu-dtype", default="auto", choices=GPU_DTYPE_CHOICES,
+                   help="dtype of the non-expert weights on the GPU (attention, shared and dense MLPs, embedding, "
+                   "head): bf16, fp8 (128x128 blocks; an FP8 checkpoint's own bytes), int8 or int4 (per 128 "
+                   "inputs); auto (default) keeps bf16 unless --gpu-budget needs fewer bytes, then steps the "
+                   "largest parts down first (DESIGN.md, GPU weights)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="greedy decode waits for each step's tokens before queueing the next (by default, with CUDA "
                         "graphs, step n+1 is queued fed on the GPU before the host reads step n's tokens; same tokens)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (by default a KV slot given back keeps its tokens' K/V and a later "
+                   "prompt starting the same way prefills only the rest; the same tokens either way)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -78,6 +95,13 @@ def add_hybrid_arguments(p) -> None:
                    "CPU work overlaps the next layer's attention (KTransformers' Expert Deferral)")
     g.add_argument("--replace", choices=REPLACE_MODES, default=None, help="online: move experts into VRAM as "
                    "routing shifts, when the copy pays for itself (DESIGN.md, Placement); decodes eagerly (default off)")
+    g.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
+                   help="--cpu-dtype int4: inputs per scale, 32, 64 or 128 (default 128; smaller is more precise "
+                   "and a little larger)")
+    g.add_argument("--no-cache", dest="packed_cache", action="store_false",
+                   help="neither read nor write the packed-expert cache ($HYBRID_CACHE/packed; `hybrid cache list`): "
+                   "by default a restart copies the CPU executor's packed experts back instead of converting the "
+                   "checkpoint's again")
 
 
 def parse_bytes(text: str) -> int:
@@ -91,7 +115,10 @@ def parse_bytes(text: str) -> int:
     return int(value * scale)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str):
+    """--device as a torch.device; 'auto' is cuda where there is one."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -103,23 +130,28 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def runtime_config_from_args(args, max_batch: int, device: torch.device) -> RuntimeConfig:
+def runtime_config_from_args(args, max_batch: int, device):
     """The engine's config; RuntimeConfig's own check of --max-context is the only one."""
+    from hybrid.runtime.config import RuntimeConfig
+
     ahead = False if getattr(args, "no_decode_ahead", False) else None  # None: the engine's default (on with graphs)
     try:
         return RuntimeConfig(max_batch=max_batch, max_context=args.max_context,
-                             eager=args.eager or device.type != "cuda", decode_ahead=ahead)
+                             eager=args.eager or device.type != "cuda", decode_ahead=ahead,
+                             prefix_cache=not getattr(args, "no_prefix_cache", False))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-def hybrid_config_from_args(args) -> HybridConfig | None:
+def hybrid_config_from_args(args):
     """None when no hybrid flag was given (all experts on the model's device). Every flag of the group turns it
     on, as its title says: --cpu-threads or --profile alone must not be dropped without a word."""
     flags = ("gpu_experts", "gpu_budget", "schedule", "cpu_dtype", "cpu_threads", "profile", "plan", "replace",
-             "defer_experts")
+             "defer_experts", "int4_group")
     if all(getattr(args, f, None) is None for f in flags):
         return None
+    from hybrid.offload.config import HybridConfig
+
     plan, cpu_dtype = None, args.cpu_dtype
     if getattr(args, "plan", None) is not None:
         from placement.plan_file import load_plan
@@ -137,6 +169,8 @@ def hybrid_config_from_args(args) -> HybridConfig | None:
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
                         plan=plan, replace=getattr(args, "replace", None) or "off",
                         defer_experts=getattr(args, "defer_experts", None) or 0,
+                        packed_cache=getattr(args, "packed_cache", True),
+                        cpu_group=getattr(args, "int4_group", None) or HybridConfig.cpu_group,
                         # the plan's VRAM includes its staging slots
                         staging_slots=int(plan.settings.get("staging_slots", HybridConfig.staging_slots))
                         if plan is not None else HybridConfig.staging_slots)
@@ -144,11 +178,26 @@ def hybrid_config_from_args(args) -> HybridConfig | None:
 
 def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:
     """Every flag checked, in the order the user reads them: device, dtype, context, then the hybrid flags."""
+    import torch
+
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else (torch.bfloat16 if device.type == "cuda"
+                                                                    else torch.float32)
     runtime = runtime_config_from_args(args, max_batch, device)
     return SessionConfig(model=args.model or None, device=device, dtype=dtype, runtime=runtime,
-                         hybrid=hybrid_config_from_args(args))
+                         hybrid=hybrid_config_from_args(args), gpu_dtype=getattr(args, "gpu_dtype", None) or "auto")
+
+
+def with_pricing_profile(config: SessionConfig, log=lambda m: print(m, file=sys.stderr)) -> SessionConfig:
+    """The hybrid layer's profile resolved once by placement.hardware.pricing_profile, the rule every command
+    shares (a profile calibrated without a GPU keeps its CPU figures and borrows only the GPU ones), its note
+    in the log; the resolved profile travels in HybridConfig.profile."""
+    if config.hybrid is None:
+        return config
+    from placement.hardware import pricing_profile
+
+    hw = pricing_profile(config.hybrid.profile, note=lambda line: log(f"hybrid: {line}"))
+    return replace(config, hybrid=replace(config.hybrid, profile=hw))
 
 
 def sampling_from_args(args):

@@ -13,8 +13,10 @@ from typing import Callable
 import numpy as np
 
 from hybrid.errors import UsageError
+from hybrid.models.gpu_weights import quantized
 from hybrid.offload.build import expert_vram_bytes
 from hybrid.offload.config import HybridConfig
+from hybrid.runtime.device_role import is_cuda
 from hybrid.runtime.engine import Stats
 
 log = logging.getLogger("hybrid.offload")
@@ -65,6 +67,7 @@ def fixed_vram(model, cache_bytes: int, offload) -> int:
     """VRAM that is not resident experts: non-expert weights (with the experts' biases), KV cache, ship-lane
     staging slots."""
     params = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".moe.experts." not in name)
+    params += sum(w.nbytes for w in quantized(model).values())  # quantized GPU weights (hybrid.models.qweight)
     # the experts' biases (gpt-oss) stay on the GPU for every expert, fp32 (placement.memory.expert_bias_bytes)
     params += sum(t.numel() * t.element_size() for layer in offload.layers for t in (layer.bias_dev or ()))
     # ShipLane holds n_slots chunks of `chunk` experts each (dense; + raw packed bytes when the packed
@@ -78,6 +81,9 @@ def place(engine, offload, hcfg: HybridConfig, log=print) -> str:
     """Choose the resident experts with the engine's own prefill; returns how many per layer, as the status
     line says it ("12", or "3..9 (from the plan)")."""
     model = engine.model
+    if hcfg.plan is not None and not is_cuda(engine.device):  # hybrid.loading.check.without_cpu_residents said so
+        hcfg.plan.check_model(model.cfg)
+        return "0 (no CUDA device: the plan's residents need a GPU)"
     if hcfg.plan is not None:
         counts = place_from_plan(engine, offload, hcfg.plan, log)
         return (f"{min(counts)}..{max(counts)}" if counts else "0") + " (from the plan)"

@@ -23,3 +23,23 @@ def report_placement(model, offload, how: str, log=print) -> None:
             f"{offload.layers[0].cpu_moe.isa} {offload.cpu_dtype}; DRAM: experts "
             f"{mem['dram_expert_bytes'] / 2**30:.2f} GiB + 'resident' torch copies "
             f"{mem['vram_resident_bytes'] / 2**30:.2f} GiB")
+
+
+def report_gpu_weights(model, log=print) -> None:
+    """One line: each non-expert part's GPU dtype and bytes (hybrid.models.gpu_weights), when any is quantized."""
+    from hybrid.models.gpu_weights import PARTS, matrices
+    from hybrid.models.qweight import QWeight
+
+    kinds: dict[str, set] = {}
+    sizes: dict[str, int] = {}
+    for module, attr, _, part in matrices(model):
+        w = getattr(module, attr)
+        q = isinstance(w, QWeight)
+        kinds.setdefault(part, set()).add(w.kind if q else str(w.dtype).replace("torch.", ""))
+        sizes[part] = sizes.get(part, 0) + (w.nbytes if q else w.numel() * w.element_size())
+    if not any(isinstance(getattr(m, a), QWeight) for m, a, _, _ in matrices(model)):
+        return
+    from placement.memory import gib
+
+    parts = ", ".join(f"{p} {'/'.join(sorted(kinds[p]))} {gib(sizes[p])}" for p in PARTS if p in sizes)
+    log(f"GPU weights: {parts}")

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.loading.check import check_before_load, eager_for_online_replace, warn_vocab_mismatch
+from hybrid.loading.check import (check_before_load, eager_for_online_replace, warn_vocab_mismatch,
+                                  without_cpu_residents)
 from hybrid.loading.load import load_tokenizer, load_weights, resolve_model_dir
-from hybrid.loading.parse import session_config_from_args
+from hybrid.loading.parse import session_config_from_args, with_pricing_profile
 from hybrid.loading.place import place
-from hybrid.loading.report import report_placement
+from hybrid.loading.report import report_gpu_weights, report_placement
 from hybrid.runtime.engine import Engine
 
 
@@ -28,13 +29,20 @@ class Session:
 
 
 def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stderr)) -> Session:
-    config = session_config_from_args(args, max_batch)
+    notes = []  # said once the model is loaded, so that a refusal (checks, the CPU executor) stays one line
+    config = without_cpu_residents(session_config_from_args(args, max_batch), notes.append)
     model_dir, demo = resolve_model_dir(config, log)
     cfg, config = check_before_load(model_dir, config)
+    config = with_pricing_profile(config, notes.append)
     config = eager_for_online_replace(config, log)
     model, offload = load_weights(model_dir, config, progress=not demo)
+    for line in notes:
+        log(line)
     tokenizer = load_tokenizer(model_dir)
     warn_vocab_mismatch(cfg.vocab_size, tokenizer.vocab_size, log)
+    report_gpu_weights(model, log)
+    if offload is not None and getattr(offload, "load_times", None) is not None:
+        log(f"hybrid: {offload.load_times.line()}")
     engine = Engine(model, tokenizer, config=config.runtime)
     if offload is not None:
         report_placement(model, offload, place(engine, offload, config.hybrid, log), log)

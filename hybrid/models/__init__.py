@@ -8,7 +8,8 @@
 from hybrid.models.config import ModelConfig, RopeConfig
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.families import FAMILIES, family_for
-from hybrid.models.loader import build_empty, load_model, read_config
+from hybrid.models.checkpoints import load_model, read_config  # a checkpoint directory or a GGUF file
+from hybrid.models.loader import build_empty
 from hybrid.models.moe import MoEBlock, StackedExperts
 from hybrid.models.transformer import MoETransformer, init_random_
 

@@ -301,6 +301,30 @@ class ModelConfig:
             "non_expert": other + embed + D,
         }
 
+    def gpu_matrices(self) -> dict[str, list[tuple[int, int, int]]]:
+        """The non-expert matrices a GPU dtype may quantize (hybrid.models.gpu_weights), per part: (rows, inputs,
+        how many). Their biases, norms, routers and gates stay in the compute dtype. A tied head is the
+        embedding ("embed"); "head" is then empty."""
+        D = self.hidden_size
+        if self.mla is None:
+            H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+            attn = [(H * hd, D), (Hkv * hd, D), (Hkv * hd, D), (D, H * hd)]
+        else:
+            m, H = self.mla, self.num_heads
+            q = ([(H * m.qk_head_dim, D)] if m.q_lora_rank is None
+                 else [(m.q_lora_rank, D), (H * m.qk_head_dim, m.q_lora_rank)])
+            attn = q + [(m.kv_lora_rank + m.qk_rope_head_dim, D),
+                        (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), (D, H * m.v_head_dim)]
+        L, moe = self.num_layers, self.num_moe_layers
+        Fs, Fd = self.shared_expert_intermediate_size, self.dense_intermediate_size
+        return {
+            "attention": [(n, k, L) for n, k in attn],
+            "shared": [(Fs, D, 2 * moe), (D, Fs, moe)] if Fs else [],
+            "dense": [(Fd, D, 2 * (L - moe)), (D, Fd, L - moe)] if L > moe else [],
+            "embed": [(self.vocab_size, D, 1)],
+            "head": [] if self.tie_word_embeddings else [(self.vocab_size, D, 1)],
+        }
+
     def _mla_params(self) -> int:
         """hybrid.models.mla.MLAttention's weights: q (direct, or down + norm + up), kv down (latent + rope
         key) + latent norm, kv up (nope keys and values per head), output; biases with attention_bias."""

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybrid import gpu_kernels
 from hybrid.models.config import ModelConfig
+from hybrid.models.qweight import QWeight, linear
 from hybrid.models.rope import apply_rotary
 
 
@@ -79,14 +80,16 @@ class GatedMLP(nn.Module):
         self.down_proj = param(hidden, intermediate)  # [D, F]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
-def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     """The fused decode path's dense projections, x [B, K]: one row through the decode GEMV
     (hybrid.gpu_kernels.gemv), more rows through F.linear: at one row the GEMV beat cuBLAS on the GPU box (whose
     o_proj runs as a split-K GEMM plus a reduce kernel), at eight rows it lost (BENCHMARKS.md, Choices behind
-    the defaults)."""
+    the defaults). A quantized weight (QWeight) goes through qweight.linear, whose GEMV reads its bytes."""
+    if isinstance(w, QWeight):
+        return linear(x, w, b)
     if x.shape[0] == 1:
         from hybrid.gpu_kernels.gemv import linear_small, linear_small_supported
 
@@ -102,7 +105,7 @@ class Linear(nn.Module):
         self.bias = param(fan_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def folded_causal_mask(positions: torch.Tensor, L: int, rep: int, window: int | None, masks: dict) -> torch.Tensor:
@@ -182,7 +185,7 @@ class Attention(nn.Module):
         if fused is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         w, b = fused
-        return F.linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
+        return linear(x, w, b).split([self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd], dim=-1)
 
     def _fuse_qkv(self, x):
         """(weight, bias) of q/k/v laid back to back, or None. The first call outside a graph capture moves the
@@ -192,12 +195,21 @@ class Attention(nn.Module):
         if self._fused is not None and self._fused[2] != tuple(m.weight.data_ptr() for m in mods):
             self._fused = None  # a weight was moved or replaced since: fuse again from the parameters
         if self._fused is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            w = torch.cat([m.weight.detach() for m in mods])
+            quant = [isinstance(m.weight, QWeight) for m in mods]
+            if any(quant):
+                w = QWeight.cat([m.weight for m in mods]) if all(quant) else None
+                if w is None:
+                    return None  # parts in different formats: three projections, unfused
+            else:
+                w = torch.cat([m.weight.detach() for m in mods])
             b = torch.cat([m.bias.detach() for m in mods]) if self.q_proj.bias is not None else None
             o = 0
             for m in mods:
                 n = m.weight.shape[0]
-                m.weight.data = w[o:o + n]
+                if isinstance(w, QWeight):
+                    m.weight.point_at_(w, o)
+                else:
+                    m.weight.data = w[o:o + n]
                 if b is not None:
                     m.bias.data = b[o:o + n]
                 o += n

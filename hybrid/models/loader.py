@@ -30,6 +30,8 @@ from hybrid.models import checks, fp8, mxfp4
 from hybrid.models.config import ModelConfig
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.families import Family, family_for
+from hybrid.models.gpu_weights import quantize_skeleton_, quantized
+from hybrid.models.qweight import FP8_BLOCK, QWeight
 from hybrid.models.moe import StackedExperts
 from hybrid.models.rope import Rotary
 from hybrid.models.transformer import MoETransformer
@@ -114,10 +116,12 @@ def _materialize(model: nn.Module, device, dtype) -> None:
 
 
 def build_empty(cfg: ModelConfig, device, dtype, expert_device=None, expert_dtype=None,
-                build_experts: bool = True) -> MoETransformer:
-    """An uninitialised model: non-expert weights on `device`, experts on `expert_device`."""
+                build_experts: bool = True, gpu_dtypes: dict[str, str] | None = None) -> MoETransformer:
+    """An uninitialised model: non-expert weights on `device`, experts on `expert_device`; the parts named in
+    `gpu_dtypes` (hybrid.models.gpu_weights: part -> int8 / int4 / fp8) as empty quantized weights."""
     with torch.device("meta"):
         model = MoETransformer(cfg, build_experts=False)
+    quantize_skeleton_(model, gpu_dtypes or {}, device)
     _materialize(model, device, dtype)
     model.rotary = Rotary(cfg.rope, cfg.head_dim).to(device)
     if build_experts:
@@ -144,9 +148,8 @@ def _plan(model: MoETransformer, family: Family, ckpt: dict, scaled=frozenset(),
     `mx`: names of MXFP4 blocks (hybrid.models.mxfp4)."""
     cfg = model.cfg
     plan: dict[str, tuple[torch.Tensor, tuple]] = {}
-    for name, p in model.named_parameters():
-        if ".moe.experts." in name:
-            continue
+    named = [(n, p) for n, p in model.named_parameters() if ".moe.experts." not in n]
+    for name, p in named + list(quantized(model).items()):
         key, layer = _template(name)
         if key not in family.weights:
             raise AssertionError(f"no checkpoint name for parameter {name} in {family.model_type}")
@@ -226,6 +229,14 @@ def _check_finite(name: str, file: Path, t: torch.Tensor) -> None:
                              "the checkpoint is corrupt")
 
 
+def _check_fp8(name: str, file: Path, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """_check_finite for FP8 bytes kept as they are: e4m3fn's only non-finite codes are its NaNs (S.1111.111)."""
+    _check_finite(name + fp8.SCALE_SUFFIX, file, scale_inv.float())
+    bad = int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if bad:
+        raise ModelLoadError(f"tensor {name!r} in {file.name}: {bad} NaN value(s) of {q.numel()}; the checkpoint is corrupt")
+
+
 def _canonical(family: Family, ckpt: dict) -> dict[str, str]:
     """Renames ckpt's keys to our spelling in place; returns our spelling -> the file's (they differ only for
     family.aliases)."""
@@ -296,12 +307,17 @@ def _fill_stack(stack: list, dst: _Slot, src: torch.Tensor, mx_scales, inter: bo
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
                experts_factory: ExpertsFactory | None = None, progress: bool = True,
-               mxfp4_experts: bool = False) -> MoETransformer:
+               mxfp4_experts: bool = False, gpu_dtypes: dict[str, str] | None = None,
+               experts_cached: Callable[[int], bool] | None = None) -> MoETransformer:
     """Load the checkpoint in directory `path`; see the module docstring for the expert hook.
 
     Streams layer by layer: a MoE layer's expert stack is allocated when the layer is reached, filled, and
     handed to the factory before the next layer's, so at most one layer's experts exist un-packed (block-FP8
-    weights are de-quantized tensor by tensor as they are read: hybrid.models.fp8)."""
+    weights are de-quantized tensor by tensor as they are read: hybrid.models.fp8). `gpu_dtypes` (part -> int8 /
+    int4 / fp8, hybrid.models.gpu_weights) quantizes those parts' matrices one at a time as they arrive, so no
+    full-precision copy of them is ever allocated; fp8 parts of a block-FP8 checkpoint keep its bytes and scales.
+    `experts_cached(layer)` True (a packed cache holds that layer's executor, hybrid.offload.packed_cache): the
+    layer's expert weights are not read at all and the factory gets None for them (biases are still read)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -313,7 +329,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         skeleton = MoETransformer(cfg, build_experts=False)
     _plan(skeleton, family, ckpt, frozenset(scales), frozenset(mx))
     del skeleton
-    model = build_empty(cfg, device, dtype, build_experts=False)
+    model = build_empty(cfg, device, dtype, build_experts=False, gpu_dtypes=gpu_dtypes)
     edev, edt = expert_device or device, expert_dtype or dtype
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     plan = _plan(model, family, ckpt, frozenset(scales), frozenset(mx))
@@ -323,8 +339,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     # Layer order (non-layer tensors first), then file order within a layer: one pass over each shard's
     # part of a layer; file handles stay open (memory maps) because a layer may span shards.
+    cached = {i for i in cfg.moe_layer_indices if experts_cached is not None and experts_cached(i)}
+
+    def skipped(dst) -> bool:  # an expert weight of a layer the packed cache serves
+        return isinstance(dst, _Slot) and dst.which in (0, 1, 2, "gate_up") and dst.layer in cached
+
     order = sorted(plan, key=lambda n: (_layer_of(n), str(ckpt[n][0]), ckpt[n][1]["data_offsets"][0]))
-    total = sum(ckpt[n][1]["data_offsets"][1] - ckpt[n][1]["data_offsets"][0] for n in plan)
+    total = sum(ckpt[n][1]["data_offsets"][1] - ckpt[n][1]["data_offsets"][0] for n in plan if not skipped(plan[n][0]))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
                disable=not progress or knobs().no_progress)
     handles: dict[Path, object] = {}
@@ -340,6 +361,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     stack, stack_layer = None, None
 
+    def new_stack(layer: int) -> list:
+        """A layer's expert stack: gate, up, down (None where they come as packed pairs or from the cache), then
+        the biases (fp32, as the CPU executor keeps them)."""
+        out = [None] * 3 if (mx and mxfp4_experts) or layer in cached else [
+            torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
+            torch.empty(E, D, F_, device=edev, dtype=edt)]
+        if cfg.expert_fn.bias:
+            out += [torch.empty(E, n_, device=edev, dtype=torch.float32) for n_ in (F_, F_, D)]
+        return out
+
     def finish_layer():
         nonlocal stack, stack_layer
         if stack is not None:
@@ -352,18 +383,23 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             dst, _ = plan[n]
             if stack_layer is not None and _layer_of(n) != stack_layer:
                 finish_layer()
+            if skipped(dst):
+                if stack is None:
+                    stack_layer, stack = dst.layer, new_stack(dst.layer)
+                continue
             src = read(n, ckpt[n])
             nbytes = src.numel() * src.element_size()
             if n in scales:
-                src = fp8.dequantize(src, read(n + fp8.SCALE_SUFFIX, scales[n]), quant.block)
+                scale_inv = read(n + fp8.SCALE_SUFFIX, scales[n])
+                if isinstance(dst, QWeight) and dst.kind == "fp8" and tuple(quant.block) == FP8_BLOCK:
+                    _check_fp8(n, ckpt[n][0], src, scale_inv)
+                    dst.copy_fp8_(src, scale_inv)  # the checkpoint's bytes, as they are
+                    bar.update(nbytes)
+                    continue
+                src = fp8.dequantize(src, scale_inv, quant.block)
             if isinstance(dst, _Slot):
                 if stack is None:
-                    stack_layer = dst.layer
-                    stack = [None] * 3 if mx and mxfp4_experts else [
-                        torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
-                        torch.empty(E, D, F_, device=edev, dtype=edt)]
-                    if cfg.expert_fn.bias:  # fp32, as the CPU executor keeps them
-                        stack += [torch.empty(E, n_, device=edev, dtype=torch.float32) for n_ in (F_, F_, D)]
+                    stack_layer, stack = dst.layer, new_stack(dst.layer)
                 mx_scales = read(n[: -len(mxfp4.BLOCKS)] + mxfp4.SCALES, mx[n]) if n in mx else None
                 if mx_scales is not None and mxfp4_experts:
                     mxfp4.check_scales(n, ckpt[n][0], mx_scales)
@@ -374,6 +410,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     checked = []
                 else:
                     checked = _fill_stack(stack, dst, src, mx_scales, inter, F_)
+            elif isinstance(dst, QWeight):
+                _check_finite(n, ckpt[n][0], src)  # before rounding can hide a NaN inside a group's scale
+                dst.quantize_(src)
+                checked = []
             else:
                 dst.copy_(src)
                 checked = [dst]

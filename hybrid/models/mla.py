@@ -25,6 +25,7 @@ from torch import nn
 
 from hybrid.models.config import ModelConfig
 from hybrid.models.layers import Linear, RMSNorm, folded_causal_mask
+from hybrid.models.qweight import QWeight
 from hybrid.models.rope import apply_rotary
 
 MODES = ("auto", "expanded", "absorbed")
@@ -69,16 +70,28 @@ class MLAttention(nn.Module):
         dot products are those of the interleaved rotation; forward assumes the half-split layout."""
         perm = torch.cat((torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)))
         q = self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
-        w = q.weight.view(self.H, self.nope + self.rope, -1)
-        w[:, self.nope:] = w[:, self.nope:][:, perm.to(w.device)]
+        head = self.nope + self.rope
+        if isinstance(q.weight, QWeight):  # the same row order, moved with each row's scales
+            rows = torch.arange(self.H * head).view(self.H, head)
+            rows[:, self.nope:] = rows[:, self.nope:][:, perm]
+            q.weight.permute_rows_(rows.reshape(-1))
+        else:
+            w = q.weight.view(self.H, head, -1)
+            w[:, self.nope:] = w[:, self.nope:][:, perm.to(w.device)]
         kv = self.kv_a_proj
+        if isinstance(kv.weight, QWeight):
+            kv.weight.permute_rows_(torch.cat((torch.arange(self.rank), self.rank + perm)))
         for t in (kv.weight, kv.bias):
-            if t is not None:
+            if t is not None and not isinstance(t, QWeight):
                 t[self.rank:] = t[self.rank:][perm.to(t.device)]
 
-    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's rows per head: W_UK [H, nope, rank], W_UV [H, v, rank] (views, no copy)."""
-        w = self.kv_b_proj.weight.view(self.H, self.nope + self.vd, self.rank)
+    def _up(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's rows per head: W_UK [H, nope, rank], W_UV [H, v, rank] (views, no copy; a quantized
+        kv_b_proj is de-quantized for the call: absorbed attention multiplies by it per head)."""
+        w = self.kv_b_proj.weight
+        if isinstance(w, QWeight):
+            w = w.dequantize(dtype)
+        w = w.view(self.H, self.nope + self.vd, self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
     def forward(self, x, cos, sin, positions, slots, cache, kv_len: int | None, fresh: bool, masks: dict):
@@ -127,7 +140,7 @@ class MLAttention(nn.Module):
         """Attention in latent space over lat [B, L, rank + rope] with mask [B, 1, H*T, L]: every head is a
         query of the one shared latent "head" (heads folded into the query axis). -> [B, T, H * v]."""
         B, T, H = q_nope.shape[0], q_nope.shape[1], self.H
-        w_uk, w_uv = self._up()
+        w_uk, w_uv = self._up(q_nope.dtype)
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, H, T, rank]
         qg = torch.cat((q_lat, q_rope.transpose(1, 2)), dim=-1).reshape(B, 1, H * T, self.rank + self.rope)
         key = lat[:, None]  # [B, 1, L, rank + rope]

@@ -124,10 +124,13 @@ PRESETS: dict[str, dict] = {
 # How OpenAI's gpt-oss config.json declares its MXFP4 experts (what `make_checkpoint --mxfp4` writes).
 MXFP4_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-# Presets whose published experts are quantized in a format the CPU executor keeps as it is, so `hybrid plan
-# --preset` prices the bytes a user's download has. (FP8 checkpoints are de-quantized into --cpu-dtype at load,
-# so their format does not change what a plan prices.)
-PUBLISHED_EXPERT_QUANTIZATION = {"gpt-oss-120b": MXFP4_QUANTIZATION}
+# How DeepSeek-V3 / Kimi-K2 declare their block-FP8 weights (hybrid.models.fp8).
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# Presets whose published weights are quantized, so that `hybrid plan --preset` prices what a user's download
+# loads as: gpt-oss's MXFP4 experts stay mxfp4 on the CPU; an FP8 checkpoint's experts are de-quantized into
+# --cpu-dtype, and its GPU weights may keep their FP8 bytes (placement.gpu_dtypes' ladders).
+PUBLISHED_EXPERT_QUANTIZATION = {"gpt-oss-120b": MXFP4_QUANTIZATION, "deepseek-v3": FP8_QUANTIZATION,
+                                 "kimi-k2": FP8_QUANTIZATION}
 
 
 def published_config(name: str) -> dict:

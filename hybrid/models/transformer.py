@@ -15,13 +15,13 @@ Logits come back in fp32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid.models.config import ModelConfig
 from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param, sdpa_backends
 from hybrid.models.mla import MLAttention
 from hybrid.models.moe import MoEBlock, StackedExperts
+from hybrid.models.qweight import QWeight, embedding, linear, quantize_rows
 from hybrid.models.rope import Rotary
 
 
@@ -71,11 +71,12 @@ class MoETransformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The compute dtype: the final norm's (norms are never quantized, hybrid.models.gpu_weights)."""
+        return self.norm.weight.dtype
 
     def forward(self, input_ids, positions, slots, cache, last_only: bool = False,
                 kv_len: int | None = None, fresh: bool = False) -> torch.Tensor:
@@ -83,7 +84,7 @@ class MoETransformer(nn.Module):
         window = self.cfg.smallest_window
         if fresh and window is not None and T > window and not self.cfg.attention_sinks:
             fresh = False  # the fast path has no window; take the masked path (sink attention masks either way)
-        h = F.embedding(input_ids, self.embed)  # [B, T, D]
+        h = embedding(input_ids, self.embed, self.dtype)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {}  # attention masks of this step, built once and shared by the layers
         pending = None  # the last layer's MLP output, not yet added to h
@@ -97,7 +98,7 @@ class MoETransformer(nn.Module):
             h = h[torch.arange(B, device=h.device), last]  # [B, D]
         h = self.norm(h)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(h, head).float()  # [B, (T,) V]
+        return linear(h, head).float()  # [B, (T,) V]
 
 
 @torch.no_grad()
@@ -105,6 +106,12 @@ def init_random_(model: MoETransformer, seed: int = 0, std: float = 0.02) -> MoE
     """Fills every weight in place: normals(0, std) for matrices, ones for norm scales, zeros for
     biases. Generated on each tensor's own device (fast on a GPU; nothing crosses PCIe)."""
     gens: dict[str, torch.Generator] = {}
+    for name, w in model.named_modules():
+        if isinstance(w, QWeight):  # quantized from normals made in row chunks (no full-size float copy)
+            dev = w.device
+            if str(dev) not in gens:
+                gens[str(dev)] = torch.Generator(device=dev).manual_seed(seed)
+            _init_quantized_(w, std, gens[str(dev)])
     for name, p in model.named_parameters():
         dev = p.device
         if str(dev) not in gens:
@@ -116,3 +123,13 @@ def init_random_(model: MoETransformer, seed: int = 0, std: float = 0.02) -> MoE
         else:
             p.normal_(0.0, std, generator=gens[str(dev)])
     return model
+
+
+def _init_quantized_(w: QWeight, std: float, gen: torch.Generator, chunk_values: int = 2**26) -> None:
+    """Random normals quantized into w, a slice of rows at a time (whole 128-row blocks, as fp8 needs)."""
+    step = max(128, chunk_values // max(1, w.k) // 128 * 128)
+    for r in range(0, w.n, step):
+        q, s = quantize_rows(torch.randn(min(step, w.n - r), w.k, device=w.device, generator=gen) * std, w.kind, w.group)
+        w.q[r:r + q.shape[0]] = q
+        s0 = r // 128 if w.kind == "fp8" else r
+        w.scale[s0:s0 + s.shape[0]] = s

@@ -3,12 +3,15 @@
 The tensor names come from the same family weight map the loader reads (per-expert names, as real
 checkpoints store them; gpt-oss's fused tensors, optionally in MXFP4 as published), so a written checkpoint
 loads back through the normal path. One shard per decoder layer keeps peak memory at one layer's weights; an
-index file lists the shards.
+index file lists the shards. The shards are written into a hidden folder beside the destination and renamed into
+place at the end: a full disk or a signal leaves no half checkpoint (and an earlier one at that path intact).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -61,11 +64,39 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
     DeepSeek-V3 publishes (hybrid.models.fp8); the de-quantized values are what a loader must see. mxfp4
     (gpt-oss): the experts' gate_up / down as MXFP4 `_blocks` + `_scales` (cpu_kernels.quant.quantize_mxfp4 of
     the random weights, one expert at a time) with the quantization_config openai/gpt-oss publishes."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    try:
+        _write(out, raw_config, seed, dtype, std, device, progress, fp8_block, mxfp4)
+        _move_into_place(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return final
+
+
+def _move_into_place(new: Path, final: Path) -> None:
+    """Renames the finished folder `new` to `final`; a folder already there is renamed away first and removed
+    after, so `final` always holds one whole checkpoint."""
+    if not final.exists():
+        new.rename(final)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+    old.rmdir()
+    final.rename(old)
+    try:
+        new.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(out: Path, raw_config: dict, seed, dtype, std, device, progress, fp8_block, mxfp4) -> None:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     groups, cfg = _tensors_by_layer(raw_config)
     family = family_for(raw_config)
     if mxfp4 and family.fused_layout != "interleaved":
@@ -76,7 +107,11 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
     order = [None] + [i for i in range(cfg.num_layers)]
     n = len(order)
     weight_map, total = {}, 0
-    for k, layer in enumerate(tqdm(order, desc="writing shards", disable=not progress)):
+    # one step per tensor, and per expert of an MXFP4 stack (each is drawn and quantized on its own: seconds apiece
+    # on a CPU), so the bar moves however the work is split
+    steps = sum(shape[0] if name in mx_names else 1 for layer in order for name, shape in groups.get(layer, []))
+    bar = tqdm(total=steps, desc="writing tensors", unit="tensor", disable=not progress)
+    for k, layer in enumerate(order):
         tensors = {}
         for name, shape in groups.get(layer, []):
             if name.endswith("norm.weight"):
@@ -84,7 +119,7 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
             elif name.endswith(".bias"):
                 t = torch.zeros(shape, dtype=dtype)
             elif name in mx_names:
-                for suffix, v in _mxfp4_experts(shape, std, gen, device).items():
+                for suffix, v in _mxfp4_experts(shape, std, gen, device, bar.update).items():
                     tensors[name + suffix] = v
                     total += v.numel()
                 continue
@@ -98,10 +133,12 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
                 t = t.to(dtype).cpu() if t.dtype == torch.float32 else t.cpu()
             tensors[name] = t.contiguous()
             total += t.numel() * t.element_size()
+            bar.update(1)
         shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         weight_map.update({name: shard for name in tensors})
         del tensors
+    bar.close()
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     if mxfp4:
@@ -112,10 +149,9 @@ def write_random_checkpoint(out_dir: str | Path, raw_config: dict, seed: int = 0
         raw_config = dict(raw_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                            "quant_method": "fp8", "weight_block_size": list(fp8_block)})
     (out / "config.json").write_text(json.dumps(raw_config, indent=2))
-    return out
 
 
-def _mxfp4_experts(shape: tuple, std: float, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+def _mxfp4_experts(shape: tuple, std: float, gen: torch.Generator, device, done=lambda n: None) -> dict[str, torch.Tensor]:
     """A fused expert tensor of transformers' layout ([E, D, 2F] gate_up / [E, F, D] down: inputs first) as
     published MXFP4 {"_blocks": [E, R, K/32, 16], "_scales": [E, R, K/32]} of its rows [E, R, K] (R outputs,
     K inputs), drawn and quantized one expert at a time on `device` (quantize_mxfp4 makes its code table with
@@ -129,4 +165,5 @@ def _mxfp4_experts(shape: tuple, std: float, gen: torch.Generator, device) -> di
         for e in range(E):
             b, s = quantize_mxfp4(torch.empty(R, K, device=device).normal_(0.0, std, generator=gen))
             blocks[e], scales[e] = b.cpu(), s.cpu()
+            done(1)
     return {mx.BLOCKS: blocks, mx.SCALES: scales}

@@ -16,27 +16,18 @@ import torch
 from cpu_kernels.dtypes import CPU_DTYPES as CPU_DTYPE_TABLE
 from cpu_kernels.knobs import knobs
 from hybrid.errors import UsageError
-from hybrid.offload.config import FALLBACK_PROFILE, HybridConfig, checkpoint_cpu_dtype
+from hybrid.offload.config import HybridConfig, checkpoint_cpu_dtype
 from placement.cost_model import ExpertShape
-from placement.hardware import BUILTIN_PROFILES, default_profile_path, load_profile, resolve_profile
+from placement.hardware import pricing_profile
 from placement.schedule import LayerScheduler
 
 log = logging.getLogger("hybrid.offload")
 
 
-def scheduler_profile(name: str | None):
-    if name is not None:
-        return resolve_profile(name)
-    path = default_profile_path()
-    if path.exists():
-        hw = load_profile(path)
-        if hw.has_gpu:
-            return hw
-        log.warning("calibrated profile %s has no GPU figures; scheduling with %s", path, FALLBACK_PROFILE)
-    else:
-        log.warning("no calibrated profile at %s (run `hybrid calibrate`); scheduling with the built-in %s",
-                    path, FALLBACK_PROFILE)
-    return BUILTIN_PROFILES[FALLBACK_PROFILE]
+def scheduler_profile(name):
+    """The scheduler's profile: placement.hardware.pricing_profile, the rule every command shares (a profile
+    object already resolved by the session passes through)."""
+    return pricing_profile(name, note=lambda line: log.warning("%s", line))
 
 
 def warn_shape_mismatch(hw, shape: ExpertShape) -> bool:
@@ -59,10 +50,12 @@ def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
                        act_bytes=torch.empty((), dtype=act_dtype).element_size())
 
 
-def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progress: bool = True):
-    """Load with every expert in the CPU executor (one packed DRAM copy); none resident yet."""
+def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progress: bool = True,
+                gpu_dtypes: dict[str, str] | None = None):
+    """Load with every expert in the CPU executor (one packed DRAM copy); none resident yet. gpu_dtypes: the
+    non-expert parts' GPU dtypes (hybrid.models.gpu_weights; None: all in `dtype`)."""
     from hybrid.models import load_model
-    from hybrid.models.loader import read_config
+    from hybrid.models.checkpoints import read_config
     from hybrid.offload import HybridExperts, Offload
 
     device = torch.device(device)
@@ -79,7 +72,8 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
         raise UsageError(f"--defer-experts {hcfg.defer_experts} must be below the model's experts per token "
                          f"({cfg.experts_per_token})")
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
-                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, defer=hcfg.defer_experts)
+                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, defer=hcfg.defer_experts,
+                      group_size=hcfg.cpu_group)
     from tqdm import tqdm
 
     # Packing (and quantizing) every layer's experts for the CPU executor takes seconds per layer on big
@@ -88,16 +82,36 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
                disable=not progress or knobs().no_progress)
 
     def make(i, g, u, d, biases=None):
-        layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases)
+        layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases, cache=cache, times=times)
         bar.update(1)
         return layer
 
+    import sys
+    import time
+
+    from hybrid.offload.packed_cache import LoadTimes, open_for_load
+
+    t_load, times = time.perf_counter(), LoadTimes()
+    from hybrid.models.gguf import is_gguf
+
+    # a GGUF file's experts arrive de-quantized from its blocks; the cache is keyed by safetensors directories
+    cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache and not is_gguf(model_dir) else None
     try:
         model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
                            expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
-                           experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4")
+                           experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4",
+                           gpu_dtypes=gpu_dtypes, experts_cached=None if cache is None else cache.holds)
+        if cache is not None:
+            cache.commit()
     finally:
         bar.close()
+        if cache is not None:
+            cache.close()
+    times.total_s = time.perf_counter() - t_load
+    offload.load_times = times
+    log.info("hybrid: %s", times.line())
+    if progress and not knobs().no_progress:  # beside the bars, which say where the time goes while it goes
+        print(times.line(), file=sys.stderr)
     offload.profile_name = hw.name
     if hcfg.replace == "online":
         from dataclasses import replace as _replace

@@ -7,14 +7,14 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from cpu_kernels.dtypes import NAMES as CPU_DTYPES  # the one table of CPU dtypes
+from cpu_kernels.dtypes import CPU_DTYPES as CPU_DTYPE_TABLE, NAMES as CPU_DTYPES  # the one table of CPU dtypes
 from hybrid.errors import UsageError
+from placement.hardware import FALLBACK_PROFILE  # noqa: F401  (re-exported: the one fallback profile)
 from placement.replace import REPLACE_MODES
 from placement.schedule import parse_strategy
 
 log = logging.getLogger("hybrid.offload")
 
-FALLBACK_PROFILE = "ktransformers-paper-amx"  # the scheduler's profile when this machine has no calibrated one
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class HybridConfig:
     plan: object = None  # placement.plan_file.Plan: residency from the planner instead of a calibration run
     replace: str = "off"  # "online": re-place experts from a sliding window of routing counts (eager only)
     defer_experts: int = 0  # expert deferral: each token's N lowest-ranked experts added one layer late (opt-in)
+    cpu_group: int = CPU_DTYPE_TABLE["int4"].default_group  # int4 experts: inputs per scale (cpu_kernels.dtypes)
+    # the packed-expert cache (hybrid.offload.packed_cache): read the CPU executor's bytes from it when it holds
+    # this checkpoint and layout, else write it; False (--no-cache): neither read nor write it
+    packed_cache: bool = True
 
     def __post_init__(self):
         parse_strategy(self.schedule)
@@ -49,6 +53,9 @@ class HybridConfig:
             raise UsageError("give --gpu-experts or --gpu-budget, not both")
         if self.staging_slots < 1:
             raise UsageError("--staging-slots must be >= 1")
+        groups = CPU_DTYPE_TABLE["int4"].group_sizes
+        if self.cpu_group not in groups:
+            raise UsageError(f"int4 group size must be one of {', '.join(map(str, groups))}, got {self.cpu_group}")
         if self.defer_experts < 0:
             raise UsageError(f"--defer-experts must be >= 0, got {self.defer_experts}")
         if self.defer_experts and self.replace != "off":

@@ -24,9 +24,11 @@ from torch import nn
 
 from hybrid.models.config import ExpertFn
 from hybrid.models.moe import SILU, expert_forward, grouped_mm_works, grouped_swiglu
+from hybrid.offload.packed_cache import LoadTimes
 from hybrid.offload.sources import expert_weights, packed_sources, pin, unpin
 
 if TYPE_CHECKING:
+    from hybrid.offload.packed_cache import PackedCache
     from hybrid.offload.shared import Offload
 
 
@@ -89,29 +91,23 @@ class HybridExperts(nn.Module):
     split of hybrid.offload.host_lane."""
 
     def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                 offload: "Offload", fn: ExpertFn = SILU, biases=None):
+                 offload: "Offload", fn: ExpertFn = SILU, biases=None, cache: "PackedCache | None" = None,
+                 times: LoadTimes | None = None):
         """fn: the experts' function (gpt-oss: clamped SwiGLU); biases: (b_gate [E, F], b_up [E, F], b_down
         [E, D]) or None. The CPU executor computes the same function; the GPU lanes keep the biases (fp32,
         E x (2F + D) values) on the device. w_gate, w_up, w_down may be published MXFP4 (blocks, scales) pairs
-        ([E, F, D/32, 16], [E, F, D/32]; down [E, D, F/32, 16]) for cpu_dtype mxfp4: packed without a float copy."""
+        ([E, F, D/32, 16], [E, F, D/32]; down [E, D, F/32, 16]) for cpu_dtype mxfp4: packed without a float copy.
+        cache: the load's packed cache (hybrid.offload.packed_cache), which the executor is copied from where it
+        holds this layer, and written to where it does not; times: the load's LoadTimes, which the seconds spent
+        converting, in the cache and on the device are added to."""
         super().__init__()
-        import cpu_kernels
-
         self.layer = layer
         self.offload = offload
-        mx = isinstance(w_gate, tuple)
-        E, F_, D = (w_gate[0].shape[0], w_gate[0].shape[1], w_gate[0].shape[2] * 32) if mx else w_gate.shape
-        self.num_experts, self.F, self.D = E, F_, D
         self.fn = fn
-        kw = dict(dtype=offload.cpu_dtype, group_size=offload.group_size,
-                  threads=None if offload.topology else offload.threads, topology=offload.topology,
-                  isa=offload.cpu_isa, **fn.cpu_kwargs())
-        if biases is not None:
-            kw.update(zip(("b_gate", "b_up", "b_down"), biases))
-        if mx:
-            self.cpu_moe = cpu_kernels.CpuMoE.from_mxfp4(w_gate, w_up, w_down, **kw)
-        else:
-            self.cpu_moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), **kw)
+        times = LoadTimes() if times is None else times
+        self.cpu_moe = self._cpu_executor(w_gate, w_up, w_down, biases, cache, times)
+        self.num_experts, self.F, self.D = self.cpu_moe.E, self.cpu_moe.F, self.cpu_moe.D
+        t0 = time.perf_counter()
         self.bias_dev = None if biases is None else tuple(t.float().to(offload.device) for t in biases)
         self.sources = packed_sources(self.cpu_moe)
         self._pinned = []
@@ -120,10 +116,43 @@ class HybridExperts(nn.Module):
             offload.pinned_weight_bytes += sum(n for _, n in self._pinned)
             # unregister before the executor's buffers go back to the allocator
             weakref.finalize(self, unpin, self._pinned)
-        self.stats = LayerStats(routed=np.zeros(E, dtype=np.int64))
+        self.stats = LayerStats(routed=np.zeros(self.num_experts, dtype=np.int64))
         self.captured = False  # set by a graph capture; the placement is then fixed
         self.set_resident([])
+        times.upload_s += time.perf_counter() - t0
         offload.layers.append(self)
+
+    def _cpu_executor(self, w_gate, w_up, w_down, biases, cache: "PackedCache | None", times: LoadTimes):
+        """The CPU executor of this layer's experts: copied from the packed cache where it holds the layer (no
+        conversion), else packed (and quantized) from the weights, then stored in the cache."""
+        import cpu_kernels
+
+        off = self.offload
+        kw = dict(dtype=off.cpu_dtype, group_size=off.group_size, threads=None if off.topology else off.threads,
+                  topology=off.topology, isa=off.cpu_isa, **self.fn.cpu_kwargs())
+        mx = isinstance(w_gate, tuple)
+        shape = None if w_gate is None else (
+            (w_gate[0].shape[0], w_gate[0].shape[1], w_gate[0].shape[2] * 32) if mx else tuple(w_gate.shape))
+        if cache is not None:
+            moe = cache.load(self.layer, shape, with_biases=biases is not None, **kw)
+            if moe is not None:
+                return moe
+        if w_gate is None:  # the loader skipped the experts that the cache said it holds (PackedCache.holds)
+            from hybrid.errors import UsageError
+
+            raise UsageError(f"the packed-expert cache failed at layer {self.layer} after the loader had skipped its "
+                             "experts; it was removed: run again to convert them from the checkpoint (or --no-cache)")
+        t0 = time.perf_counter()
+        if biases is not None:
+            kw.update(zip(("b_gate", "b_up", "b_down"), biases))
+        if mx:
+            moe = cpu_kernels.CpuMoE.from_mxfp4(w_gate, w_up, w_down, **kw)
+        else:
+            moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), **kw)
+        times.convert_s += time.perf_counter() - t0
+        if cache is not None:
+            cache.store(self.layer, moe)
+        return moe
 
     # -- placement --------------------------------------------------------------------------------
     def expert_weights(self, e: int, device=None, dtype=None):

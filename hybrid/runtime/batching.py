@@ -8,6 +8,11 @@ length limit, retire. So sequences join and leave the decode batch at step bound
 prefilled in chunks with decode steps in between. Chunk boundaries fall at fixed multiples of `prefill_chunk`
 within each prompt, so how a prompt is split never depends on what else is running.
 
+Prefix cache (where the steps keep one: EngineSteps.prefix_caching): a sequence takes the free slot that holds the
+longest prefix of its prompt (what an earlier request left there) and prefills only the rest, from the first
+position that slot lacks (its first chunk ends at the next multiple of `prefill_chunk`); a slot given back keeps
+the prompt and the tokens fed back, as far as its positions hold them, for the next one (hybrid.runtime.prefix_cache).
+
 Decode ahead: when every running row is greedy and the steps offer it (Engine.decode_ahead: on with CUDA
 graphs), the loop keeps one step queued beyond the one whose tokens it is reading: step n+1 is queued, fed on
 the device with step n's argmax tokens, before the host accepts step n's tokens, so the GPU does not sit idle
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 
@@ -32,6 +38,26 @@ from hybrid.runtime.sampling import SamplingParams
 from hybrid.runtime.streamer import TextStream
 
 log = logging.getLogger("hybrid.runtime")
+
+
+def check_token_ids(ids, vocab_size: int | None, index: int = 0) -> list[int]:
+    """A prompt's token ids as plain ints, refused (ValueError, one line naming what to change) when there are
+    none or one is not an integer in [0, vocab_size): such an id would fail deep in the model (the embedding
+    lookup) after the prompt took a KV slot. vocab_size None: the ids' range is not checked (steps without a
+    model behind them). How long a prompt may be is the caller's rule (the CLI's and the server's differ)."""
+    out = []
+    for pos, t in enumerate(ids):
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt {index}: the token id at position {pos} is {t!r}, not an integer") from None
+    if not out:
+        raise ValueError(f"prompt {index} is empty")
+    if vocab_size is not None and not 0 <= min(out) <= max(out) < vocab_size:
+        pos, bad = next((p, t) for p, t in enumerate(out) if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt {index}: token id {bad} at position {pos} is outside the vocabulary; "
+                         f"ids must be in [0, {vocab_size})")
+    return out
 
 
 class Sequence:
@@ -53,6 +79,7 @@ class Sequence:
         self.slot: int | None = None
         self.sampler = None  # (params, generator): the steps' per-sequence sampling state
         self.stream: TextStream | None = None  # None without a tokenizer: token ids only
+        self.keep_special = False  # decode with control tokens kept (the server's tool-call / reasoning markers)
         self.prefilled = 0  # prompt tokens already in the slot's KV cache
         self.n_generated = 0  # sampled tokens, a final stop token included
         self.token_ids: list[int] = []  # generated tokens, the stop token left out
@@ -105,13 +132,27 @@ class Batcher:
         return bool(self.steps.free_slots)
 
     def take_slot(self, seq: Sequence) -> int:
-        return self.steps.allocate_slot()
+        """A free slot for the sequence: with a prefix cache, the one holding the longest prefix of its prompt,
+        whose tokens then need no prefill (seq.prefilled)."""
+        if not getattr(self.steps, "prefix_caching", False):
+            return self.steps.allocate_slot()
+        slot, seq.prefilled = self.steps.allocate_slot_for(seq.prompt_ids)
+        return slot
+
+    def open_sampler(self, seq: Sequence):
+        """The sequence's sampling state, made once it holds a slot (the server's also takes its prompt and stop ids)."""
+        return self.steps.sampler(seq.params)
 
     def release(self, seq: Sequence) -> None:
+        """Give the sequence's slot back; with a prefix cache it keeps what its positions hold: the prompt, then
+        every generated token fed back (the steps keep only as many ids as the slot has positions written)."""
         if seq.slot is None:
             return
         try:
-            self.steps.free_slot(seq.slot)
+            if getattr(self.steps, "prefix_caching", False):
+                self.steps.free_slot(seq.slot, seq.prompt_ids + seq.token_ids)
+            else:
+                self.steps.free_slot(seq.slot)
         except Exception:  # noqa: BLE001 - a bookkeeping bug must not stop the other sequences
             if not self.isolate_errors:
                 raise
@@ -119,6 +160,17 @@ class Batcher:
         seq.slot = None
 
     # --- the loop ----------------------------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences, all or none: every prompt's ids are checked first (check_token_ids), so a bad one is
+        refused with a ValueError before any sequence holds a slot. (The server checks requests itself and
+        queues through its own override.)"""
+        vocab_size = getattr(self.steps, "vocab_size", None)
+        checked = [check_token_ids(s.prompt_ids, vocab_size, i) for i, s in enumerate(seqs)]
+        for seq, ids in zip(seqs, checked):
+            seq.prompt_ids = ids
+        with self.wait_lock():
+            self.waiting.extend(seqs)
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self.pending)
@@ -150,9 +202,12 @@ class Batcher:
         self.on_started(seq)
         try:
             seq.slot = self.take_slot(seq)
-            seq.sampler = self.steps.sampler(seq.params)
+            seq.sampler = self.open_sampler(seq)
             if getattr(self.steps, "tokenizer", None) is not None:
-                seq.stream = TextStream(self.steps.decode, seq.params.stop)
+                decode = self.steps.decode
+                if seq.keep_special:
+                    decode = lambda ids: self.steps.decode(ids, skip_special_tokens=False)  # noqa: E731
+                seq.stream = TextStream(decode, seq.params.stop)
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the others
             if not self.isolate_errors:
                 raise
@@ -165,9 +220,18 @@ class Batcher:
         self.prefilling.remove(seq)
         self.fail(seq, message, 500)
 
-    def _next_chunk(self, seq: Sequence) -> int:
-        left = len(seq.prompt_ids) - seq.prefilled
-        return left if self.prefill_chunk is None else min(self.prefill_chunk, left)
+    def _next_chunk(self, seq: Sequence, start: int | None = None) -> int:
+        """Prompt tokens the sequence's next prefill pass takes from `start` (default: what it has prefilled): the
+        rest, or up to the next multiple of prefill_chunk (a reused prefix may end anywhere; chunks keep their fixed
+        boundaries)."""
+        start = seq.prefilled if start is None else start
+        left = len(seq.prompt_ids) - start
+        return left if self.prefill_chunk is None else min(self.prefill_chunk - start % self.prefill_chunk, left)
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens a waiting sequence would find in a slot if it took one now (0 without a prefix cache): sizes
+        its first chunk when packing a prefill pass, so a subclass overriding take_slot overrides this too."""
+        return self.steps.cached_prefix(seq.prompt_ids) if getattr(self.steps, "prefix_caching", False) else 0
 
     def _prefill(self) -> bool:
         """One prefill pass over the next chunk of as many sequences as fit (rows x longest chunk <=
@@ -181,7 +245,7 @@ class Batcher:
                 seq, new = (self._peek_waiting() if self.can_admit() else None), True
                 if seq is None:
                     break
-            w = max(width, self._next_chunk(seq))
+            w = max(width, self._next_chunk(seq, self.cached_prefix(seq) if new else None))
             if batch and self.prefill_chunk is not None and w * (len(batch) + 1) > self.prefill_chunk:
                 break  # would pad past the budget: next iteration, after a decode step
             if new:
@@ -349,9 +413,34 @@ class Batcher:
         self.on_finished(seq)
 
     def run(self) -> None:
-        """Step until every sequence has ended (the CLI's use; the server steps from its own thread)."""
-        while self.busy:
-            self.step()
+        """Step until every sequence has ended (the CLI's use; the server steps from its own thread). However
+        it ends (the model or a stream callback raising, KeyboardInterrupt) the sequences still in the loop
+        are dropped and their slots freed, so the engine's next call finds every slot it had. Waiting
+        prompts with no free slot and nothing running that could free one raise instead of spinning."""
+        try:
+            while self.busy:
+                if not self.step():
+                    raise RuntimeError(self._stuck_message())
+        finally:
+            self.drop_all()
+
+    def _stuck_message(self) -> str:
+        return (f"{len(self.waiting)} prompt(s) wait for a KV slot, but none is free and nothing running could free "
+                "one: every slot is held outside this generation (an open Conversation, or allocate_slot() "
+                "without free_slot()); free one first")
+
+    def drop_all(self) -> None:
+        """Forget every sequence the loop holds, waiting or started, freeing their slots (an exit before they
+        ended). Each release is tried even if another one fails: one bookkeeping bug must not leak the rest."""
+        with self.wait_lock():
+            self.waiting.clear()
+        held, self.prefilling, self.running, self.pending = self.prefilling + self.running, [], [], None
+        for seq in held:
+            seq.finished = True
+            try:
+                self.release(seq)
+            except Exception:  # noqa: BLE001 - keep freeing the others; the exit's own error is the one to see
+                self.log.exception("freeing slot %s failed", seq.slot)
 
 
 class _NoLock:

@@ -14,6 +14,9 @@ class RuntimeConfig:
     # Greedy decode queues step n+1 (fed its tokens on the device) before the host reads step n's
     # (Engine.decode_queue); None: on with CUDA graphs, off when eager.
     decode_ahead: bool | None = None
+    # A slot given back keeps its tokens' K/V; a later prompt sharing a long enough prefix with one prefills only
+    # the rest (hybrid.runtime.prefix_cache). False: every prompt is prefilled whole, as before.
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if self.max_batch < 1:

@@ -1,8 +1,14 @@
 """The demo checkpoint: a small Qwen3-MoE model with RANDOM weights and a byte-level BPE tokenizer,
 built on first use and cached, so `hybrid generate` works on a fresh machine with no download.
 
-Location: $HYBRID_CACHE/demo-qwen3-moe-v1, default ~/.cache/hybrid/demo-qwen3-moe-v1. It is written to
+Location: $HYBRID_CACHE/demo-qwen3-moe-v2, default ~/.cache/hybrid/demo-qwen3-moe-v2. It is written to
 a temporary directory and renamed into place, so an interrupted build never leaves a half checkpoint.
+
+The tokenizer and the model agree on the vocabulary, as bench/make_checkpoint's random checkpoints do: the
+trained tokenizer (~800 tokens from the small corpus) is padded with placeholder tokens `<idN>` up to the
+model's vocab_size, so every id the random model generates decodes to text. (Unpadded, a quarter of the
+ids decoded to nothing: the vocabulary warning on every run, and a chat history whose text no longer
+encoded to the ids the model had generated.)
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from pathlib import Path
 
 from hybrid.errors import UsageError
 
-DEMO_NAME = "demo-qwen3-moe-v1"
+DEMO_NAME = "demo-qwen3-moe-v2"  # v2: tokenizer padded to the model's vocabulary
 DEMO_NOTICE = ("note: no --model given, using the built-in demo checkpoint ({path}); its weights are RANDOM, "
                "so the text is gibberish. Pass --model DIR for a real Hugging Face checkpoint.")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -80,14 +86,54 @@ def build_tokenizer(out: Path, vocab_size: int = 1024) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def ensure_demo_checkpoint(progress_print=print) -> Path:
-    """Returns the demo checkpoint directory, building it first if it is not cached yet."""
+def pad_tokenizer(file: Path, vocab_size: int) -> int:
+    """Adds placeholder tokens <idN> to tokenizer `file` for the ids N it lacks below vocab_size (the
+    placeholders bench/make_checkpoint pads with); returns the size."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(file))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size > n:
+        tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
+        tok.save(str(file))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def _build(tmp: Path) -> None:
+    """Writes the demo checkpoint into folder `tmp`: the tokenizer is trained first (its size sets the
+    model's vocabulary) in a folder of its own, and copied in after the weights, since the checkpoint writer
+    may put a new folder in place of `tmp`."""
     import contextlib
     import io
+
+    import torch
+    from tokenizers import Tokenizer
 
     from hybrid.models.presets import hf_config
     from hybrid.models.writer import write_random_checkpoint
 
+    with tempfile.TemporaryDirectory(prefix=f".{DEMO_NAME}-tokenizer-", dir=tmp.parent) as tok_dir:
+        tok_dir = Path(tok_dir)
+        with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
+            n_tokens = build_tokenizer(tok_dir)
+        cfg = hf_config("demo")
+        cfg["vocab_size"] = max(cfg["vocab_size"], -(-n_tokens // 64) * 64)  # room for every token
+        pad_tokenizer(tok_dir / "tokenizer.json", cfg["vocab_size"])
+        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        cfg["eos_token_id"] = tok.token_to_id("<|endoftext|>")
+        cfg["pad_token_id"] = tok.token_to_id("<|endoftext|>")
+        write_random_checkpoint(tmp, cfg, seed=0, dtype=torch.bfloat16)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok_dir / name, tmp / name)
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]}))
+    (tmp / "README.txt").write_text("hybrid demo checkpoint: Qwen3-MoE config, RANDOM weights. "
+                                    "Built by hybrid.runtime.demo; delete to rebuild.\n")
+    os.chmod(tmp, 0o755)  # (a temporary folder is private to its owner; the cache is not)
+
+
+def ensure_demo_checkpoint(progress_print=print) -> Path:
+    """Returns the demo checkpoint directory, building it first if it is not cached yet."""
     path = demo_path()
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
@@ -98,22 +144,8 @@ def ensure_demo_checkpoint(progress_print=print) -> Path:
         raise UsageError(f"cannot build the demo checkpoint under {path.parent} (HYBRID_CACHE): "
                          f"{exc.strerror or exc}; set HYBRID_CACHE to a writable folder or pass --model") from None
     progress_print(f"building the demo checkpoint in {path} (random weights, first use only)...")
-    os.chmod(tmp, 0o755)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
-            n_tokens = build_tokenizer(tmp)
-        cfg = hf_config("demo")
-        cfg["vocab_size"] = max(cfg["vocab_size"], -(-n_tokens // 64) * 64)  # room for every token
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
-        cfg["eos_token_id"] = tok.token_to_id("<|endoftext|>")
-        cfg["pad_token_id"] = tok.token_to_id("<|endoftext|>")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"eos_token_id": [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]}))
-        (tmp / "README.txt").write_text("hybrid demo checkpoint: Qwen3-MoE config, RANDOM weights. "
-                                        "Built by hybrid.runtime.demo; delete to rebuild.\n")
-        write_random_checkpoint(tmp, cfg, seed=0, dtype=__import__("torch").bfloat16)
+        _build(tmp)
         try:
             os.rename(tmp, path)
         except OSError:  # another process finished first

@@ -8,6 +8,9 @@ API (what the OpenAI server's continuous batching drives):
         # to max_batch, attending over the whole max_context; rows of any slots in any order.
         # If a layer's expert executor is not `capturable`, graphs are turned off with a warning.
     slot = engine.allocate_slot()                   # a free KV slot (ValueError if none is free)
+    slot = engine.allocate_slot_for(prompt_ids)     # one for this prompt: lengths[slot] of its first tokens are
+        # there already (prefix cache: a slot given back keeps its tokens' K/V, hybrid.runtime.prefix_cache),
+        # so prefill(slot, prompt_ids[engine.lengths[slot]:]) completes it. RuntimeConfig.prefix_cache=False: 0.
     logits = engine.prefill(slot, token_ids)        # [V] fp32 logits after the last prompt token.
         # Appends to what the slot already holds (multi-turn / chunked prefill); always eager.
     logits = engine.decode_step(slots, last_tokens) # [B, V] fp32: one token per slot at its next position.
@@ -15,7 +18,8 @@ API (what the OpenAI server's continuous batching drives):
     step = engine.decode_queue(slots, last_tokens)  # a greedy step, queued: step.tokens() waits for its argmax ids
     step = engine.decode_queue(slots)               # the next one, fed on the device by the step queued before
         # (same slots, nothing else in between): the GPU never waits for the host between greedy steps.
-    engine.free_slot(slot)                          # the slot's cache is simply overwritten on reuse
+    engine.free_slot(slot, held=None)               # held: the ids its positions hold (prompt + tokens fed
+        # back), kept for a later prompt that starts the same way; None: forgotten, overwritten on reuse
     engine.lengths[slot]                            # tokens held by a slot
     engine.forward(input_ids, positions, slots)     # raw batched forward (right padding, position -1)
     token_ids = sample(logits, [SamplingParams...], [generator...])   # hybrid.runtime.sampling
@@ -30,6 +34,10 @@ API (what the OpenAI server's continuous batching drives):
         # last token (or, when a stop token ends it, in one extra call with token_id -1). The deltas of a
         # prompt concatenate to its text (hybrid.runtime.streamer.TextStream, as the server streams).
         # -> list[Completion(prompt_token_ids, token_ids, text, finish_reason)], and engine.stats.
+        # Each prompt takes the free slot holding the longest prefix of it (prefix cache), prefilling the rest.
+        # Every prompt is checked before any takes a slot: ValueError for an empty or too long one or an id
+        # outside [0, vocab_size). However a call ends (an error, KeyboardInterrupt, a stream callback that
+        # raises to stop early) it frees the slots it took; the next call finds them all.
 
 Shapes: B rows, T tokens, V vocab. The stop token itself is not part of token_ids or text.
 """
@@ -46,6 +54,7 @@ import torch
 from hybrid.runtime.config import RuntimeConfig
 from hybrid.runtime.generation import Completion, run_generation
 from hybrid.runtime.kv_cache import StaticKVCache
+from hybrid.runtime.prefix_cache import PrefixCache
 from hybrid.runtime.sampling import SamplingParams
 
 StreamCallback = Callable[[int, int, str], None]
@@ -60,6 +69,13 @@ class Stats:
     decode_tokens: int = 0
     decode_steps: int = 0
     decode_s: float = 0.0
+    prefix_lookups: int = 0  # prompts that searched the prefix cache for their slot (Engine.allocate_slot_for)
+    prefix_hits: int = 0  # ... and found a cached prefix to continue from
+    prefix_tokens_reused: int = 0  # prompt tokens those hits did not prefill (prefill_tokens counts the rest)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_lookups if self.prefix_lookups else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -144,7 +160,8 @@ class Engine:
         self.cache = StaticKVCache.for_model(model, max_batch, max_context)
         self.max_batch, self.max_context = max_batch, max_context
         self.lengths = [0] * max_batch
-        self._free = list(range(max_batch - 1, -1, -1))
+        self._free = list(range(max_batch - 1, -1, -1))  # allocate_slot takes from the end
+        self.prefix_cache = PrefixCache() if config.prefix_cache else None  # what free slots still hold
         if eager is None:
             eager = self.device.type != "cuda"
         if not eager and self.device.type != "cuda":
@@ -213,15 +230,51 @@ class Engine:
 
     # -- slots ------------------------------------------------------------------------------------
     def allocate_slot(self) -> int:
+        """A free slot, empty (lengths 0). With the prefix cache, one that caches nothing if there is one, else the
+        least recently used: the cached prefixes most likely to be asked for again survive."""
+        self._check_free()
+        return self._take(self._free[-1] if self.prefix_cache is None else self.prefix_cache.victim(self._free), 0)
+
+    def allocate_slot_for(self, prompt_ids: list[int]) -> int:
+        """A free slot for this prompt, with lengths[slot] = how many of its first tokens the slot already holds: the
+        free slot sharing the longest prefix with it (at least prefix_cache.MIN_REUSE tokens, never the whole
+        prompt: its last token's logits are needed), else as allocate_slot. Counted in stats.prefix_*."""
+        if self.prefix_cache is None:
+            return self.allocate_slot()
+        self._check_free()
+        slot, keep = self.prefix_cache.choose(self._free, prompt_ids)
+        st = self.stats
+        st.prefix_lookups += 1
+        st.prefix_hits += keep > 0
+        st.prefix_tokens_reused += keep
+        return self._take(slot, keep)
+
+    def cached_prefix(self, prompt_ids: list[int]) -> int:
+        """The tokens allocate_slot_for(prompt_ids) would find cached now (0 with the cache off); takes nothing."""
+        if self.prefix_cache is None or not self._free:
+            return 0
+        return self.prefix_cache.choose(self._free, prompt_ids)[1]
+
+    def _check_free(self) -> None:
         if not self._free:
             raise ValueError(f"all {self.max_batch} KV slots are in use")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
+
+    def _take(self, slot: int, keep: int) -> int:
+        self._free.remove(slot)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(slot)  # the request owns its positions now
+        self.lengths[slot] = keep
         return slot
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int, held: list[int] | None = None) -> None:
+        """Give a slot back. held: the token ids whose K/V its positions hold, in order (the prompt and the tokens fed
+        back); with the prefix cache, the first lengths[slot] of them stay cached for a later prompt (positions
+        written past them, such as a queued step past a stop token, are not in `held`, and ids past lengths[slot]
+        were never written). None: what the slot holds is forgotten."""
         if slot in self._free or not 0 <= slot < self.max_batch:
             raise ValueError(f"slot {slot} is not allocated")
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(slot, [] if held is None else held[: self.lengths[slot]])
         self.lengths[slot] = 0
         self._free.append(slot)
 
@@ -342,7 +395,8 @@ class Engine:
                  stop_token_ids: list[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
                  stream: StreamCallback | None = None, conversation=None) -> list[Completion]:
         """conversation: a hybrid.runtime.generation.Conversation whose slot this (single) prompt continues;
-        only the part of the prompt after what the slot already holds is prefilled."""
+        only the part of the prompt after what the slot already holds is prefilled. Prompts are checked before
+        any takes a slot, and the slots taken are freed however the call ends (see the module's docstring)."""
 
         return run_generation(self, prompts, max_new_tokens, sampling, stop_token_ids, stop_strings, stream,
                               conversation)

@@ -1,13 +1,16 @@
 """Engine.generate: the CLI's client of the generation loop (hybrid.runtime.batching.Batcher). It checks the
 prompts, runs them to the end through the loop (whole prompts per prefill, decode ahead where the engine
 offers it, errors raised) and returns one Completion per prompt; a Conversation keeps its KV slot across
-calls so that each turn prefills only what is new."""
+calls so that each turn prefills only what is new. Without one, the engine's prefix cache does the same across
+calls for any prompt that starts as an earlier one did (hybrid.runtime.prefix_cache), as long as the slot that
+prompt left is not taken by another in between."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from hybrid.runtime.batching import Batcher, Sequence
+from hybrid.runtime.prefix_cache import common_prefix
 from hybrid.runtime.steps import EngineSteps
 
 
@@ -32,16 +35,8 @@ class Conversation:
         return cls(engine.allocate_slot(), [])
 
     def close(self, engine) -> None:
-        engine.free_slot(self.slot)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+        """Give the slot back; what it holds stays in the engine's prefix cache for a later prompt."""
+        engine.free_slot(self.slot, self.held)
 
 
 class _EngineLoop(Batcher):
@@ -58,10 +53,10 @@ class _EngineLoop(Batcher):
     def take_slot(self, seq: Sequence) -> int:
         conv = self.conversation
         if conv is None:
-            return self.engine.allocate_slot()
+            return super().take_slot(seq)
         # keep the held prefix (at least one prompt token is prefilled, for its logits)
         ids = seq.prompt_ids
-        keep = min(_common_prefix(conv.held, ids), len(ids) - 1)
+        keep = min(common_prefix(conv.held, ids), len(ids) - 1)
         self.engine.lengths[conv.slot] = keep
         conv.held = ids[:keep]
         seq.prefilled = keep
@@ -103,15 +98,13 @@ def run_generation(engine, prompts, max_new_tokens, sampling, stop_token_ids, st
     loop = _EngineLoop(engine, stream, conversation)
     seqs = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) >= engine.max_context:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {engine.max_context}")
         if stop_strings:
             p = replace(p, stop=tuple(dict.fromkeys(stop_strings + p.stop)))
         seqs.append(Sequence(ids, max_new_tokens, p, sink=i, stop_ids=stop_ids))
-    loop.waiting.extend(seqs)
-    loop.run()
+    loop.submit(seqs)  # checks every prompt's ids (none, not ints, outside the vocabulary) before any takes a slot
+    loop.run()  # frees the slots it took however it ends
     return [Completion(prompt_token_ids=s.prompt_ids, token_ids=s.token_ids, text=s.text,
                        finish_reason=s.finish_reason) for s in seqs]

@@ -3,7 +3,13 @@
 `Runtime` is the runtime's EngineSteps (what the generation loop drives: slots, prefill, decode steps,
 decode(ids) -> text, eos_token_ids) plus what the routes use:
 
-    vocab_size, max_token_chars;  encode(text) / encode_chat(messages) -> ids
+    vocab_size, max_token_chars;  encode(text) / encode_chat(messages, **template_kwargs) -> ids;
+    token_piece(id) -> (text, bytes);  decode(ids, skip_special_tokens);  model_type and chat_template (which
+        tool-call and reasoning formats apply: hybrid.server.tool_calls, hybrid.server.reasoning)
+    open_sampler(params, prompt_ids, slot, end_ids) / close_sampler(s): a sequence's sampling state
+        (hybrid.runtime.sampling.BatchSampler: penalties, logit bias, min_tokens, logprobs); a sequence
+        whose prompt is scored (params.prompt_logprobs: echo with logprobs) is prefilled through
+        Engine.forward with every position's logits, one prompt per pass
 
     expert_split() -> {layer: (cold experts run on the CPU, shipped)} for /metrics
 
@@ -14,8 +20,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from functools import lru_cache
 from pathlib import Path
 
+import torch
+
+from hybrid.runtime.sampling import SCORE_ROWS, BatchSampler, SamplingParams, SequenceSampler
 from hybrid.runtime.steps import EngineSteps
 
 BATCH_PREFILL = ("on", "off")
@@ -85,17 +96,111 @@ class Runtime(EngineSteps):
         # The most characters of text one token can stand for, if the tokenizer bounds it: prompts
         # longer than max_context times this are refused by size alone (server/prompt_limits.py).
         self.max_token_chars = max_token_chars(tokenizer)
+        self.sampling = BatchSampler(self.vocab_size, self.device, rows=self.max_batch or 1)
+        self._scoring: dict[int, SequenceSampler] = {}  # slot -> sampler whose prompt is being scored
+        self._byte_level = _byte_level_decoder(tokenizer)  # str -> bytes of a token's vocabulary string, or None
+        self.token_piece = lru_cache(maxsize=1 << 16)(self._token_piece)
+        # what the tool-call and reasoning parsers are chosen by: the config's model_type and the template
+        self.model_type = getattr(engine.model.cfg, "family", None)
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    # batched prefill, unless a prompt is being scored: its pass needs every position's logits
+    @property
+    def batch_prefill(self) -> bool:
+        return self._batch_prefill and not self._scoring
+
+    @batch_prefill.setter
+    def batch_prefill(self, on: bool) -> None:
+        self._batch_prefill = on
+
+    # sampling (engine thread): one BatchSampler over every sequence's own options
+    def sampler(self, p: SamplingParams) -> SequenceSampler:
+        return self.open_sampler(p, (), None, self.eos_token_ids)
+
+    def open_sampler(self, params: SamplingParams, prompt_ids, slot: int | None, end_ids) -> SequenceSampler:
+        """A sequence's sampler: prompt_ids for the repetition penalty, end_ids (what would end it) masked until
+        min_tokens; with params.prompt_logprobs its slot's prefill passes score the prompt."""
+        s = self.sampling.open(params, prompt_ids, end_ids)
+        if params.prompt_logprobs is not None and slot is not None:
+            self._scoring[slot] = s
+        return s
+
+    def close_sampler(self, s: SequenceSampler) -> None:
+        self.sampling.close(s)
+        for slot, held in list(self._scoring.items()):
+            if held is s:
+                del self._scoring[slot]
+
+    def sample(self, logits, samplers) -> list[int]:
+        return self.sampling.sample(logits, samplers)
+
+    def prefill(self, slots: list[int], chunks: list[list[int]]):
+        scoring = self._scoring.get(slots[0]) if len(slots) == 1 else None
+        if scoring is None:
+            if any(s in self._scoring for s in slots):  # (batch_prefill is off meanwhile: not reached)
+                raise RuntimeError("a scored prompt is prefilled alone")
+            return super().prefill(slots, chunks)
+        return self._score_prefill(slots[0], chunks[0], scoring)
+
+    def _score_prefill(self, slot: int, chunk: list[int], s: SequenceSampler):
+        """Prefill one chunk of a scored prompt through Engine.forward with every position's logits (in pieces
+        of SCORE_ROWS tokens: memory), scoring each token -> logits [1, V] after the chunk. On failure the
+        slot's length is restored and nothing is scored, so a retry rewrites the same positions."""
+        eng = self.engine
+        start = eng.lengths[slot]
+        if start + len(chunk) > self.max_context:
+            raise ValueError(f"{start + len(chunk)} tokens exceed max_context {self.max_context}")
+        t0, scored, carry = time.perf_counter(), [], s.prompt_carry
+        try:
+            for lo in range(0, len(chunk), SCORE_ROWS):
+                piece = chunk[lo : lo + SCORE_ROWS]
+                pos = eng.lengths[slot]
+                logits = eng.forward(torch.tensor([piece], dtype=torch.long),  # [1, T]
+                                     torch.arange(pos, pos + len(piece))[None], torch.tensor([slot]),
+                                     last_only=False)[0]  # [T, V]
+                eng.lengths[slot] += len(piece)
+                records, carry = s.score_prompt(piece, logits, carry)
+                scored.extend(records)
+        except BaseException:
+            eng.lengths[slot] = start
+            raise
+        s.commit_prompt(scored, carry)
+        if s.prompt_scored:
+            self._scoring.pop(slot, None)  # the rest of its life is ordinary (batched prefill again)
+        st = getattr(eng, "stats", None)
+        if st is not None:  # counted as Engine.prefill counts them
+            st.prefill_tokens += len(chunk)
+            st.prefill_s += time.perf_counter() - t0
+        return logits[-1:]
+
+    def _token_piece(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        """A token's text and UTF-8 bytes for logprobs. Byte-level BPE: the bytes its vocabulary string stands
+        for (a token may hold part of a character: its text then shows U+FFFD, its bytes the truth)."""
+        try:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:  # a tokenizer without the option
+            text = self.tokenizer.decode([token_id])
+        raw = None
+        if self._byte_level is not None:
+            raw = self._byte_level(self.tokenizer.tok.id_to_token(token_id))
+        if raw is None:
+            raw = text.encode("utf-8")
+        return text, tuple(raw)
 
     # tokenizer (called from worker threads and the engine thread; the tokenizers library is thread-safe
     # for encode/decode, which take no mutable state)
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """template_kwargs reach the chat template as variables (`tools`, `enable_thinking`, ...)."""
+        return self.tokenizer.encode_chat(messages, **template_kwargs)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """skip_special_tokens=False keeps control tokens (the markers a tool-call or reasoning parser reads)."""
+        if skip_special_tokens:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @property
     def device_type(self) -> str | None:
@@ -113,6 +218,32 @@ class Runtime(EngineSteps):
             if stats is not None and hasattr(stats, "cpu_experts") and hasattr(stats, "shipped_experts"):
                 out[i] = (int(stats.cpu_experts), int(stats.shipped_experts))
         return out
+
+
+def _byte_level_decoder(tokenizer):
+    """For a byte-level BPE tokenizer (GPT-2's byte-to-unicode alphabet), a function: vocabulary string ->
+    its bytes (None for a string outside the alphabet, such as an added token); else None."""
+    hf = getattr(tokenizer, "tok", None)
+    try:
+        spec = json.loads(hf.to_str())
+    except Exception:  # noqa: BLE001 - not a tokenizers.Tokenizer: no byte-level strings to read
+        return None
+    if "ByteLevel" not in _types(spec.get("decoder")):
+        return None
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+
+    def to_bytes(piece: str | None):
+        if piece is None or any(c not in table for c in piece):
+            return None
+        return bytes(table[c] for c in piece)
+    return to_bytes
 
 
 EXACT_DTYPE = "float64"

@@ -2,7 +2,12 @@
 
 Every failure leaves as an OpenAI-style JSON error with the right status, including aiohttp's own
 (404 unknown path, 405 wrong method, 413 body over the cap) and unexpected exceptions (500, logged):
-one bad request never takes the server down.
+one bad request never takes the server down. A client that goes away is no error: its request is
+cancelled with one debug line.
+
+Shutdown (SIGTERM/SIGINT, or `stop` in tests): stop listening, refuse new requests (503), give in-flight
+ones `shutdown_grace_s` to finish, end the rest (503 / an error event in the stream), stop the engine,
+exit 0, all within seconds. A second signal meanwhile ends the process at once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ _AIOHTTP = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", aiohttp.__version__).
 
 METERED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 TOKENIZE_THREADS = 2
-CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics only
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the connection", used in metrics and the access log
+# After the grace period, the seconds that ended requests get to write their last bytes (to clients that
+# read slowly, or at all) before aiohttp cancels their handlers.
+CLOSE_TIMEOUT_S = 1.0
 
 
 def _error_response(err: ApiError) -> web.Response:
@@ -60,15 +68,29 @@ async def error_middleware(request: web.Request, handler):
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405 must say what is
         return _error_response(ApiError(exc.status, msg, type=kind, headers=allow))
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         status = CLIENT_CLOSED  # the client went away; the handler's finally already cancelled its work
+        log.debug("%s %s: ended early (client gone or shutting down)", request.method, request.path)
         raise
+    except ConnectionResetError:  # the client went away while its body was read or its answer written
+        status = CLIENT_CLOSED
+        log.debug("%s %s: the client closed the connection; request cancelled", request.method, request.path)
+        return _client_gone()
     except Exception:  # noqa: BLE001 - a bug in one request must not reach the other requests
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error_response(server_error("internal server error (see the server log)"))
     finally:
         if endpoint is not None:
             state.metrics.request_done(endpoint, status)
+
+
+def _client_gone() -> web.Response:
+    """What a handler whose client left returns: nothing reaches the client, but returning (instead of
+    raising ConnectionResetError to aiohttp, which logs it with a traceback as a server error) keeps
+    the log quiet and the access log shows 499."""
+    resp = web.Response(status=CLIENT_CLOSED)
+    resp.force_close()
+    return resp
 
 
 def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics | None = None) -> web.Application:
@@ -89,8 +111,8 @@ def build_app(config: ServerConfig, runtime, model_name: str, metrics: Metrics |
         scheduler.start()
 
     async def stop(app):
-        # Runs after aiohttp closed the connections; waiting sequences get a 503 event (nobody left
-        # to read it, but the engine thread ends cleanly).
+        # Runs after the handlers ended (run_server drained them); sequences still in the engine get
+        # a 503 event (nobody left to read it, but the engine thread ends cleanly).
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
         tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -112,9 +134,12 @@ async def run_server(app: web.Application, host: str, port: int, announce,
     # keepalive_timeout: aiohttp closes a connection that has not sent complete headers within it
     # (from connect, or from the previous response); the body has its own deadline (routes.read_json).
     # lingering_time: how long an unread body is drained before closing, within the same bound.
-    timeout = app[STATE].config.read_timeout_s
+    state: ServerState = app[STATE]
+    timeout = state.config.read_timeout_s
+    # shutdown_timeout: how long aiohttp waits for handlers once drain() has ended them (it waits twice,
+    # then cancels what is left).
     runner = web.AppRunner(app, access_log=access, access_log_class=AccessLogger, keepalive_timeout=timeout,
-                           lingering_time=min(10.0, timeout), **cancel)
+                           lingering_time=min(10.0, timeout), shutdown_timeout=CLOSE_TIMEOUT_S, **cancel)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -122,16 +147,25 @@ async def run_server(app: web.Application, host: str, port: int, announce,
         bound = runner.addresses[0][1]  # the real port when port=0
         announce(host, bound)
         if stop is None:
-            stop = _stop_on_signals(asyncio.get_running_loop())
+            stop = _stop_on_signals(asyncio.get_running_loop(), state.config.shutdown_grace_s)
         await stop.wait()
+        await drain(runner, state)
     finally:
-        # Stops listening, then lets in-flight requests finish (up to aiohttp's 60 s shutdown timeout)
-        # before the engine thread stops: a SIGTERM drains instead of cutting streams mid-answer.
-        await runner.cleanup()
+        await runner.cleanup()  # closes the connections, then on_cleanup stops the engine thread
 
 
-def _stop_on_signals(loop) -> asyncio.Event:
-    """First SIGINT/SIGTERM: drain and exit. A second one: the default handlers, i.e. exit now."""
+async def drain(runner: web.AppRunner, state: ServerState) -> None:
+    """Stop listening, then let in-flight requests finish within the grace period and end the rest."""
+    for site in list(runner.sites):
+        await site.stop()
+    ended = await state.inflight.drain(state.config.shutdown_grace_s)
+    if ended:
+        log.warning("shutdown: ended %d request(s) still running after %g s", ended, state.config.shutdown_grace_s)
+
+
+def _stop_on_signals(loop, grace_s: float) -> asyncio.Event:
+    """First SIGINT/SIGTERM: drain and exit. A second one: the system's default action, i.e. the process
+    ends at once (no Python code runs, so no traceback and no waiting on a busy engine thread)."""
     stop = asyncio.Event()
     sigs = (signal.SIGINT, signal.SIGTERM)
 
@@ -139,9 +173,10 @@ def _stop_on_signals(loop) -> asyncio.Event:
         stop.set()  # before anything that can fail (stderr may be a closed pipe)
         for s in sigs:
             loop.remove_signal_handler(s)
+            signal.signal(s, signal.SIG_DFL)  # (for SIGINT, not Python's KeyboardInterrupt handler)
         try:
-            print(f"hybrid serve: {signal.Signals(sig).name}: finishing in-flight requests "
-                  "(signal again to stop at once)", file=sys.stderr, flush=True)
+            print(f"hybrid serve: {signal.Signals(sig).name}: finishing in-flight requests for up to "
+                  f"{grace_s:g} s (signal again to stop at once)", file=sys.stderr, flush=True)
         except OSError:
             pass
 

@@ -7,6 +7,21 @@ from dataclasses import dataclass
 from hybrid.runtime.config import RuntimeConfig
 
 
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot be the served model id, or None. It goes into every response body and stream
+    chunk as UTF-8 JSON, so it must be printable text that UTF-8 can encode (a name taken from bytes
+    that are not UTF-8 arrives as lone surrogates, which cannot be encoded)."""
+    if not name:
+        return "the model name must not be empty"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"the model name {ascii(name)} is not valid UTF-8; use printable UTF-8 text"
+    if not name.isprintable():
+        return f"the model name {ascii(name)} contains control or separator characters; use printable text"
+    return None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default: exposing a model server is an explicit choice
@@ -25,6 +40,13 @@ class ServerConfig:
     # kept-alive connection may idle): a stalled or trickling client is disconnected, not kept forever.
     read_timeout_s: float = 60.0
     served_model_name: str | None = None  # defaults to the model directory's name
+    # Messages in one chat request (OpenAI's limit too). Every message costs template tokens even when
+    # empty, and the tokenizer holds the GIL while it works, so without a cap a few requests of many
+    # empty messages would stall every other request for seconds.
+    max_messages: int = 2048
+    # Seconds that in-flight requests get to finish after SIGTERM/SIGINT before they are ended with a
+    # 503 (streams: an error event); new requests get 503 meanwhile.
+    shutdown_grace_s: float = 5.0
 
     def __post_init__(self):
         checks = [
@@ -36,7 +58,11 @@ class ServerConfig:
             (self.max_choices >= 1, f"max_choices must be >= 1, got {self.max_choices}"),
             (0 < self.read_timeout_s <= 86400, f"read_timeout must be in (0, 86400] s, got {self.read_timeout_s}"),
             (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
+            (self.max_messages >= 1, f"max_messages must be >= 1, got {self.max_messages}"),
+            (0 <= self.shutdown_grace_s <= 3600, f"shutdown_grace must be in [0, 3600] s, got {self.shutdown_grace_s}"),
         ]
+        name_problem = None if self.served_model_name is None else model_name_problem(self.served_model_name)
+        checks.append((name_problem is None, f"--served-model-name: {name_problem}"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

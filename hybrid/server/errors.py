@@ -47,3 +47,12 @@ def server_error(message: str) -> ApiError:
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="unavailable")
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def shutting_down() -> ApiError:
+    # close: the connection is not kept alive for a next request that would only get this answer again
+    return ApiError(503, f"{SHUTTING_DOWN}; retry the request later.", type="server_error", code="unavailable",
+                    close=True)

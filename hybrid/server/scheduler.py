@@ -9,6 +9,11 @@ The event loop never waits on this thread: it submits sequences (non-blocking, o
 is full), and the thread pushes events back through each sequence's `sink` (a thread-safe callback).
 Every accepted sequence ends with exactly one terminal event, "done" or "error" (even when the model
 raises or the server shuts down) unless its client cancelled it, in which case nobody is listening.
+
+Logprobs travel with the text: each "text" event carries the records (hybrid.runtime.sampling.TokenLogprob)
+of the tokens sampled since the previous event, "done" the rest; a sequence whose prompt is scored (echo with
+logprobs) first gets a "prompt" event with the prompt's records. Its sampler is opened once it holds a slot
+(the prompt for the repetition penalty, its stop ids for min_tokens) and closed with the slot.
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ log = logging.getLogger("hybrid.server")
 
 @dataclass
 class Event:
-    kind: str  # "text" (a delta), "done" (terminal), "error" (terminal)
+    kind: str  # "prompt" (the prompt's logprobs), "text" (a delta), "done" (terminal), "error" (terminal)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" on done
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
     status: int = 500  # HTTP status for an error event
+    logprobs: list | None = None  # TokenLogprob records (only when the request asked for logprobs)
 
 
 class QueueFull(Exception):
@@ -89,9 +95,11 @@ class Scheduler(Batcher):
 
     def stats(self) -> dict:
         prefilling = len(self.prefilling)
+        engine_stats = getattr(getattr(self.runtime, "engine", None), "stats", None)
+        prefix = {k: int(getattr(engine_stats, k, 0)) for k in ("prefix_lookups", "prefix_hits", "prefix_tokens_reused")}
         return {"running": len(self.running) + prefilling, "prefilling": prefilling,
                 "waiting": len(self.waiting), "free_slots": self.runtime.free_slots,
-                "max_batch": self.runtime.max_batch}
+                "max_batch": self.runtime.max_batch, **prefix}
 
     # --- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -142,6 +150,25 @@ class Scheduler(Batcher):
             if not seq.finished:
                 self.fail(seq, message, status)
 
+    # --- the loop's hooks: slots and samplers ------------------------------------------------------
+    def take_slot(self, seq: Sequence) -> int:
+        """A scored prompt takes an empty slot: the prefix cache's tokens would skip the prefill that scores them."""
+        if seq.params.prompt_logprobs is not None:
+            return self.steps.allocate_slot()
+        return super().take_slot(seq)
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        return 0 if seq.params.prompt_logprobs is not None else super().cached_prefix(seq)
+
+    def open_sampler(self, seq: Sequence):
+        ends = self.runtime.eos_token_ids if seq.stop_ids is None else seq.stop_ids
+        return self.runtime.open_sampler(seq.params, seq.prompt_ids, seq.slot, ends)
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        if seq.sampler is not None:
+            self.runtime.close_sampler(seq.sampler)
+
     # --- the loop's hooks: metrics and events ------------------------------------------------------
     def wait_lock(self):
         return self._cond
@@ -161,13 +188,23 @@ class Scheduler(Batcher):
     def on_token(self, seq: Sequence, token: int | None, text: str) -> None:
         if seq.n_generated == 1:
             self.metrics.observe_sequence(ttft_s=time.monotonic() - seq.t_submit)
+            if seq.params.prompt_logprobs is not None:
+                seq.sink(Event("prompt", logprobs=seq.sampler.prompt_records))
+        records = None
+        if seq.params.logprobs is not None:
+            records = seq.sampler.records
+            if token is None and records:  # the stop token ends the text and is not part of it
+                records.pop()
         if text:
-            seq.sink(Event("text", text=text))
+            if records is not None:
+                records = seq.sampler.take_records()
+            seq.sink(Event("text", text=text, logprobs=records))
 
     def on_finished(self, seq: Sequence) -> None:
         self.metrics.observe_sequence(duration_s=time.monotonic() - seq.t_submit)
+        records = seq.sampler.take_records() if seq.params.logprobs is not None else None
         seq.sink(Event("done", finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
-                       completion_tokens=seq.n_generated))
+                       completion_tokens=seq.n_generated, logprobs=records))
 
     def on_error(self, seq: Sequence, message: str, status: int) -> None:
         if not seq.cancelled:

@@ -11,6 +11,7 @@ and can be slowed, paused (`gate`) or made to fail (a prompt containing BEL) for
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import zlib
@@ -29,15 +30,31 @@ class EngineCrash(BaseException):
 
 
 class FakeTokenizer:
+    """Bytes as tokens. Its "chat template" writes `<role>content\\n` per message, then `<assistant>`;
+    template inputs (tools, switches) come first as JSON lines, an assistant's calls as hermes
+    `<tool_call>{...}</tool_call>` (so the server reads this fake's calls in that format; this attribute is
+    what the server looks at, not code that runs), a tool result under `<tool>`."""
+
     max_token_chars = 1  # a token is one byte of one character
+    chat_template = "{# fake: <role>content, tools as JSON, calls as <tool_call>{...}</tool_call> #}"
+
     def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        head = "".join(f"<{k}>{json.dumps(v, sort_keys=True)}\n" for k, v in sorted(template_kwargs.items()))
+        return self.encode(head + "".join(_fake_turn(m) for m in messages) + "<assistant>")
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+
+
+def _fake_turn(m: dict) -> str:
+    """One message as the fake template writes it (a plain message: `<role>content\\n`, as always)."""
+    calls = "".join(f"<tool_call>{json.dumps(c['function'], sort_keys=True)}</tool_call>"
+                    for c in m.get("tool_calls") or ())
+    think = f"<think>{m['reasoning_content']}</think>" if m.get("reasoning_content") else ""
+    return f"<{m['role']}>{think}{m.get('content') or ''}{calls}\n"
 
 
 class FakeEngine:

@@ -1,0 +1,455 @@
+"""The packed-expert cache: each MoE layer's CPU executor bytes (cpu_kernels.CpuMoE.packed_state) kept on disk,
+so that a restart copies them back instead of converting the checkpoint's experts again (de-quantizing,
+re-quantizing and packing run at 0.3-0.7 GB/s; copying packed bytes back runs at the disk's or page cache's rate).
+
+$HYBRID_CACHE/packed/<key>/ holds one file per MoE layer (layer-<i>.bin: the executor's buffers back to back at
+4 KiB offsets), manifest.json and last_used. The key hashes everything the bytes depend on: the checkpoint (its
+folder, every safetensors file's name, size and mtime_ns, config.json's bytes), the packing layout
+(cpu_kernels.moe.packed_layout: CPU dtype, int4 group, ISA, int4 order, K padding, row alignment, the NUMA nodes'
+F slices, the packing format) and this module's FORMAT. Another machine, ISA, thread split or dtype is another key.
+
+Writing: a temporary folder beside the others, each layer's file written and fsynced as its layer is packed, the
+manifest last (every file's size and a sampled hash, and a checksum of the manifest itself), then one rename, so
+a cache folder is complete or absent. The free space is checked first; any write error (a full disk, a read-only
+folder) drops the temporary folder and the load goes on without a cache, after a one-line warning.
+
+Reading: before the first layer the manifest's checksum, format and key, and every file's size and sampled hash
+are checked; anything off removes the folder and this load rebuilds it. Each layer's file is memory-mapped and
+copied into the executor's node-local buffers by each node's own threads (CpuMoE.from_packed: no conversion, the
+first touch stays on the node, huge pages stay possible), then its page cache is dropped, so DRAM does not hold
+the experts twice. A sampled hash reads 64 windows of 4 KiB a file, not the whole file: with the exact sizes it
+finds truncation and gross damage cheaply, not every flipped bit of a large file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hybrid.offload")
+
+FORMAT = 1  # of the folder (files, manifest); the packed bytes' own version is in the layout (PACK_FORMAT)
+ALIGN = 4096  # each part of a layer's file starts on a page
+MANIFEST, LAST_USED = "manifest.json", "last_used"
+_SAMPLES, _WINDOW = 64, 4096
+_NOT_WRITTEN = "this load goes on without it (set HYBRID_CACHE to another folder, or pass --no-cache)"
+
+
+@dataclass
+class LoadTimes:
+    """Where a hybrid load's seconds went, for the line it ends with. read: everything but the rest (the loader
+    reading the checkpoint and de-quantizing what it converts, the non-expert weights' copy to the device);
+    convert: packing (and quantizing) experts for the CPU executor; upload: the hybrid layers' device work
+    (page-locking the packed bytes, biases, resident experts); cache: writing or reading the packed cache."""
+
+    total_s: float = 0.0
+    convert_s: float = 0.0
+    upload_s: float = 0.0
+    cache_s: float = 0.0
+    cache_bytes: int = 0
+
+    @property
+    def read_s(self) -> float:
+        return max(0.0, self.total_s - self.convert_s - self.upload_s - self.cache_s)
+
+    def line(self) -> str:
+        rate = self.cache_bytes / self.cache_s / 1e9 if self.cache_s > 0 else 0.0
+        return (f"loaded in {self.total_s:.1f} s: read {self.read_s:.1f} s, convert {self.convert_s:.1f} s, "
+                f"upload {self.upload_s:.1f} s, cache {self.cache_s:.1f} s "
+                f"({self.cache_bytes / 1e9:.2f} GB at {rate:.2f} GB/s)")
+
+
+def cache_root() -> Path:
+    """$HYBRID_CACHE/packed: beside the demo checkpoint and the calibrated profile."""
+    from cpu_kernels.knobs import knobs
+
+    return knobs().cache / "packed"
+
+
+def checkpoint_identity(model_dir) -> dict:
+    """What says a checkpoint folder changed: its resolved path, every safetensors file's (relative name, size,
+    mtime_ns), and config.json's bytes' hash."""
+    root = Path(model_dir).resolve()
+    files = []
+    for f in sorted(root.rglob("*.safetensors")):
+        st = f.stat()
+        files.append([f.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns])
+    config = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
+    return dict(path=str(root), files=files, config=config)
+
+
+def cache_key(identity: dict, layout: dict) -> str:
+    """The folder name: a hash of the checkpoint's identity, the packing layout and FORMAT."""
+    text = json.dumps(dict(format=FORMAT, checkpoint=identity, layout=layout), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def sampled_hash(buf, size: int) -> str:
+    """blake2b of the size and 64 evenly spread 4 KiB windows (the whole buffer when it is smaller)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(size.to_bytes(8, "little"))
+    if size <= _SAMPLES * _WINDOW:
+        h.update(buf[:size])
+    else:
+        for i in range(_SAMPLES):
+            off = (size - _WINDOW) * i // (_SAMPLES - 1)
+            h.update(buf[off:off + _WINDOW])
+    return h.hexdigest()
+
+
+def _file_hash(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0, sampled_hash(b"", 0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return size, sampled_hash(mm, size)
+
+
+def _drop_page_cache(fd: int) -> None:
+    """The file's pages leave the page cache (they are clean): the executor's buffers are the one copy."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest's body; ValueError (one line) when it is unreadable or its checksum is off."""
+    try:
+        doc = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"manifest unreadable ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+        raise ValueError("manifest unreadable (not a manifest)")
+    if doc.get("checksum") != _checksum(doc["body"]):
+        raise ValueError("manifest checksum mismatch")
+    return doc["body"]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Temporary folders of loads that died before their rename (their process is gone)."""
+    for d in root.glob(".tmp-*") if root.is_dir() else ():
+        parts = d.name.split("-")
+        if len(parts) == 4 and parts[2].isdigit() and not _pid_alive(int(parts[2])):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class PackedCache:
+    """One load's side of the packed cache of its key: a complete, checked cache to read every layer from, or
+    none (absent, or found bad and removed) to write as the layers are packed. Seconds and bytes go to `times`."""
+
+    def __init__(self, root: Path, key: str, identity: dict, layout: dict, layers: list[int], times: LoadTimes):
+        self.root, self.key, self.identity, self.layout = root, key, identity, layout
+        self.layers, self.times = list(layers), times
+        self.folder = root / key
+        self.manifest: dict | None = None  # set: reading from the cache
+        self._tmp: Path | None = None  # the folder being written
+        self._written: dict[str, dict] = {}  # layer -> its manifest entry
+        self._loaded: dict[int, object] = {}  # layer -> executor read from the cache (a rebuild writes them)
+        self._off = False  # writing gave up (no space, an error): the load goes on without the cache
+
+    @classmethod
+    def open(cls, model_dir, layout: dict, layers, times: LoadTimes) -> "PackedCache | None":
+        """The cache for this checkpoint and layout, checked; None for the ref ISA (nothing packed)."""
+        if layout["isa"] == "ref":
+            log.info("packed cache: not used with the ref ISA (it packs nothing)")
+            return None
+        t0 = time.perf_counter()
+        identity = checkpoint_identity(model_dir)
+        root = cache_root()
+        cache = cls(root, cache_key(identity, layout), identity, layout, layers, times)
+        remove_stale_temporaries(root)
+        if cache.folder.exists():
+            try:
+                cache.manifest = cache._checked()
+            except ValueError as exc:
+                cache._discard(str(exc))
+            except (KeyError, TypeError, AttributeError) as exc:  # a well-formed checksum over a foreign body
+                cache._discard(f"manifest malformed ({type(exc).__name__}: {exc})")
+        log.info("packed cache %s: %s", cache.key, "hit" if cache.manifest else "miss (written as the layers pack)")
+        times.cache_s += time.perf_counter() - t0
+        return cache
+
+    def _checked(self) -> dict:
+        """The manifest, after every check that is cheap: checksum, format, key, layers, file sizes and hashes."""
+        body = read_manifest(self.folder)
+        if body.get("format") != FORMAT:
+            raise ValueError(f"format {body.get('format')} (this version reads {FORMAT})")
+        if body.get("key") != self.key or body.get("layout") != self.layout:
+            raise ValueError("written for another checkpoint or layout")
+        if sorted(int(i) for i in body.get("layers", {})) != sorted(self.layers):
+            raise ValueError(f"holds layers {sorted(body.get('layers', {}))}, the model's MoE layers are {self.layers}")
+        for entry in body["layers"].values():
+            path = self.folder / entry["file"]
+            try:
+                size, digest = _file_hash(path)
+            except OSError as exc:
+                raise ValueError(f"{entry['file']}: {exc.strerror or exc}") from None
+            if size != entry["size"]:
+                raise ValueError(f"{entry['file']} is {size} bytes, the manifest says {entry['size']}")
+            if digest != entry["hash"]:
+                raise ValueError(f"{entry['file']}: content differs from the manifest's hash")
+        return body
+
+    def _discard(self, why: str) -> None:
+        """A bad cache is never used: removed, and this load writes it again."""
+        try:
+            shutil.rmtree(self.folder)
+        except OSError as exc:
+            log.warning("packed cache %s: %s; cannot remove it (%s), %s", self.key, why, exc.strerror or exc,
+                        _NOT_WRITTEN)
+            self._off = True
+        else:
+            log.warning("packed cache %s: %s; rebuilding it", self.key, why)
+        self.manifest = None
+
+    # -- reading ----------------------------------------------------------------------------------
+    def holds(self, layer: int) -> bool:
+        """Whether `layer`'s experts will come from the cache, so a loader may skip reading them and hand the
+        factory None for the weights (only the biases are still needed: the GPU lanes keep them)."""
+        return self.manifest is not None and str(layer) in self.manifest["layers"]
+
+    def load(self, layer: int, shape=None, with_biases: bool = False, **kwargs):
+        """The executor of `layer` copied from the cache (CpuMoE.from_packed with kwargs), or None where the
+        cache does not serve it (none, or this layer's bytes failed: the cache is then rebuilt)."""
+        if self.manifest is None:
+            return None
+        t0 = time.perf_counter()
+        entry = self.manifest["layers"][str(layer)]
+        try:
+            if shape is not None and list(shape) != entry["shape"]:
+                raise ValueError(f"layer {layer} holds experts {entry['shape']}, the checkpoint {list(shape)}")
+            if with_biases != any(name.endswith(".bias") for name in entry["parts"]):
+                raise ValueError(f"layer {layer}'s biases differ from the checkpoint's")
+            moe = self._read_layer(entry, **kwargs)
+        except (OSError, ValueError) as exc:
+            self._rebuild(f"layer {layer}: {getattr(exc, 'strerror', None) or exc}")
+            return None
+        self._loaded[layer] = moe
+        self.times.cache_s += time.perf_counter() - t0
+        self.times.cache_bytes += entry["size"]
+        return moe
+
+    def _read_layer(self, entry: dict, **kwargs):
+        """CpuMoE.from_packed over the layer's file, memory-mapped copy-on-write (never written: read-only files
+        work); the views die with the mapping, and the file's page cache is dropped after the copy."""
+        from cpu_kernels import CpuMoE
+
+        with open(self.folder / entry["file"], "rb") as f:
+            if os.fstat(f.fileno()).st_size != entry["size"]:
+                raise ValueError(f"{entry['file']} changed size since the load started")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            with contextlib.suppress(AttributeError, OSError):
+                mm.madvise(mmap.MADV_WILLNEED)  # read ahead while the node threads copy
+            try:
+                data = torch.frombuffer(mm, dtype=torch.uint8)
+                state = {name: data[off:off + n] for name, (off, n) in entry["parts"].items()}
+                return CpuMoE.from_packed(state, entry["shape"], self.layout, **kwargs)
+            finally:
+                state = data = None
+                mm.close()
+                _drop_page_cache(f.fileno())
+
+    def _rebuild(self, why: str) -> None:
+        """A layer's bytes failed after the checks passed: drop the cache and write it again, starting with the
+        layers already read from it (their executors hold the same bytes)."""
+        self._discard(why)
+        for layer, moe in self._loaded.items():
+            self.store(layer, moe)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def store(self, layer: int, moe) -> None:
+        """Write the layer's packed bytes into the temporary folder (checked for space at the first layer);
+        an error gives up writing with one warning line."""
+        if self.manifest is not None or self._off:
+            return
+        t0 = time.perf_counter()
+        state = moe.packed_state()
+        parts, off = {}, 0
+        for name, t in state.items():
+            parts[name] = [off, t.numel()]
+            off = -(-(off + t.numel()) // ALIGN) * ALIGN
+        try:
+            if self._tmp is None:
+                self._start(off * len(self.layers))
+            if self._tmp is not None:
+                self._write_layer(layer, moe, state, parts)
+        except OSError as exc:
+            self._give_up(f"not written ({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''})")
+        self.times.cache_s += time.perf_counter() - t0
+
+    def _start(self, need: int) -> None:
+        """The temporary folder, if the disk has room for every layer (and a margin)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < need + (64 << 20):
+            self._give_up(f"not written: {need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free under {self.root}")
+            return
+        tmp = self.root / f".tmp-{self.key}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        self._tmp = tmp
+
+    def _write_layer(self, layer: int, moe, state: dict, parts: dict) -> None:
+        name = f"layer-{layer}.bin"
+        path = self._tmp / name
+        with open(path, "wb") as f:
+            for part, t in state.items():
+                f.seek(parts[part][0])
+                f.write(memoryview(t.numpy()))
+            f.truncate(max(off + n for off, n in parts.values()))
+            f.flush()
+            os.fsync(f.fileno())
+            _drop_page_cache(f.fileno())
+        size, digest = _file_hash(path)
+        self._written[str(layer)] = dict(file=name, size=size, hash=digest, parts=parts,
+                                         shape=[moe.E, moe.F, moe.D])
+        self.times.cache_bytes += size
+
+    def _give_up(self, why: str) -> None:
+        log.warning("packed cache %s: %s; %s", self.key, why, _NOT_WRITTEN)
+        self._off = True
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def commit(self) -> None:
+        """After the last layer: the manifest, then the rename that makes the cache exist. A cache read from
+        is marked used instead."""
+        t0 = time.perf_counter()
+        try:
+            if self.manifest is not None:
+                with contextlib.suppress(OSError):
+                    (self.folder / LAST_USED).touch()
+            elif self._tmp is not None and not self._off:
+                self._publish()
+        except OSError as exc:
+            self._give_up(f"not written ({exc.strerror or exc})")
+        self.times.cache_s += time.perf_counter() - t0
+
+    def _publish(self) -> None:
+        if sorted(int(i) for i in self._written) != sorted(self.layers):
+            raise OSError(f"layers {sorted(self._written)} written of {self.layers}")
+        body = dict(format=FORMAT, key=self.key, created=time.time(), model=self.identity["path"],
+                    dtype=self.layout["dtype"], group_size=self.layout["group_size"], layout=self.layout,
+                    checkpoint=self.identity, layers=self._written)
+        with open(self._tmp / MANIFEST, "w") as f:
+            json.dump(dict(checksum=_checksum(body), body=body), f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        (self._tmp / LAST_USED).touch()
+        _fsync_dir(self._tmp)
+        try:
+            os.rename(self._tmp, self.folder)
+        except OSError:  # another load published this key first: theirs is as good
+            if not (self.folder / MANIFEST).exists():
+                raise
+            self._remove_tmp()
+            return
+        self._tmp = None
+        _fsync_dir(self.root)
+        self._remove_superseded()
+
+    def _remove_superseded(self) -> None:
+        """Caches of this model folder and layout made from an older state of its files are dead weight."""
+        for info in list_caches(self.root):
+            if info.key != self.key and info.model == self.identity["path"] and info.layout == self.layout:
+                shutil.rmtree(info.folder, ignore_errors=True)
+                log.info("packed cache %s: removed (superseded by %s)", info.key, self.key)
+
+    def close(self) -> None:
+        """After the load, whatever happened: an unpublished temporary folder is removed."""
+        self._remove_tmp()
+
+
+def open_for_load(model_dir, cfg, offload, times: LoadTimes) -> PackedCache | None:
+    """The packed cache of a load_hybrid: layout from the executor arguments HybridExperts will pass."""
+    from cpu_kernels.moe import packed_layout
+
+    layout = packed_layout(cfg.expert_intermediate_size, offload.cpu_dtype, offload.group_size, isa=offload.cpu_isa,
+                           topology=offload.topology, threads=None if offload.topology else offload.threads)
+    try:
+        return PackedCache.open(model_dir, layout, cfg.moe_layer_indices, times)
+    except OSError as exc:  # the checkpoint's files or the cache folder cannot even be looked at
+        log.warning("packed cache: not used (%s%s); %s", exc.strerror or exc,
+                    f": {exc.filename}" if exc.filename else "", _NOT_WRITTEN)
+        return None
+
+
+@dataclass
+class CacheInfo:
+    """One folder under cache_root(), as `hybrid cache list` shows it."""
+
+    key: str
+    folder: Path
+    model: str  # the checkpoint folder, or why the manifest cannot be read
+    dtype: str
+    bytes: int
+    last_used: float
+    layout: dict | None
+
+
+def list_caches(root: Path | None = None) -> list[CacheInfo]:
+    """Every cache folder (temporary ones left out), most recently used first."""
+    root = cache_root() if root is None else root
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        stamp = d / LAST_USED if (d / LAST_USED).exists() else d
+        try:
+            body = read_manifest(d)
+            model, dtype, layout = body.get("model", "?"), str(body.get("dtype", "?")), body.get("layout")
+            if dtype == "int4":
+                dtype += f"/g{body.get('group_size')}"
+        except ValueError as exc:
+            model, dtype, layout = f"(bad: {exc})", "?", None
+        out.append(CacheInfo(d.name, d, model, dtype, size, stamp.stat().st_mtime, layout))
+    return sorted(out, key=lambda c: -c.last_used)
+
+
+def remove_cache(key: str, root: Path | None = None) -> CacheInfo:
+    """Remove the cache folder named `key` (or a unique prefix of 6 or more of its characters); KeyError when
+    none or several match."""
+    caches = list_caches(root)
+    match = [c for c in caches if c.key == key] or [c for c in caches if len(key) >= 6 and c.key.startswith(key)]
+    if len(match) != 1:
+        raise KeyError(f"{'no' if not match else 'more than one'} packed cache {key!r}")
+    shutil.rmtree(match[0].folder)
+    return match[0]

@@ -1,0 +1,108 @@
+"""The GPU dtype of each non-expert part (placement.gpu_dtypes) and the plans it makes possible: the flagship
+models on consumer cards (DeepSeek-V3 / Kimi-K2 / GLM-4.5 at 24 GiB, Qwen3-235B and gpt-oss-120b at 16 GiB, all
+at 32K context), auto's ladder and order, and the plan file / CLI carrying the choice."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from hybrid.cli import main
+from hybrid.models.families import family_for
+from hybrid.models.presets import published_config
+from placement.gpu_dtypes import LADDERS, RESIDENT_SHARE, checkpoint_kind, choose
+from placement.memory import GPU_PARTS, MemorySettings, breakdown
+
+GiB = 2**30
+CONSUMER = [  # preset, card, DRAM, CPU dtype
+    ("deepseek-v3", 24, 512, "int4"), ("glm-4.5", 24, 512, "int4"), ("kimi-k2", 24, 768, "int4"),
+    ("qwen3-235b-a22b", 16, 512, "int4"), ("gpt-oss-120b", 16, 512, None),
+]
+
+
+def preset(name):
+    raw = published_config(name)
+    return family_for(raw).parse_config(raw), raw
+
+
+@pytest.mark.parametrize("name,card,dram,cpu_dtype", CONSUMER)
+def test_flagships_plan_on_consumer_cards_at_32k(name, card, dram, cpu_dtype, capsys):
+    argv = ["plan", "--preset", name, "--gpu-budget", f"{card}GiB", "--cpu-budget", f"{dram}GiB",
+            "--max-context", "32768", "--profile", "ktransformers-paper-amx", "--json"]
+    assert main(argv + (["--cpu-dtype", cpu_dtype] if cpu_dtype else [])) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["gpu_bytes"] <= card * GiB
+    assert p["settings"]["max_context"] == 32768
+    gpu = p["memory"]["gpu"]
+    parts = gpu["non_expert_parts"]
+    assert set(parts) == set(GPU_PARTS) | {"other"}
+    assert 0 <= gpu["non_expert"] - sum(parts.values()) < 0.05 * gpu["non_expert"]  # + fp32 router, expert biases
+    if name == "deepseek-v3":
+        assert gpu["non_expert"] <= 12 * GiB  # with room for resident experts
+        assert p["settings"]["gpu_dtypes"]["attention"] in ("fp8", "int4")
+
+
+def test_without_quantized_weights_deepseek_does_not_fit_24gib(capsys):
+    argv = ["plan", "--preset", "deepseek-v3", "--gpu-budget", "24GiB", "--cpu-budget", "512GiB", "--max-context",
+            "32768", "--cpu-dtype", "int4", "--gpu-dtype", "bf16", "--profile", "ktransformers-paper-amx"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is too small" in err and "--gpu-dtype int4" in err and err.count("\n") == 1
+
+
+def test_auto_keeps_room_for_residents_and_steps_largest_first():
+    cfg, raw = preset("deepseek-v3")
+    s = MemorySettings(max_context=32768, cpu_dtype="int4")
+    dtypes = choose(cfg, s, 24 * GiB, "auto", checkpoint_kind(raw))
+    fixed = breakdown(cfg, replace(s, gpu_dtypes=dtypes)).gpu_fixed
+    assert fixed <= (1 - RESIDENT_SHARE) * 24 * GiB
+    # the most precise: undoing any one step would not leave the room
+    ladder = LADDERS["fp8"]
+    for part in GPU_PARTS:
+        i = ladder.index(dtypes[part])
+        if i > 0:
+            up = {**dtypes, part: ladder[i - 1]}
+            assert breakdown(cfg, replace(s, gpu_dtypes=up)).gpu_fixed > (1 - RESIDENT_SHARE) * 24 * GiB, part
+    assert dtypes["attention"] == "int4"  # the largest part is the first stepped down, and the furthest
+
+
+def test_auto_without_budget_and_explicit_choices():
+    cfg, raw = preset("deepseek-v3")
+    s = MemorySettings()
+    assert set(choose(cfg, s, None, "auto", "fp8").values()) == {"bf16"}  # nothing asks for fewer bytes
+    assert set(choose(cfg, s, 1 * GiB, "int8").values()) == {"int8"}
+    assert checkpoint_kind(raw) == "fp8" and checkpoint_kind(published_config("glm-4.5")) == "bf16"
+    # a budget nothing fits: the bottom of the ladder (the refusal is check_budgets')
+    assert set(choose(cfg, s, 1 * GiB, "auto", "bf16").values()) == {"int4"}
+
+
+def test_quantized_parts_cut_the_predicted_decode_read():
+    """The planner's decode step reads the parts in their GPU dtypes (fewer bytes, shorter predicted step)."""
+    from placement.hardware import BUILTIN_PROFILES
+    from placement.planner import PlanSettings, plan
+
+    cfg, _ = preset("qwen3-235b-a22b")
+    hw = BUILTIN_PROFILES["ktransformers-paper-amx"]
+    plans = {}
+    for kind in ("bf16", "int4"):
+        s = MemorySettings(max_context=4096, cpu_dtype="int4", gpu_dtypes={p: kind for p in GPU_PARTS})
+        plans[kind] = plan(cfg, None, hw, PlanSettings(gpu_budget=24 * GiB, cpu_budget=512 * GiB, memory=s))
+    assert plans["int4"].memory["gpu"]["non_expert"] < 0.3 * plans["bf16"].memory["gpu"]["non_expert"]
+    assert plans["int4"].settings["gpu_dtypes"] == {p: "int4" for p in GPU_PARTS}
+    # the same residents would cost less time per step; with the freed VRAM holding more of them, less still
+    assert plans["int4"].predicted_decode_tokens_per_s > plans["bf16"].predicted_decode_tokens_per_s
+
+
+def test_plan_file_gpu_dtypes_reach_generate(tmp_path, capsys, monkeypatch):
+    """`generate --plan` loads the parts in the plan's GPU dtypes; a contradicting --gpu-dtype is refused."""
+    import hybrid.models
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpu-budget", "8GiB", "--cpu-budget", "8GiB", "--gpu-dtype", "int8",
+                 "--profile", "ktransformers-paper-amx", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["gpu_dtypes"]["attention"] == "int8"
+    capsys.readouterr()
+    assert main(["generate", "--plan", str(out), "--gpu-dtype", "int4", "-n", "1"]) == 2
+    assert "differs from the plan's GPU dtypes" in capsys.readouterr().err
