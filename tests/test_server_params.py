@@ -25,8 +25,9 @@ PROMPT = "Hello"
 EOS = 0
 # a value that is not "off" for each refused option whose generic test value ("on") would not read as one
 REFUSED_VALUES = {"best_of": 2, "response_format": {"type": "json_object"}, "modalities": ["text", "audio"],
-                  "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-                  "guided_json": {"type": "object"}}
+                  "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {"type": "object"}}
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+TOOL_G = {"type": "function", "function": {"name": "g"}}
 
 
 class ScoringEngine(FakeEngine):
@@ -329,6 +330,50 @@ def check_echo(server, ep):
     assert chunks[0]["choices"][0]["text"] == PROMPT
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == PROMPT + plain
+
+
+def _prompt_tokens(server, ep, **kw) -> int:
+    return _ok(server, ep, **kw)["usage"]["prompt_tokens"]
+
+
+def check_tools(server, ep):
+    """The tools reach the chat template (the fake's renders them into the prompt); test_server_tools.py checks
+    the calls that come back."""
+    plain = _prompt_tokens(server, ep)
+    rendered = _prompt_tokens(server, ep, tools=[TOOL_F])
+    assert rendered == len(FakeTokenizer().encode_chat([{"role": "user", "content": PROMPT}], tools=[TOOL_F])) > plain
+
+
+def check_tool_choice(server, ep):
+    assert _prompt_tokens(server, ep, tools=[TOOL_F, TOOL_G], tool_choice="none") == _prompt_tokens(server, ep)
+    named = {"type": "function", "function": {"name": "g"}}
+    assert _prompt_tokens(server, ep, tools=[TOOL_F, TOOL_G], tool_choice=named) == \
+        _prompt_tokens(server, ep, tools=[TOOL_G])
+
+
+def check_parallel_tool_calls(server, ep):
+    from test_server_tools import _server, test_parallel_tool_calls_false_keeps_the_first_call
+
+    scripted = _server()
+    try:
+        test_parallel_tool_calls_false_keeps_the_first_call(scripted)
+    finally:
+        scripted.close()
+
+
+def check_chat_template_kwargs(server, ep):
+    kw = {"enable_thinking": False}
+    want = len(FakeTokenizer().encode_chat([{"role": "user", "content": PROMPT}], **kw))
+    assert _prompt_tokens(server, ep, chat_template_kwargs=kw) == want > _prompt_tokens(server, ep)
+    status, body = _post(server, ep, chat_template_kwargs={"messages": []})
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+def check_reasoning_effort(server, ep):
+    want = len(FakeTokenizer().encode_chat([{"role": "user", "content": PROMPT}], reasoning_effort="low"))
+    assert _prompt_tokens(server, ep, reasoning_effort="low") == want > _prompt_tokens(server, ep)
+    status, body = _post(server, ep, reasoning_effort="extreme")
+    assert status == 400 and body["error"]["param"] == "reasoning_effort"
 
 
 def _label(name):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hybrid.runtime.sampling import SamplingParams
 from hybrid.server.errors import bad_request
+from hybrid.server.tool_calls import ToolRequestError, checked_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -389,6 +390,10 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
         req.messages = _messages(body)
         req.tools, req.tool_choice = body.get("tools"), body.get("tool_choice")
         req.parallel_tool_calls = body.get("parallel_tool_calls")
+        try:  # the shape of tools and tool_choice (whether this model can serve them: the route's plan_tools)
+            checked_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolRequestError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
         req.template_kwargs = _template_kwargs(body)
     else:
         req.prompts = _prompts(body)

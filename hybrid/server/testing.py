@@ -31,7 +31,8 @@ class EngineCrash(BaseException):
 
 class FakeTokenizer:
     """Bytes as tokens. Its "chat template" writes `<role>content\\n` per message, then `<assistant>`;
-    template inputs (tools, switches) come first as JSON lines, an assistant's calls as hermes
+    template inputs (tools, switches) come first as JSON lines, an assistant's calls as hermes (after its
+    content, `null` when it has none)
     `<tool_call>{...}</tool_call>` (so the server reads this fake's calls in that format; this attribute is
     what the server looks at, not code that runs), a tool result under `<tool>`."""
 
@@ -54,7 +55,8 @@ def _fake_turn(m: dict) -> str:
     calls = "".join(f"<tool_call>{json.dumps(c['function'], sort_keys=True)}</tool_call>"
                     for c in m.get("tool_calls") or ())
     think = f"<think>{m['reasoning_content']}</think>" if m.get("reasoning_content") else ""
-    return f"<{m['role']}>{think}{m.get('content') or ''}{calls}\n"
+    content = "null" if m.get("content") is None else m["content"]  # (as templates that test for none tell them apart)
+    return f"<{m['role']}>{think}{content}{calls}\n"
 
 
 class FakeEngine:

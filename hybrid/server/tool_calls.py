@@ -173,10 +173,7 @@ def plan_tools(tools, tool_choice=None, *, family: str | None, chat_template: st
     """Check a request's `tools` / `tool_choice` (as sent: JSON values) and plan them for this model.
     ToolRequestError (400) for malformed values, a named function not in `tools`, or tools asked for a model
     whose calls cannot be parsed (tool_choice "none" is always accepted)."""
-    tools = _checked_tools(tools)
-    choice, name = _checked_choice(tool_choice, tools)
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise ToolRequestError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+    tools, choice, name = checked_request(tools, tool_choice, parallel_tool_calls)
     if not tools or choice == "none":
         return ToolPlan()
     fmt = tool_format_for(family, chat_template)
@@ -187,6 +184,16 @@ def plan_tools(tools, tool_choice=None, *, family: str | None, chat_template: st
     if choice == "function":
         tools = [t for t in tools if t["function"]["name"] == name]
     return ToolPlan(fmt, tuple(tools), choice, name, parallel=parallel_tool_calls is not False)
+
+
+def checked_request(tools, tool_choice=None, parallel_tool_calls=None) -> tuple[list[dict], str, str | None]:
+    """The checks of plan_tools that need no model (the request schema runs them: a malformed request is a
+    400 whatever the model) -> (tools, choice, tool_choice's function name)."""
+    tools = _checked_tools(tools)
+    choice, name = _checked_choice(tool_choice, tools)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolRequestError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+    return tools, choice, name
 
 
 def _checked_tools(tools) -> list[dict]:
