@@ -14,8 +14,7 @@ API_KEY_ENV = "HYBRID_API_KEY"
 
 def register(subparsers) -> None:
     from hybrid.loading.parse import DTYPES, add_hybrid_arguments, add_max_context_argument
-    from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE
-    from hybrid.server.config import ServerConfig
+    from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE, ServerConfig
 
     d = ServerConfig()
     p = subparsers.add_parser(

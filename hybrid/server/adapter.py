@@ -28,8 +28,8 @@ import torch
 
 from hybrid.runtime.sampling import SCORE_ROWS, BatchSampler, SamplingParams, SequenceSampler
 from hybrid.runtime.steps import EngineSteps
+from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE
 
-BATCH_PREFILL = ("on", "off")
 # Unicode composition (NFC/NFKC) can shrink text before it is tokenized, at most ~3x (three Hangul
 # jamo -> one syllable); normalizers that can delete text (strip, replace by "") give no bound at all.
 NORMALIZER_SHRINK = 4
@@ -246,7 +246,6 @@ def _byte_level_decoder(tokenizer):
     return to_bytes
 
 
-EXACT_DTYPE = "float64"
 
 
 def load_runtime(opts, log=lambda m: print(m, file=sys.stderr, flush=True)) -> tuple[Runtime, str]:

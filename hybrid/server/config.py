@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from hybrid.runtime.config import RuntimeConfig
 
+BATCH_PREFILL = ("on", "off")  # --batch-prefill: prompts prefilled together in one pass, or one at a time
+EXACT_DTYPE = "float64"  # --dtype float64: the exactness runs' dtype (CPU only)
+
 
 def model_name_problem(name: str) -> str | None:
     """Why `name` cannot be the served model id, or None. It goes into every response body and stream
