@@ -777,5 +777,5 @@ MUTATIONS = [
     M("prompt-opened reasoning ignored", "opened = fmt_ is not None and", "opened = False and", ["tests/test_server_tools.py"]),
     M("null assistant content beside calls becomes empty", 'content = None if calls else ""', 'content = ""', ["tests/test_server_tools.py"]),
     M("chat_template_kwargs may set owned keys", "owned = [k for k in TEMPLATE_KEYS_OWNED if k in kw]", "owned = []", ["tests/test_server_tools.py"]),
-    M("serve --help imports torch", "from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE, ServerConfig", "from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE, ServerConfig", ["tests/test_cli_help_fast.py"]),
+    M("serve --help imports torch", "from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE, ServerConfig", "from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE\n    from hybrid.server.config import ServerConfig", ["tests/test_cli_help_fast.py"]),
 ]
