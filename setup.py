@@ -79,13 +79,14 @@ class LoudBuildExt(build_ext):
             raise
 
 
-setup(
-    ext_modules=[
-        lib("probe", "probe.cpp", []),
-        lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma"]),
-        lib("avx512", "lib_avx512.cpp", AVX512),
-        lib("amx", "lib_amx.cpp", AVX512 + AMX),
-        lib("amxemu", "lib_amxemu.cpp", ["-mavx2", "-mfma"]),  # tests: AMX path with emulated tiles
-    ],
-    cmdclass={"build_ext": LoudBuildExt},
-)
+if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import it for LoudBuildExt
+    setup(
+        ext_modules=[
+            lib("probe", "probe.cpp", []),
+            lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma"]),
+            lib("avx512", "lib_avx512.cpp", AVX512),
+            lib("amx", "lib_amx.cpp", AVX512 + AMX),
+            lib("amxemu", "lib_amxemu.cpp", ["-mavx2", "-mfma"]),  # tests: AMX path with emulated tiles
+        ],
+        cmdclass={"build_ext": LoudBuildExt},
+    )

@@ -119,3 +119,34 @@ def test_crossover_numbers_its_points_and_says_why_columns_are_empty(monkeypatch
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("note: no CUDA device: T_G (ship weights to the GPU) is not measured, nor predicted")
     assert "its prediction is the profile's GPU figures (a hypothetical GPU)" in out[1]
+
+
+def test_kernel_build_is_announced_when_it_will_compile(tmp_path, capsys):
+    """pip builds the CPU kernels once (about a minute of compiling, its output hidden): setup.py's build step says
+    so in one line when a library is out of date, and says nothing when every library is newer than its sources."""
+    import importlib.util
+    from pathlib import Path
+
+    from setuptools import Distribution, Extension
+
+    spec = importlib.util.spec_from_file_location("hybrid_setup", Path(__file__).resolve().parents[1] / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # not __main__: defines the build step without running setup()
+    src = tmp_path / "k.cpp"
+    src.write_text("int f() { return 1; }\n")
+    ext = Extension("cpu_kernels._k", [str(src)])
+    cmd = setup_py.LoudBuildExt(Distribution({"ext_modules": [ext]}))
+    cmd.initialize_options()
+    cmd.build_lib = str(tmp_path / "build")
+    cmd.finalize_options()
+    assert cmd.stale(ext)  # nothing built yet
+    target = Path(cmd.get_ext_fullpath(ext.name))
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"")
+    import os
+    import time
+
+    os.utime(target, (time.time() + 10, time.time() + 10))
+    assert not cmd.stale(ext)
+    setup_py.announce_build()
+    assert capsys.readouterr().out.strip() == setup_py.BUILDING
