@@ -1,0 +1,131 @@
+"""How a model routes, token by token: expert load skew and temporal locality per MoE layer, beside what uniform
+random routing would give. Random-weight checkpoints route unlike trained ones (the reason BENCHMARKS.md's
+resident-expert and LLC figures need a trained model); this measures it.
+
+    python -m bench.routing_realism --model DIR [--corpus FOLDER | --text FILE] [--tokens 4096] [--out FILE.json]
+
+Per MoE layer, over --tokens of text read in order (teacher-forced, windows of --window positions; a token's
+routing is what decode would compute for it, since routing depends only on its own hidden state):
+    top10_share     share of all (token, expert) assignments that go to the 10% most-used experts (uniform: 0.10)
+    max_over_mean   the most-used expert's load over the mean load (uniform: ~1)
+    entropy         load entropy over log(E) (uniform: 1)
+    lag1 / lag8     share of a token's K experts also used by the token 1 (8) positions before (uniform: K/E)
+    within8         share of a token's experts used by any of the 8 tokens before (uniform: 1 - (1 - K/E)^8)
+    reuse_median    median positions since an expert was last used, over reused (token, expert) pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybrid.errors import UsageError
+
+
+def record_routing(model, ids: list[int], window: int) -> list[np.ndarray]:
+    """[L][T, K] int expert ids each MoE layer chose for each token, in text order."""
+    from hybrid.runtime.kv_cache import StaticKVCache
+
+    seen: dict[int, list] = {}
+    layers = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
+    originals = []
+    for i, moe in layers:
+        route = moe.route
+
+        def recording(x, _route=route, _i=i):
+            ids_, weights = _route(x)
+            seen.setdefault(_i, []).append(ids_.detach().cpu())
+            return ids_, weights
+        originals.append((moe, route))
+        moe.route = recording
+    try:
+        cache = StaticKVCache.for_model(model, 1, window + 1)
+        with torch.no_grad():
+            for start in range(0, len(ids), window):
+                chunk = ids[start:start + window]
+                x = torch.tensor([chunk], device=model.device)
+                model(x, torch.arange(len(chunk), device=model.device)[None], torch.tensor([0], device=model.device),
+                      cache)
+    finally:
+        for moe, route in originals:
+            moe.route = route
+    return [torch.cat(seen[i]).numpy() for i, _ in layers]
+
+
+def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:
+    T, K = chosen.shape
+    load = np.bincount(chosen.ravel(), minlength=num_experts).astype(np.float64)
+    share = load / load.sum()
+    top = np.sort(share)[::-1][:max(1, num_experts // 10)].sum()
+    nz = share[share > 0]
+    sets = [set(row.tolist()) for row in chosen]
+    lag = {d: float(np.mean([len(sets[t] & sets[t - d]) / K for t in range(d, T)])) if T > d else None for d in (1, 8)}
+    within = [len(sets[t] & set().union(*sets[t - 8:t])) / K for t in range(8, T)]
+    last: dict[int, int] = {}
+    gaps = []
+    for t, row in enumerate(chosen):
+        for e in row.tolist():
+            if e in last:
+                gaps.append(t - last[e])
+            last[e] = t
+    return {"top10_share": float(top), "max_over_mean": float(load.max() / load.mean()),
+            "entropy": float(-(nz * np.log(nz)).sum() / np.log(num_experts)), "lag1": lag[1], "lag8": lag[8],
+            "within8": float(np.mean(within)) if within else None,
+            "reuse_median": float(np.median(gaps)) if gaps else None}
+
+
+def uniform_figures(num_experts: int, k: int) -> dict:
+    p = k / num_experts
+    return {"top10_share": 0.10, "max_over_mean": 1.0, "entropy": 1.0, "lag1": p, "lag8": p,
+            "within8": 1 - (1 - p) ** 8, "reuse_median": None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory or GGUF file")
+    p.add_argument("--corpus", help="a bench.corpus folder: its held-out text")
+    p.add_argument("--text", help="a UTF-8 text file instead")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if a.tokens < 16 or a.window < 2:
+        raise UsageError("--tokens must be >= 16 and --window >= 2")
+    if a.corpus:
+        from bench.corpus import load_corpus
+
+        text = "\n\n".join(d.text for d in load_corpus(a.corpus)[1])
+    elif a.text:
+        text = Path(a.text).read_text(encoding="utf-8")
+    else:
+        raise UsageError("give --corpus FOLDER or --text FILE")
+    from bench.quality import encoder
+    from hybrid.models import load_model
+
+    ids = encoder(a.model)(text)[:a.tokens]
+    model = load_model(a.model, progress=False)
+    cfg = model.cfg
+    chosen = record_routing(model, ids, a.window)
+    base = uniform_figures(cfg.num_experts, cfg.experts_per_token)
+    layers = [layer_figures(c, cfg.num_experts) for c in chosen]
+    print(f"# routing realism | {a.model} | {len(ids)} tokens | {cfg.num_experts} experts, top-{cfg.experts_per_token}")
+    keys = list(base)
+    print("layer  " + "  ".join(f"{k:>13}" for k in keys))
+    print("uniform" + "  ".join(f"{'-' if base[k] is None else round(base[k], 3):>13}" for k in keys))
+    for i, f in zip(cfg.moe_layer_indices, layers):
+        print(f"{i:<7}" + "  ".join(f"{'-' if f[k] is None else round(f[k], 3):>13}" for k in keys))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": a.model, "tokens": len(ids), "num_experts": cfg.num_experts,
+                                           "topk": cfg.experts_per_token, "uniform": base,
+                                           "layers": dict(zip(map(str, cfg.moe_layer_indices), layers))}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from bench.entry import run_main
+
+    raise SystemExit(run_main(main))
