@@ -261,3 +261,57 @@ def test_a_failed_batch_commits_nothing():
     assert bs.sample(logits[:1], [pen]) == [5] and int(bs.counts.sum()) == 1
     bs.close(pen)
     assert bs._free and pen.row is None and not math.isnan(float(bs.counts.sum()))
+
+
+def test_grammar_keeps_sampled_text_inside_a_json_schema():
+    """Constrained decoding over a real byte-level BPE vocabulary (the tokenizers JSON llguidance reads, model rows
+    padded past it): random logits, greedy and sampled rows in one batch beside an unconstrained row; each
+    constrained row's text parses and follows the schema, and ends with EOS once the object is complete."""
+    import json
+
+    from llguidance import LLMatcher
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hybrid.runtime.sampling import BatchSampler, SamplingParams
+    from hybrid.server.adapter import grammar_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "plain words and numbers 123 456"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos, V = tok.token_to_id("<eos>"), tok.get_vocab_size() + 20  # the model's rows past the tokenizer's
+
+    class Wrapped:
+        def __init__(self):
+            self.tok = tok
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(schema)
+    bs = BatchSampler(V, "cpu", rows=3)
+    bs.grammar_tokenizer = lambda: grammar_tokenizer(Wrapped(), V, [eos])
+    rows = [bs.open(SamplingParams(grammar=grammar)), bs.open(SamplingParams(temperature=1.0, seed=5, grammar=grammar)),
+            bs.open(SamplingParams())]
+    out = [[] for _ in rows]
+    done = [False, False, False]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = torch.randn(3, V, generator=g) * 3
+        for i, t in enumerate(bs.sample(logits, rows)):
+            if not done[i]:
+                if t == eos and i < 2:
+                    done[i] = True
+                else:
+                    out[i].append(t)
+        if done[0] and done[1]:
+            break
+    assert done[0] and done[1]
+    for ids in out[:2]:
+        assert all(t < tok.get_vocab_size() for t in ids)  # never a padding row
+        obj = json.loads(tok.decode(ids))
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and len(obj["name"]) <= 8
+    # the unconstrained row beside them is not masked: its argmax of random logits reaches the padding rows
+    assert any(t >= tok.get_vocab_size() for t in out[2]) and not rows[2].shaping

@@ -132,6 +132,23 @@ def test_openai_client_completions_and_chat(server):
     assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
 
 
+def test_openai_client_json_schema_output_parses_on_a_real_model(server):
+    """response_format json_schema through the openai client against the demo model (random weights, its
+    byte-level BPE vocabulary padded past the tokenizer): the reply is JSON that follows the schema. The integer is
+    bounded because a random model, free to, writes digits until max_tokens."""
+    c, model = server.client(), _model(server)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "A city, as JSON."}],
+                                  max_tokens=200, temperature=0, response_format={
+                                      "type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"city", "population"} and isinstance(out["population"], int) and len(out["city"]) <= 12
+    assert 0 <= out["population"] <= 10**8
+
+
 def test_api_key_enforced(server):
     status, body = server.post("/v1/completions", b'{"prompt": "x"}', key=None)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"

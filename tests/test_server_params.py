@@ -24,7 +24,7 @@ PATHS = {"C": "/v1/completions", "Ch": "/v1/chat/completions"}
 PROMPT = "Hello"
 EOS = 0
 # a value that is not "off" for each refused option whose generic test value ("on") would not read as one
-REFUSED_VALUES = {"best_of": 2, "response_format": {"type": "json_object"}, "modalities": ["text", "audio"],
+REFUSED_VALUES = {"best_of": 2, "modalities": ["text", "audio"],
                   "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {"type": "object"}}
 TOOL_F = {"type": "function", "function": {"name": "f"}}
 TOOL_G = {"type": "function", "function": {"name": "g"}}
@@ -382,6 +382,26 @@ def _label(name):
         status, body = _post(server, ep, **{name: 3})
         assert status == 400 and body["error"]["param"] == name
     return check
+
+
+def check_response_format(server, ep):
+    """Constrained decoding: the fake model's free text is no JSON; with json_schema (and json_object) the output
+    parses and follows the schema, streamed too; a schema that cannot be compiled is a 400."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"type": "string", "maxLength": 5}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    free = _text(_ok(server, ep, max_tokens=64))
+    with pytest.raises(ValueError):
+        json.loads(free)
+    out = json.loads(_text(_ok(server, ep, max_tokens=64, response_format=rf)))
+    assert set(out) == {"n", "tag"} and isinstance(out["n"], int) and isinstance(out["tag"], str) and len(out["tag"]) <= 5
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in _stream(server, ep, max_tokens=64,
+                                                                                       response_format=rf))
+    assert json.loads(streamed) == out
+    assert isinstance(json.loads(_text(_ok(server, ep, max_tokens=64, temperature=1.0, seed=3,
+                                              response_format={"type": "json_object"}))), dict)
+    status, body = _post(server, ep, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
+    assert status == 400 and body["error"]["param"] == "response_format"
 
 
 CHECKS = {name[len("check_"):]: f for name, f in list(globals().items()) if name.startswith("check_")}

@@ -80,7 +80,7 @@ def test_parse_completion_rejects(body, param):
     {"messages": [{"role": "user"}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},  # no schema
 ])
 def test_parse_chat_rejects(body):
     with pytest.raises(ApiError) as e:

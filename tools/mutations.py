@@ -778,4 +778,8 @@ MUTATIONS = [
     M("null assistant content beside calls becomes empty", 'content = None if calls else ""', 'content = ""', ["tests/test_server_tools.py"]),
     M("chat_template_kwargs may set owned keys", "owned = [k for k in TEMPLATE_KEYS_OWNED if k in kw]", "owned = []", ["tests/test_server_tools.py"]),
     M("serve --help imports torch", "from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE, ServerConfig", "from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE\n    from hybrid.server.config import ServerConfig", ["tests/test_cli_help_fast.py"]),
+    M("grammar: the mask not applied", "y[j].masked_fill_(~grammar_mask(s.matcher, y.shape[-1]).to(dev), float(\"-inf\"))", "pass", ["tests/test_sampling_options.py", "tests/test_server_params.py"]),
+    M("grammar: the matcher never advanced", "if s.matcher is not None and not s.matcher.consume_token(t):", "if False:", ["tests/test_sampling_options.py"]),
+    M("response_format: json_schema ignored", "grammar=response_grammar(body) if chat else None,", "grammar=None,", ["tests/test_server_params.py"]),
+    M("response_format: bad schemas queued", "if error:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", "if False:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", ["tests/test_server_params.py"]),
 ]

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -58,6 +59,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     logprobs: int | None = None  # None = off; k: each sampled token's logprob and the k most likely tokens'
     prompt_logprobs: int | None = None  # None = off; k: the same for every prompt token (the first: none)
+    # a llguidance grammar (e.g. llguidance.LLMatcher.grammar_from_json_schema): every sampled token keeps the text
+    # inside it, and once it is complete only an end id is allowed (constrained decoding, the server's
+    # response_format); None = off
+    grammar: str | None = None
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -89,7 +94,7 @@ class SamplingParams:
     def stateful(self) -> bool:
         """Whether sampling needs the sequence's history or hands something back (a SequenceSampler)."""
         return (self.penalized or self.min_tokens > 0 or self.logprobs is not None
-                or self.prompt_logprobs is not None)
+                or self.prompt_logprobs is not None or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
@@ -214,6 +219,7 @@ class SequenceSampler:
         self.prompt_len = 0  # prompt tokens (what score_prompt has to cover)
         self.prompt_records: list[TokenLogprob] = []  # the prompt's, committed by commit_prompt
         self.prompt_carry: torch.Tensor | None = None  # log_softmax after the last scored prompt token [V]
+        self.matcher = None  # llguidance.LLMatcher of params.grammar: where the text is in the grammar
 
     def __getitem__(self, i):
         """s[0], s[1]: params and generator, as in the (params, generator) pair EngineSteps.sampler gives, so
@@ -227,7 +233,7 @@ class SequenceSampler:
     @property
     def shaping(self) -> bool:
         """Whether this step's logits must be changed before choosing (bias, penalties, the min_tokens mask)."""
-        return bool(self.bias is not None or self.params.penalized or self.masking)
+        return bool(self.bias is not None or self.params.penalized or self.masking or self.matcher is not None)
 
     def take_records(self) -> list[TokenLogprob]:
         out, self.records = self.records, []
@@ -261,6 +267,16 @@ class SequenceSampler:
         return len(self.prompt_records) >= self.prompt_len
 
 
+def grammar_mask(matcher, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the tokens the grammar allows next (llguidance's bitmask, one bit per token, little
+    endian; ids past the tokenizer's vocabulary, the model's padding rows, are never allowed)."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    out = np.zeros(vocab_size, dtype=bool)
+    n = min(vocab_size, bits.size)
+    out[:n] = bits[:n].astype(bool)
+    return torch.from_numpy(out)
+
+
 def _log_softmax(x: torch.Tensor) -> torch.Tensor:
     """The raw model's log-probabilities (float32 at least, the logits' own dtype if wider)."""
     return torch.log_softmax(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=-1)
@@ -288,6 +304,10 @@ class BatchSampler:
         self.counts: torch.Tensor | None = None  # [rows, V] int32: times each token was generated
         self.in_prompt: torch.Tensor | None = None  # [rows, V] bool: the prompt's tokens (repetition penalty)
         self._free: list[int] = []
+        # -> llguidance.LLTokenizer of the model's vocabulary (set by whoever knows the tokenizer: the server's
+        # Runtime); built on the first grammar, once (about a second for a 150 K vocabulary)
+        self.grammar_tokenizer = None
+        self._ll_tokenizer = None
 
     # --- per sequence -------------------------------------------------------------------------------
     def open(self, params: SamplingParams, prompt_ids=(), end_ids=()) -> SequenceSampler:
@@ -302,6 +322,8 @@ class BatchSampler:
         s = SequenceSampler(params, params.generator(dev),
                             torch.tensor(ends, dtype=torch.long, device=dev) if ends else None, bias)
         s.prompt_len = len(prompt_ids)
+        if params.grammar is not None:
+            s.matcher = self._matcher(params.grammar)
         if params.penalized:
             s.row = self._take_row()
             self.counts[s.row].zero_()
@@ -312,6 +334,18 @@ class BatchSampler:
                 if len(prompt_ids):
                     self.in_prompt[s.row, torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)] = True
         return s
+
+    def _matcher(self, grammar: str):
+        import llguidance
+
+        if self._ll_tokenizer is None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer, which this sampler was not given")
+            self._ll_tokenizer = self.grammar_tokenizer()
+        m = llguidance.LLMatcher(self._ll_tokenizer, grammar)
+        if m.is_error():
+            raise ValueError(f"the grammar cannot be used: {m.get_error()}")
+        return m
 
     def close(self, s: SequenceSampler) -> None:
         """Give the sequence's counts row back (idempotent); its records stay readable."""
@@ -352,6 +386,9 @@ class BatchSampler:
             k = max(samplers[i].params.logprobs for i in want)
             records = _records(_log_softmax(logits.index_select(0, idx)), tok.index_select(0, idx), k)
         tokens = tok.tolist()
+        for s, t in zip(samplers, tokens):
+            if s.matcher is not None and not s.matcher.consume_token(t):  # the mask allowed it: a bug if not
+                raise RuntimeError(f"token {t} left the grammar: {s.matcher.get_error()}")
         for i, r in zip(want, records):
             samplers[i].records.append(r._replace(top=r.top[: samplers[i].params.logprobs]))
         for s in samplers:
@@ -395,6 +432,9 @@ class BatchSampler:
             sub = [samplers[j] for j in pen]
             jdx = torch.tensor(pen, device=dev)
             y.index_copy_(0, jdx, self._penalize(y.index_select(0, jdx), sub))
+        for j, s in enumerate(samplers):  # constrained rows last: nothing after may re-allow a token
+            if s.matcher is not None:
+                y[j].masked_fill_(~grammar_mask(s.matcher, y.shape[-1]).to(dev), float("-inf"))
         return y
 
     def _penalize(self, y: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:

@@ -97,6 +97,7 @@ class Runtime(EngineSteps):
         # longer than max_context times this are refused by size alone (server/prompt_limits.py).
         self.max_token_chars = max_token_chars(tokenizer)
         self.sampling = BatchSampler(self.vocab_size, self.device, rows=self.max_batch or 1)
+        self.sampling.grammar_tokenizer = lambda: grammar_tokenizer(tokenizer, self.vocab_size, self.eos_token_ids)
         self._scoring: dict[int, SequenceSampler] = {}  # slot -> sampler whose prompt is being scored
         self._byte_level = _byte_level_decoder(tokenizer)  # str -> bytes of a token's vocabulary string, or None
         self.token_piece = lru_cache(maxsize=1 << 16)(self._token_piece)
@@ -218,6 +219,20 @@ class Runtime(EngineSteps):
             if stats is not None and hasattr(stats, "cpu_experts") and hasattr(stats, "shipped_experts"):
                 out[i] = (int(stats.cpu_experts), int(stats.shipped_experts))
         return out
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """The llguidance tokenizer constrained decoding masks with: the tokenizer's own (`grammar_tokenizer()`, the
+    test tokenizer's), else built from its tokenizers.Tokenizer JSON over the model's vocabulary size."""
+    own = getattr(tokenizer, "grammar_tokenizer", None)
+    if own is not None:
+        return own()
+    tok = getattr(tokenizer, "tok", None)
+    if tok is None:
+        raise ValueError("this model's tokenizer cannot drive constrained decoding (no tokenizer.json)")
+    import llguidance
+
+    return llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
 def _byte_level_decoder(tokenizer):

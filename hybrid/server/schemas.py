@@ -9,6 +9,7 @@ as OpenAI answers unrecognized arguments). README.md's parameter table lists the
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -149,11 +150,44 @@ def _check_keys(body: dict, chat: bool) -> None:
                               "on this server; README.md lists them)", param=name, code="unknown_parameter")
 
 
-def _check_chat_formats(body: dict) -> None:
+MAX_SCHEMA_CHARS = 1 << 16  # a response_format schema's JSON text at most (compiling one is work per request)
+
+
+def response_grammar(body: dict) -> str | None:
+    """response_format -> a llguidance grammar (None for text): json_object = any JSON object; json_schema = the
+    schema's (checked here, so a bad schema is a 400 before the request is queued)."""
     rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
-                          code="unsupported_parameter")
+    if rf is None or rf == {"type": "text"}:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}",
+                          param="response_format")
+    if rf["type"] == "json_object":
+        schema = {"type": "object"}
+    elif rf["type"] == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                              param="response_format")
+    else:
+        return None
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise bad_request(f"the response_format schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS}",
+                          param="response_format")
+    from llguidance import LLMatcher
+
+    # compact JSON (no free whitespace between tokens, as OpenAI's strict mode writes it): a model that likes
+    # spaces cannot run out its max_tokens inside the object
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise bad_request(f"response_format: the schema cannot be used: {error}", param="response_format")
+    return grammar
+
+
+def _check_chat_formats(body: dict) -> None:
     if body.get("modalities") not in (None, ["text"]):
         raise bad_request("only text output is supported", param="modalities", code="unsupported_parameter")
 
@@ -383,6 +417,7 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
         min_tokens=min_tokens,
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,  # echo with logprobs scores the prompt too
+        grammar=response_grammar(body) if chat else None,
     )
     req = GenerationRequest(chat=chat, model=model, n=n, stream=stream, include_usage=include_usage,
                             echo=echo, max_tokens=max_tokens, sampling=sampling)

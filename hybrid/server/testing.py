@@ -49,6 +49,19 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
 
+    def grammar_tokenizer(self):
+        """llguidance's view of this vocabulary (constrained decoding): id 0 is EOS, id b + 1 the byte b."""
+        import llguidance
+
+        class Bytes:
+            eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+            tokens = [b"<eos>"] + [bytes([b]) for b in range(256)]
+
+            def __call__(self, data: bytes) -> list[int]:
+                return [b + 1 for b in data]
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+
 
 def _fake_turn(m: dict) -> str:
     """One message as the fake template writes it (a plain message: `<role>content\\n`, as always)."""
