@@ -27,6 +27,7 @@ EOS = 0
 REFUSED_VALUES = {"best_of": 2, "modalities": ["text", "audio"],
                   "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {"type": "object"}}
 TOOL_F = {"type": "function", "function": {"name": "f"}}
+ENDPOINT_BODIES = {"/tokenize": {"prompt": PROMPT}, "/detokenize": {"tokens": [73, 106]}}
 TOOL_G = {"type": "function", "function": {"name": "g"}}
 
 
@@ -472,6 +473,29 @@ def test_endpoints_are_served_or_404(server, method, path, supported):
     path = path.replace("{model}", "fake")
     if method == "GET":
         status = server.post(path, None, raw=b"", method="GET")[0]
+    elif path in ENDPOINT_BODIES:
+        status = server.post(path, ENDPOINT_BODIES[path])[0]
     else:
         status = server.post(path, _body("C" if "chat" not in path else "Ch"))[0]
     assert (status == 200) if supported else (status == 404), (method, path, status)
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize and /detokenize: a prompt's ids and count, a chat rendered as the chat route renders it,
+    the ids back to text; bad bodies are 400s naming the parameter, another model a 404."""
+    tok = FakeTokenizer()
+    status, _, body = server.post("/tokenize", {"prompt": PROMPT})
+    assert status == 200 and body["tokens"] == tok.encode(PROMPT) and body["count"] == len(PROMPT)
+    assert body["max_model_len"] == 128
+    msgs = [{"role": "user", "content": PROMPT}]
+    status, _, body = server.post("/tokenize", {"messages": msgs})
+    assert status == 200 and body["tokens"] == tok.encode_chat(msgs)
+    status, _, body = server.post("/detokenize", {"tokens": tok.encode("héllo")})
+    assert status == 200 and body["prompt"] == "héllo"
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": PROMPT, "messages": msgs}, "prompt"),
+                             ("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"prompt": "x", "n": 2}, "n"),
+                             ("/detokenize", {"tokens": [1, 9999]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens"),
+                             ("/detokenize", {"tokens": [True]}, "tokens")):
+        status, _, body = server.post(path, bad)
+        assert status == 400 and body["error"]["param"] == param, (path, bad, body)
+    assert server.post("/tokenize", {"prompt": "x", "model": "other"})[0] == 404

@@ -782,4 +782,6 @@ MUTATIONS = [
     M("grammar: the matcher never advanced", "if s.matcher is not None and not s.matcher.consume_token(t):", "if False:", ["tests/test_sampling_options.py"]),
     M("response_format: json_schema ignored", "grammar=response_grammar(body) if chat else None,", "grammar=None,", ["tests/test_server_params.py"]),
     M("response_format: bad schemas queued", "if error:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", "if False:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", ["tests/test_server_params.py"]),
+    M("detokenize: ids outside the vocabulary decoded", "bad = [t for t in ids if not 0 <= t < vocab]", "bad = []", ["tests/test_server_params.py"]),
+    M("tokenize: a chat not rendered by its template", "job = functools.partial(state.runtime.encode_chat, parse_messages(body))", "job = functools.partial(state.runtime.encode, json.dumps(parse_messages(body)))", ["tests/test_server_params.py"]),
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import logging
@@ -30,7 +31,8 @@ from hybrid.server.errors import SHUTTING_DOWN, ApiError, bad_request, queue_ful
 from hybrid.server.metrics import Metrics
 from hybrid.server.prompt_limits import PromptTooLong, check_prefixes, check_sizes
 from hybrid.server.scheduler import Event, QueueFull, Scheduler, Sequence
-from hybrid.server.schemas import GenerationRequest, parse_request
+from hybrid.server.schemas import GenerationRequest, parse_messages, parse_request
+
 
 log = logging.getLogger("hybrid.server")
 
@@ -530,6 +532,64 @@ async def get_model(request: web.Request):
     return web.json_response(_model_card(state))
 
 
+def _model_checked(state: ServerState, body) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'.",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _only_keys(body: dict, allowed: tuple[str, ...]) -> None:
+    extra = sorted(set(body) - set(allowed) - {"model"})
+    if extra:
+        raise bad_request(f"Unrecognized request argument supplied: '{extra[0]}' (this endpoint takes "
+                          f"{', '.join(allowed)})", param=extra[0], code="unknown_parameter")
+
+
+async def tokenize(request: web.Request):
+    """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...]} (rendered by the chat template, as the chat
+    route would) -> {"tokens", "count", "max_model_len"}; no generation, so any length is counted."""
+    state = request.app[STATE]
+    body = _model_checked(state, await read_json(request, state.config.read_timeout_s))
+    _only_keys(body, ("prompt", "messages"))
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of 'prompt' (text) or 'messages' (a chat)", param="prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise bad_request("'prompt' must be a string", param="prompt")
+        job = functools.partial(state.runtime.encode, body["prompt"])
+    else:
+        _check_message_count(body, state.config.max_messages)
+        job = functools.partial(state.runtime.encode_chat, parse_messages(body))
+    try:
+        ids = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, job)
+    except ApiError:
+        raise
+    except Exception as exc:  # a chat template that rejects the messages
+        raise bad_request(f"could not build the prompt: {exc}", param="messages") from None
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.runtime.max_context})
+
+
+async def detokenize(request: web.Request):
+    """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": text} (special tokens kept, as they are ids)."""
+    state = request.app[STATE]
+    body = _model_checked(state, await read_json(request, state.config.read_timeout_s))
+    _only_keys(body, ("tokens",))
+    ids = body.get("tokens")
+    vocab = state.runtime.vocab_size
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("'tokens' must be a list of token ids", param="tokens")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    job = functools.partial(state.runtime.decode, ids, skip_special_tokens=False)
+    text = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, job)
+    return web.json_response({"prompt": text})
+
+
 async def health(request: web.Request):
     state = request.app[STATE]
     ok = state.scheduler.alive
@@ -563,3 +623,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

@@ -336,7 +336,7 @@ def _message(m, i: int) -> dict:
     return out
 
 
-def _messages(body: dict) -> list[dict]:
+def parse_messages(body: dict) -> list[dict]:
     v = body.get("messages")
     if not isinstance(v, list) or not v:
         raise bad_request("'messages' must be a non-empty list", param="messages")
@@ -422,7 +422,7 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
     req = GenerationRequest(chat=chat, model=model, n=n, stream=stream, include_usage=include_usage,
                             echo=echo, max_tokens=max_tokens, sampling=sampling)
     if chat:
-        req.messages = _messages(body)
+        req.messages = parse_messages(body)
         req.tools, req.tool_choice = body.get("tools"), body.get("tool_choice")
         req.parallel_tool_calls = body.get("parallel_tool_calls")
         try:  # the shape of tools and tool_choice (whether this model can serve them: the route's plan_tools)
