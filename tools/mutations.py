@@ -784,4 +784,6 @@ MUTATIONS = [
     M("response_format: bad schemas queued", "if error:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", "if False:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", ["tests/test_server_params.py"]),
     M("detokenize: ids outside the vocabulary decoded", "bad = [t for t in ids if not 0 <= t < vocab]", "bad = []", ["tests/test_server_params.py"]),
     M("tokenize: a chat not rendered by its template", "job = functools.partial(state.runtime.encode_chat, parse_messages(body))", "job = functools.partial(state.runtime.encode, json.dumps(parse_messages(body)))", ["tests/test_server_params.py"]),
+    M("loading server: the load's progress not shown", '"progress": bars()}, status=503)', '"progress": []}, status=503)', ["tests/test_server_loading.py"]),
+    M("serve: the model loaded before the port is taken", "loading = LoadingServer(config.host, config.port).start()", "loading = LoadingServer(config.host, 0)", ["tests/test_server_loading.py"]),
 ]

@@ -92,7 +92,16 @@ def run(args) -> int:
     if not _is_loopback(config.host) and config.api_key is None:
         print(f"hybrid serve: warning: listening on {config.host} without an API key; anyone who can reach "
               f"this port can use the model (set {API_KEY_ENV})", file=sys.stderr)
-    runtime, name = load_runtime(args)  # the session warms the engine up (graph capture) on a GPU
+    from hybrid.server.loading import LoadingServer
+
+    try:  # the port first: /health says "loading" during the load, and a busy port fails before it
+        loading = LoadingServer(config.host, config.port).start()
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+    try:
+        runtime, name = load_runtime(args)  # the session warms the engine up (graph capture) on a GPU
+    finally:
+        loading.stop()
     name = config.served_model_name or name
     if model_name_problem(name) is not None:  # a directory name that is not printable UTF-8
         raise UsageError(f"{model_name_problem(name)} (the model directory's name); pass --served-model-name")
