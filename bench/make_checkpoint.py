@@ -3,12 +3,14 @@
     python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 8 --out /tmp/q3-30b-8l
     python -m bench.make_checkpoint --preset deepseek-v3 --layers 5 --fp8 --device cuda --out /tmp/dsv3-5l
     python -m bench.make_checkpoint --preset gpt-oss-120b --layers 4 --mxfp4 --device cuda --out /tmp/gpt-oss-4l
+    python -m bench.make_checkpoint --preset deepseek-v3 --fp8 --experts 8 --top-k 4 --device cuda --out /tmp/dsv3-full
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
 Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2, GLM-4.5 and gpt-oss-120b; --layers keeps
 the first N decoder layers (a whole model in bf16 is tens to hundreds of GB: a cut one fits a small disk and still
-has every layer's shape). By default
+has every layer's shape); --experts / --top-k cut the routed experts instead (every layer at its real widths, a
+few experts each, for the non-expert side's VRAM at full depth; routing groups become one group). By default
 the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
 in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
 OUT` runs and every id the random model generates shows as text (without the padding, ids past the ~1k
@@ -40,6 +42,31 @@ def pad_tokenizer(src, dst, vocab_size: int) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
+
+
+def cut_experts(raw: dict, experts: int | None, top_k: int | None) -> None:
+    """Sets the routed expert count and top-k of config `raw` in place. Group-limited routing (DeepSeek-V3's n_group
+    / topk_group) becomes one group, since the preset's groups need not divide the new count."""
+    key = next((k for k in EXPERT_KEYS if k in raw), None)
+    if key is None and (experts or top_k):
+        raise UsageError("--experts / --top-k: this preset has no routed experts")
+    n = experts or (raw[key] if key else 0)
+    if experts is not None:
+        if experts < 1 or experts > raw[key]:
+            raise UsageError(f"--experts must be in 1..{raw[key]}, got {experts}")
+        raw[key] = experts
+        if "n_group" in raw:
+            raw["n_group"] = raw["topk_group"] = 1
+    for k in TOP_K_KEYS:
+        if k in raw:
+            want = top_k if top_k is not None else min(raw[k], n)
+            if not 1 <= want <= n:
+                raise UsageError(f"--top-k must be in 1..{n}, got {want}")
+            raw[k] = want
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -51,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--mxfp4", action="store_true", help="gpt-oss: experts as MXFP4 blocks + scales with the "
                    "quantization_config openai publishes (quantized on the host, one expert at a time: ~1 s per "
                    "gpt-oss-120b expert on 2 cores); the rest in --dtype")
+    p.add_argument("--experts", type=int, help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--top-k", type=int, help="experts per token (default: the preset's, at most --experts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
     p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
@@ -74,6 +103,7 @@ def main(argv=None) -> int:
         raw = hf_config(args.preset, layers=args.layers)
     except ValueError as exc:  # --layers outside the preset's
         raise UsageError(f"--layers: {exc}") from None
+    cut_experts(raw, args.experts, args.top_k)
     t0 = time.perf_counter()
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
                                   device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None,

@@ -786,4 +786,7 @@ MUTATIONS = [
     M("tokenize: a chat not rendered by its template", "job = functools.partial(state.runtime.encode_chat, parse_messages(body))", "job = functools.partial(state.runtime.encode, json.dumps(parse_messages(body)))", ["tests/test_server_params.py"]),
     M("loading server: the load's progress not shown", '"progress": bars()}, status=503)', '"progress": []}, status=503)', ["tests/test_server_loading.py"]),
     M("serve: the model loaded before the port is taken", "loading = LoadingServer(config.host, config.port).start()", "loading = LoadingServer(config.host, 0)", ["tests/test_server_loading.py"]),
+    M("serve_features: the warm-up sends the measured prompt (request 1 hits the cache)", "args.prefix_tokens, 2, headers)", "args.prefix_tokens, 1, headers)", ["tests/test_bench_serve_features.py"]),
+    M("serve_features: schema check takes a bool for the integer", "if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= 100:", "if not isinstance(c, int) or not 0 <= c <= 100:", ["tests/test_bench_serve_features.py"]),
+    M("serve_features: decode rate counts the first token", 'rate = (tokens - 1) / (r["latency"] - r["ttft"])', 'rate = tokens / (r["latency"] - r["ttft"])', ["tests/test_bench_serve_features.py"]),
 ]

@@ -55,6 +55,9 @@ def register(subparsers) -> None:
                    help="default: bfloat16 on the GPU, float32 on the CPU; float64 (plain model only) makes "
                    "greedy output independent of batching, for exactness tests")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (by default a KV slot given back keeps its tokens' K/V and a "
+                   "later prompt starting the same way prefills only the rest; the same tokens either way)")
     p.add_argument("--served-model-name", help="the model id clients send: printable UTF-8 text (default: the "
                    "directory name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -290,6 +290,7 @@ def _open_exact(opts, log):
     from hybrid.models import ModelLoadError, load_model
     from hybrid.loading.parse import hybrid_config_from_args
     from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+    from hybrid.runtime.config import RuntimeConfig
     from hybrid.runtime.engine import Engine
     from hybrid.loading.parse import resolve_device
     from hybrid.runtime.tokenizer import Tokenizer
@@ -305,5 +306,6 @@ def _open_exact(opts, log):
         tokenizer = Tokenizer(model_dir)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
-    return Engine(model, tokenizer, max_batch=opts.max_batch, max_context=opts.max_context, eager=True), \
-        tokenizer, model_dir
+    config = RuntimeConfig(max_batch=opts.max_batch, max_context=opts.max_context, eager=True,
+                           prefix_cache=not getattr(opts, "no_prefix_cache", False))
+    return Engine(model, tokenizer, config=config), tokenizer, model_dir
