@@ -335,14 +335,19 @@ class BatchSampler:
                     self.in_prompt[s.row, torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)] = True
         return s
 
-    def _matcher(self, grammar: str):
-        import llguidance
-
+    def grammar_vocab(self):
+        """The llguidance.LLTokenizer grammars are matched with (built on first use, once); ValueError if this
+        sampler was given no tokenizer."""
         if self._ll_tokenizer is None:
             if self.grammar_tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer, which this sampler was not given")
             self._ll_tokenizer = self.grammar_tokenizer()
-        m = llguidance.LLMatcher(self._ll_tokenizer, grammar)
+        return self._ll_tokenizer
+
+    def _matcher(self, grammar: str):
+        import llguidance
+
+        m = llguidance.LLMatcher(self.grammar_vocab(), grammar)
         if m.is_error():
             raise ValueError(f"the grammar cannot be used: {m.get_error()}")
         return m

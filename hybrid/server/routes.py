@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from hybrid.server import openai_format as fmt
-from hybrid.server import reasoning, tool_calls
+from hybrid.server import reasoning, tool_calls, tool_grammar
 from hybrid.server.config import ServerConfig
 from hybrid.server.errors import SHUTTING_DOWN, ApiError, bad_request, queue_full, shutting_down, unavailable
 from hybrid.server.metrics import Metrics
@@ -161,6 +161,21 @@ def _chat_parsing(runtime, plan: tool_calls.ToolPlan, prompt: list[int]) -> Chat
     opened = fmt_ is not None and reasoning.prompt_opens_reasoning(
         runtime.decode(prompt[-16:], skip_special_tokens=False), fmt_)
     return ChatParsing(plan, fmt_, opened)
+
+
+async def _forcing_sampling(state: ServerState, req: GenerationRequest, parsing: ChatParsing, prompt: list[int]):
+    """tool_choice "required" / named: the request's sampling with the grammar of the model's call format
+    (tool_grammar.forced_grammar; unchanged where the model cannot be forced); 400 beside a response_format."""
+    if req.sampling.grammar is not None:
+        raise bad_request("response_format and tool_choice \"required\" or a named function cannot both constrain "
+                          "the output; send one of them", param="tool_choice")
+    job = functools.partial(tool_grammar.forced_grammar, state.runtime, parsing.plan, parsing.reasoning,
+                            parsing.opened, prompt)
+    try:
+        grammar = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, job)
+    except tool_calls.ToolRequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    return req.sampling if grammar is None else replace(req.sampling, grammar=grammar)
 
 
 def _check_message_count(body, limit: int) -> None:
@@ -300,6 +315,8 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, events
         echo_texts = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state.runtime, req, prompts)
     stop_ids = _stop_ids(req, state.runtime.eos_token_ids)
     parsing = _chat_parsing(state.runtime, plan, prompts[0]) if chat else ChatParsing()
+    if chat and parsing.plan.forces_call:
+        req.sampling = await _forcing_sampling(state, req, parsing, prompts[0])
 
     def sink_for(index: int):
         def sink(ev: Event) -> None:  # called on the engine thread

@@ -311,8 +311,9 @@ def _tool_calls(calls, i: int) -> list[dict]:
 
 def _message(m, i: int) -> dict:
     """One message as the chat template gets it: role and content, plus an assistant's tool_calls and
-    reasoning_content and a tool result's tool_call_id. An assistant's null content stays null beside calls
-    (templates test for it), else it is ""."""
+    reasoning_content and a tool result's tool_call_id. An assistant's null (or missing) content is "", beside
+    calls too, as vLLM passes it: templates that test for none write the same text for "" (DeepSeek, Qwen3,
+    Kimi), GLM-4.5's would print none as "None", and gpt-oss's looks for its markers `in` the content."""
     if not isinstance(m, dict):
         raise bad_request(f"messages[{i}] must be an object", param=f"messages[{i}]")
     role = m.get("role")
@@ -322,7 +323,7 @@ def _message(m, i: int) -> dict:
     content = m.get("content")
     calls = _tool_calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") is not None else []
     if content is None and role == "assistant":
-        content = None if calls else ""
+        content = ""
     else:
         content = _content_text(content, i)
     # "developer" is OpenAI's newer name for "system"; chat templates only know "system".

@@ -25,9 +25,10 @@ the streaming parser fed the whole text: streamed deltas reassemble to the unstr
 
 Per request (`plan_tools`): `tools` and `tool_choice` are checked (ToolRequestError: a 400 naming the
 parameter), the tools to render are chosen, and the calls to keep: "none" renders no tools and parses
-none; "auto" both; "required" both, and a text without a call is returned as it is with finish_reason
-"stop" (`ChatOutput.missing_call`: without constrained decoding a call cannot be forced); a named function
-renders that tool only and keeps only its calls; parallel_tool_calls=false keeps the first call.
+none; "auto" both; "required" both, and the decode is held to calls by a grammar of the model's format
+(hybrid.server.tool_grammar; where a model cannot be forced, or a cut ends the call, a text without a call
+is returned as it is: `ChatOutput.missing_call`); a named function renders that tool only, is forced to
+it and keeps only its calls; parallel_tool_calls=false keeps the first call (and forces exactly one).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class ChatOutput:
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
-    missing_call: bool = False  # tool_choice required or named, and the model called nothing
+    missing_call: bool = False  # tool_choice required or named, and the text holds no (complete) call
 
     def message(self) -> dict:
         """The response's `message`: content null only beside calls (as OpenAI sends it), else a string."""
@@ -154,6 +155,11 @@ class ToolPlan:
     @property
     def parses(self) -> bool:
         return self.format is not None
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the decode is held to calls (hybrid.server.tool_grammar)."""
+        return self.parses and self.choice in ("required", "function")
 
 
 def tool_format_for(family: str | None, chat_template: str | None) -> str | None:
