@@ -57,7 +57,8 @@ def test_the_long_prompt_sent_again_is_answered_the_same_from_the_prefix_cache(r
     assert p["metrics_delta"]["hybrid_prefix_cache_lookups"] == 3
     assert p["ttft_ratio_1_2"] == round(first["ttft_s"] / second["ttft_s"], 2)
     assert p["ttft_ratio_1_3"] == round(first["ttft_s"] / third["ttft_s"], 2)
-    assert "cached_tokens" in first  # None: this server does not report usage.prompt_tokens_details
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens the cache served, as /metrics counted them
+    assert [r["cached_tokens"] for r in p["requests"]] == reused
 
 
 def test_the_cache_off_server_reuses_nothing_and_answers_the_same(result):
@@ -65,6 +66,7 @@ def test_the_cache_off_server_reuses_nothing_and_answers_the_same(result):
     assert off["same_text_as_cache_on"] and off["identical_text"]
     assert [r["metrics_delta"]["hybrid_prefix_cache_hits"] for r in off["requests"]] == [0, 0, 0]
     assert off["metrics_delta"]["hybrid_prefix_cache_tokens_reused"] == 0
+    assert [r["cached_tokens"] for r in off["requests"]] == [0, 0, 0]
     assert off["requests"][0]["text"] == result["prefix_cache"]["requests"][0]["text"]
 
 

@@ -792,4 +792,8 @@ MUTATIONS = [
     M("forced calls: the grammar never attached", "return req.sampling if grammar is None else replace(req.sampling, grammar=grammar)", "return req.sampling", ["tests/test_tool_grammar.py"]),
     M("forced calls: parallel_tool_calls false still takes several calls", "calls = f\"{call} ({joiner or ''} {call})*\" if plan.parallel and plan.format != \"harmony\" else call", "calls = f\"{call} ({joiner or ''} {call})*\"", ["tests/test_tool_grammar.py"]),
     M("forced calls: special-token markers written as text", "return f\"<[{token}]>\"\n        self.texts.add(text)", "return json.dumps(text)\n        self.texts.add(text)", ["tests/test_tool_grammar.py"]),
+    M("hit rate counts the cold experts", "hit = (counts * resident).sum(axis=1)", "hit = (counts * ~resident).sum(axis=1)", ["tests/test_hit_rate.py"]),
+    M("measured prompt counts keep the decode steps", "out.append((counts - dec, dec))", "out.append((counts, dec))", ["tests/test_hit_rate.py"]),
+    M("share budget for one layer only", "asked = round(share * num_experts) * moe_layers", "asked = round(share * num_experts)", ["tests/test_hit_rate.py"]),
+    M("usage: cached tokens counted after the prefill", "seq.cached = seq.prefilled", "pass", ["tests/test_bench_serve_features.py"]),
 ]

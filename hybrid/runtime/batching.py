@@ -81,6 +81,7 @@ class Sequence:
         self.stream: TextStream | None = None  # None without a tokenizer: token ids only
         self.keep_special = False  # decode with control tokens kept (the server's tool-call / reasoning markers)
         self.prefilled = 0  # prompt tokens already in the slot's KV cache
+        self.cached = 0  # of those, found there by the prefix cache when the sequence took its slot
         self.n_generated = 0  # sampled tokens, a final stop token included
         self.token_ids: list[int] = []  # generated tokens, the stop token left out
         self.last_token = -1
@@ -137,6 +138,7 @@ class Batcher:
         if not getattr(self.steps, "prefix_caching", False):
             return self.steps.allocate_slot()
         slot, seq.prefilled = self.steps.allocate_slot_for(seq.prompt_ids)
+        seq.cached = seq.prefilled
         return slot
 
     def open_sampler(self, seq: Sequence):

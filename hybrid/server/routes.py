@@ -424,7 +424,7 @@ async def _collect(state: ServerState, req: GenerationRequest, seqs, events, ech
     prompt_tokens = _prompt_tokens(req, seqs)
     body = fmt.full_response(req.chat, fmt.new_id(req.chat), state.model_name, fmt.now(),
                              [e + "".join(t) for e, t in zip(echoes, texts)], reasons,
-                             fmt.usage(prompt_tokens, completion_tokens), logprobs)
+                             fmt.usage(prompt_tokens, completion_tokens, _cached_tokens(req, seqs)), logprobs)
     if parsing.on:
         for choice, parts, reason in zip(body["choices"], texts, reasons):
             _parse_choice(choice, parsing, "".join(parts), reason)
@@ -446,6 +446,11 @@ def _warn_missing_call(out: tool_calls.ChatOutput) -> None:
 def _prompt_tokens(req: GenerationRequest, seqs) -> int:
     """Prompt tokens count once per prompt, not once per choice (as OpenAI bills them)."""
     return sum(len(s.prompt_ids) for s in seqs[:: req.n])
+
+
+def _cached_tokens(req: GenerationRequest, seqs) -> int:
+    """Prompt tokens found in the prefix cache (not prefilled again), counted like _prompt_tokens."""
+    return sum(s.cached for s in seqs[:: req.n])
 
 
 async def _stream(request: web.Request, state: ServerState, req: GenerationRequest, seqs, events,
@@ -506,7 +511,8 @@ async def _stream(request: web.Request, state: ServerState, req: GenerationReque
         if uf and not failed:
             prompt_tokens = _prompt_tokens(req, seqs)
             await resp.write(fmt.sse(fmt.usage_chunk(chat, rid, model, created,
-                                                     fmt.usage(prompt_tokens, completion_tokens))))
+                                                     fmt.usage(prompt_tokens, completion_tokens,
+                                                               _cached_tokens(req, seqs)))))
         await resp.write(fmt.sse("[DONE]"))
         await resp.write_eof()
     except ConnectionResetError:  # the client left; generate()'s finally cancels its sequences
