@@ -9,9 +9,11 @@ GPU (VRAM):
                         int4 / fp8 bytes + fp32 scales), everything else in the compute dtype
     KV cache            hybrid.runtime.kv_cache.StaticKVCache: B x (C + 1) x the attention kind's values per
                         token (ModelConfig.kv_values_per_token: grouped-query 2 x layers x Hkv x hd; MLA
-                        layers x (kv_lora_rank + qk_rope_head_dim), the latent and the rope key)
+                        layers x (kv_lora_rank + qk_rope_head_dim), the latent and the rope key), each value
+                        in the compute dtype, or 1 byte with --kv-dtype fp8 (kv_value_bytes)
     staging             hybrid.offload.lanes.ShipLane: n_slots x chunk experts, dense (+ packed raw
-                        buffers when the packed layout is not the dense one)
+                        buffers when the packed layout is not the dense one); `hybrid plan` sizes it by
+                        what it saves (placement.planner.choose_staging)
     graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output; with
                         quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear)
     resident experts    3 x D x F each, de-quantized to the compute dtype (HybridExperts.set_resident)
@@ -38,9 +40,17 @@ INT4_GROUP = CPU_DTYPE_TABLE["int4"].default_group  # hybrid.offload.Offload def
 DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
 GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
 GPU_KINDS = ("bf16", "int8", "int4", "fp8")  # per part: the compute dtype, or hybrid.models.qweight's kinds
+KV_DTYPES = ("bf16", "fp8")  # --kv-dtype: the compute dtype, or float8 e4m3 (hybrid.runtime.kv_cache)
 GPU_PARTS = ("attention", "shared", "dense", "embed", "head")  # hybrid.models.gpu_weights.PARTS
 QUANT_GROUP = 128  # hybrid.models.qweight.GROUP (int8 / int4 inputs per scale); fp8: 128 x 128 blocks
 DEQUANT_CHUNK_VALUES = 32 * 2**20  # hybrid.models.qweight.DEQUANT_CHUNK_VALUES
+
+
+def kv_value_bytes(kv_dtype: str, compute_bytes: int = 2) -> int:
+    """Bytes of one KV-cache value: the compute dtype's, or 1 for fp8 (hybrid.runtime.kv_cache.StaticKVCache)."""
+    if kv_dtype not in KV_DTYPES:
+        raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return 1 if kv_dtype == "fp8" else compute_bytes
 
 
 def gpu_weight_bytes(kind: str, n: int, k: int, compute_bytes: int = 2) -> int:
@@ -130,12 +140,13 @@ class MemorySettings:
     max_batch: int = 1  # B (KV slots = decode rows)
     cpu_dtype: str = "bf16"
     gpu_dtype_bytes: int = 2  # bf16 on the GPU
-    staging_slots: int = 4  # hybrid.offload.config.HybridConfig.staging_slots
-    ship_chunk: int = 8  # hybrid.offload.shared.Offload ship_chunk
+    staging_slots: int = 4  # HybridConfig.staging_slots; `hybrid plan` picks it unless given (choose_staging)
+    ship_chunk: int = 8  # experts per staging slot, HybridConfig.ship_chunk; picked the same way
     reserve: int = DEFAULT_RESERVE
     node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor
     group: int = INT4_GROUP
     gpu_dtypes: dict = field(default_factory=dict)  # part (GPU_PARTS) -> GPU_KINDS; missing parts: bf16
+    kv_dtype: str = "bf16"  # KV_DTYPES: the KV cache's values
 
     def __post_init__(self):
         if self.max_context < 2:
@@ -146,8 +157,12 @@ class MemorySettings:
             raise UsageError(f"--cpu-dtype must be one of {', '.join(CPU_DTYPES)}, got {self.cpu_dtype!r}")
         if self.gpu_dtype_bytes not in (2, 4):
             raise UsageError(f"GPU dtype must be 2 or 4 bytes, got {self.gpu_dtype_bytes}")
-        if self.staging_slots < 1 or self.ship_chunk < 1:
-            raise UsageError("the ship lane needs at least one staging slot of one expert")
+        if self.staging_slots < 1:
+            raise UsageError(f"--staging-slots must be at least 1, got {self.staging_slots}")
+        if self.ship_chunk < 1:
+            raise UsageError(f"--ship-chunk must be at least 1 expert, got {self.ship_chunk}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.reserve < 0:
             raise UsageError(f"--reserve must be >= 0, got {self.reserve}")
         if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
@@ -206,7 +221,7 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     gb = s.gpu_dtype_bytes
     parts = non_expert_bytes(cfg, s.gpu_dtypes, gb)
     non_expert = sum(parts.values()) + expert_bias_bytes(cfg) + router_fp32_bytes(cfg, gb)
-    kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * gb
+    kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * kv_value_bytes(s.kv_dtype, gb)
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
     raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else packed

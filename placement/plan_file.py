@@ -11,7 +11,9 @@
      "numa": [{"node", "threads", "f_start", "f_end", "bytes", "cold_bytes"}],
      "predicted_decode_tokens_per_s", "predicted_prefill_tokens_per_s"}
 
-`predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts.
+`predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts. `staging_slots`
+x `ship_chunk` is the ship lane's staging (chosen by placement.planner.choose_staging unless given), which the
+runtime allocates as the plan says, since the plan's VRAM includes it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _is_int(v) -> bool:
 # Fields the runtime reads from a plan, with their types: a hand-edited "staging_slots": "4" was a traceback
 # deep in loading; now it is named here.
 _MODEL_INTS = ("num_layers", "num_experts", "topk", "hidden", "intermediate")
-_SETTINGS_INTS = ("max_context", "max_batch", "staging_slots", "prefill_tokens")
+_SETTINGS_INTS = ("max_context", "max_batch", "staging_slots", "ship_chunk", "prefill_tokens")
 
 
 def _check_types(plan) -> None:

@@ -14,6 +14,11 @@ shortens a layer, so VRAM may stay idle. Ties (uniform statistics) are broken ro
 statistics give every layer the same count. Experts unseen while profiling get a prior of half a token
 (placement.routing_stats.PRIOR_TOKENS): free VRAM goes to them last, but it does go to them.
 
+Ship-lane staging (choose_staging): VRAM the staging slots hold is VRAM no resident expert gets, so `hybrid plan`
+sizes them by what they save rather than at a fixed 4 slots x 8 experts (3.32 GiB of a 24 GB card for DeepSeek-V3,
+whose single expert already fills the link): it prices each choice's prefill with the residents the rest of the
+budget then buys, and keeps the smallest staging within STAGING_TOLERANCE of the fastest.
+
 NUMA: the CPU executor splits every expert's F across the nodes in proportion to their threads and
 keeps each slice in node-local memory (never a copy per node); the plan reports each node's slice and
 bytes.
@@ -22,6 +27,7 @@ bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +43,9 @@ from placement.routing_stats import PRIOR_TOKENS, RoutingStats
 from placement.schedule import LayerScheduler
 
 DEFAULT_PREFILL_TOKENS = 512
+STAGING_SLOTS = 2  # what choose_staging gives: the fewest that overlap a chunk's transfer with the last one's compute
+SHIP_CHUNKS = (1, 2, 4, 8)  # experts per slot that choose_staging prices
+STAGING_TOLERANCE = 0.02  # a smaller staging is kept while its predicted prefill is within 2% of the fastest
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,90 @@ def decode_step_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, reside
     return t + sum(decode_layer_time(cpu_shape, gpu_shape, hw, sh, res, rows) for sh, res in zip(shares, resident))
 
 
+def residency_lanes(cfg, stats: RoutingStats, hw: HardwareProfile, s: MemorySettings) -> tuple[np.ndarray, list]:
+    """(decode shares [L, E], placement.predict.DecodeLanes per layer at s.max_batch rows): what residency is
+    chosen by. Decode is what residency is for; the shares carry a prior, so an expert unseen while profiling
+    still ranks."""
+    cpu_shape, gpu_shape = expert_shapes(cfg, s)
+    shares = stats.decode_shares(prior=PRIOR_TOKENS)
+    return shares, [decode_lanes(cpu_shape, gpu_shape, hw, sh, s.max_batch) for sh in shares]
+
+
+def prefill_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, tokens: int) -> float:
+    """Predicted seconds of one prompt of `tokens` tokens: prompt routing shares [L, E], resident bool [L, E].
+    The non-expert part attends tokens / 2 keys on average (causal); each MoE layer's cold experts are split
+    between the CPU and the ship lane by the cost schedule, the ship lane in chunks of s.ship_chunk experts
+    (each shipped expert carries its share of its chunk's launches: placement.schedule.LayerScheduler)."""
+    cpu_shape, gpu_shape = expert_shapes(cfg, s)
+    sched = LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk)
+    gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
+    t = non_expert_step_time(cfg, hw, tokens, max(1, tokens // 2), s.gpu_dtype_bytes, prefill=True,
+                             weight_bytes=gpu_read_bytes(cfg, s))
+    return t + sum(prefill_layer_time(sched, gpu_sched, sh, res, tokens) for sh, res in zip(shares, resident))
+
+
+class StagingChoice(NamedTuple):
+    """One ship-lane staging that choose_staging prices: its bytes, the residents the rest of the budget buys,
+    and the prefill and decode-step seconds predicted with them."""
+    slots: int
+    chunk: int
+    staging: int  # bytes
+    residents: int
+    prefill_s: float
+    decode_s: float
+
+
+def price_staging(cfg, stats: RoutingStats | None, hw: HardwareProfile, s: MemorySettings, gpu_budget: int,
+                  prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> list[StagingChoice]:
+    """Every staging of STAGING_SLOTS slots x SHIP_CHUNKS experts that leaves the budget non-negative, priced as
+    plan() prices a placement: residents by makespan in what the budget leaves, then the predicted prefill of a
+    `prefill_tokens` prompt (capped at max_context) and the decode step. Smallest staging first."""
+    hw.require_gpu()
+    stats = stats or RoutingStats.uniform(cfg)
+    stats.check_model(cfg)
+    shares, lanes = residency_lanes(cfg, stats, hw, s)
+    pre_shares, tokens = stats.prefill_shares(), min(prefill_tokens, s.max_context)
+    out = []
+    for chunk in SHIP_CHUNKS:
+        m = replace(s, staging_slots=STAGING_SLOTS, ship_chunk=chunk)
+        mem = breakdown(cfg, m)
+        if mem.gpu_fixed > gpu_budget:
+            continue
+        resident = choose_resident_by_makespan(lanes, mem.resident_expert, gpu_budget - mem.gpu_fixed)
+        out.append(StagingChoice(STAGING_SLOTS, chunk, mem.staging, int(resident.sum()),
+                                 prefill_time(cfg, hw, m, pre_shares, resident, tokens),
+                                 decode_step_time(cfg, hw, m, shares, resident, s.max_batch)))
+    return sorted(out, key=lambda c: c.staging)
+
+
+def choose_staging(cfg, stats: RoutingStats | None, hw: HardwareProfile, s: MemorySettings, gpu_budget: int,
+                   prefill_tokens: int = DEFAULT_PREFILL_TOKENS) -> tuple[int, int]:
+    """(staging slots, experts per slot) of the ship lane: the smallest staging whose predicted prefill is within
+    STAGING_TOLERANCE of the fastest choice's (price_staging), so that the bytes it does not take go to resident
+    experts. The one rule for `hybrid plan` and for `generate/chat/serve --gpu-budget` without a plan.
+
+    Decode never ships (captured steps run every cold expert on the CPU lane), so a smaller staging only helps
+    it: more residents. Prefill trades two things: a larger chunk spreads the per-chunk launch cost
+    (profile.ship_chunk_overhead) over more experts; a smaller one leaves room for more residents, which run
+    without crossing the link at all. With ship_chunk_overhead 0 (the built-in profiles) the chunk itself costs
+    nothing, so the smallest staging is taken unless its extra residents made a prompt slower.
+
+    Slots: always STAGING_SLOTS (2). The cost model does not price slots at all: its ship lane is a two-stage
+    flow shop (transfer, then compute when the GPU is free) that never waits for a free slot. Slots only overlap
+    one chunk's transfer with the previous chunk's compute, and two already do that whenever a chunk's transfer
+    takes at least its compute, which is when shipping is link-bound (a DeepSeek-V3 expert's int4 bytes take
+    about 1 ms over a 25 GB/s link, its GPU compute about 0.1 ms). A third slot would only let the link run
+    further ahead during resident GPU work, which the model does not see and so could not justify.
+
+    A budget that no staging fits gives the smallest one (check_budgets then says what the GPU needs)."""
+    priced = price_staging(cfg, stats, hw, s, gpu_budget, prefill_tokens)
+    if not priced:
+        return STAGING_SLOTS, SHIP_CHUNKS[0]
+    best = min(c.prefill_s for c in priced)
+    pick = next(c for c in priced if c.prefill_s <= best * (1 + STAGING_TOLERANCE))
+    return pick.slots, pick.chunk
+
+
 def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSettings) -> Plan:
     """The placement for model `cfg` (ModelConfig) on machine `hw` (needs GPU figures) under `settings`."""
     hw.require_gpu()
@@ -208,13 +301,9 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     stats = stats or RoutingStats.uniform(cfg)
     stats.check_model(cfg)
     s = settings.memory
-    cpu_shape, gpu_shape = expert_shapes(cfg, s)
-
-    # [L, E] decode: what residency is for; with a prior, so an expert unseen while profiling still ranks
-    shares = stats.decode_shares(prior=PRIOR_TOKENS)
+    shares, lanes = residency_lanes(cfg, stats, hw, s)
     pre_shares = stats.prefill_shares()  # [L, E] prompts (the same when decode was not recorded apart)
     rows = settings.decode_rows
-    lanes = [decode_lanes(cpu_shape, gpu_shape, hw, sh, rows) for sh in shares]
     resident = choose_resident_by_makespan(lanes, mem.resident_expert, settings.gpu_budget - mem.gpu_fixed)  # [L, E]
 
     n_res = int(resident.sum())
@@ -223,13 +312,10 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
 
     gb = s.gpu_dtype_bytes
     decode_s = decode_step_time(cfg, hw, s, shares, resident, rows)
-    sched = LayerScheduler(cpu_shape, hw, "cost")
-    gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
     P = min(settings.prefill_tokens, s.max_context)
-    prefill_s = non_expert_step_time(cfg, hw, P, max(1, P // 2), gb, prefill=True, weight_bytes=gpu_read_bytes(cfg, s))  # causal: P/2 keys on average
+    prefill_s = prefill_time(cfg, hw, s, pre_shares, resident, P)
     layers = []
-    for li, (layer, sh) in enumerate(zip(stats.layers, pre_shares)):
-        prefill_s += prefill_layer_time(sched, gpu_sched, sh, resident[li], P)
+    for li, layer in enumerate(stats.layers):
         ids = np.nonzero(resident[li])[0]
         saved = lanes[li].layer_time(np.zeros_like(resident[li])) - lanes[li].layer_time(resident[li])
         layers.append(LayerPlan(layer, tuple(int(e) for e in ids), float(saved)))

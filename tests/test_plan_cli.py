@@ -34,7 +34,7 @@ def plan_json(capsys, *argv):
 
 def test_plan_json_schema(ckpt, capsys):
     out = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", "16MiB", "--cpu-budget", "1GiB",
-                    "--max-context", "64", "--numa-threads", "2,2")
+                    "--max-context", "64", "--numa-threads", "2,2", "--staging-slots", "4", "--ship-chunk", "8")
     for key in ("gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes"):
         assert isinstance(out[key], int) and out[key] > 0
     assert out["gpu_budget_bytes"] == 16 * 2**20 and out["cpu_budget_bytes"] == 2**30

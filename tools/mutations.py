@@ -796,4 +796,7 @@ MUTATIONS = [
     M("measured prompt counts keep the decode steps", "out.append((counts - dec, dec))", "out.append((counts, dec))", ["tests/test_hit_rate.py"]),
     M("share budget for one layer only", "asked = round(share * num_experts) * moe_layers", "asked = round(share * num_experts)", ["tests/test_hit_rate.py"]),
     M("usage: cached tokens counted after the prefill", "seq.cached = seq.prefilled", "pass", ["tests/test_bench_serve_features.py"]),
+    M("staging: tolerance dropped", "c.prefill_s <= best * (1 + STAGING_TOLERANCE)", "c.prefill_s <= best", ["tests/test_plan_staging.py"]),
+    M("staging: prefill priced at the default chunk", 'LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk)', 'LayerScheduler(cpu_shape, hw, "cost")', ["tests/test_plan_staging.py"]),
+    M("runtime: the plan's ship_chunk ignored", 'ship_chunk=int(plan.settings.get("ship_chunk", HybridConfig.ship_chunk))', "ship_chunk=HybridConfig.ship_chunk", ["tests/test_plan_staging.py"]),
 ]

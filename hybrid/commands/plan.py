@@ -19,7 +19,7 @@ from placement.hardware import FALLBACK_PROFILE
 def register(subparsers) -> None:
     from hybrid.loading.parse import add_max_context_argument
     from placement.memory import DEFAULT_RESERVE, MemorySettings
-    from placement.planner import DEFAULT_PREFILL_TOKENS
+    from placement.planner import DEFAULT_PREFILL_TOKENS, STAGING_TOLERANCE
 
     d = MemorySettings()
     p = subparsers.add_parser("plan", help="plan expert placement for VRAM/DRAM budgets",
@@ -46,7 +46,12 @@ def register(subparsers) -> None:
                    help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
                    "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "
                    "bytes first; see placement/gpu_dtypes.py)")
-    p.add_argument("--staging-slots", type=int, default=d.staging_slots, help="ship-lane slots (default %(default)s)")
+    p.add_argument("--staging-slots", type=int, metavar="N", help="ship-lane staging slots (default: chosen with "
+                   f"--ship-chunk as the smallest staging whose predicted prefill is within {STAGING_TOLERANCE:.0%}% "
+                   "of the fastest, the rest of the budget going to resident experts; given either one, the other "
+                   f"defaults to {d.staging_slots} slots / {d.ship_chunk} experts)")
+    p.add_argument("--ship-chunk", type=int, metavar="N", help="experts per staging slot, shipped and run as one "
+                   "grouped GEMM (default: chosen, see --staging-slots)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
                    help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")
     p.add_argument("--numa-threads", metavar="N,N,...", help="threads per NUMA node of the CPU executor (default: this "
@@ -76,17 +81,25 @@ def node_threads(args) -> tuple[int, ...]:
 
 
 def build_plan(args):
+    """The plan for the command line's model, budgets and settings. The GPU dtypes are chosen first, with the
+    staging given or the default one (as the runtime chooses them before it knows its staging); then, unless
+    --staging-slots or --ship-chunk is given, the ship lane's staging (placement.planner.choose_staging), whose
+    bytes left over go to resident experts."""
+    from dataclasses import replace
+
     from hybrid.models.checkpoints import read_config
     from hybrid.loading.parse import parse_bytes
     from placement.hardware import pricing_profile
     from placement.memory import MemorySettings
-    from placement.planner import PlanSettings, plan
+    from placement.planner import PlanSettings, choose_staging, plan
     from placement.routing_stats import load_stats
 
     # settings and budgets first: a bad value fails before the checkpoint is even opened
+    d = MemorySettings()
     mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype or "bf16",
-                         staging_slots=args.staging_slots, reserve=parse_bytes(args.reserve),
-                         node_threads=node_threads(args))
+                         staging_slots=d.staging_slots if args.staging_slots is None else args.staging_slots,
+                         ship_chunk=d.ship_chunk if args.ship_chunk is None else args.ship_chunk,
+                         reserve=parse_bytes(args.reserve), node_threads=node_threads(args))
     settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
                             memory=mem, prefill_tokens=args.prefill_tokens)
     model_dir = args.model
@@ -105,8 +118,6 @@ def build_plan(args):
 
             model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
         _, cfg, raw = read_config(model_dir)
-    from dataclasses import replace
-
     if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
         from hybrid.offload.config import default_cpu_dtype
 
@@ -118,6 +129,9 @@ def build_plan(args):
     settings = replace(settings, memory=mem)
     stats = load_stats(args.stats) if args.stats else None
     hw = pricing_profile(args.profile, note=lambda line: print(f"note: {line}", file=sys.stderr))
+    if args.staging_slots is None and args.ship_chunk is None:
+        slots, chunk = choose_staging(cfg, stats, hw, mem, settings.gpu_budget, settings.prefill_tokens)
+        settings = replace(settings, memory=replace(mem, staging_slots=slots, ship_chunk=chunk))
     return plan(cfg, stats, hw, settings), model_dir, hw
 
 
@@ -180,6 +194,14 @@ def gpu_weights_line(p) -> list[str]:
     return [f"GPU weights: {describe_dtypes(dtypes, parts)}, other (norms, routers, biases) {parts['other'] / 2**20:.1f} MiB"]
 
 
+def staging_note(settings: dict) -> str:
+    """' (2 slots x 1 expert)': the ship lane's staging as the plan sized it (older plans: its bytes only)."""
+    slots, chunk = settings.get("staging_slots"), settings.get("ship_chunk")
+    if slots is None or chunk is None:
+        return ""
+    return f" ({slots} slot{'s' * (slots != 1)} x {chunk} expert{'s' * (chunk != 1)})"
+
+
 def describe(p, model_dir: str) -> str:
     from placement.memory import gib
 
@@ -189,7 +211,7 @@ def describe(p, model_dir: str) -> str:
         f"model {model_dir}: {len(p.layers)} MoE layers x {p.model['num_experts']} experts, profile "
         f"{p.settings['profile']}, CPU dtype {p.settings['cpu_dtype']}, stats {p.settings['stats'].get('kind', 'file')}",
         f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
-        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model)}), staging {gib(g['staging'])}, "
+        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model)}), staging {gib(g['staging'])}{staging_note(p.settings)}, "
         f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
         f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
         *gpu_weights_line(p),

@@ -171,9 +171,11 @@ def hybrid_config_from_args(args):
                         defer_experts=getattr(args, "defer_experts", None) or 0,
                         packed_cache=getattr(args, "packed_cache", True),
                         cpu_group=getattr(args, "int4_group", None) or HybridConfig.cpu_group,
-                        # the plan's VRAM includes its staging slots
+                        # the plan's VRAM includes its staging: slots x experts per slot
                         staging_slots=int(plan.settings.get("staging_slots", HybridConfig.staging_slots))
-                        if plan is not None else HybridConfig.staging_slots)
+                        if plan is not None else HybridConfig.staging_slots,
+                        ship_chunk=int(plan.settings.get("ship_chunk", HybridConfig.ship_chunk))
+                        if plan is not None else HybridConfig.ship_chunk)
 
 
 def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:
@@ -198,6 +200,36 @@ def with_pricing_profile(config: SessionConfig, log=lambda m: print(m, file=sys.
 
     hw = pricing_profile(config.hybrid.profile, note=lambda line: log(f"hybrid: {line}"))
     return replace(config, hybrid=replace(config.hybrid, profile=hw))
+
+
+def with_ship_staging(config: SessionConfig, cfg) -> SessionConfig:
+    """Under --gpu-budget without a plan, the ship lane's staging `hybrid plan` would choose for the same model,
+    budget, context, batch, dtypes and profile (placement.planner.choose_staging, the one rule): the bytes it
+    does not take go to resident experts (hybrid.loading.place counts the staging actually built). Needs the
+    resolved profile (with_pricing_profile) and the GPU dtypes (check_before_load). A plan's staging is the
+    plan's; --gpu-experts N (no budget to trade against) keeps HybridConfig's default."""
+    h = config.hybrid
+    if h is None or h.plan is not None or h.gpu_budget is None:
+        return config
+    import torch
+
+    from cpu_kernels.topology import Topology
+    from placement.hardware import pricing_profile
+    from placement.memory import MemorySettings
+    from placement.planner import choose_staging
+
+    gb = torch.empty((), dtype=config.dtype).element_size()
+    if gb not in (2, 4):  # float64 exactness runs: the planner prices 2- and 4-byte GPU dtypes only
+        return config
+    try:
+        nodes = tuple(len(n) for n in Topology.discover().limit(h.cpu_threads).nodes)  # as `hybrid plan` counts
+    except ValueError as exc:
+        raise UsageError(f"--cpu-threads: {exc}") from None
+    s = MemorySettings(max_context=config.runtime.max_context, max_batch=config.runtime.max_batch,
+                       cpu_dtype=h.cpu_dtype, gpu_dtype_bytes=gb, node_threads=nodes, group=h.cpu_group,
+                       gpu_dtypes=config.gpu_dtypes or {})
+    slots, chunk = choose_staging(cfg, None, pricing_profile(h.profile), s, h.gpu_budget)
+    return replace(config, hybrid=replace(h, staging_slots=slots, ship_chunk=chunk))
 
 
 def sampling_from_args(args):

@@ -11,7 +11,7 @@ import torch
 from hybrid.loading.check import (check_before_load, eager_for_online_replace, warn_vocab_mismatch,
                                   without_cpu_residents)
 from hybrid.loading.load import load_tokenizer, load_weights, resolve_model_dir
-from hybrid.loading.parse import session_config_from_args, with_pricing_profile
+from hybrid.loading.parse import session_config_from_args, with_pricing_profile, with_ship_staging
 from hybrid.loading.place import place
 from hybrid.loading.report import report_gpu_weights, report_placement
 from hybrid.runtime.engine import Engine
@@ -33,7 +33,7 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
     config = without_cpu_residents(session_config_from_args(args, max_batch), notes.append)
     model_dir, demo = resolve_model_dir(config, log)
     cfg, config = check_before_load(model_dir, config)
-    config = with_pricing_profile(config, notes.append)
+    config = with_ship_staging(with_pricing_profile(config, notes.append), cfg)
     config = eager_for_online_replace(config, log)
     model, offload = load_weights(model_dir, config, progress=not demo)
     for line in notes:

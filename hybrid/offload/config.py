@@ -28,7 +28,10 @@ class HybridConfig:
     cpu_isa: str | None = None
     cpu_threads: int | None = None
     profile: str | None = None
+    # the ship lane's staging: slots x experts per slot (a plan's, which its VRAM includes; without one, under
+    # --gpu-budget, what `hybrid plan` would choose: hybrid.loading.parse.with_ship_staging)
     staging_slots: int = 4
+    ship_chunk: int = 8
     plan: object = None  # placement.plan_file.Plan: residency from the planner instead of a calibration run
     replace: str = "off"  # "online": re-place experts from a sliding window of routing counts (eager only)
     defer_experts: int = 0  # expert deferral: each token's N lowest-ranked experts added one layer late (opt-in)
@@ -53,6 +56,8 @@ class HybridConfig:
             raise UsageError("give --gpu-experts or --gpu-budget, not both")
         if self.staging_slots < 1:
             raise UsageError("--staging-slots must be >= 1")
+        if self.ship_chunk < 1:
+            raise UsageError(f"the ship lane's chunk (ship_chunk) must be >= 1 expert, got {self.ship_chunk}")
         groups = CPU_DTYPE_TABLE["int4"].group_sizes
         if self.cpu_group not in groups:
             raise UsageError(f"int4 group size must be one of {', '.join(map(str, groups))}, got {self.cpu_group}")
