@@ -17,6 +17,7 @@ import torch
 from hybrid.server import schemas
 from hybrid.server.adapter import Runtime
 from hybrid.server.testing import FakeEngine, FakeTokenizer
+from test_server_grammar import CHECKS as GRAMMAR_CHECKS
 from test_server_http import ServerThread
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -25,7 +26,7 @@ PROMPT = "Hello"
 EOS = 0
 # a value that is not "off" for each refused option whose generic test value ("on") would not read as one
 REFUSED_VALUES = {"best_of": 2, "modalities": ["text", "audio"],
-                  "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {"type": "object"}}
+                  "functions": [{"name": "f"}], "function_call": "auto"}
 TOOL_F = {"type": "function", "function": {"name": "f"}}
 ENDPOINT_BODIES = {"/tokenize": {"prompt": PROMPT}, "/detokenize": {"tokens": [73, 106]}}
 TOOL_G = {"type": "function", "function": {"name": "g"}}
@@ -407,6 +408,7 @@ def check_response_format(server, ep):
 
 CHECKS = {name[len("check_"):]: f for name, f in list(globals().items()) if name.startswith("check_")}
 CHECKS.update({name: _label(name) for name in schemas.LABELS})
+CHECKS.update(GRAMMAR_CHECKS)  # grammar, json_schema, guided_*, structured_outputs
 
 
 # --- the walk -----------------------------------------------------------------------------------------

@@ -780,8 +780,8 @@ MUTATIONS = [
     M("serve --help imports torch", "from hybrid.server.config import BATCH_PREFILL, EXACT_DTYPE, ServerConfig", "from hybrid.server.adapter import BATCH_PREFILL, EXACT_DTYPE\n    from hybrid.server.config import ServerConfig", ["tests/test_cli_help_fast.py"]),
     M("grammar: the mask not applied", "y[j].masked_fill_(~grammar_mask(s.matcher, y.shape[-1]).to(dev), float(\"-inf\"))", "pass", ["tests/test_sampling_options.py", "tests/test_server_params.py"]),
     M("grammar: the matcher never advanced", "if s.matcher is not None and not s.matcher.consume_token(t):", "if False:", ["tests/test_sampling_options.py"]),
-    M("response_format: json_schema ignored", "grammar=response_grammar(body) if chat else None,", "grammar=None,", ["tests/test_server_params.py"]),
-    M("response_format: bad schemas queued", "if error:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", "if False:\n        raise bad_request(f\"response_format: the schema cannot be used: {error}\", param=\"response_format\")", ["tests/test_server_params.py"]),
+    M("response_format: json_schema ignored", "grammar=grammar,", "grammar=None,", ["tests/test_server_params.py"]),
+    M("response_format: bad schemas queued", "if is_error:\n        raise bad_request(", "if False:\n        raise bad_request(", ["tests/test_server_params.py"]),
     M("detokenize: ids outside the vocabulary decoded", "bad = [t for t in ids if not 0 <= t < vocab]", "bad = []", ["tests/test_server_params.py"]),
     M("tokenize: a chat not rendered by its template", "job = functools.partial(state.runtime.encode_chat, parse_messages(body))", "job = functools.partial(state.runtime.encode, json.dumps(parse_messages(body)))", ["tests/test_server_params.py"]),
     M("loading server: the load's progress not shown", '"progress": bars()}, status=503)', '"progress": []}, status=503)', ["tests/test_server_loading.py"]),
@@ -799,4 +799,7 @@ MUTATIONS = [
     M("staging: tolerance dropped", "c.prefill_s <= best * (1 + STAGING_TOLERANCE)", "c.prefill_s <= best", ["tests/test_plan_staging.py"]),
     M("staging: prefill priced at the default chunk", 'LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk)', 'LayerScheduler(cpu_shape, hw, "cost")', ["tests/test_plan_staging.py"]),
     M("runtime: the plan's ship_chunk ignored", 'ship_chunk=int(plan.settings.get("ship_chunk", HybridConfig.ship_chunk))', "ship_chunk=HybridConfig.ship_chunk", ["tests/test_plan_staging.py"]),
+    M("constraints: two at once accepted", "if found is not None:", "if False:", ["tests/test_server_grammar.py"]),
+    M("constraints: choices not escaped", "json.dumps(c) for c in dict.fromkeys(choices)", "'\"' + c + '\"' for c in dict.fromkeys(choices)", ["tests/test_server_grammar.py"]),
+    M("constraints: not checked against the model's vocabulary", "if req.constraint is not None:", "if False:", ["tests/test_server_grammar.py"]),
 ]

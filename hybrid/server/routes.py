@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from hybrid.server import openai_format as fmt
-from hybrid.server import reasoning, tool_calls, tool_grammar
+from hybrid.server import grammars, reasoning, tool_calls, tool_grammar
 from hybrid.server.config import ServerConfig
 from hybrid.server.errors import SHUTTING_DOWN, ApiError, bad_request, queue_full, shutting_down, unavailable
 from hybrid.server.metrics import Metrics
@@ -310,6 +310,9 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, events
         raise bad_request(f"could not build the prompt: {exc}", param="messages" if chat else "prompt") from None
     budgets = [_max_tokens(req, len(p), state.runtime.max_context) for p in prompts]
     _check_min_tokens(req, budgets)
+    if req.constraint is not None:  # its grammar against this model's vocabulary: a 400, not a failed start
+        await loop.run_in_executor(state.tokenize_pool, grammars.check_for_model, state.runtime,
+                                   req.sampling.grammar, req.constraint)
     echo_texts = [""] * len(prompts)
     if req.echo:  # token-id prompts are decoded: a worker's job, as tokenizing is
         echo_texts = await loop.run_in_executor(state.tokenize_pool, _echo_texts, state.runtime, req, prompts)

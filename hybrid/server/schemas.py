@@ -9,13 +9,13 @@ as OpenAI answers unrecognized arguments). README.md's parameter table lists the
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 
 from hybrid.runtime.sampling import SamplingParams
 from hybrid.server.errors import bad_request
+from hybrid.server.grammars import request_grammar
 from hybrid.server.tool_calls import ToolRequestError, checked_request
 
 MAX_STOP_STRINGS = 16
@@ -37,7 +37,10 @@ DEFAULT_TOP_P = 1.0
 # Keys with an effect this server implements, per endpoint.
 IMPLEMENTED_COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
                       "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                      "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "best_of")
+                      "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "best_of",
+                      # constrained decoding (hybrid.server.grammars): llama.cpp's and vLLM's spellings
+                      "grammar", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "structured_outputs")
 IMPLEMENTED_COMPLETIONS = ("prompt", "echo")
 IMPLEMENTED_CHAT = ("messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities", "tools",
                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort")
@@ -51,9 +54,8 @@ REFUSED_COMMON = {
     "add_special_tokens": (None,), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
     "bad_words": (None, []), "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
     "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
-    "grammar": (None,), "json_schema": (None,), "typical_p": (None, 1, 1.0), "mirostat": (None, 0),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "typical_p": (None, 1, 1.0), "mirostat": (None, 0),
     "metadata": (None, {}), "store": (None, False), "service_tier": (None, "auto", "default"),
     "kv_transfer_params": (None,), "cache_salt": (None,), "mm_processor_kwargs": (None,),
 }
@@ -83,6 +85,7 @@ class GenerationRequest:
     include_usage: bool = False
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' logprobs) comes first
     max_tokens: int | None = None  # None = completions: 16, chat: whatever fits in the context
+    constraint: str | None = None  # the parameter whose grammar is sampling.grammar (hybrid.server.grammars)
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
 
 
@@ -148,43 +151,6 @@ def _check_keys(body: dict, chat: bool) -> None:
             where = "/v1/chat/completions" if chat else "/v1/completions"
             raise bad_request(f"Unrecognized request argument supplied: '{name}' (not a parameter of {where} "
                               "on this server; README.md lists them)", param=name, code="unknown_parameter")
-
-
-MAX_SCHEMA_CHARS = 1 << 16  # a response_format schema's JSON text at most (compiling one is work per request)
-
-
-def response_grammar(body: dict) -> str | None:
-    """response_format -> a llguidance grammar (None for text): json_object = any JSON object; json_schema = the
-    schema's (checked here, so a bad schema is a 400 before the request is queued)."""
-    rf = body.get("response_format")
-    if rf is None or rf == {"type": "text"}:
-        return None
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad_request("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}",
-                          param="response_format")
-    if rf["type"] == "json_object":
-        schema = {"type": "object"}
-    elif rf["type"] == "json_schema":
-        spec = rf.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise bad_request("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
-                              param="response_format")
-    else:
-        return None
-    text = json.dumps(schema)
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise bad_request(f"the response_format schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS}",
-                          param="response_format")
-    from llguidance import LLMatcher
-
-    # compact JSON (no free whitespace between tokens, as OpenAI's strict mode writes it): a model that likes
-    # spaces cannot run out its max_tokens inside the object
-    grammar = LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise bad_request(f"response_format: the schema cannot be used: {error}", param="response_format")
-    return grammar
 
 
 def _check_chat_formats(body: dict) -> None:
@@ -402,6 +368,7 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
         raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
     logprobs = _logprobs(body, chat)
     echo = False if chat else _bool(body, "echo", False)
+    constraint, grammar = request_grammar(body) or (None, None)
     sampling = SamplingParams(
         temperature=_float(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
         top_p=_float(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
@@ -418,18 +385,21 @@ def parse_request(body, chat: bool, max_choices: int) -> GenerationRequest:
         min_tokens=min_tokens,
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,  # echo with logprobs scores the prompt too
-        grammar=response_grammar(body) if chat else None,
+        grammar=grammar,
     )
     req = GenerationRequest(chat=chat, model=model, n=n, stream=stream, include_usage=include_usage,
-                            echo=echo, max_tokens=max_tokens, sampling=sampling)
+                            echo=echo, max_tokens=max_tokens, sampling=sampling, constraint=constraint)
     if chat:
         req.messages = parse_messages(body)
         req.tools, req.tool_choice = body.get("tools"), body.get("tool_choice")
         req.parallel_tool_calls = body.get("parallel_tool_calls")
         try:  # the shape of tools and tool_choice (whether this model can serve them: the route's plan_tools)
-            checked_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+            _, choice, _ = checked_request(req.tools, req.tool_choice, req.parallel_tool_calls)
         except ToolRequestError as exc:
             raise bad_request(str(exc), param=exc.param) from None
+        if constraint is not None and choice in ("required", "function"):
+            raise bad_request(f"'{constraint}' and tool_choice \"required\" or a named function (held to a call by "
+                              "a grammar) cannot both constrain the output; send one of them", param="tool_choice")
         req.template_kwargs = _template_kwargs(body)
     else:
         req.prompts = _prompts(body)
