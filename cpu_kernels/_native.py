@@ -71,6 +71,19 @@ class HyJob(ctypes.Structure):
                 ("busy_ns", ctypes.c_int64)]
 
 
+class HyPackSrc(ctypes.Structure):
+    """n experts of one matrix kind as a checkpoint holds them, for hy_pack_mat (csrc/pack.h)."""
+
+    _fields_ = [("w", ctypes.POINTER(ctypes.c_void_p)), ("s", ctypes.POINTER(ctypes.c_void_p)),
+                ("rs", ctypes.c_int64), ("cs", ctypes.c_int64), ("srs", ctypes.c_int64), ("scs", ctypes.c_int64),
+                ("wdtype", ctypes.c_int32), ("sdtype", ctypes.c_int32), ("r0", ctypes.c_int32), ("c0", ctypes.c_int32),
+                ("b0", ctypes.c_int32), ("b1", ctypes.c_int32), ("rows", ctypes.c_int32), ("k", ctypes.c_int32)]
+
+
+PACK_SRC_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # HY_SRC_* codes: the index
+PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
+
+
 def _lib_path(name: str) -> str | None:
     hits = sorted(glob.glob(os.path.join(_HERE, f"_hy_{name}*.so")))
     return hits[0] if hits else None
@@ -188,7 +201,25 @@ def load(isa: str) -> ctypes.CDLL:
     lib.hy_quantize_act.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_void_p]
     lib.hy_quantize_act.restype = ctypes.c_int
+    if hasattr(lib, "hy_pack_mat"):  # absent from a library built before it: has_packer says so
+        lib.hy_pack_mat.argtypes = [ctypes.c_void_p, ctypes.POINTER(HyPackSrc), ctypes.POINTER(HyMat), ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]
+        lib.hy_pack_mat.restype = ctypes.c_int
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def has_packer(isa: str) -> bool:
+    """Whether `isa`'s library packs checkpoint experts in compiled code (hy_pack_mat); False for ref and for a
+    library built before the packer existed, which is said once, loudly: packing then runs on the PyTorch
+    reference, several times slower."""
+    if isa == "ref":
+        return False
+    if hasattr(load(isa), "hy_pack_mat"):
+        return True
+    log.warning("cpu_kernels: the %s library has no compiled packer (built before it): experts are packed by "
+                "the PyTorch reference, several times slower; fix: rebuild with `pip install -e .`", isa)
+    return False
 
 
 def pool(isa: str, cpus) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Mapping
@@ -161,6 +162,113 @@ class _Packed:
         self.state, self.layout, self.shape = state, layout, torch.Size(shape)
 
 
+class NonFiniteWeights(ValueError):
+    """The compiled packer read a NaN or Inf in expert `expert` (index among the experts packed) of `matrix`
+    ("gate", "up" or "down"); nothing that holds it is run."""
+
+    def __init__(self, matrix: str, expert: int):
+        super().__init__(f"{matrix} weights of expert {expert} hold NaN or Inf")
+        self.matrix, self.expert = matrix, expert
+
+
+class ExpertRows:
+    """E experts' matrices of one kind, [E, rows, k], as a checkpoint holds them: one 2-D tensor per expert (fp32,
+    bf16 or fp16, any strides: memory-mapped views, no copy), or block-FP8 where scales[e] is given (float8_e4m3fn
+    [R, C] and fp32/bf16 scales [ceil(R/b0), ceil(C/b1)], w = q * scale as hybrid.models.fp8 de-quantizes). The
+    compiled packer reads them row by row (de-quantizing FP8 there), so no layer is staged whole in floats. Sliced
+    like a [E, rows, k] tensor, by ranges, without a copy (a window into the experts' matrices)."""
+
+    def __init__(self, mats, scales=None, block=(128, 128)):
+        mats = list(mats)
+        scales = [None] * len(mats) if scales is None else list(scales)
+        if not mats or len(scales) != len(mats):
+            raise ValueError(f"ExpertRows: {len(mats)} matrices with {len(scales)} scales")
+        self.block = (int(block[0]), int(block[1]))
+        R, C = mats[0].shape if isinstance(mats[0], torch.Tensor) and mats[0].dim() == 2 else (0, 0)
+        for e, (t, s) in enumerate(zip(mats, scales)):
+            _check_tensor(f"ExpertRows[{e}]", t, 2, _WEIGHT_DTYPES if s is None else (torch.float8_e4m3fn,), False)
+            if tuple(t.shape) != (R, C):
+                raise ValueError(f"ExpertRows[{e}] is {tuple(t.shape)}, expert 0 {(R, C)}")
+            if s is not None:
+                _check_tensor(f"ExpertRows[{e}] scales", s, 2, (torch.float32, torch.bfloat16), False)
+                want = (-(-R // self.block[0]), -(-C // self.block[1]))
+                if tuple(s.shape) != want:
+                    raise ValueError(f"ExpertRows[{e}] scales are {tuple(s.shape)}, blocks of {self.block} need {want}")
+        self.mats, self.scales, self.r0, self.c0 = mats, scales, 0, 0
+        self.shape = torch.Size((len(mats), R, C))
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (3 - len(key))
+        if len(key) != 3 or not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
+            raise TypeError("ExpertRows slice by ranges only")
+        (e0, e1, _), (a, b, _), (c, d, _) = (k.indices(n) for k, n in zip(key, self.shape))
+        out = ExpertRows.__new__(ExpertRows)
+        out.mats, out.scales, out.block = self.mats[e0:e1], self.scales[e0:e1], self.block
+        out.r0, out.c0 = self.r0 + a, self.c0 + c
+        out.shape = torch.Size((len(out.mats), max(0, b - a), max(0, d - c)))
+        return out
+
+    def window(self, e: int) -> torch.Tensor:
+        """Expert e's [rows, k] as stored (a view)."""
+        _, rows, k = self.shape
+        return self.mats[e][self.r0:self.r0 + rows, self.c0:self.c0 + k]
+
+    def dense(self) -> torch.Tensor:
+        """[E, rows, k] in one tensor: FP8 de-quantized to fp32, float experts in their dtype (fp32 if they differ)."""
+        parts = []
+        for e, s in enumerate(self.scales):
+            if s is None:
+                parts.append(self.window(e))
+                continue
+            R, C = self.mats[e].shape
+            full = s.float().repeat_interleave(self.block[0], 0)[:R].repeat_interleave(self.block[1], 1)[:, :C]
+            parts.append((self.mats[e].float() * full)[self.r0:self.r0 + self.shape[1], self.c0:self.c0 + self.shape[2]])
+        if len({t.dtype for t in parts}) > 1:
+            parts = [t.float() for t in parts]
+        return torch.stack(parts)
+
+
+_SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_DTYPES)}
+
+
+def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
+    """w (a float tensor [E, rows, k], any strides, or ExpertRows) -> (first expert, experts, hy_pack_mat source,
+    what it points into) for each run of experts stored alike (dtype, strides, scales): usually one run for all E."""
+    E, rows, k = w.shape
+    if isinstance(w, torch.Tensor):  # expert e at data_ptr + e * stride(0) elements
+        size = w.element_size()
+        views = [(w.data_ptr() + e * w.stride(0) * size, w.dtype, w.stride()[1:], None) for e in range(E)]
+    else:  # (pointer, dtype, strides, FP8 scales' (pointer, dtype, strides) or None) of each expert's window
+        views = [(v.data_ptr(), v.dtype, v.stride(), None if s is None else (s.data_ptr(), s.dtype, s.stride()))
+                 for v, s in ((w.window(e), s) for e, s in enumerate(w.scales))]
+    runs, e0 = [], 0
+    for e in range(1, E + 1):
+        if e < E and views[e][1:3] == views[e0][1:3] and (views[e][3] is None) == (views[e0][3] is None) and (
+                views[e][3] is None or views[e][3][1:] == views[e0][3][1:]):
+            continue
+        _, dtype, (rs, cs), scale = views[e0]
+        src = _native.HyPackSrc()
+        ptrs = (ctypes.c_void_p * (e - e0))(*(v[0] for v in views[e0:e]))
+        src.w, src.wdtype, src.rs, src.cs, src.rows, src.k = ptrs, _SRC_CODE[dtype], rs, cs, rows, k
+        run_keep = [w, ptrs]
+        if scale is not None:
+            sptrs = (ctypes.c_void_p * (e - e0))(*(v[3][0] for v in views[e0:e]))
+            src.s, src.sdtype, (src.srs, src.scs) = sptrs, _SRC_CODE[scale[1]], scale[2]
+            src.r0, src.c0, (src.b0, src.b1) = w.r0, w.c0, w.block
+            run_keep.append(sptrs)
+        runs.append((e0, e - e0, src, run_keep))
+        e0 = e
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def _one_node_machine() -> bool:
+    """Whether the cpus this process may use sit on one NUMA node: then no page has a node to be first touched on,
+    and the packing thread helps its pool (else only the node's pinned threads touch the node's pages)."""
+    return len(Topology.discover().nodes) == 1
+
+
 class HostJob:
     """A CpuMoE call as (fn, arg) for cuLaunchHostFunc; .run() calls it here (tests, CPU-only hosts)."""
 
@@ -235,23 +343,30 @@ class CpuMoE:
     which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (the stored
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
-    natural on AVX2 and ref. Attributes: isa, nbytes (packed
-    weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
+    natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
+    read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8 and int4
+    are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
+    or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
+    isa, nbytes (packed weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
 
     def __init__(self, w_gate, w_up, w_down, dtype: str = "bf16", group_size: int = 128, threads=None,
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
-                 int4_order: str | None = None):
-        # float tensors; _Mx4 (from_mxfp4: the published blocks, never a float copy); _Packed (from_packed)
-        source = {type(w) if isinstance(w, (_Mx4, _Packed)) else torch.Tensor for w in (w_gate, w_up, w_down)}
-        if len(source) != 1:
-            raise ValueError("w_gate, w_up and w_down must all be float tensors (from_mxfp4 takes blocks, "
-                             "from_packed packed bytes)")
-        source = source.pop()
+                 int4_order: str | None = None, packer: str = "native"):
+        # float tensors or ExpertRows (a checkpoint's own per-expert matrices); _Mx4 (from_mxfp4: the published
+        # blocks, never a float copy); _Packed (from_packed)
+        kinds = {type(w) if isinstance(w, (_Mx4, _Packed, ExpertRows)) else torch.Tensor for w in (w_gate, w_up, w_down)}
+        floats = kinds <= {torch.Tensor, ExpertRows}  # the two mix: each matrix packs on its own
+        if not floats and len(kinds) != 1:
+            raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows (from_mxfp4 takes "
+                             "blocks, from_packed packed bytes)")
+        source = torch.Tensor if floats else kinds.pop()
+        if packer not in ("native", "torch"):
+            raise ValueError(f"packer must be 'native' or 'torch', got {packer!r}")
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            if source is torch.Tensor:
+            if source is torch.Tensor and not isinstance(w, ExpertRows):
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
         if source is _Mx4 and dtype != "mxfp4":
             raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
@@ -296,7 +411,7 @@ class CpuMoE:
         if max(expert_ids) >= n_global:
             raise ValueError(f"expert_ids exceed num_experts={n_global}")
         self.E, self.F, self.D, self.num_experts = E, F, D, n_global
-        self.dtype, self.group_size, self.activation = dtype, group_size, activation
+        self.dtype, self.group_size, self.activation, self.packer = dtype, group_size, activation, packer
         self.alpha, self.limit, self.amx_min_tokens = float(alpha), float(limit), int(amx_min_tokens)
         self.expert_ids = expert_ids
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
@@ -395,6 +510,8 @@ class CpuMoE:
         """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
         if isinstance(w, _Mx4):
             return w.dequantized()
+        if isinstance(w, ExpertRows):
+            w = w.dense()
         if self.dtype == "mxfp4":
             return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w))
         if self.dtype == "bf16":
@@ -417,7 +534,8 @@ class CpuMoE:
     def _kpad(self) -> int:
         return _kpad_for(self.dtype, self.group_size)
 
-    # Experts quantized per chunk, so packing a layer needs fp32 staging for 8 experts, not for all E.
+    # The PyTorch reference quantizes experts per chunk, so packing a layer needs fp32 staging for 8 experts, not
+    # for all E (the compiled packer stages one row per thread).
     _PACK_CHUNK = 8
 
     def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
@@ -432,11 +550,34 @@ class CpuMoE:
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
                 "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None]}[self.dtype]
 
-    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple):
+    def _packs_natively(self, w) -> bool:
+        """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
+        return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4")
+                and isinstance(w, (torch.Tensor, ExpertRows)) and _native.has_packer(self.isa))
+
+    def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
+        """_mat by the compiled packer: every expert's rows straight from w (a float tensor or ExpertRows) into
+        the node-local block and scale / row-sum buffers, on the node's pool (which touches the pages first)."""
+        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
+        aux = [None if s is None else weight_buffer(self.E * s) for s in self._aux_strides(rows_p, ldk)]
+        m = self._hymat(block, aux, rows, k, row_align)
+        lib, bad = _native.load(self.isa), ctypes.c_int32(-1)
+        for e0, n, src, _keep in _pack_sources(w):  # _keep: what src points into, alive through the call
+            rc = lib.hy_pack_mat(pool, ctypes.byref(src), ctypes.byref(m), e0, n, int(_one_node_machine()),
+                                 ctypes.byref(bad))
+            if rc == _native.PACK_NONFINITE:
+                raise NonFiniteWeights(name, e0 + bad.value)
+            if rc != 0:
+                raise RuntimeError(f"cpu_kernels: hy_pack_mat failed with code {rc}")
+        return m, aux
+
+    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple, name: str = ""):
         """w [E, rows, k] float -> (node-local packed matrix padded to [E, rows_p, ldk], its [scale, rsum]
         buffers or None), its bytes for expert e at block = (buffer, offset, stride): buffer + offset + e *
-        stride. Each chunk of experts is quantized, then copied into untouched pages by the node's pinned
-        threads (first touch = local)."""
+        stride. The compiled packer where it can (_mat_native); else (the PyTorch reference) each chunk of experts
+        is quantized, then copied into untouched pages by the node's pinned threads (first touch = local)."""
+        if self._packs_natively(w):
+            return self._mat_native(pool, w, rows, k, row_align, block, name)
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
         lib = _native.load(self.isa)
         q_buf, q_off, q_stride = block
@@ -444,6 +585,8 @@ class CpuMoE:
         bufs, strides = None, None
         for e0 in range(0, self.E, self._PACK_CHUNK):
             wc = w[e0:e0 + self._PACK_CHUNK]
+            if isinstance(wc, ExpertRows):
+                wc = wc.dense()
             if self.dtype == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
@@ -556,7 +699,7 @@ class CpuMoE:
                 if packed is not None:
                     m, aux = self._mat_packed(node.pool, packed, f"n{n}.{name}", rows, k, align, where)
                 else:
-                    m, aux = self._mat(node.pool, weights[j], rows, k, align, where)
+                    m, aux = self._mat(node.pool, weights[j], rows, k, align, where, name)
                 setattr(node, name, m)
                 named.update({f"{name}.{part}": t for part, t in zip(("scale", "rsum"), aux) if t is not None})
                 bias = self._set_bias(node.pool, getattr(node, name), biases[j], packed, f"n{n}.{name}.bias")

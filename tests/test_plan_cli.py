@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -152,6 +153,7 @@ def test_generate_with_a_plan(ckpt, tmp_path, capsys):
     s = open_session(args, log=lambda m: None)
     assert s.offload.cpu_dtype == "int8"  # from the plan
     assert s.offload.ship_lane.n_slots == p.settings["staging_slots"] == 2  # from the plan
+    assert s.offload.ship_lane.chunk == p.settings["ship_chunk"]  # the lane ships the chunk the plan priced
     for layer in s.offload.layers:  # without CUDA no resident copies are made (hybrid.loading.check)
         want = sorted(p.resident_of(layer.layer)) if s.device.type == "cuda" else []
         assert sorted(layer.resident_ids.tolist()) == want
@@ -162,6 +164,17 @@ def test_generate_with_a_plan(ckpt, tmp_path, capsys):
     assert len(out["generated_token_ids"]) == 3
     assert main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "--cpu-dtype", "bf16"]) == 2
     assert "differs from the plan" in capsys.readouterr().err
+    # a plan that chose another chunk: the lane and the scheduler's pricing both take it
+    raw = json.loads(plan_file.read_text())
+    raw["settings"]["ship_chunk"] = 3
+    plan3 = tmp_path / "plan3.json"
+    plan3.write_text(json.dumps(raw))
+    box = Path(__file__).parent.parent / "bench/results/h200/profile_qwen3-235b-a22b.json"  # a chunk cost
+    s3 = open_session(build_parser().parse_args(["generate", "--model", str(ckpt), "--plan", str(plan3),
+                                                 "--max-context", "64", "--profile", str(box)]), log=lambda m: None)
+    sched = s3.offload.scheduler
+    assert s3.offload.ship_lane.chunk == 3 and sched.chunk_share == pytest.approx(sched.hw.ship_chunk_overhead / 3)
+    assert sched.hw.ship_chunk_overhead > 0  # else the share could not tell the chunk
 
 
 def test_generate_replace_online_runs(ckpt, capsys):

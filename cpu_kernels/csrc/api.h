@@ -1,8 +1,9 @@
 // The C ABI each ISA library exports (mirrored by cpu_kernels/_native.py): pools, the layer call,
-// the streaming-read probe and the run-time knobs. Included after driver.h.
+// the streaming-read probe, the run-time knobs and the packer (pack.h). Included after driver.h.
 #pragma once
 #include "driver.h"
 #include "lane.h"
+#include "pack.h"  // hy_pack_mat: checkpoint experts -> packed rows
 
 HY_API const char* hy_isa() { return HY_ISA_NAME; }
 

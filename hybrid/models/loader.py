@@ -11,7 +11,10 @@ w_gate, w_up [E, F, D], w_down [E, D, F] are allocated (e.g. "cpu" while the res
 from them once loaded (with expert biases, gpt-oss: also `biases=(b_gate [E, F], b_up [E, F], b_down [E, D])`
 fp32); by default a StackedExperts wraps them without a copy. `mxfp4_experts=True` (with a factory): an
 MXFP4 checkpoint's experts reach the factory as (blocks, scales) pairs instead (gate and up rows selected
-on the packed bytes; cpu_kernels.CpuMoE.from_mxfp4 packs them without a float copy).
+on the packed bytes; cpu_kernels.CpuMoE.from_mxfp4 packs them without a float copy). `expert_views=True` (with a
+factory that packs them, cpu_kernels.CpuMoE): a layer's float or block-FP8 experts reach it as
+cpu_kernels.moe.ExpertRows of the memory-mapped tensors as read, no stack, no copy (their NaN/Inf check is the
+packer's, NonFiniteWeights, reported here against the tensor).
 """
 
 from __future__ import annotations
@@ -304,11 +307,26 @@ def _fill_stack(stack: list, dst: _Slot, src: torch.Tensor, mx_scales, inter: bo
     return [src]
 
 
+def _view_stack(stack: list, names: dict, n: str, dst: _Slot, src: torch.Tensor, scale_inv, inter: bool, F_: int):
+    """expert_views: one checkpoint tensor's experts into the layer's per-expert lists [(matrix, scale_inv)] as views
+    (names: (which, expert) -> checkpoint name)."""
+    if dst.which == "gate_up":  # fused [E, 2F, D], or [E, D, 2F] with gate in the even columns
+        parts = ((0, [src[e, :, 0::2].t() if inter else src[e, :F_] for e in range(src.shape[0])]),
+                 (1, [src[e, :, 1::2].t() if inter else src[e, F_:] for e in range(src.shape[0])]))
+    elif dst.expert is None:  # down [E, D, F], or [E, F, D] interleaved
+        parts = ((dst.which, [src[e].t() if inter else src[e] for e in range(src.shape[0])]),)
+    else:
+        parts = ((dst.which, {dst.expert: src}),)
+    for which, mats in parts:
+        for e, t in (mats.items() if isinstance(mats, dict) else enumerate(mats)):
+            stack[which][e], names[(which, e)] = (t, scale_inv), n
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
                experts_factory: ExpertsFactory | None = None, progress: bool = True,
                mxfp4_experts: bool = False, gpu_dtypes: dict[str, str] | None = None,
-               experts_cached: Callable[[int], bool] | None = None) -> MoETransformer:
+               experts_cached: Callable[[int], bool] | None = None, expert_views: bool = False) -> MoETransformer:
     """Load the checkpoint in directory `path`; see the module docstring for the expert hook.
 
     Streams layer by layer: a MoE layer's expert stack is allocated when the layer is reached, filled, and
@@ -317,9 +335,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     int4 / fp8, hybrid.models.gpu_weights) quantizes those parts' matrices one at a time as they arrive, so no
     full-precision copy of them is ever allocated; fp8 parts of a block-FP8 checkpoint keep its bytes and scales.
     `experts_cached(layer)` True (a packed cache holds that layer's executor, hybrid.offload.packed_cache): the
-    layer's expert weights are not read at all and the factory gets None for them (biases are still read)."""
+    layer's expert weights are not read at all and the factory gets None for them (biases are still read).
+    `expert_views`: float and block-FP8 experts reach the factory as ExpertRows (module doc); an MXFP4 checkpoint's
+    keep the stacks."""
     from safetensors import safe_open
     from tqdm import tqdm
+
+    from cpu_kernels.moe import ExpertRows, NonFiniteWeights
 
     path = Path(path)
     if mxfp4_experts and experts_factory is None:
@@ -336,6 +358,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     make = experts_factory or (lambda _i, g, u, d, biases=None: StackedExperts.from_weights(g, u, d, cfg.expert_fn,
                                                                                              biases))
     inter = family.fused_layout == "interleaved"
+    views = expert_views and not mx
+    view_names: dict = {}  # (which, expert) -> checkpoint name of a view in the stack
 
     # Layer order (non-layer tensors first), then file order within a layer: one pass over each shard's
     # part of a layer; file handles stay open (memory maps) because a layer may span shards.
@@ -364,7 +388,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     def new_stack(layer: int) -> list:
         """A layer's expert stack: gate, up, down (None where they come as packed pairs or from the cache), then
         the biases (fp32, as the CPU executor keeps them)."""
-        out = [None] * 3 if (mx and mxfp4_experts) or layer in cached else [
+        out = [None] * 3 if (mx and mxfp4_experts) or layer in cached else [[None] * E for _ in range(3)] if views else [
             torch.empty(E, F_, D, device=edev, dtype=edt), torch.empty(E, F_, D, device=edev, dtype=edt),
             torch.empty(E, D, F_, device=edev, dtype=edt)]
         if cfg.expert_fn.bias:
@@ -375,8 +399,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         nonlocal stack, stack_layer
         if stack is not None:
             extra = {"biases": tuple(stack[3:])} if cfg.expert_fn.bias else {}
-            model.layers[stack_layer].moe.experts = make(stack_layer, *stack[:3], **extra)
+            block = quant.block if quant is not None else FP8_BLOCK
+            mats = [ExpertRows(*zip(*m, strict=True), block) if isinstance(m, list) else m for m in stack[:3]]
+            try:
+                model.layers[stack_layer].moe.experts = make(stack_layer, *mats, **extra)
+            except NonFiniteWeights if views else () as exc:  # name the tensor, as the check of a copy would
+                which = ("gate", "up", "down").index(exc.matrix)
+                rows, name = mats[which][exc.expert:exc.expert + 1], view_names[(which, exc.expert)]
+                if rows.scales[0] is not None:
+                    _check_fp8(name, ckpt[name][0], rows.mats[0], rows.scales[0])
+                _check_finite(name, ckpt[name][0], rows.dense())
+                raise ModelLoadError(f"tensor {name!r} in {ckpt[name][0].name}: NaN/Inf after de-quantization; the "
+                                     "checkpoint is corrupt") from None
             stack, stack_layer = None, None
+            view_names.clear()
 
     with torch.no_grad():
         for n in order:
@@ -389,6 +425,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 continue
             src = read(n, ckpt[n])
             nbytes = src.numel() * src.element_size()
+            if views and isinstance(dst, _Slot) and dst.which in (0, 1, 2, "gate_up"):
+                if stack is None:
+                    stack_layer, stack = dst.layer, new_stack(dst.layer)
+                scale_inv = read(n + fp8.SCALE_SUFFIX, scales[n]) if n in scales else None
+                _view_stack(stack, view_names, n, dst, src, scale_inv, inter, F_)
+                bar.update(nbytes)
+                continue
             if n in scales:
                 scale_inv = read(n + fp8.SCALE_SUFFIX, scales[n])
                 if isinstance(dst, QWeight) and dst.kind == "fp8" and tuple(quant.block) == FP8_BLOCK:

@@ -50,6 +50,17 @@ def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
                        act_bytes=torch.empty((), dtype=act_dtype).element_size())
 
 
+def packs_views(model_dir, cpu_dtype: str, isa: str | None) -> bool:
+    """Whether the loader hands the CPU executor its experts as views of the checkpoint (loader expert_views): a
+    safetensors folder whose experts the compiled packer converts (bf16, int8, int4 on a compiled ISA that has it).
+    Otherwise each layer is staged in one float stack first, as the PyTorch reference packer needs."""
+    from cpu_kernels import _native
+    from hybrid.models.gguf import is_gguf
+
+    return cpu_dtype in ("bf16", "int8", "int4") and not is_gguf(model_dir) and _native.has_packer(
+        _native.resolve_isa(isa))
+
+
 def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progress: bool = True,
                 gpu_dtypes: dict[str, str] | None = None):
     """Load with every expert in the CPU executor (one packed DRAM copy); none resident yet. gpu_dtypes: the
@@ -67,12 +78,13 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     set_default_knee(hw.machine.get("amx_knee"))  # the calibrated AMX knee (none: cpu_kernels' fallback)
     shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
     warn_shape_mismatch(hw, shape)
-    sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)
+    sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, chunk=hcfg.ship_chunk)
     if hcfg.defer_experts and hcfg.defer_experts >= cfg.experts_per_token:
         raise UsageError(f"--defer-experts {hcfg.defer_experts} must be below the model's experts per token "
                          f"({cfg.experts_per_token})")
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
-                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, defer=hcfg.defer_experts,
+                      threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, ship_chunk=hcfg.ship_chunk,
+                      defer=hcfg.defer_experts,
                       group_size=hcfg.cpu_group)
     from tqdm import tqdm
 
@@ -96,11 +108,13 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
 
     # a GGUF file's experts arrive de-quantized from its blocks; the cache is keyed by safetensors directories
     cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache and not is_gguf(model_dir) else None
+    # the compiled packer reads the checkpoint's experts where they lie (memory-mapped), so no layer is staged
+    views = {"expert_views": True} if packs_views(model_dir, hcfg.cpu_dtype, offload.cpu_isa) else {}
     try:
         model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
                            expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
                            experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4",
-                           gpu_dtypes=gpu_dtypes, experts_cached=None if cache is None else cache.holds)
+                           gpu_dtypes=gpu_dtypes, experts_cached=None if cache is None else cache.holds, **views)
         if cache is not None:
             cache.commit()
     finally:

@@ -148,7 +148,8 @@ class HybridExperts(nn.Module):
         if mx:
             moe = cpu_kernels.CpuMoE.from_mxfp4(w_gate, w_up, w_down, **kw)
         else:
-            moe = cpu_kernels.CpuMoE(w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), **kw)
+            moe = cpu_kernels.CpuMoE(*(w.contiguous() if isinstance(w, torch.Tensor) else w  # or ExpertRows
+                                       for w in (w_gate, w_up, w_down)), **kw)
         times.convert_s += time.perf_counter() - t0
         if cache is not None:
             cache.store(self.layer, moe)

@@ -1,0 +1,165 @@
+"""First-load speed: `hybrid generate --model DIR` as a user runs it, timed per --cpu-dtype.
+
+For each CPU dtype, three fresh processes (`hybrid generate --model DIR --cpu-dtype DT -n 1`):
+
+    convert   --no-cache: the checkpoint's experts converted (de-quantized, quantized, packed) for the CPU executor
+    write     the packed cache missed: converted again and written to the cache
+    hit       the packed cache hit: the packed bytes copied back, no conversion
+
+Each row gives the load's seconds and GB/s of checkpoint (every safetensors byte / the load's seconds, from the
+"loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), and the
+process's memory sampled from /proc every 10 ms: peak anonymous memory (RssAnon), the anonymous memory once the
+load is done (settled: when that line appears), their difference (the conversion's staging), and VmHWM (peak
+resident memory, page cache of the memory-mapped checkpoint included); and the process's CPU seconds (user + system,
+the whole run: a figure that other load on the machine does not inflate as it does the wall time).
+
+The checkpoint is read once before the runs (its GB/s is printed: the disk's, or the page cache's when the
+files were already cached), so every run reads it from the page cache alike. The packed caches go to a fresh
+HYBRID_CACHE under --scratch (this machine's calibrated profile.json is copied in), removed at the end.
+
+    python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 12 --out /data/q3-12l
+    python -m bench.load_speed --model /data/q3-12l                              # bf16, int8, int4
+    python -m bench.load_speed --model /data/dsv3-cut --cpu-dtype int8 --runs convert --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RUNS = ("convert", "write", "hit")
+LOAD_LINE = re.compile(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+) s, upload ([\d.]+) s, cache .*")
+FIELDS = ("RssAnon", "VmRSS", "VmHWM")
+
+
+def checkpoint_bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.rglob("*.safetensors"))
+
+
+def read_once(model: Path) -> float:
+    """Reads every safetensors file sequentially; returns GB/s."""
+    t0, n = time.perf_counter(), 0
+    for f in sorted(model.rglob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(64 << 20):
+                n += len(chunk)
+    return n / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """RssAnon, VmRSS and VmHWM of a live process in KiB ({} once it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in FIELDS:
+                    out[key] = int(rest.split()[0])
+    except OSError:
+        return {}
+    return out
+
+
+def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
+    """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs."""
+    cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), "--cpu-dtype", dtype, "-n", "1",
+           "--prompt", "hello"] + (["--no-cache"] if no_cache else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    peak = {k: 0 for k in FIELDS}
+    state = {"settled": None, "line": None, "tail": []}
+
+    running = threading.Event()
+    running.set()
+
+    def sample():
+        while running.is_set():
+            m = memory_kib(proc.pid)
+            for k, v in m.items():
+                peak[k] = max(peak[k], v)
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for raw in proc.stderr:
+        for part in re.split(rb"[\r\n]", raw):
+            text = part.decode(errors="replace").strip()
+            if not text:
+                continue
+            state["tail"] = (state["tail"] + [text])[-5:]
+            if state["line"] is None and LOAD_LINE.fullmatch(text):
+                state["line"], state["settled"] = text, memory_kib(proc.pid)
+    _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds: contention-proof beside the wall time
+    proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    running.clear()
+    sampler.join()
+    if rc != 0 or state["line"] is None:
+        raise SystemExit(f"load_speed: `{' '.join(cmd)}` failed (exit {rc}): {' | '.join(state['tail'])}")
+    total, read, convert, upload = (float(v) for v in LOAD_LINE.fullmatch(state["line"]).groups())
+    gib = 1 / 2**20
+    settled = state["settled"] or {}
+    return dict(load_s=total, read_s=read, convert_s=convert, upload_s=upload, line=state["line"],
+                process_cpu_s=usage.ru_utime + usage.ru_stime,
+                peak_anon_gib=peak["RssAnon"] * gib, settled_anon_gib=settled.get("RssAnon", 0) * gib,
+                peak_hwm_gib=peak["VmHWM"] * gib, settled_rss_gib=settled.get("VmRSS", 0) * gib)
+
+
+def scratch_cache(scratch: Path) -> Path:
+    """A fresh HYBRID_CACHE holding this machine's profile.json (so the scheduler is priced as usual)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="load-speed-", dir=scratch))
+    home = Path(os.environ.get("HYBRID_CACHE", "~/.cache/hybrid")).expanduser()
+    if (home / "profile.json").is_file():
+        shutil.copy(home / "profile.json", root / "profile.json")
+    return root
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.load_speed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    ap.add_argument("--cpu-dtype", default="bf16,int8,int4", help="comma-separated CPU dtypes (default bf16,int8,int4)")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    ap.add_argument("--scratch", type=Path, default=Path("~/.cache").expanduser(),
+                    help="folder for the temporary packed caches (default ~/.cache; removed at the end)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    if not args.model.is_dir() or any(r not in RUNS for r in runs):
+        ap.error(f"--model must be a checkpoint folder and --runs a subset of {','.join(RUNS)}")
+    total = checkpoint_bytes(args.model)
+    print(f"checkpoint {args.model}: {total / 1e9:.2f} GB, read once at {read_once(args.model):.2f} GB/s; "
+          f"{os.cpu_count()} cpus", flush=True)
+    root = scratch_cache(args.scratch)
+    env = {k: v for k, v in os.environ.items() if k != "HYBRID_NO_PROGRESS"} | {"HYBRID_CACHE": str(root)}
+    rows = []
+    try:
+        for dtype in [d for d in args.cpu_dtype.split(",") if d]:
+            for run in runs:
+                if run == "hit" and "write" not in runs and not any(r["dtype"] == dtype for r in rows):
+                    run_once(args.model, dtype, False, env)  # the cache a hit needs
+                r = dict(dtype=dtype, run=run, **run_once(args.model, dtype, run == "convert", env))
+                r["gbps"] = total / 1e9 / max(r["load_s"], 1e-9)
+                rows.append(r)
+                extra = r["peak_anon_gib"] - r["settled_anon_gib"]
+                print(f"{dtype:5s} {run:8s} {r['load_s']:6.1f} s  {r['gbps']:5.2f} GB/s  (process cpu "
+                      f"{r['process_cpu_s']:5.1f} s)  anon peak "
+                      f"{r['peak_anon_gib']:5.2f} GiB settled {r['settled_anon_gib']:5.2f} (+{extra:.2f})  "
+                      f"VmHWM {r['peak_hwm_gib']:5.2f} GiB | {r['line']}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(dict(model=str(args.model), checkpoint_bytes=total, cpus=os.cpu_count(),
+                                             rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

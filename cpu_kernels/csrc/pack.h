@@ -1,0 +1,208 @@
+// The packer: a checkpoint's expert matrices (fp32, bf16, fp16, or block-FP8 with its scales, any strides: memory-
+// mapped views) -> the executor's packed bf16 / int8 / int4 rows with their scales and row sums (hy.h HyMat), in
+// parallel over (expert, row block) on a node's pool, one row at a time through an fp32 buffer, so nothing larger
+// than a row is ever staged. Byte for byte what cpu_kernels/quant.py (the PyTorch reference) writes:
+//   int8: s = max|w| / 127, q = clamp(rne(w * ((1 / max|w|) * 127)), -127, 127), rsum = sum q
+//   int4: per group s = max|w| / 7, nibble = clamp(rne(w * ((1 / max|w|) * 7)), -8, 7) + 8, stored order + chunk
+//         nibble layout of quant.py (hy.h i4_for_each_word)
+//   bf16: round to nearest even
+// (torch's `127.0 / amax` is amax.reciprocal() * 127: two roundings, kept so.) Padding rows and columns are zeros
+// going through the same steps (int4: nibble 8, scale 0). Included by api.h.
+#pragma once
+#include <atomic>
+#include <vector>
+#include "hy.h"
+#include "pool.h"
+
+enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3 };
+constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
+
+// n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
+// (r, c) of its rows x k window is at w[i] + (r * rs + c * cs) elements; FP8: times its block scale
+// s[i][((r0 + r) / b0) * srs + ((c0 + c) / b1) * scs] (r0, c0: the window's place in the whole matrix).
+typedef struct {
+  const void* const* w;
+  const void* const* s;
+  int64_t rs, cs, srs, scs;
+  int32_t wdtype, sdtype;  // HY_SRC_*; sdtype: HY_SRC_F32 or HY_SRC_BF16
+  int32_t r0, c0, b0, b1;
+  int32_t rows, k;
+} HyPackSrc;
+
+namespace {
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  uint32_t u;
+  if (e == 0x1F) u = sign | 0x7F800000u | (m << 13);
+  else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+  else {  // zero or subnormal: m * 2^-24, exact in fp32
+    const float f = (float)m * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      float f = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp((float)m, -9);
+      if (e == 0xF && m == 7) f = __builtin_nanf("");
+      v[b] = (b & 0x80) ? -f : f;
+    }
+  }
+};
+const Fp8Table g_fp8;
+
+template <class T, class Cvt>
+inline void load_strided(const T* p, int64_t cs, int k, float* out, Cvt cvt) {
+  if (cs == 1) for (int c = 0; c < k; ++c) out[c] = cvt(p[c]);
+  else for (int c = 0; c < k; ++c) out[c] = cvt(p[c * cs]);
+}
+
+// Row r of source expert i into out[0, ldk) as fp32 (zeros past k, and for r >= rows); false if a value is not finite.
+inline bool load_row(const HyPackSrc& S, int i, int r, float* out, int ldk) {
+  if (r >= S.rows) {
+    std::memset(out, 0, sizeof(float) * ldk);
+    return true;
+  }
+  const int k = S.k;
+  const int64_t off = (int64_t)r * S.rs;
+  switch (S.wdtype) {
+    case HY_SRC_F32: load_strided((const float*)S.w[i] + off, S.cs, k, out, [](float x) { return x; }); break;
+    case HY_SRC_BF16: load_strided((const uint16_t*)S.w[i] + off, S.cs, k, out, bf16_to_f32); break;
+    case HY_SRC_F16: load_strided((const uint16_t*)S.w[i] + off, S.cs, k, out, f16_to_f32); break;
+    default: {  // FP8: one block scale per run of b1 columns
+      const uint8_t* p = (const uint8_t*)S.w[i] + off;
+      const int64_t srow = (int64_t)((S.r0 + r) / S.b0) * S.srs;
+      for (int c = 0; c < k;) {
+        const int bc = (S.c0 + c) / S.b1, end = std::min(k, (bc + 1) * S.b1 - S.c0);
+        const int64_t at = srow + (int64_t)bc * S.scs;
+        const float s = S.sdtype == HY_SRC_BF16 ? bf16_to_f32(((const uint16_t*)S.s[i])[at]) : ((const float*)S.s[i])[at];
+        for (; c < end; ++c) out[c] = g_fp8.v[p[c * S.cs]] * s;
+      }
+    }
+  }
+  std::memset(out + k, 0, sizeof(float) * (ldk - k));
+  uint32_t bad = 0;  // exponent all ones: Inf or NaN
+  for (int c = 0; c < k; ++c) {
+    uint32_t u;
+    std::memcpy(&u, out + c, 4);
+    bad |= (u & 0x7F800000u) == 0x7F800000u;
+  }
+  return !bad;
+}
+
+// q[i] = clamp(rne(v[i] * inv), lo, hi) + off, as torch.round(...).clamp(lo, hi) (+ off) computes it in fp32.
+template <class T>
+inline void quantize_values(const float* v, int n, float inv, float lo, float hi, float off, T* q) {
+  for (int i = 0; i < n; ++i) {
+    float t = std::nearbyint(v[i] * inv);
+    t = t < lo ? lo : (t > hi ? hi : t);
+    q[i] = (T)(t + off);
+  }
+}
+
+// torch.where(amax > 0, amax.reciprocal() * top, 0)
+inline float inverse_scale(float amax, float top) { return amax > 0.f ? (1.0f / amax) * top : 0.f; }
+
+void pack_row_int8(const float* v, const HyMat& M, int e, int r) {
+  int8_t* q = (int8_t*)M.w + e * M.w_estride + (int64_t)r * M.ldk;
+  const float amax = abs_max(v, M.ldk);
+  quantize_values(v, M.ldk, inverse_scale(amax, 127.f), -127.f, 127.f, 0.f, q);
+  int32_t sum = 0;
+  for (int i = 0; i < M.ldk; ++i) sum += q[i];
+  ((float*)M.scale)[e * M.s_estride + r] = amax / 127.f;
+  ((int32_t*)M.rsum)[e * M.r_estride + r] = sum;
+}
+
+void pack_row_int4(const float* v, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
+  const int ldk = M.ldk, group = M.group, G = ldk / group;
+  float* scale = (float*)M.scale + e * M.s_estride + (int64_t)r * G;
+  for (int g = 0; g < G; ++g) {
+    const float amax = abs_max(v + g * group, group);
+    quantize_values(v + g * group, group, inverse_scale(amax, 7.f), -8.f, 7.f, 8.f, nat + g * group);
+    scale[g] = amax / 7.f;
+  }
+  const uint8_t* s = nat;
+  if (!i4_natural(group, M.fold)) {
+    i4_for_each_word(ldk, group, M.fold, [&](int P, int N) { std::memcpy(st + 4 * P, nat + 4 * N, 4); });
+    s = st;
+  }
+  uint8_t* out = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
+  for (int c = 0; c < ldk / 64; ++c)
+    for (int j = 0; j < 32; ++j) out[c * 32 + j] = (uint8_t)(s[c * 64 + j] | (s[c * 64 + 32 + j] << 4));
+}
+
+void pack_row_bf16(const float* v, const HyMat& M, int e, int r) {
+  uint16_t* out = (uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
+  for (int i = 0; i < M.ldk; ++i) out[i] = f32_to_bf16(v[i]);
+}
+
+// bf16 rows of a contiguous bf16 source are copied as they are (round to nearest even of a bf16 value is itself).
+bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  uint16_t* out = (uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
+  int n = 0;
+  if (r < S.rows) {
+    const uint16_t* p = (const uint16_t*)S.w[i] + (int64_t)r * S.rs;
+    std::memcpy(out, p, 2 * (size_t)S.k);
+    n = S.k;
+  }
+  std::memset(out + n, 0, 2 * (size_t)(M.ldk - n));
+  uint32_t bad = 0;
+  for (int c = 0; c < n; ++c) bad |= (out[c] & 0x7F80u) == 0x7F80u;
+  return !bad;
+}
+
+bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
+  if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_FP8) return false;
+  if (S->wdtype == HY_SRC_FP8 && (!S->s || S->b0 < 1 || S->b1 < 1 || S->r0 < 0 || S->c0 < 0 ||
+                                  (S->sdtype != HY_SRC_F32 && S->sdtype != HY_SRC_BF16)))
+    return false;
+  if (M->dtype == HY_INT8) return M->scale && M->rsum;
+  if (M->dtype == HY_INT4) return M->scale && i4_fold_ok(M->ldk, M->group, M->fold);
+  return M->dtype == HY_BF16;
+}
+
+}  // namespace
+
+// Packs source experts 0..n-1 (S) into experts e0..e0+n-1 of M (its q bytes, scales and row sums; every row up to
+// rows_p and value up to ldk written) on the pool's threads; helps: whether the calling thread takes tasks too (not
+// where the pages must be first touched on the pool's NUMA node). Returns HY_OK, HY_EARG, or HY_ENONFINITE with
+// *bad = the first source expert holding a NaN or Inf (its rows may be partly written).
+HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, int n, int helps, int32_t* bad) {
+  if (!pool || !pack_args_ok(S, M, n) || e0 < 0) return HY_EARG;
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  constexpr int RB = 16;  // rows per task
+  const int blocks = (M->rows_p + RB - 1) / RB;
+  const bool copy = M->dtype == HY_BF16 && S->wdtype == HY_SRC_BF16 && S->cs == 1;
+  std::atomic<int> first_bad{n};
+  ((Pool*)pool)->run([&](int task, int) {
+    static thread_local std::vector<float> v;
+    static thread_local std::vector<uint8_t> tmp;
+    const int i = task / blocks, e = e0 + i, ldk = M->ldk;
+    if ((int)v.size() < ldk) v.resize(ldk);
+    if ((int)tmp.size() < 2 * ldk) tmp.resize(2 * ldk);
+    bool ok = true;
+    for (int r = (task % blocks) * RB; r < std::min(M->rows_p, (task % blocks + 1) * RB); ++r) {
+      if (copy) { ok &= copy_row_bf16(*S, i, *M, e, r); continue; }
+      ok &= load_row(*S, i, r, v.data(), ldk);
+      if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
+      else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
+      else pack_row_bf16(v.data(), *M, e, r);
+    }
+    if (!ok) {
+      int seen = first_bad.load();
+      while (i < seen && !first_bad.compare_exchange_weak(seen, i)) {}
+    }
+  }, n * blocks, helps != 0);
+  const int found = first_bad.load();
+  if (bad) *bad = found < n ? found : -1;
+  return found < n ? HY_ENONFINITE : (int)HY_OK;
+}
