@@ -1,5 +1,6 @@
 """What each lossy setting does to a model's output: perplexity over held-out text and greedy agreement with the
-reference run, for the CPU experts' dtypes, expert deferral and the GPU weights' dtypes, on one checkpoint.
+reference run, for the CPU experts' dtypes, expert deferral, the GPU weights' dtypes and the KV cache's dtype, on
+one checkpoint.
 
     python -m bench.quality --model DIR [--text FILE] [--settings cpu:int8,cpu:int4:64,defer:1,gpu:int4,...] \\
         [--tokens 4096] [--prompts 16] [--new 32] [--out FILE.json]
@@ -9,6 +10,7 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
                                                           per scale, default 128)
     defer:N                                               expert deferral of each token's N lowest experts
     gpu:int8 | gpu:int4 | gpu:fp8                         every non-expert part's GPU dtype (DESIGN.md, GPU weights)
+    kv:fp8                                                the KV cache in float8 e4m3 (--kv-dtype fp8)
 Perplexity: teacher-forced over --tokens of the text in windows of the model's --window positions; greedy
 agreement: --prompts prompts of 32 tokens cut from the text, --new greedy tokens each, the share of positions
 equal to the reference's and each prompt's first differing position. On a model that has learned something
@@ -28,6 +30,7 @@ import torch
 from hybrid.errors import UsageError
 from hybrid.offload.build import load_hybrid
 from hybrid.offload.config import HybridConfig
+from hybrid.runtime.config import RuntimeConfig
 from hybrid.runtime.engine import Engine
 from hybrid.runtime.kv_cache import StaticKVCache
 from hybrid.runtime.sampling import SamplingParams
@@ -35,11 +38,11 @@ from hybrid.runtime.sampling import SamplingParams
 TEXT = ("The cost model decides, per batch and per layer, whether to ship an expert's activations to the CPU or "
         "its weights over PCIe to the GPU. A batch of tokens each choosing a few experts makes many assignments; "
         "compute is fixed by that number, weight traffic by how many distinct experts are touched.")
-DEFAULT_SETTINGS = "cpu:int8,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,defer:1,defer:2,gpu:int8,gpu:int4,gpu:fp8"
+DEFAULT_SETTINGS = "cpu:int8,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,defer:1,defer:2,gpu:int8,gpu:int4,gpu:fp8,kv:fp8"
 
 
 def parse_setting(text: str) -> dict:
-    """'cpu:int4:64' -> {"cpu_dtype": "int4", "group": 64}; 'defer:1'; 'gpu:fp8'; 'ref'."""
+    """'cpu:int4:64' -> {"cpu_dtype": "int4", "group": 64}; 'defer:1'; 'gpu:fp8'; 'kv:fp8'; 'ref'."""
     parts = text.split(":")
     kind = parts[0]
     if kind == "ref" and len(parts) == 1:
@@ -55,6 +58,8 @@ def parse_setting(text: str) -> dict:
         return {"defer": int(parts[1])}
     if kind == "gpu" and len(parts) == 2 and parts[1] in ("int8", "int4", "fp8"):
         return {"gpu_dtype": parts[1]}
+    if kind == "kv" and len(parts) == 2 and parts[1] == "fp8":
+        return {"kv_dtype": parts[1]}
     raise UsageError(f"unknown setting {text!r} (see --help)")
 
 
@@ -71,10 +76,10 @@ def load(model_dir: str, device: str, setting: dict):
 
 
 @torch.no_grad()
-def nll(model, ids: list[int], window: int) -> tuple[float, int]:
+def nll(model, ids: list[int], window: int, kv_dtype: str = "bf16") -> tuple[float, int]:
     """Summed negative log-likelihood of ids[1:] (teacher-forced, windows of `window` tokens) and its count."""
     total, count = 0.0, 0
-    cache = StaticKVCache.for_model(model, 1, window + 1)
+    cache = StaticKVCache.for_model(model, 1, window + 1, kv_dtype)
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         if len(chunk) < 2:
@@ -89,9 +94,10 @@ def nll(model, ids: list[int], window: int) -> tuple[float, int]:
 
 def run(model_dir: str, device: str, setting: dict, text_ids, prompts, new: int, window: int) -> dict:
     model = load(model_dir, device, setting)
-    total, count = nll(model, text_ids, window)
-    eng = Engine(model, None, max_batch=len(prompts), max_context=max(map(len, prompts)) + new + 1,
-                 eager=device != "cuda")
+    kv = setting.get("kv_dtype", "bf16")
+    total, count = nll(model, text_ids, window, kv)
+    eng = Engine(model, None, config=RuntimeConfig(max_batch=len(prompts), max_context=max(map(len, prompts)) + new + 1,
+                                                   eager=device != "cuda", kv_dtype=kv))
     outs = eng.generate(prompts, max_new_tokens=new, sampling=SamplingParams(temperature=0), stop_token_ids=[])
     return {"perplexity": math.exp(total / count), "tokens": [o.token_ids for o in outs]}
 

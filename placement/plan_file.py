@@ -3,7 +3,7 @@
     {"schema_version": 1, "kind": "hybrid-plan",
      "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
      "settings": {"max_context", "max_batch", "cpu_dtype", "gpu_dtype_bytes", "staging_slots", "ship_chunk",
-                  "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
+                  "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
      "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes
      "memory": {"gpu": {non_expert, kv_cache, staging, graph_buffers, reserve, resident_experts,
                         per_resident_expert}, "cpu": {experts, cold_experts, pinned_buffers, per_expert}},
@@ -13,7 +13,9 @@
 
 `predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts. `staging_slots`
 x `ship_chunk` is the ship lane's staging (chosen by placement.planner.choose_staging unless given), which the
-runtime allocates as the plan says, since the plan's VRAM includes it.
+runtime allocates as the plan says, since the plan's VRAM includes it. `kv_dtype` (bf16 or fp8) is the KV
+cache's value dtype the plan priced; `--plan` runs use it (a different --kv-dtype is refused; plans without the
+field: --kv-dtype's, default bf16).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from placement.errors import UsageError
+from placement.memory import KV_DTYPES
 from placement.json_file import read_json, write_json
 
 SCHEMA_VERSION = 1
@@ -66,6 +69,8 @@ def _check_types(plan) -> None:
             raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
     if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in CPU_DTYPE_NAMES:
         raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8, int4 or mxfp4, got {plan.settings['cpu_dtype']!r}")
+    if "kv_dtype" in plan.settings and plan.settings["kv_dtype"] not in KV_DTYPES:
+        raise UsageError(f"plan: settings.kv_dtype must be {' or '.join(KV_DTYPES)}, got {plan.settings['kv_dtype']!r}")
     if "stats" in plan.settings and not isinstance(plan.settings["stats"], dict):
         raise UsageError(f"plan: settings.stats must be an object, got {plan.settings['stats']!r}")
     for lp in plan.layers:

@@ -35,7 +35,7 @@ from placement.errors import UsageError
 from placement.cost_model import ExpertShape
 from placement.hardware import HardwareProfile
 from placement.memory import (GPU_PARTS, MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, non_expert_bytes,
-                              packed_expert_bytes, packed_slice_bytes)
+                              kv_value_bytes, packed_expert_bytes, packed_slice_bytes)
 from placement.plan_file import LayerPlan, Plan
 from placement.predict import (decode_floor, decode_lanes, decode_layer_time, gpu_shape_of,
                                non_expert_step_time, prefill_layer_time)
@@ -92,10 +92,11 @@ def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
     if mem.gpu_fixed > settings.gpu_budget:
         raise UsageError(
             f"--gpu-budget {gib(settings.gpu_budget)} is too small: the GPU needs {gib(mem.gpu_fixed)} before any "
-            f"expert (non-expert weights {gib(mem.non_expert)}, KV cache {gib(mem.kv_cache)} for "
+            f"expert (non-expert weights {gib(mem.non_expert)}, KV cache {gib(mem.kv_cache)} in {s.kv_dtype} for "
             f"--max-context {s.max_context} x --max-batch {s.max_batch}, staging {gib(mem.staging)}, graph buffers "
             f"{gib(mem.graph_buffers)}, reserve {gib(mem.reserve)}); raise --gpu-budget to at least "
-            f"{gib(mem.gpu_fixed)} or lower --max-context / --max-batch{_smaller_gpu_hint(s)}")
+            f"{gib(mem.gpu_fixed)} or lower --max-context / --max-batch{_smaller_gpu_hint(s)}"
+            f"{' (or --kv-dtype fp8: half the KV cache)' if s.kv_dtype != 'fp8' else ''}")
     if mem.cpu_total > settings.cpu_budget:
         smaller = [d for d in ("int8", "int4") if d != s.cpu_dtype and
                    breakdown(cfg, replace(s, cpu_dtype=d)).cpu_total <= settings.cpu_budget]
@@ -332,8 +333,9 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
         model={"family": cfg.family, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                "topk": cfg.experts_per_token, "hidden": cfg.hidden_size, "intermediate": cfg.expert_intermediate_size,
                "moe_layers": list(stats.layers), "attention": cfg.attention_kind,
-               "kv_bytes_per_token": cfg.kv_values_per_token * gb},
+               "kv_bytes_per_token": cfg.kv_values_per_token * kv_value_bytes(s.kv_dtype, gb)},
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
+                  "kv_dtype": s.kv_dtype,
                   "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in GPU_PARTS},
                   "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,

@@ -802,4 +802,13 @@ MUTATIONS = [
     M("constraints: two at once accepted", "if found is not None:", "if False:", ["tests/test_server_grammar.py"]),
     M("constraints: choices not escaped", "json.dumps(c) for c in dict.fromkeys(choices)", "'\"' + c + '\"' for c in dict.fromkeys(choices)", ["tests/test_server_grammar.py"]),
     M("constraints: not checked against the model's vocabulary", "if req.constraint is not None:", "if False:", ["tests/test_server_grammar.py"]),
+    M("packer: int8/int4 inverse scale as one division (torch: reciprocal, then times)", "amax > 0.f ? (1.0f / amax) * top : 0.f", "amax > 0.f ? top / amax : 0.f", ["tests/test_fast_pack.py"]),
+    M("packer: FP8 block column without the window's offset", "const int bc = (S.c0 + c) / S.b1", "const int bc = c / S.b1", ["tests/test_fast_pack.py"]),
+    M("packer: experts of other strides in one run", "if e < E and views[e][1:3] == views[e0][1:3]", "if e < E and views[e][1:2] == views[e0][1:2]", ["tests/test_fast_pack.py"]),
+    M("runtime: the lane built with the default chunk, not the plan's", "staging_slots=hcfg.staging_slots, ship_chunk=hcfg.ship_chunk,", "staging_slots=hcfg.staging_slots,", ["tests/test_plan_cli.py"]),
+    M("runtime: the scheduler prices the default chunk, not the plan's", "LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, chunk=hcfg.ship_chunk)", "LayerScheduler(shape, hw, hcfg.schedule, can_ship=True)", ["tests/test_plan_cli.py"]),
+    M("kv fp8: a fresh prefill attends to unrounded K/V", "k, v = cache.as_stored(k, v)", "k, v = k, v", ["tests/test_kv_fp8.py"]),
+    M("kv fp8: decode attention weighs values with e4m3 probabilities", "pv = p.to(q.dtype.element_ty)", "pv = p.to(vc.dtype.element_ty)", ["tests/test_kv_fp8.py"]),
+    M("kv fp8: priced at the compute dtype's bytes", 'return 1 if kv_dtype == "fp8" else compute_bytes', "return compute_bytes", ["tests/test_kv_fp8.py"]),
+    M("kv fp8: a plan's KV dtype ignored", "return replace(runtime, kv_dtype=planned)", "return runtime", ["tests/test_kv_fp8.py"]),
 ]

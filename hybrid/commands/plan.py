@@ -99,7 +99,8 @@ def build_plan(args):
     mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype or "bf16",
                          staging_slots=d.staging_slots if args.staging_slots is None else args.staging_slots,
                          ship_chunk=d.ship_chunk if args.ship_chunk is None else args.ship_chunk,
-                         reserve=parse_bytes(args.reserve), node_threads=node_threads(args))
+                         reserve=parse_bytes(args.reserve), node_threads=node_threads(args),
+                         kv_dtype=args.kv_dtype or "bf16")
     settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
                             memory=mem, prefill_tokens=args.prefill_tokens)
     model_dir = args.model
@@ -176,12 +177,13 @@ def run(args) -> int:
     return 0
 
 
-def kv_note(model: dict) -> str:
+def kv_note(model: dict, settings: dict | None = None) -> str:
     """The attention kind's cache per token (MLA keeps only the latent and the rope key)."""
     if "kv_bytes_per_token" not in model:  # a plan written before the field existed
         return ""
     kind = {"mla": "MLA latent + rope key", "gqa": "K + V"}.get(model.get("attention"), model.get("attention"))
-    return f"; {kind}: {model['kv_bytes_per_token'] / 1024:.1f} KiB per token"
+    dtype = (settings or {}).get("kv_dtype")  # plans before --kv-dtype: the compute dtype, unnamed
+    return f"; {kind}{' ' + dtype if dtype else ''}: {model['kv_bytes_per_token'] / 1024:.1f} KiB per token"
 
 
 def gpu_weights_line(p) -> list[str]:
@@ -211,7 +213,7 @@ def describe(p, model_dir: str) -> str:
         f"model {model_dir}: {len(p.layers)} MoE layers x {p.model['num_experts']} experts, profile "
         f"{p.settings['profile']}, CPU dtype {p.settings['cpu_dtype']}, stats {p.settings['stats'].get('kind', 'file')}",
         f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
-        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model)}), staging {gib(g['staging'])}{staging_note(p.settings)}, "
+        f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model, p.settings)}), staging {gib(g['staging'])}{staging_note(p.settings)}, "
         f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
         f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
         *gpu_weights_line(p),

@@ -3,12 +3,18 @@
 qk_rope_write: from the fused q/k/v GEMM's output [B, (H + 2 Hkv) hd], one program per (row, head):
     q and k heads: clip (clip_qkv), per-head RMSNorm (qk_norm "head"), rotary over the first rd dims (the
     two-halves layout of hybrid.models.rope.apply_rotary); k and v heads go to the cache at (slot, position),
-    position -1 (padding) to the spare column; q heads to q [B, H, hd].
+    position -1 (padding) to the spare column; q heads to q [B, H, hd]. An fp8 (e4m3) cache stores each value as
+    StaticKVCache.write does: rounded to the model's dtype, clamped to +-448, rounded to e4m3 (scale 1.0).
 decode_attention: one program per (row, K/V head, chunk of 256 positions); the rep = H / Hkv query heads of a
     K/V head share each K/V tile (grouped-query attention without expanding K/V). Keys from max(0, pos -
     window + 1) (sliding window) to the row's position; padding rows (position -1) attend to key 0, as the
     unfused mask does. Online softmax in fp32; with more than one chunk a combine kernel merges the chunks'
-    (max, sum, weighted values), with the sink logits (gpt-oss) in the denominator.
+    (max, sum, weighted values), with the sink logits (gpt-oss) in the denominator. K/V tiles are converted to
+    the query's dtype as they are loaded (exact from fp8), so an fp8 cache attends as its read-back does.
+
+fp8 caches need compute capability 8.9 or later (Triton's e4m3 conversions; StaticKVCache refuses older GPUs).
+Triton's CPU interpreter (3.6) loads e4m3 exactly but rounds stores to it wrongly (31.99 became 16), so only the
+reading kernel is checked there with fp8; the write is checked on the GPU.
 
 References (what the tests compare with): hybrid.models.layers.Attention's unfused path (RMSNorm,
 apply_rotary, StaticKVCache.write/read, SDPA or sink_attention over folded_causal_mask).
@@ -24,13 +30,24 @@ from hybrid.gpu_kernels.launch import next_pow2, wide_math
 
 SPLIT = 256  # positions per attention program; fixed, so results do not depend on the context bucket
 BLOCK_N = 64  # keys per tile
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # hybrid.runtime.kv_cache.FP8_MAX: e4m3's largest finite value
+
+
+@triton.jit
+def _as_stored(y, q_out, cache, FP8: tl.constexpr):
+    """y (fp32) in the cache's dtype. fp8: rounded to the model's dtype first (the dtype the unfused path
+    computes K/V in, then casts), clamped to +-FP8_MAX (saturates, never NaN), rounded to e4m3."""
+    if FP8:
+        y = y.to(q_out.dtype.element_ty).to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return y.to(cache.dtype.element_ty)
 
 
 @triton.jit
 def _qk_rope_write(qkv, cos, sin, qw, kw, pos_ptr, slot_ptr, q_out, kc, vc,
                    stride_qkv, stride_cs, s_slot, s_col, s_head, C, eps, clip,
                    H, HKV, HD: tl.constexpr, HD_PAD: tl.constexpr, RD: tl.constexpr,
-                   CLIP: tl.constexpr, HEAD_NORM: tl.constexpr):
+                   CLIP: tl.constexpr, HEAD_NORM: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)  # head: q heads, then k heads, then v heads
     d = tl.arange(0, HD_PAD)
@@ -69,10 +86,10 @@ def _qk_rope_write(qkv, cos, sin, qw, kw, pos_ptr, slot_ptr, q_out, kc, vc,
             tl.store(q_out + (b * H + j) * HD + d, y.to(q_out.dtype.element_ty), mask=dm)
         else:
             dst = kc + slot * s_slot + col * s_col + (j - H) * s_head
-            tl.store(dst + d, y.to(kc.dtype.element_ty), mask=dm)
+            tl.store(dst + d, _as_stored(y, q_out, kc, FP8), mask=dm)
     else:
         dst = vc + slot * s_slot + col * s_col + (j - H - HKV) * s_head
-        tl.store(dst + d, x.to(vc.dtype.element_ty), mask=dm)
+        tl.store(dst + d, _as_stored(x, q_out, vc, FP8), mask=dm)
 
 
 @triton.jit
@@ -110,8 +127,9 @@ def _decode_attn(q, kc, vc, slot_ptr, pos_ptr, sinks, out, part_o, part_ml,
             n = n0 + tl.arange(0, BLOCK_N)
             nm = (n >= lo) & (n < hi)
             off = kv0 + n[:, None] * s_col + d[None, :]
-            kt = tl.load(kc + off, mask=nm[:, None] & dm[None, :], other=0.0)
-            vt = tl.load(vc + off, mask=nm[:, None] & dm[None, :], other=0.0)
+            # in the queries' dtype: a no-op for a cache in the model's dtype, exact from fp8
+            kt = tl.load(kc + off, mask=nm[:, None] & dm[None, :], other=0.0).to(q.dtype.element_ty)
+            vt = tl.load(vc + off, mask=nm[:, None] & dm[None, :], other=0.0).to(q.dtype.element_ty)
             if F32:
                 s = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
@@ -121,8 +139,8 @@ def _decode_attn(q, kc, vc, slot_ptr, pos_ptr, sinks, out, part_o, part_ml,
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            # the probabilities in the values' dtype, as the unfused attention multiplies them
-            pv = p.to(vc.dtype.element_ty)
+            # the probabilities in the values' read-back dtype (the model's), as the unfused attention multiplies them
+            pv = p.to(q.dtype.element_ty)
             if F32:
                 acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float32), vt.to(tl.float32), input_precision="ieee")
             else:
@@ -176,7 +194,8 @@ def qk_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_nor
                   k_norm: torch.Tensor | None, eps: float, clip: float | None, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, H: int, Hkv: int) -> torch.Tensor:
     """qkv [B, (H + 2 Hkv) hd] (rows contiguous), cos/sin [B, rd], q_norm/k_norm [hd] weights or None,
-    k_cache/v_cache one layer's [S, C + 1, Hkv, hd], slots [B], positions [B] -> q [B, H, hd] (K/V written)."""
+    k_cache/v_cache one layer's [S, C + 1, Hkv, hd] (the model's dtype or float8_e4m3fn), slots [B], positions
+    [B] -> q [B, H, hd] (K/V written)."""
     B = qkv.shape[0]
     hd = k_cache.shape[-1]
     C = k_cache.shape[1] - 1
@@ -192,16 +211,17 @@ def qk_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_nor
     _qk_rope_write[(B, H + 2 * Hkv)](
         qkv, cos, sin, qw, kw, positions, slots, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), C, float(eps), float(clip or 0.0), H, Hkv,
-        HD=hd, HD_PAD=next_pow2(hd), RD=cos.shape[-1], CLIP=clip is not None, HEAD_NORM=norm)
+        HD=hd, HD_PAD=next_pow2(hd), RD=cos.shape[-1], CLIP=clip is not None, HEAD_NORM=norm,
+        FP8=k_cache.dtype == torch.float8_e4m3fn)
     return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, L: int, scale: float, window: int | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, hd] (rotated), one layer's caches [S, C + 1, Hkv, hd], slots [B], positions [B] (this token's,
-    already in the cache), L: the context bucket (positions < L; fixes the number of chunks), window: sliding
-    window or None, sinks [H] or None -> [B, H * hd]."""
+    """q [B, H, hd] (rotated), one layer's caches [S, C + 1, Hkv, hd] (q's dtype or float8_e4m3fn), slots [B],
+    positions [B] (this token's, already in the cache), L: the context bucket (positions < L; fixes the number
+    of chunks), window: sliding window or None, sinks [H] or None -> [B, H * hd]."""
     B, H, hd = q.shape
     Hkv = k_cache.shape[2]
     rep = H // Hkv

@@ -31,10 +31,11 @@ def check_before_load(model_dir: str, config: SessionConfig):
     if config.hybrid is not None:
         config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, raw))
     config = replace(config, gpu_dtypes=gpu_dtypes_for(cfg, raw, config))
-    check_kv_cache_fits(cfg, rt.max_batch, rt.max_context, config.dtype, config.device)
+    check_kv_cache_fits(cfg, rt.max_batch, rt.max_context, config.dtype, config.device, rt.kv_dtype)
     check_dram(cfg, config)
     if config.hybrid is not None:
-        check_placement(model_dir, config.hybrid, rt.max_context, rt.max_batch, config.dtype, config.gpu_dtypes)
+        check_placement(model_dir, config.hybrid, rt.max_context, rt.max_batch, config.dtype, config.gpu_dtypes,
+                        rt.kv_dtype)
     return cfg, config
 
 
@@ -119,12 +120,13 @@ def gpu_dtypes_for(cfg, raw: dict, config: SessionConfig) -> dict | None:
         s = MemorySettings(max_context=rt.max_context, max_batch=rt.max_batch,
                            cpu_dtype=hcfg.cpu_dtype if hcfg is not None else "bf16",
                            gpu_dtype_bytes=torch.empty((), dtype=config.dtype).element_size(),
-                           staging_slots=hcfg.staging_slots if hcfg is not None else 1)
+                           staging_slots=hcfg.staging_slots if hcfg is not None else 1, kv_dtype=rt.kv_dtype)
         dtypes = choose(cfg, s, hcfg.gpu_budget if hcfg is not None else None, config.gpu_dtype, checkpoint_kind(raw))
     return None if all(k == "bf16" for k in dtypes.values()) else dtypes
 
 
-def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype, gpu_dtypes: dict | None = None) -> None:
+def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype, gpu_dtypes: dict | None = None,
+                    kv_dtype: str = "bf16") -> None:
     """Fail before any weight is read: a plan made for another model, or a --gpu-budget below the
     non-expert weights + KV cache."""
     from hybrid.models import ModelLoadError
@@ -141,7 +143,7 @@ def check_placement(model_dir, hcfg, max_context: int, max_batch: int, dtype, gp
 
         mem = breakdown(cfg, MemorySettings(max_context=max_context, max_batch=max_batch, cpu_dtype=hcfg.cpu_dtype,
                                             gpu_dtype_bytes=torch.empty((), dtype=dtype).element_size(), reserve=0,
-                                            gpu_dtypes=gpu_dtypes or {}))
+                                            gpu_dtypes=gpu_dtypes or {}, kv_dtype=kv_dtype))
         need = mem.non_expert + mem.kv_cache
         if need > hcfg.gpu_budget:
             raise UsageError(f"--gpu-budget {gib(hcfg.gpu_budget)} is below the non-expert weights and KV cache alone "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from cpu_kernels.dtypes import NAMES as CPU_DTYPES  # the one table of CPU dtypes
 from hybrid.errors import UsageError
 from placement.hardware import FALLBACK_PROFILE
+from placement.memory import KV_DTYPES
 from placement.replace import REPLACE_MODES
 
 # --dtype names -> torch attribute names (the torch.dtype is looked up when a config is built, not at import)
@@ -42,9 +43,14 @@ class SessionConfig:
 
 
 def add_max_context_argument(p) -> None:
-    """--max-context, declared once for every command that sizes a KV cache (its default is RuntimeConfig's)."""
+    """--max-context and --kv-dtype, declared once for every command that sizes a KV cache (the defaults are
+    RuntimeConfig's; --kv-dtype's None: a plan's, else bf16)."""
     p.add_argument("--max-context", type=int, default=MAX_CONTEXT_DEFAULT,
                    help="KV-cache positions per sequence, prompt + generated (default %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="KV-cache values: bf16 (default: the model's dtype) or fp8 (float8 e4m3 with a scale of 1.0, "
+                   "half the bytes; values beyond +-448 saturate; needs compute capability 8.9+ on a GPU). With "
+                   "--plan, default: the plan's")
 
 
 def add_model_arguments(p) -> None:
@@ -138,7 +144,8 @@ def runtime_config_from_args(args, max_batch: int, device):
     try:
         return RuntimeConfig(max_batch=max_batch, max_context=args.max_context,
                              eager=args.eager or device.type != "cuda", decode_ahead=ahead,
-                             prefix_cache=not getattr(args, "no_prefix_cache", False))
+                             prefix_cache=not getattr(args, "no_prefix_cache", False),
+                             kv_dtype=getattr(args, "kv_dtype", None) or "bf16")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -186,8 +193,22 @@ def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else (torch.bfloat16 if device.type == "cuda"
                                                                     else torch.float32)
     runtime = runtime_config_from_args(args, max_batch, device)
-    return SessionConfig(model=args.model or None, device=device, dtype=dtype, runtime=runtime,
-                         hybrid=hybrid_config_from_args(args), gpu_dtype=getattr(args, "gpu_dtype", None) or "auto")
+    hybrid = hybrid_config_from_args(args)
+    return SessionConfig(model=args.model or None, device=device, dtype=dtype,
+                         runtime=with_planned_kv_dtype(runtime, hybrid, getattr(args, "kv_dtype", None)),
+                         hybrid=hybrid, gpu_dtype=getattr(args, "gpu_dtype", None) or "auto")
+
+
+def with_planned_kv_dtype(runtime, hybrid, asked: str | None):
+    """A plan's KV dtype when --kv-dtype is not given (the plan priced its KV cache in it); a --kv-dtype that
+    differs from the one a plan records is refused, as --cpu-dtype is. Plans without the field: the flag's."""
+    planned = hybrid.plan.settings.get("kv_dtype") if hybrid is not None and hybrid.plan is not None else None
+    if planned is None or asked == planned:
+        return runtime
+    if asked is not None:
+        raise UsageError(f"--kv-dtype {asked} differs from the plan's {planned}; make a new plan with "
+                         f"`hybrid plan --kv-dtype {asked}` or drop --kv-dtype")
+    return replace(runtime, kv_dtype=planned)
 
 
 def with_pricing_profile(config: SessionConfig, log=lambda m: print(m, file=sys.stderr)) -> SessionConfig:
@@ -227,7 +248,7 @@ def with_ship_staging(config: SessionConfig, cfg) -> SessionConfig:
         raise UsageError(f"--cpu-threads: {exc}") from None
     s = MemorySettings(max_context=config.runtime.max_context, max_batch=config.runtime.max_batch,
                        cpu_dtype=h.cpu_dtype, gpu_dtype_bytes=gb, node_threads=nodes, group=h.cpu_group,
-                       gpu_dtypes=config.gpu_dtypes or {})
+                       gpu_dtypes=config.gpu_dtypes or {}, kv_dtype=config.runtime.kv_dtype)
     slots, chunk = choose_staging(cfg, None, pricing_profile(h.profile), s, h.gpu_budget)
     return replace(config, hybrid=replace(h, staging_slots=slots, ship_chunk=chunk))
 

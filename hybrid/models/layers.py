@@ -130,6 +130,7 @@ class Attention(nn.Module):
     forward(x [B, T, D], cos/sin [B, T, hd], positions [B, T], slots [B], cache, ...) -> [B, T, D].
     Position -1 marks padding: its K/V go to the cache's spare column (index max_context), which no
     query ever attends to, so padding writes nothing visible and the shapes stay static (CUDA graphs).
+    Every path attends to K/V as the cache stores them (an fp8 cache's rounding included: StaticKVCache).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -175,7 +176,8 @@ class Attention(nn.Module):
         qk = apply_rotary(torch.cat((q, k), dim=2), cos, sin)  # [B, T, H + Hkv, hd]
         q, k = qk[:, :, :self.H], qk[:, :, self.H:]
         cache.write(self.layer, slots, positions, k, v, step=masks)
-
+        if fresh:  # attends to this step's K/V: as the cache holds them (an fp8 cache rounds them)
+            k, v = cache.as_stored(k, v)
         return self.o_proj(self._attend(q, k, v, positions, slots, cache, kv_len, fresh, masks))
 
     def _qkv(self, x):

@@ -107,6 +107,8 @@ class MLAttention(nn.Module):
         q_rope, k_rope = qk[:, :, :H], qk[:, :, H]
         latent = torch.cat((c, k_rope), dim=-1)  # [B, T, rank + rope]
         cache.write(self.layer, slots, positions, latent, step=masks)
+        if fresh:  # this step's latent as the cache holds it (an fp8 cache rounds it)
+            latent, = cache.as_stored(latent)
         mode = self.mode if self.mode != "auto" else ("expanded" if fresh else "absorbed")
         if fresh and mode == "expanded":
             out = self._expanded(q_nope, q_rope, latent, None)

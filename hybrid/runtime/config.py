@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from placement.memory import KV_DTYPES
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -17,9 +19,13 @@ class RuntimeConfig:
     # A slot given back keeps its tokens' K/V; a later prompt sharing a long enough prefix with one prefills only
     # the rest (hybrid.runtime.prefix_cache). False: every prompt is prefilled whole, as before.
     prefix_cache: bool = True
+    # KV-cache values: "bf16" keeps the model's dtype, "fp8" float8 e4m3 at half the bytes (hybrid.runtime.kv_cache)
+    kv_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_context < 2:
             raise ValueError(f"--max-context must be at least 2, got {self.max_context}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")

@@ -53,7 +53,7 @@ import torch
 
 from hybrid.runtime.config import RuntimeConfig
 from hybrid.runtime.generation import Completion, run_generation
-from hybrid.runtime.kv_cache import StaticKVCache
+from hybrid.runtime.kv_cache import StaticKVCache, check_kv_dtype, storage_dtype
 from hybrid.runtime.prefix_cache import PrefixCache
 from hybrid.runtime.sampling import SamplingParams
 
@@ -121,18 +121,22 @@ class QueuedStep:
         return self._tokens
 
 
-def kv_cache_bytes(cfg, max_batch: int, max_context: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(cfg, max_batch: int, max_context: int, dtype: torch.dtype, kv_dtype: str = "bf16") -> int:
     """Bytes of the static KV cache (one spare column per slot, see kv_cache.py; the attention kind's
-    layout, as placement.memory counts it)."""
-    return cfg.kv_values_per_token * max_batch * (max_context + 1) * torch.empty((), dtype=dtype).element_size()
+    layout, as placement.memory counts it) for a model computing in `dtype`, values stored as `kv_dtype`."""
+    value = torch.empty((), dtype=storage_dtype(kv_dtype, dtype)).element_size()
+    return cfg.kv_values_per_token * max_batch * (max_context + 1) * value
 
 
-def check_kv_cache_fits(cfg, max_batch: int, max_context: int, dtype: torch.dtype, device) -> None:
+def check_kv_cache_fits(cfg, max_batch: int, max_context: int, dtype: torch.dtype, device,
+                        kv_dtype: str = "bf16") -> None:
     """Refuses a KV cache larger than the device's free memory before allocating it (a huge --max-context or
-    --max-batch was an allocator traceback, or minutes of swapping)."""
+    --max-batch was an allocator traceback, or minutes of swapping), and an fp8 one on a GPU that cannot
+    run it (kv_cache.check_kv_dtype)."""
     from hybrid.errors import TooLarge
 
-    need = kv_cache_bytes(cfg, max_batch, max_context, dtype)
+    check_kv_dtype(kv_dtype, device)
+    need = kv_cache_bytes(cfg, max_batch, max_context, dtype, kv_dtype)
     device = torch.device(device)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -143,7 +147,7 @@ def check_kv_cache_fits(cfg, max_batch: int, max_context: int, dtype: torch.dtyp
     if need > free:
         raise TooLarge(f"the KV cache for --max-context {max_context} x --max-batch {max_batch} needs "
                        f"{need / 2**30:,.1f} GiB on {device}, which has {free / 2**30:,.1f} GiB free; lower "
-                       "--max-context or --max-batch")
+                       f"--max-context or --max-batch{' (or --kv-dtype fp8: half the bytes)' if kv_dtype != 'fp8' else ''}")
 
 
 class Engine:
@@ -156,8 +160,8 @@ class Engine:
         self.config = config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.device
-        check_kv_cache_fits(model.cfg, max_batch, max_context, model.dtype, self.device)
-        self.cache = StaticKVCache.for_model(model, max_batch, max_context)
+        check_kv_cache_fits(model.cfg, max_batch, max_context, model.dtype, self.device, config.kv_dtype)
+        self.cache = StaticKVCache.for_model(model, max_batch, max_context, config.kv_dtype)
         self.max_batch, self.max_context = max_batch, max_context
         self.lengths = [0] * max_batch
         self._free = list(range(max_batch - 1, -1, -1))  # allocate_slot takes from the end

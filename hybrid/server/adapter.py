@@ -307,5 +307,6 @@ def _open_exact(opts, log):
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
     config = RuntimeConfig(max_batch=opts.max_batch, max_context=opts.max_context, eager=True,
-                           prefix_cache=not getattr(opts, "no_prefix_cache", False))
+                           prefix_cache=not getattr(opts, "no_prefix_cache", False),
+                           kv_dtype=getattr(opts, "kv_dtype", None) or "bf16")
     return Engine(model, tokenizer, config=config), tokenizer, model_dir
