@@ -116,7 +116,9 @@ def scratch_cache(scratch: Path) -> Path:
     """A fresh HYBRID_CACHE holding this machine's profile.json (so the scheduler is priced as usual)."""
     scratch.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="load-speed-", dir=scratch))
-    home = Path(os.environ.get("HYBRID_CACHE", "~/.cache/hybrid")).expanduser()
+    from cpu_kernels.knobs import knobs
+
+    home = knobs().cache
     if (home / "profile.json").is_file():
         shutil.copy(home / "profile.json", root / "profile.json")
     return root
