@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import json
+import mmap
+import os
 import platform
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,6 +40,11 @@ def cpu_name() -> str:
 
 KNEE_DTYPES = AMX_DTYPES  # the dtypes with an AMX path (int4 at its default group size)
 GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph decode floor
+LOAD_STEPS = 1  # the load speeds: packer per CPU dtype, packed copy, disk
+NATIVE_PACK_DTYPES = ("bf16", "int8", "int4")  # the CPU dtypes the compiled packer converts (csrc/pack.h)
+PACK_BYTES = 64 << 20  # bf16 bytes of the random experts each CPU dtype's packing probe converts
+DISK_BYTES = {True: 256 << 20, False: 1 << 30}  # the disk probe's file, quick / --full
+QUICK_DISK_S = 3.0  # quick: the disk probe gives up when writing its file takes longer than this
 
 
 @dataclass(frozen=True)
@@ -89,11 +101,201 @@ def _measure_knee(shape: ExpertShape, quick: bool, progress, step=None) -> dict:
     return knees
 
 
+def _probe_folder() -> Path:
+    """A temporary folder in $HYBRID_CACHE (the packed cache's file system), else in the temp dir."""
+    from cpu_kernels.knobs import knobs
+
+    try:
+        knobs().cache.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".load-probe-", dir=knobs().cache))
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="hybrid-load-probe-"))
+
+
+def write_random_experts(path: Path, E: int, D: int, F: int) -> int:
+    """A safetensors file of E experts' gate, up [F, D] and down [D, F] in bf16, N(0, 0.02), named "{e}.gate" ...,
+    written one matrix at a time (no stack of the experts is ever allocated). Returns the weights' bytes."""
+    shapes = [(f"{e}.{name}", (rows, k)) for e in range(E) for name, (rows, k) in
+              (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))]
+    header, off = {}, 0
+    for name, (rows, k) in shapes:
+        header[name] = {"dtype": "BF16", "shape": [rows, k], "data_offsets": [off, off + 2 * rows * k]}
+        off += 2 * rows * k
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    gen = torch.Generator().manual_seed(0)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for _, (rows, k) in shapes:
+            w = (torch.randn(rows, k, generator=gen) * 0.02).to(torch.bfloat16)
+            f.write(memoryview(w.view(torch.uint8).numpy()))
+    return off
+
+
+def release_free_memory() -> None:
+    """Hands the allocator's free memory back to the kernel (glibc malloc_trim), so that the next probe's buffers
+    are fresh pages, as a load's are (its buffers are far above the allocator's mmap threshold): a probe that
+    re-used the pages the previous one freed would skip the first touch every load pays."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
+
+
+def _pack_views(path: Path, E: int, dtype: str):
+    """A CpuMoE packed as a load packs it: ExpertRows of a freshly memory-mapped safetensors file (the loader's
+    expert views), converted by the compiled packer on the executor's threads; returns (executor, seconds)."""
+    import cpu_kernels
+    from cpu_kernels.moe import ExpertRows
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        views = [ExpertRows([f.get_tensor(f"{e}.{name}") for e in range(E)]) for name in ("gate", "up", "down")]
+        t0 = time.perf_counter()
+        moe = cpu_kernels.CpuMoE(*views, dtype=dtype)
+        return moe, time.perf_counter() - t0
+
+
+def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_bytes: int = PACK_BYTES,
+                       reps: int = 3) -> tuple[dict, float | None]:
+    """(pack rates, packed copy rate), bytes/s over `reps` runs each (their bytes over their seconds, as a load's rate
+    is over its layers, slow and fast alike). Pack rates per CPU dtype: bytes of bf16
+    expert weights converted per second by what a load runs: the compiled packer (bf16, int8, int4) on the
+    executor's threads over a page-cached safetensors file's memory-mapped experts of this shape (as many as
+    source_bytes hold, at least 2), and for mxfp4 CpuMoE.from_mxfp4 over blocks in the published layout (it has no
+    compiled packer: torch re-orders the codes). The packed copy rate: the bf16 executor's packed bytes, written
+    to a file that stays in the page cache, memory-mapped and copied back by CpuMoE.from_packed as the packed
+    cache copies them (its disk read is measure_disk's). Before each, the freed memory goes back to the kernel, so
+    every one fills fresh pages as a load does; a load that holds far more memory may still find it slower to come
+    by (much slower on a VM whose host backs the guest's memory lazily). ({}, None) without a compiled packer."""
+    import cpu_kernels
+    from cpu_kernels import _native
+
+    if not _native.has_packer(_native.resolve_isa(None)):
+        return {}, None
+    D, F = hidden, intermediate
+    E = max(2, source_bytes // (3 * D * F * 2))
+    path = folder / "experts.safetensors"
+    weights = write_random_experts(path, E, D, F)
+    cpu_kernels.CpuMoE(*(torch.zeros(1, 64, 64, dtype=torch.bfloat16) for _ in range(3)))  # the pool's start-up
+    rates = {}
+    for dtype in NATIVE_PACK_DTYPES:
+        seconds = []
+        for _ in range(reps):
+            release_free_memory()
+            seconds.append(_pack_views(path, E, dtype)[1])
+        rates[dtype] = reps * weights / sum(seconds)
+    if D % 32 == 0 and F % 32 == 0:
+        gen = torch.Generator().manual_seed(1)
+        pairs = [(torch.randint(0, 256, (E, r, k // 32, 16), dtype=torch.uint8, generator=gen),
+                  torch.randint(119, 129, (E, r, k // 32), dtype=torch.uint8, generator=gen))
+                 for r, k in ((F, D), (F, D), (D, F))]
+        seconds = []
+        for _ in range(reps):
+            release_free_memory()
+            t0 = time.perf_counter()
+            cpu_kernels.CpuMoE.from_mxfp4(*pairs)
+            seconds.append(time.perf_counter() - t0)
+        rates["mxfp4"] = reps * weights / sum(seconds)
+        del pairs
+    release_free_memory()
+    return rates, _packed_copy_rate(_pack_views(path, E, "bf16")[0], folder / "packed.bin", reps)
+
+
+def _packed_copy_rate(moe, path: Path, reps: int) -> float:
+    """Bytes/s of CpuMoE.from_packed over moe's packed bytes in a page-cached, memory-mapped file, over `reps`
+    copies."""
+    import cpu_kernels
+
+    state = moe.packed_state()
+    parts, off = {}, 0
+    with open(path, "wb") as f:
+        for name, t in state.items():
+            parts[name] = (off, t.numel())
+            f.write(memoryview(t.numpy()))
+            off += t.numel()
+    seconds = []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        data = torch.frombuffer(mm, dtype=torch.uint8)
+        views = {name: data[o:o + n] for name, (o, n) in parts.items()}
+        for _ in range(reps):
+            release_free_memory()
+            t0 = time.perf_counter()
+            cpu_kernels.CpuMoE.from_packed(views, (moe.E, moe.F, moe.D), moe.layout, dtype=moe.dtype)
+            seconds.append(time.perf_counter() - t0)
+        del views, data
+    return reps * off / sum(seconds)
+
+
+def measure_disk(folder: Path, nbytes: int, budget_s: float | None = None) -> tuple[dict, str | None]:
+    """({disk_write_bw, disk_read_bw}, None), bytes/s, or ({}, why not): a file of nbytes (random bytes) written
+    and fsynced in `folder`, its pages dropped from the page cache (posix_fadvise DONTNEED), then read back
+    sequentially. This is the disk of `folder` (the packed cache's); a checkpoint elsewhere may sit on another.
+    budget_s: give up when writing takes longer (a slow disk would hold up a quick calibration)."""
+    if not hasattr(os, "posix_fadvise"):
+        return {}, "this system cannot drop a file from the page cache (no posix_fadvise)"
+    chunk = os.urandom(min(nbytes, 16 << 20))
+    path = folder / "disk.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0, written = time.perf_counter(), 0
+        while written < nbytes:
+            written += os.write(fd, chunk[:nbytes - written])
+            if budget_s is not None and time.perf_counter() - t0 > budget_s and written < nbytes:
+                return {}, (f"writing {nbytes >> 20} MiB took over {budget_s:.0f} s ({written >> 20} MiB written): "
+                            "skipped in a quick calibration, --full measures it")
+        os.fsync(fd)
+        write_bw = nbytes / (time.perf_counter() - t0)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    buf = bytearray(16 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0, read = time.perf_counter(), 0
+        while n := os.readv(fd, [buf]):
+            read += n
+        read_bw = read / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return {"disk_write_bw": write_bw, "disk_read_bw": read_bw}, None
+
+
+def measure_load_speeds(shape: ExpertShape, quick: bool, progress: Callable[[str], None],
+                        pack_bytes: int | None = None, disk_bytes: int | None = None) -> dict:
+    """The profile's load-time fields (placement/load_time.py): pack_rates, packed_copy_bw, disk_read_bw,
+    disk_write_bw (absent where not measured), each probe in a temporary folder of $HYBRID_CACHE removed after."""
+    folder = _probe_folder()
+    out: dict = {}
+    try:
+        rates, copy = measure_pack_rates(shape.hidden, shape.intermediate, folder, pack_bytes or PACK_BYTES,
+                                         reps=3 if quick else 5)
+        if rates:
+            out.update(pack_rates=rates, packed_copy_bw=copy)
+            progress("  packer " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items())
+                     + f" GB/s of bf16 weights; packed copy {copy / 1e9:.2f} GB/s")
+        else:
+            progress("  no compiled packer on this ISA: pack rates and packed copy not measured")
+        n = disk_bytes or DISK_BYTES[quick]
+        disk, why = measure_disk(folder, n, QUICK_DISK_S if quick else None)
+        out.update(disk)
+        progress(f"  disk of {folder.parent}: write {disk['disk_write_bw'] / 1e9:.2f} GB/s, read "
+                 f"{disk['disk_read_bw'] / 1e9:.2f} GB/s ({n >> 20} MiB)" if disk else f"  disk not measured: {why}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backends: list[str] | None = None,
               dram_bytes: int | None = None, progress: Callable[[str], None] = print,
-              probes: RuntimeProbes | None = None) -> tuple[HardwareProfile, dict]:
+              probes: RuntimeProbes | None = None, load_bytes: tuple[int, int] | None = None
+              ) -> tuple[HardwareProfile, dict]:
     """Run every probe; returns the profile and the raw measurements (for the summary and JSON). Without
-    `probes` the hybrid layer's fixed costs and the graph floor are left at 0 with a warning, as when they fail."""
+    `probes` the hybrid layer's fixed costs and the graph floor are left at 0 with a warning, as when they fail.
+    load_bytes: (packing probe's bf16 bytes, disk probe's file bytes), default PACK_BYTES and DISK_BYTES."""
     raw: dict = {"shape": shape.name, "hidden": shape.hidden, "intermediate": shape.intermediate,
                  "experts": experts, "threads": torch.get_num_threads()}
     ms = QUICK_M if quick else FULL_M
@@ -103,7 +305,8 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
     dram_bytes = dram_bytes or (default_read_bytes() if quick else max(2 << 30, default_read_bytes()))
     backends = backends or measure.cpu_backends()
     cuda = torch.cuda.is_available()
-    step = Steps(1 + (len(KNEE_DTYPES) if _has_amx() else 0) + len(backends) + (GPU_STEPS if cuda else 0), progress)
+    step = Steps(1 + (len(KNEE_DTYPES) if _has_amx() else 0) + len(backends) + LOAD_STEPS + (GPU_STEPS if cuda else 0),
+                 progress)
 
     step(f"DRAM read bandwidth ({dram_bytes / 2**20:.0f} MiB buffer)...")
     dram_bw, method = measure.measure_dram_read(dram_bytes)
@@ -121,6 +324,14 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
         curves[backend] = curve
         peaks[backend] = max(f for _, f in curve)
     raw["cpu_curves"] = curves
+
+    step("load speeds: the packer per CPU dtype, the packed copy, the cache folder's disk...")
+    try:
+        load = measure_load_speeds(shape, quick, progress, *(load_bytes or (None, None)))
+    except Exception as exc:  # noqa: BLE001 - the profile stays usable without them (load_time uses defaults)
+        progress(f"  WARNING: could not measure the load speeds ({exc}); load-time predictions use defaults")
+        load = {}
+    raw["load"] = load
 
     gpu = {}
     if cuda:
@@ -171,7 +382,7 @@ def calibrate(shape: ExpertShape, quick: bool = False, experts: int = 8, backend
         raw["amx_knee"] = amx_knee
     profile = HardwareProfile(name=f"calibrated-{platform.node() or 'this-machine'}", cpu_flops=peaks,
                               dram_bw=dram_bw, cpu_kernel=AUTO, cpu_curves=curves, machine=machine,
-                              source="calibrated", **gpu)
+                              source="calibrated", **load, **gpu)
     return profile, raw
 
 
@@ -199,5 +410,12 @@ def summary(profile: HardwareProfile) -> str:
                  ("graph decode floor per layer", f"{profile.graph_layer_floor * 1e6:.0f} us")]
     else:
         rows.append(("GPU, link", "not measured (no CUDA device)"))
+    if profile.pack_rates:
+        rates = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in profile.pack_rates.items())
+        rows.append(("packer, GB/s of bf16 weights", rates))
+    for label, value in (("packed copy-back", profile.packed_copy_bw),
+                         ("disk read (cache folder)", profile.disk_read_bw),
+                         ("disk write + fsync", profile.disk_write_bw)):
+        rows.append((label, "not measured" if value is None else f"{value / 1e9:.2f} GB/s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -87,6 +87,16 @@ class HardwareProfile:
     graph_layer_floor: float = 0.0
     machine: dict = field(default_factory=dict)
     source: str = "builtin"
+    # Load-time figures (placement/load_time.py), measured by `hybrid calibrate`'s load step; absent (older
+    # profiles, {} / None) = not measured, and the prediction uses LOAD_DEFAULTS and says so.
+    # pack_rates: CPU dtype -> bytes/s of experts converted for the CPU executor, counted as 2 bytes (bf16) per
+    # weight whatever the source dtype; packed_copy_bw: bytes/s of packed bytes copied from a page-cached file
+    # into the executor's node-local buffers (the packed cache's copy-back); disk_read_bw / disk_write_bw: bytes/s
+    # of a sequential read (page cache dropped first) / write + fsync of a file in the cache folder's file system.
+    pack_rates: dict = field(default_factory=dict)
+    packed_copy_bw: float | None = None
+    disk_read_bw: float | None = None
+    disk_write_bw: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.cpu_flops, dict) or not self.cpu_flops:
@@ -112,6 +122,7 @@ class HardwareProfile:
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         if self.cpu_lane_start is not None:
             object.__setattr__(self, "cpu_lane_start", _seconds("cpu_lane_start", self.cpu_lane_start))
+        self._check_load_figures()
         curves = {}
         for kind, points in (self.cpu_curves or {}).items():
             try:
@@ -122,6 +133,15 @@ class HardwareProfile:
                 raise UsageError(f"profile {self.name!r}: cpu_curves[{kind}] needs positive [m, flop/s] pairs")
             curves[str(kind)] = [list(p) for p in pts]
         object.__setattr__(self, "cpu_curves", curves)
+
+    def _check_load_figures(self) -> None:
+        if not isinstance(self.pack_rates, dict):
+            raise UsageError(f"profile {self.name!r}: pack_rates must be an object of CPU dtype -> bytes/s")
+        rates = {str(k): _positive(f"pack_rates[{k}]", v) for k, v in self.pack_rates.items()}
+        object.__setattr__(self, "pack_rates", rates)
+        for name in ("packed_copy_bw", "disk_read_bw", "disk_write_bw"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive(name, getattr(self, name)))
 
     @property
     def cpu_lane_head(self) -> float:
@@ -218,9 +238,17 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
 # The box of the KTransformers paper (SOSP'25), as DESIGN.md (Cost model) quotes it: one Xeon Platinum 8452Y
 # socket (B_D 220 GB/s; C_C 1.8 TFLOP/s with a PyTorch AVX-512 kernel, 21.3 with their AMX kernel), an
 # A100 40GB PCIe at 50% of peak (C_G 156 TFLOP/s, B_H 778 GB/s), PCIe 4.0 x16 taken as 25 GB/s, 5 us.
-_PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6,
+# Load-time figures for profiles that did not measure them (the built-ins, and calibrations older than the load
+# step): NOT measured, round figures for a many-core server with a PCIe 4.0 NVMe drive. Disk: 2 GB/s sequential
+# read, 1 GB/s write with fsync. Packer: the compiled packer (bf16, int8, int4) at 2 / 2 / 1.5 GB/s of bf16 weights,
+# mxfp4 (published blocks re-ordered with torch) at 0.3; packed copy-back 5 GB/s. placement/load_time.py says
+# "defaults, not measured" whenever it prices with them.
+LOAD_DEFAULTS = dict(pack_rates={"bf16": 2e9, "int8": 2e9, "int4": 1.5e9, "mxfp4": 0.3e9}, packed_copy_bw=5e9,
+                     disk_read_bw=2e9, disk_write_bw=1e9)
+_PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6, **LOAD_DEFAULTS,
               machine={"cpu": "Xeon Platinum 8452Y (1 socket)", "gpu": "A100 40GB PCIe",
-                       "link": "PCIe 4.0 x16", "reference": "KTransformers, SOSP'25"})
+                       "link": "PCIe 4.0 x16", "reference": "KTransformers, SOSP'25",
+                       "load_figures": "not measured (placement.hardware.LOAD_DEFAULTS)"})
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "ktransformers-paper-avx512": HardwareProfile(
         name="ktransformers-paper-avx512", cpu_flops={"avx512": 1.8e12}, cpu_kernel="avx512", **_PAPER),

@@ -52,7 +52,7 @@ def test_calibrate_step_total_covers_the_gpu_probes(monkeypatch):
     cal.calibrate(ExpertShape("t", hidden=256, intermediate=128, num_experts=8, topk=2), quick=True,
                   backends=["torch"], dram_bytes=1 << 20, progress=lines.append, probes=runtime_probes())
     steps = [l for l in lines if l.startswith("step ")]
-    n = 1 + (len(cal.KNEE_DTYPES) if cal._has_amx() else 0) + 1 + cal.GPU_STEPS
+    n = 1 + (len(cal.KNEE_DTYPES) if cal._has_amx() else 0) + 1 + cal.LOAD_STEPS + cal.GPU_STEPS
     assert [s.split(":")[0] for s in steps] == [f"step {i}/{n}" for i in range(1, n + 1)]
     assert steps[-1].startswith(f"step {n}/{n}: latency floor of graph decode")
 

@@ -811,4 +811,7 @@ MUTATIONS = [
     M("kv fp8: decode attention weighs values with e4m3 probabilities", "pv = p.to(q.dtype.element_ty)", "pv = p.to(vc.dtype.element_ty)", ["tests/test_kv_fp8.py"]),
     M("kv fp8: priced at the compute dtype's bytes", 'return 1 if kv_dtype == "fp8" else compute_bytes', "return compute_bytes", ["tests/test_kv_fp8.py"]),
     M("kv fp8: a plan's KV dtype ignored", "return replace(runtime, kv_dtype=planned)", "return runtime", ["tests/test_kv_fp8.py"]),
+    M("packed cache from disk: the faster of read and copy counted", "upload + max(copy, packed_bytes / f.disk_read_bw)", "upload + min(copy, packed_bytes / f.disk_read_bw)", ["tests/test_load_time.py"]),
+    M("built-in profile's pack rate taken as measured", "if rate is None or not measured:", "if rate is None:", ["tests/test_load_time.py"]),
+    M("layers past the model counted in the checkpoint's bytes", "if layer and int(layer.group(1)) >= num_layers:", "if layer and int(layer.group(1)) > num_layers:", ["tests/test_load_time.py"]),
 ]

@@ -1,9 +1,10 @@
 """`hybrid plan`: which experts live in VRAM under a GPU and a DRAM budget, and what that buys.
 
-Reads only the checkpoint's config.json (no weight is loaded), the routing statistics of
-`hybrid profile-routing` (uniform without them) and a hardware profile; prints the memory breakdown,
-the resident experts per layer, the NUMA split of the experts and predicted tokens/s, and writes the
-plan file that `generate`, `chat` and `serve` take with --plan. See placement/planner.py.
+Reads only the checkpoint's config.json and safetensors headers (no weight is loaded), the routing statistics
+of `hybrid profile-routing` (uniform without them) and a hardware profile; prints the memory breakdown, the
+resident experts per layer, the NUMA split of the experts, predicted tokens/s and load time
+(placement/load_time.py), and writes the plan file that `generate`, `chat` and `serve` take with --plan. See
+placement/planner.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def register(subparsers) -> None:
                               "by predicted decode time saved per byte across layers; report memory, NUMA split "
                               "and predicted tokens/s. Fails before loading anything if the budgets cannot work.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json is read); default: the demo")
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (only config.json and the safetensors "
+                     "headers are read); default: the demo")
     # the preset names are not listed here: reading them imports the model package and torch (slow --help)
     src.add_argument("--preset", help="plan for a published model's config without its checkpoint (README, Models, "
                      "lists them, e.g. qwen3-235b-a22b; an unknown name lists them too)")
@@ -133,7 +135,27 @@ def build_plan(args):
     if args.staging_slots is None and args.ship_chunk is None:
         slots, chunk = choose_staging(cfg, stats, hw, mem, settings.gpu_budget, settings.prefill_tokens)
         settings = replace(settings, memory=replace(mem, staging_slots=slots, ship_chunk=chunk))
-    return plan(cfg, stats, hw, settings), model_dir, hw
+    p = plan(cfg, stats, hw, settings)
+    return p, model_dir, hw, load_prediction(cfg, raw, None if args.preset else model_dir, p, hw)
+
+
+def load_prediction(cfg, raw: dict, model_dir, p, hw):
+    """placement.load_time's first-load and packed-cache times for the plan's CPU dtype: the checkpoint's bytes
+    from its safetensors headers, or from config.json's sizes for a preset (or headers that cannot be read)."""
+    from pathlib import Path
+
+    from hybrid.models.errors import ModelLoadError
+    from hybrid.models.loader import checkpoint_index
+    from placement.load_time import config_checkpoint_bytes, file_checkpoint_bytes, predict_load
+
+    ckpt = None
+    if model_dir is not None:
+        try:
+            ckpt = file_checkpoint_bytes(checkpoint_index(Path(model_dir)), cfg.num_layers)
+        except (ModelLoadError, OSError):
+            pass
+    ckpt = ckpt or config_checkpoint_bytes(cfg, raw)
+    return predict_load(cfg, ckpt, p.memory["cpu"]["experts"], p.settings["cpu_dtype"], hw)
 
 
 def prediction_basis(hw, cuda: bool | None = None) -> dict:
@@ -159,18 +181,19 @@ def prediction_basis(hw, cuda: bool | None = None) -> dict:
 
 
 def run(args) -> int:
-    p, model_dir, hw = build_plan(args)
+    p, model_dir, hw, load = build_plan(args)
     basis = prediction_basis(hw)
     if args.out:
         p.save(args.out)
     if args.json:
-        print(json.dumps({**p.to_json(), "prediction_basis": basis}))
+        print(json.dumps({**p.to_json(), "prediction_basis": basis, "load_time": load.to_json()}))
         return 0
     text = describe(p, model_dir)
     if basis["hypothetical"]:
         text = text.replace("\npredicted: ", "\npredicted on a hypothetical GPU: ")
     print(text)
     print(f"  ({basis['note']})")
+    print(load.line())
     if args.out:
         print(f"plan written to {args.out} (use: hybrid generate --model "
               f"{'DIR' if args.preset else model_dir} --plan {args.out})")
