@@ -3,17 +3,25 @@ copies every layer's executor bytes back without converting anything and compute
 did (bf16, int8, int4, mxfp4 from a gpt-oss checkpoint); the key follows the checkpoint's files, the dtype and
 the int4 group; a truncated file or a flipped byte is found and the cache rebuilt; a cache folder that cannot be
 written, a full disk and too little space each leave no half cache and a load that works, with one warning;
-packed_cache=False (--no-cache) neither reads nor writes; `hybrid cache list` / `rm`."""
+packed_cache=False (--no-cache) neither reads nor writes; `hybrid cache list` / `rm`. The write runs in the
+background: the load returns before it ends, a failed load cancels it, the exit of a one-shot `hybrid generate`
+finishes it, a second process meanwhile converts (no half cache is read), and the files stay in the page cache."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,9 +66,13 @@ def cache(tmp_path, monkeypatch):
     cpu_kernels.knobs.reset()
 
 
-def load(path, cpu_dtype="bf16", **kw):
+def load(path, cpu_dtype="bf16", wait=True, **kw):
+    """load_hybrid on the CPU; wait: until the cache's background write is over (as a next start would find it)."""
     hcfg = HybridConfig(gpu_experts=0, cpu_dtype=cpu_dtype, profile="ktransformers-paper-amx", **kw)
-    return load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)[1]
+    off = load_hybrid(path, "cpu", torch.float32, hcfg, progress=False)[1]
+    if wait:
+        assert pc.wait_for_writers(timeout=120)
+    return off
 
 
 def outputs(off) -> list[torch.Tensor]:
@@ -105,14 +117,15 @@ def test_second_load_copies_the_cache_bit_for_bit(request, cache, monkeypatch, c
     (key,) = folders(cache)
     manifest = pc.read_manifest(cache / key)
     assert manifest["dtype"] == cpu_dtype and sorted(manifest["layers"]) == ["0", "1"]
-    assert first.load_times.convert_s > 0 and first.load_times.cache_bytes == sum(
-        e["size"] for e in manifest["layers"].values())
+    assert first.load_times.convert_s > 0 and first.load_times.cache_writing == sum(
+        e["size"] for e in manifest["layers"].values()) and first.load_times.cache_bytes == 0
     os.utime(cache / key / pc.LAST_USED, (0, 0))
     with monkeypatch.context() as m:
         no_conversion(m)
         second = load(path, cpu_dtype)
     assert (cache / key / pc.LAST_USED).stat().st_mtime > 0  # `hybrid cache list` shows the last use
-    assert second.load_times.convert_s == 0 and second.load_times.cache_bytes == first.load_times.cache_bytes
+    assert second.load_times.convert_s == 0 and second.load_times.cache_bytes == first.load_times.cache_writing
+    assert second.load_times.cache_writing == 0
     assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
     for a, b in zip(outputs(first), outputs(second)):
         assert torch.equal(a, b)
@@ -138,13 +151,19 @@ def test_a_layer_the_cache_holds_needs_no_weights(qwen, cache):
 
 
 def test_load_line_says_where_the_time_went(qwen, cache):
-    times = load(qwen).load_times
-    line = times.line()
-    m = re.fullmatch(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+) s, upload ([\d.]+) s, "
-                     r"cache ([\d.]+) s \(([\d.]+) GB at ([\d.]+) GB/s\)", line)
-    assert m, line
-    assert times.read_s + times.convert_s + times.upload_s + times.cache_s == pytest.approx(times.total_s)
-    assert times.cache_s > 0 and float(m.group(6)) == round(times.cache_bytes / 1e9, 2)
+    """A miss says how much is being written in the background (its seconds are not the load's); a hit says
+    how much it read and how fast."""
+    line = re.compile(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+) s, upload ([\d.]+) s, "
+                      r"cache ([\d.]+) s \((.*)\)")
+    write, hit = load(qwen).load_times, load(qwen).load_times
+    for times in (write, hit):
+        assert times.read_s + times.convert_s + times.upload_s + times.cache_s == pytest.approx(times.total_s)
+    m = line.fullmatch(write.line())
+    assert m and m.group(6) == f"{write.cache_writing / 1e9:.2f} GB writing in the background", write.line()
+    m = line.fullmatch(hit.line())
+    assert m and hit.cache_s > 0, hit.line()
+    m = re.fullmatch(r"([\d.]+) GB at ([\d.]+) GB/s", m.group(6))
+    assert m and float(m.group(1)) == round(hit.cache_bytes / 1e9, 2) and hit.cache_bytes == write.cache_writing
 
 
 def test_checkpoint_mtime_dtype_and_group_change_the_key(qwen, cache, tmp_path, monkeypatch):
@@ -253,18 +272,20 @@ def test_unwritable_cache_folder_loads_with_one_warning(qwen, tmp_path, monkeypa
 
 
 def test_full_disk_mid_write_leaves_no_half_cache(qwen, cache, monkeypatch, caplog):
+    """The disk fills up in the background writer: one warning naming the error and the file, no folder."""
     real, calls = pc.PackedCache._write_layer, []
 
     def fill_up(self, *a):
-        calls.append(1)
+        calls.append(threading.current_thread())
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "layer-1.bin")
         return real(self, *a)
     monkeypatch.setattr(pc.PackedCache, "_write_layer", fill_up)
     with caplog.at_level(logging.WARNING, logger="hybrid.offload"):
         off = load(qwen, "int4")
-    _one_warning(caplog, os.strerror(errno.ENOSPC))
-    assert len(calls) == 2 and folders(cache) == []  # neither the temporary folder nor a cache remains
+    _one_warning(caplog, f"not written ({os.strerror(errno.ENOSPC)}: layer-1.bin)")
+    assert len(calls) == 2 and threading.main_thread() not in calls
+    assert folders(cache) == []  # neither the temporary folder nor a cache remains
     assert len(off.layers) == 2 and all(torch.isfinite(y).all() for y in outputs(off))
 
 
@@ -368,3 +389,218 @@ def test_a_hit_reads_no_expert_tensor_from_the_checkpoint(qwen, cache, monkeypat
     monkeypatch.setattr(loader, "_fill_stack", no_fill)
     second = load(qwen, "int8")
     assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
+
+
+# -- the background write ---------------------------------------------------------------------------------------
+def held_writer(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The writer thread stops before its first layer until `release` is set; `writing` is set once it is there."""
+    real, writing, release = pc.PackedCache._write_layer, threading.Event(), threading.Event()
+
+    def held(self, *a):
+        writing.set()
+        assert release.wait(30)
+        return real(self, *a)
+    monkeypatch.setattr(pc.PackedCache, "_write_layer", held)
+    return writing, release
+
+
+def temporaries(root, pid=None) -> list[Path]:
+    return sorted(root.glob(f".tmp-*-{pid}-*" if pid else ".tmp-*")) if root.is_dir() else []
+
+
+def test_load_returns_before_the_writer_finishes(qwen, cache, monkeypatch):
+    """The writer is held at layer 0 after load_hybrid returned: no cache yet, only this process's temporary
+    folder; released, it publishes a cache that the next load reads with the first load's bytes."""
+    writing, release = held_writer(monkeypatch)
+    try:
+        first = load(qwen, "int8", wait=False)
+        assert writing.wait(30)  # the writer holds layer 0 while the load has returned
+        assert pc.list_caches(cache) == [] and len(temporaries(cache, os.getpid())) == 1
+        assert "writing in the background" in first.load_times.line()
+        assert not pc.wait_for_writers(timeout=0)
+    finally:
+        release.set()
+    assert pc.wait_for_writers(timeout=120)
+    assert temporaries(cache) == [] and len(pc.list_caches(cache)) == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("HYBRID_CACHE", str(cache.parent))
+    no_conversion(monkeypatch)
+    second = load(qwen, "int8")
+    assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
+
+
+def test_a_failed_load_writes_nothing(qwen, cache, monkeypatch, caplog):
+    """Layer 1 fails to convert after layer 0 was stored: no writer starts, nothing is written, no warning."""
+    real, calls = CpuMoE._mat, []
+
+    def fail_layer_1(self, *a):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("conversion failed")
+        return real(self, *a)
+    monkeypatch.setattr(CpuMoE, "_mat", fail_layer_1)
+    stored = []
+    real_store = pc.PackedCache.store
+    monkeypatch.setattr(pc.PackedCache, "store", lambda self, *a: stored.append(a[0]) or real_store(self, *a))
+    with caplog.at_level(logging.WARNING, logger="hybrid.offload"):
+        with pytest.raises(RuntimeError, match="conversion failed"):
+            load(qwen, "int8", wait=False)
+        assert stored == [0] and pc._WRITERS == set() and pc.wait_for_writers(timeout=0)
+    assert folders(cache) == [] and not [r for r in caplog.records if "packed cache" in r.getMessage()]
+
+
+def test_cache_files_stay_in_the_page_cache(qwen, cache, monkeypatch):
+    """Neither the write nor a hit drops the files' pages: a restart copies at memory speed where there is room."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+    def resident(path: Path) -> float:
+        """The share of the file's pages in the page cache (mincore over a mapping that touches none)."""
+        size, page = path.stat().st_size, os.sysconf("SC_PAGE_SIZE")
+        with open(path, "rb") as f:
+            addr = libc.mmap(None, size, 1, 1, f.fileno(), 0)  # PROT_READ, MAP_SHARED
+            assert addr not in (None, ctypes.c_void_p(-1).value)
+            try:
+                vec = (ctypes.c_ubyte * (-(-size // page)))()
+                assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+                return sum(v & 1 for v in vec) / len(vec)
+            finally:
+                libc.munmap(addr, size)
+
+    load(qwen, "int8")
+    files = sorted(next(cache.iterdir()).glob("layer-*.bin"))
+    assert len(files) == 2 and all(resident(f) == 1.0 for f in files)
+    no_conversion(monkeypatch)
+    load(qwen, "int8")
+    assert all(resident(f) == 1.0 for f in files)
+
+
+def tiny_with_tokenizer(folder: Path) -> Path:
+    """The qwen fixture's shape with a vocabulary a byte-level tokenizer covers, and that tokenizer."""
+    from hybrid.runtime.demo import build_tokenizer, pad_tokenizer
+
+    raw = dict(hf_config("demo", layers=2), **dict(SMALL, vocab_size=512), moe_intermediate_size=64,
+               intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    path = write_random_checkpoint(folder, raw, seed=1, std=0.1)
+    build_tokenizer(path, 384)
+    assert pad_tokenizer(path / "tokenizer.json", 512) == 512
+    return path
+
+
+def run_python(script: str, *args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, HYBRID_NO_PROGRESS="1"), **kw)
+
+
+def test_exit_finishes_the_cache_of_a_one_shot_generate(cache, tmp_path):
+    """`hybrid generate -n 1` whose writer is still at layer 0 when the command returns: the exit waits for it
+    (one line), and `hybrid cache list` then shows a complete cache."""
+    path = tiny_with_tokenizer(tmp_path / "tiny")
+    proc = run_python("""
+        import atexit, sys, threading
+        from hybrid.offload import packed_cache as pc
+        release, real = threading.Event(), pc.PackedCache._write_layer
+
+        def held(self, *a):  # the writer waits until the interpreter exits
+            assert release.wait(120)
+            return real(self, *a)
+        pc.PackedCache._write_layer = held
+        atexit.register(release.set)  # registered after packed_cache's own wait, so it runs before it
+        from hybrid.cli import main
+        sys.exit(main(["generate", "--model", sys.argv[1], "-n", "1", "--prompt", "hi", "--cpu-dtype", "int8",
+                       "--device", "cpu"]))
+    """, path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert re.search(r"finishing the packed cache \([\d.]+ GB left to write; Ctrl-C skips it\)", err), err
+    assert "writing in the background" in err and "not written" not in err
+    (info,) = pc.list_caches(cache)
+    assert info.model == str(path.resolve()) and info.dtype == "int8" and temporaries(cache) == []
+    assert sorted(pc.read_manifest(info.folder)["layers"]) == ["0", "1"]
+    listed = subprocess.run([sys.executable, "-m", "hybrid", "cache", "list"], capture_output=True, text=True,
+                            env=os.environ)
+    assert listed.returncode == 0 and info.key in listed.stdout and str(path.resolve()) in listed.stdout
+    assert "bad" not in listed.stdout
+
+
+def test_ctrl_c_at_exit_stops_the_write_and_leaves_no_folder(qwen, cache):
+    """Ctrl-C while the exit waits for the writer: the writer stops, its temporary folder goes, exit as usual."""
+    import signal
+
+    proc = run_python("""
+        import sys, torch
+        from hybrid.offload import packed_cache as pc
+        from hybrid.offload.build import load_hybrid
+        from hybrid.offload.config import HybridConfig
+        real = pc.PackedCache._write_layer
+
+        def until_stopped(self, *a):  # the writer holds layer 0 until stop()
+            print("holding", flush=True)
+            assert self._cancel.wait(120)
+            return real(self, *a)
+        pc.PackedCache._write_layer = until_stopped
+        load_hybrid(sys.argv[1], "cpu", torch.float32,
+                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
+    """, qwen)
+    try:
+        assert proc.stdout.readline() == "holding\n"
+        line = proc.stderr.readline()
+        while line and "finishing the packed cache" not in line:
+            line = proc.stderr.readline()
+        assert line, "the exit did not wait for the writer"
+        assert len(temporaries(cache, proc.pid)) == 1
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err and "not written" not in err, err
+    assert folders(cache) == []
+
+
+def test_a_second_process_converts_while_the_first_writes(qwen, cache, monkeypatch):
+    """Process A has written layer 0 into its temporary folder and waits; this process starts meanwhile: it
+    finds no cache (A's folder is left alone: A lives), converts and publishes its own; A's rename then loses
+    and A removes its folder, with no warning. The cache left reads back what this process converted."""
+    child = run_python("""
+        import sys, torch
+        from hybrid.offload import packed_cache as pc
+        from hybrid.offload.build import load_hybrid
+        from hybrid.offload.config import HybridConfig
+        real = pc.PackedCache._write_layer
+
+        def held(self, layer, *a):
+            if layer == 1:  # layer 0 is on disk
+                print("held", flush=True)
+                sys.stdin.readline()
+            return real(self, layer, *a)
+        pc.PackedCache._write_layer = held
+        load_hybrid(sys.argv[1], "cpu", torch.float32,
+                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
+    """, qwen)
+    try:
+        assert child.stdout.readline() == "held\n"
+        (theirs,) = temporaries(cache, child.pid)
+        assert (theirs / "layer-0.bin").is_file() and pc.list_caches(cache) == []
+        calls = count_conversions(monkeypatch)
+        ours = load(qwen, "int8")
+        assert len(calls) == 6 and theirs.is_dir()  # converted; A's live folder was not taken for stale
+        child.stdin.write("\n")
+        child.stdin.flush()
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0 and "not written" not in err, err
+    assert temporaries(cache) == [] and len(pc.list_caches(cache)) == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("HYBRID_CACHE", str(cache.parent))
+    no_conversion(monkeypatch)
+    hit = load(qwen, "int8")
+    assert all(same_bytes(a, b) for a, b in zip(ours.layers, hit.layers))

@@ -814,4 +814,7 @@ MUTATIONS = [
     M("packed cache from disk: the faster of read and copy counted", "upload + max(copy, packed_bytes / f.disk_read_bw)", "upload + min(copy, packed_bytes / f.disk_read_bw)", ["tests/test_load_time.py"]),
     M("built-in profile's pack rate taken as measured", "if rate is None or not measured:", "if rate is None:", ["tests/test_load_time.py"]),
     M("layers past the model counted in the checkpoint's bytes", "if layer and int(layer.group(1)) >= num_layers:", "if layer and int(layer.group(1)) > num_layers:", ["tests/test_load_time.py"]),
+    M("packed cache: exit does not finish the background write", "atexit.register(_finish_at_exit)", "atexit.register(lambda: None)", ["tests/test_packed_cache.py"]),
+    M("packed cache: a hit drops the files' page cache", "state = data = None\n    mm.close()", "state = data = None\n    mm.close() or os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)", ["tests/test_packed_cache.py"]),
+    M("packed cache: stale sweep takes a live writer's folder", "parts[2].isdigit() and not _pid_alive(int(parts[2]))", "parts[2].isdigit() and _pid_alive(int(parts[2])) is not None", ["tests/test_packed_cache.py"]),
 ]

@@ -118,12 +118,14 @@ def run(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
                        description="Measures DRAM read bandwidth, the CPU expert throughput C_C(m) of every "
-                       "CPU backend present (compiled kernels per ISA, torch) at an expert shape, and, with "
+                       "CPU backend present (compiled kernels per ISA, torch) at an expert shape, the load speeds "
+                       "(the expert packer per CPU dtype, the packed cache's copy-back, the cache folder's disk: "
+                       "`hybrid plan`'s load time) and, with "
                        "CUDA, the pinned link (alpha + bytes/B_L), HBM bandwidth, GPU expert throughput and the "
                        "hybrid layer's fixed costs. Writes a JSON profile the cost model reads (DESIGN.md, "
-                       "'Cost model'). Quick by default (tens of seconds on a CPU box); --full measures more "
-                       "token counts and larger sizes (about 10 minutes). Each step prints a line with the "
-                       "elapsed time.")
+                       "'Cost model'). Quick by default (tens of seconds on a CPU box; the disk probe writes 256 MiB "
+                       "and is skipped when that takes over 3 s); --full measures more token counts and larger "
+                       "sizes (about 10 minutes). Each step prints a line with the elapsed time.")
     add_shape_args(p)
     p.add_argument("--experts", type=int, default=8, help="experts per measurement (weights >> cache); default 8")
     p.add_argument("--backends", help="comma-separated CPU backends to measure (default: all present)")

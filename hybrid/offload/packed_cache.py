@@ -8,21 +8,33 @@ folder, every safetensors file's name, size and mtime_ns, config.json's bytes), 
 (cpu_kernels.moe.packed_layout: CPU dtype, int4 group, ISA, int4 order, K padding, row alignment, the NUMA nodes'
 F slices, the packing format) and this module's FORMAT. Another machine, ISA, thread split or dtype is another key.
 
-Writing: a temporary folder beside the others, each layer's file written and fsynced as its layer is packed, the
-manifest last (every file's size and a sampled hash, and a checksum of the manifest itself), then one rename, so
-a cache folder is complete or absent. The free space is checked first; any write error (a full disk, a read-only
-folder) drops the temporary folder and the load goes on without a cache, after a one-line warning.
+Writing happens in the background, so that a cache never makes a load slower: each layer's packed bytes (views
+of the executor's buffers, which nothing writes after packing: no copy) are kept until the last layer is packed,
+then one writer thread writes them into a temporary folder beside the others (sequentially, in 64 MiB pieces, at a
+lower CPU and I/O priority than the model's threads, each file fsynced), the manifest (every file's size and a
+sampled hash, and a checksum of the manifest itself), then one rename, so a cache folder is complete or absent.
+The load returns without waiting, and its packing never shares the cores with the writer. The writer owns its
+temporary folder: it checks the free space first, and any error (a full disk, a read-only folder) removes the
+folder and gives up with a one-line warning (the running model never depends on the cache); a load that fails
+before its last layer writes nothing. At interpreter exit a write still going is waited for (one line says so;
+Ctrl-C stops it), so a one-shot `hybrid generate` leaves a complete cache; a killed process leaves a temporary
+folder that a later load removes once its process is gone (remove_stale_temporaries). A second process that
+starts meanwhile finds no cache folder yet and converts (it never reads a temporary folder); of two writers of
+one key, the first rename wins and the other removes its own folder.
 
 Reading: before the first layer the manifest's checksum, format and key, and every file's size and sampled hash
 are checked; anything off removes the folder and this load rebuilds it. Each layer's file is memory-mapped and
 copied into the executor's node-local buffers by each node's own threads (CpuMoE.from_packed: no conversion, the
-first touch stays on the node, huge pages stay possible), then its page cache is dropped, so DRAM does not hold
-the experts twice. A sampled hash reads 64 windows of 4 KiB a file, not the whole file: with the exact sizes it
-finds truncation and gross damage cheaply, not every flipped bit of a large file.
+first touch stays on the node, huge pages stay possible). The files' page cache is kept, after writing as after
+reading: it is reclaimable (the kernel evicts clean file pages under memory pressure, so it never makes an OOM),
+and where the machine has the memory the next start copies from it at memory speed instead of the disk's rate.
+A sampled hash reads 64 windows of 4 KiB a file, not the whole file: with the exact sizes it finds truncation and
+gross damage cheaply, not every flipped bit of a large file.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -31,6 +43,8 @@ import mmap
 import os
 import secrets
 import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +58,10 @@ ALIGN = 4096  # each part of a layer's file starts on a page
 MANIFEST, LAST_USED = "manifest.json", "last_used"
 _SAMPLES, _WINDOW = 64, 4096
 _NOT_WRITTEN = "this load goes on without it (set HYBRID_CACHE to another folder, or pass --no-cache)"
+_PIECE = 64 << 20  # the writer's write size: a cancel is seen between pieces
+_WRITER_NICE = 10  # the writer thread's niceness above the process's (Linux: its I/O priority follows it)
+_WRITERS: set = set()  # the caches whose writer thread runs (wait_for_writers, the wait at exit)
+_WRITERS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -51,13 +69,16 @@ class LoadTimes:
     """Where a hybrid load's seconds went, for the line it ends with. read: everything but the rest (the loader
     reading the checkpoint and de-quantizing what it converts, the non-expert weights' copy to the device);
     convert: packing (and quantizing) experts for the CPU executor; upload: the hybrid layers' device work
-    (page-locking the packed bytes, biases, resident experts); cache: writing or reading the packed cache."""
+    (page-locking the packed bytes, biases, resident experts); cache: checking and reading the packed cache, and
+    handing layers to its background writer (cache_bytes: bytes read from it; cache_writing: bytes handed to the
+    writer, whose seconds the load does not wait for)."""
 
     total_s: float = 0.0
     convert_s: float = 0.0
     upload_s: float = 0.0
     cache_s: float = 0.0
     cache_bytes: int = 0
+    cache_writing: int = 0
 
     @property
     def read_s(self) -> float:
@@ -65,9 +86,13 @@ class LoadTimes:
 
     def line(self) -> str:
         rate = self.cache_bytes / self.cache_s / 1e9 if self.cache_s > 0 else 0.0
+        what = []
+        if self.cache_bytes or not self.cache_writing:
+            what.append(f"{self.cache_bytes / 1e9:.2f} GB at {rate:.2f} GB/s")
+        if self.cache_writing:
+            what.append(f"{self.cache_writing / 1e9:.2f} GB writing in the background")
         return (f"loaded in {self.total_s:.1f} s: read {self.read_s:.1f} s, convert {self.convert_s:.1f} s, "
-                f"upload {self.upload_s:.1f} s, cache {self.cache_s:.1f} s "
-                f"({self.cache_bytes / 1e9:.2f} GB at {rate:.2f} GB/s)")
+                f"upload {self.upload_s:.1f} s, cache {self.cache_s:.1f} s ({', '.join(what)})")
 
 
 def cache_root() -> Path:
@@ -117,13 +142,6 @@ def _file_hash(path: Path) -> tuple[int, str]:
             return size, sampled_hash(mm, size)
 
 
-def _drop_page_cache(fd: int) -> None:
-    """The file's pages leave the page cache (they are clean): the executor's buffers are the one copy."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def _checksum(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -160,7 +178,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(root: Path) -> None:
-    """Temporary folders of loads that died before their rename (their process is gone)."""
+    """Temporary folders of loads that died before their rename (their process is gone). A folder of a live
+    process, this one's writer or another's, is left to its writer, which renames or removes it."""
     for d in root.glob(".tmp-*") if root.is_dir() else ():
         parts = d.name.split("-")
         if len(parts) == 4 and parts[2].isdigit() and not _pid_alive(int(parts[2])):
@@ -169,7 +188,8 @@ def remove_stale_temporaries(root: Path) -> None:
 
 class PackedCache:
     """One load's side of the packed cache of its key: a complete, checked cache to read every layer from, or
-    none (absent, or found bad and removed) to write as the layers are packed. Seconds and bytes go to `times`."""
+    none (absent, or found bad and removed) for a writer thread to write as the layers are packed (store, commit,
+    close; wait). Seconds and bytes go to `times`."""
 
     def __init__(self, root: Path, key: str, identity: dict, layout: dict, layers: list[int], times: LoadTimes):
         self.root, self.key, self.identity, self.layout = root, key, identity, layout
@@ -179,7 +199,13 @@ class PackedCache:
         self._tmp: Path | None = None  # the folder being written
         self._written: dict[str, dict] = {}  # layer -> its manifest entry
         self._loaded: dict[int, object] = {}  # layer -> executor read from the cache (a rebuild writes them)
-        self._off = False  # writing gave up (no space, an error): the load goes on without the cache
+        self._off = False  # writing gave up (no space, an error) or is over: nothing more is stored
+        self._pending: list[tuple] = []  # (layer, packed state, parts, shape) for the writer, in load order
+        self._need = 0  # bytes the whole cache takes (the free-space check)
+        self._writer: threading.Thread | None = None  # the background write, started by commit
+        self._cancel = threading.Event()  # Ctrl-C at exit: the writer stops and removes its folder
+        self._over = threading.Event()  # the writer is done, its folder renamed or removed
+        self._queued = self._done = 0  # bytes handed to the writer, bytes it wrote
 
     @classmethod
     def open(cls, model_dir, layout: dict, layers, times: LoadTimes) -> "PackedCache | None":
@@ -199,7 +225,8 @@ class PackedCache:
                 cache._discard(str(exc))
             except (KeyError, TypeError, AttributeError) as exc:  # a well-formed checksum over a foreign body
                 cache._discard(f"manifest malformed ({type(exc).__name__}: {exc})")
-        log.info("packed cache %s: %s", cache.key, "hit" if cache.manifest else "miss (written as the layers pack)")
+        log.info("packed cache %s: %s", cache.key,
+                 "hit" if cache.manifest else "miss (written in the background as the layers pack)")
         times.cache_s += time.perf_counter() - t0
         return cache
 
@@ -265,7 +292,7 @@ class PackedCache:
 
     def _read_layer(self, entry: dict, **kwargs):
         """CpuMoE.from_packed over the layer's file, memory-mapped copy-on-write (never written: read-only files
-        work); the views die with the mapping, and the file's page cache is dropped after the copy."""
+        work); the views die with the mapping. The file's pages stay in the page cache for the next start."""
         from cpu_kernels import CpuMoE
 
         with open(self.folder / entry["file"], "rb") as f:
@@ -281,7 +308,6 @@ class PackedCache:
             finally:
                 state = data = None
                 mm.close()
-                _drop_page_cache(f.fileno())
 
     def _rebuild(self, why: str) -> None:
         """A layer's bytes failed after the checks passed: drop the cache and write it again, starting with the
@@ -292,8 +318,8 @@ class PackedCache:
 
     # -- writing ----------------------------------------------------------------------------------
     def store(self, layer: int, moe) -> None:
-        """Write the layer's packed bytes into the temporary folder (checked for space at the first layer);
-        an error gives up writing with one warning line."""
+        """Keep the layer's packed bytes (views of the executor's buffers, which stay as packed: no copy) for the
+        writer thread that commit starts; the load neither writes nor waits for the disk."""
         if self.manifest is not None or self._off:
             return
         t0 = time.perf_counter()
@@ -302,14 +328,43 @@ class PackedCache:
         for name, t in state.items():
             parts[name] = [off, t.numel()]
             off = -(-(off + t.numel()) // ALIGN) * ALIGN
+        self._need = self._need or off * len(self.layers)
+        size = max(o + n for o, n in parts.values())
+        self._queued += size
+        self._pending.append((layer, state, parts, [moe.E, moe.F, moe.D]))
+        self.times.cache_writing += size
+        self.times.cache_s += time.perf_counter() - t0
+
+    def _write(self) -> None:
+        """The writer thread: the temporary folder (if the disk has room), each layer's file, the manifest and
+        the rename. It owns the temporary folder: an error (one warning) or a cancel removes it."""
+        t0 = time.perf_counter()
+        with contextlib.suppress(AttributeError, OSError):  # the model's threads come first, for CPU and I/O
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _WRITER_NICE))
         try:
-            if self._tmp is None:
-                self._start(off * len(self.layers))
-            if self._tmp is not None:
-                self._write_layer(layer, moe, state, parts)
+            self._start(self._need)
+            for layer, state, parts, shape in self._pending:
+                if self._tmp is None or self._cancel.is_set():
+                    break
+                self._write_layer(layer, state, parts, shape)
+            state = None  # the executors' buffers are let go here, not while the interpreter exits
+            if self._tmp is not None and not self._cancel.is_set():
+                self._publish()
+                log.info("packed cache %s: written in the background (%.2f GB in %.1f s)", self.key,
+                         self._done / 1e9, time.perf_counter() - t0)
         except OSError as exc:
             self._give_up(f"not written ({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''})")
-        self.times.cache_s += time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - the background write never takes the model down
+            self._give_up(f"not written (unexpected {type(exc).__name__})")
+            log.debug("packed cache %s: the writer failed", self.key, exc_info=True)
+        finally:
+            self._off = True
+            self._remove_tmp()  # a cancelled or failed write's folder; none after the rename
+            self._pending = []  # let go of the executors' buffers
+            with _WRITERS_LOCK:
+                _WRITERS.discard(self)
+            self._over.set()
 
     def _start(self, need: int) -> None:
         """The temporary folder, if the disk has room for every layer (and a margin)."""
@@ -322,21 +377,25 @@ class PackedCache:
         tmp.mkdir()
         self._tmp = tmp
 
-    def _write_layer(self, layer: int, moe, state: dict, parts: dict) -> None:
+    def _write_layer(self, layer: int, state: dict, parts: dict, shape: list) -> None:
+        """One layer's file: its parts at their offsets, written in pieces (stop() is seen between two), fsynced;
+        its pages stay in the page cache for the next start."""
         name = f"layer-{layer}.bin"
         path = self._tmp / name
         with open(path, "wb") as f:
             for part, t in state.items():
                 f.seek(parts[part][0])
-                f.write(memoryview(t.numpy()))
+                data = memoryview(t.numpy())
+                for at in range(0, len(data), _PIECE):
+                    if self._cancel.is_set():
+                        return
+                    f.write(data[at:at + _PIECE])
+                    self._done += min(_PIECE, len(data) - at)
             f.truncate(max(off + n for off, n in parts.values()))
             f.flush()
             os.fsync(f.fileno())
-            _drop_page_cache(f.fileno())
         size, digest = _file_hash(path)
-        self._written[str(layer)] = dict(file=name, size=size, hash=digest, parts=parts,
-                                         shape=[moe.E, moe.F, moe.D])
-        self.times.cache_bytes += size
+        self._written[str(layer)] = dict(file=name, size=size, hash=digest, parts=parts, shape=shape)
 
     def _give_up(self, why: str) -> None:
         log.warning("packed cache %s: %s; %s", self.key, why, _NOT_WRITTEN)
@@ -349,18 +408,16 @@ class PackedCache:
             self._tmp = None
 
     def commit(self) -> None:
-        """After the last layer: the manifest, then the rename that makes the cache exist. A cache read from
-        is marked used instead."""
-        t0 = time.perf_counter()
-        try:
-            if self.manifest is not None:
-                with contextlib.suppress(OSError):
-                    (self.folder / LAST_USED).touch()
-            elif self._tmp is not None and not self._off:
-                self._publish()
-        except OSError as exc:
-            self._give_up(f"not written ({exc.strerror or exc})")
-        self.times.cache_s += time.perf_counter() - t0
+        """After the last layer: the writer thread starts on the layers stored (the load does not wait for it;
+        see wait and the wait at exit); a cache read from is marked used instead."""
+        if self.manifest is not None:
+            with contextlib.suppress(OSError):
+                (self.folder / LAST_USED).touch()
+        elif self._pending and not self._off and self._writer is None:
+            self._writer = threading.Thread(target=self._write, daemon=True, name=f"packed-cache-{self.key[:8]}")
+            with _WRITERS_LOCK:
+                _WRITERS.add(self)
+            self._writer.start()
 
     def _publish(self) -> None:
         if sorted(int(i) for i in self._written) != sorted(self.layers):
@@ -393,8 +450,59 @@ class PackedCache:
                 log.info("packed cache %s: removed (superseded by %s)", info.key, self.key)
 
     def close(self) -> None:
-        """After the load, whatever happened: an unpublished temporary folder is removed."""
-        self._remove_tmp()
+        """After the load, whatever happened: a load that failed before commit wrote nothing, and its layers'
+        bytes are let go; a committed write goes on in the background."""
+        if self._writer is None:
+            self._pending = []
+
+    def stop(self) -> None:
+        """The writer stops at its next 64 MiB and removes its temporary folder (Ctrl-C while waiting at exit)."""
+        self._cancel.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the background write is over (published, given up or stopped); whether it is. An event, not
+        Thread.join: a join that Ctrl-C interrupts takes the thread for finished (Python 3.11) and the
+        exit would cut the writer off before it removes its folder."""
+        if self._writer is None:
+            return True
+        if self._over.wait(timeout):
+            self._writer.join()  # its last steps: a daemon thread cut off at exit inside torch code aborts
+            return True
+        return False
+
+    @property
+    def writing(self) -> int:
+        """Bytes handed to the writer and not yet written."""
+        return max(0, self._queued - self._done) if self._writer is not None and not self._over.is_set() else 0
+
+
+def wait_for_writers(timeout: float | None = None) -> bool:
+    """Until every background write of this process is over; whether they are (False: timeout passed)."""
+    with _WRITERS_LOCK:
+        running = list(_WRITERS)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return all([c.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for c in running])
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: a cache still being written is finished (one line says so), so a one-shot command
+    leaves it complete; Ctrl-C meanwhile stops it (its writer removes the temporary folder)."""
+    with _WRITERS_LOCK:
+        running = list(_WRITERS)
+    if not running:
+        return
+    left = sum(c.writing for c in running)
+    print(f"finishing the packed cache ({left / 1e9:.2f} GB left to write; Ctrl-C skips it)…", file=sys.stderr,
+          flush=True)
+    try:
+        wait_for_writers()
+    except KeyboardInterrupt:
+        for c in running:
+            c.stop()
+        wait_for_writers()
+
+
+atexit.register(_finish_at_exit)
 
 
 def open_for_load(model_dir, cfg, offload, times: LoadTimes) -> PackedCache | None:
