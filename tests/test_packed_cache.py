@@ -103,6 +103,15 @@ def no_conversion(monkeypatch):
     monkeypatch.setattr(CpuMoE, "_mat", refuse)
 
 
+def assert_restart_hits(monkeypatch, cache, path, ref, cpu_dtype="int8"):
+    """With the test's patches undone, a new load of `path` converts nothing and holds `ref`'s packed bytes."""
+    monkeypatch.undo()
+    monkeypatch.setenv("HYBRID_CACHE", str(cache.parent))
+    no_conversion(monkeypatch)
+    hit = load(path, cpu_dtype)
+    assert all(same_bytes(a, b) for a, b in zip(ref.layers, hit.layers))
+
+
 def count_conversions(monkeypatch) -> list:
     calls, real = [], CpuMoE._mat
     monkeypatch.setattr(CpuMoE, "_mat", lambda self, *a: calls.append(1) or real(self, *a))
@@ -422,11 +431,7 @@ def test_load_returns_before_the_writer_finishes(qwen, cache, monkeypatch):
         release.set()
     assert pc.wait_for_writers(timeout=120)
     assert temporaries(cache) == [] and len(pc.list_caches(cache)) == 1
-    monkeypatch.undo()
-    monkeypatch.setenv("HYBRID_CACHE", str(cache.parent))
-    no_conversion(monkeypatch)
-    second = load(qwen, "int8")
-    assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
+    assert_restart_hits(monkeypatch, cache, qwen, first)
 
 
 def test_a_failed_load_writes_nothing(qwen, cache, monkeypatch, caplog):
@@ -599,8 +604,4 @@ def test_a_second_process_converts_while_the_first_writes(qwen, cache, monkeypat
             child.wait()
     assert child.returncode == 0 and "not written" not in err, err
     assert temporaries(cache) == [] and len(pc.list_caches(cache)) == 1
-    monkeypatch.undo()
-    monkeypatch.setenv("HYBRID_CACHE", str(cache.parent))
-    no_conversion(monkeypatch)
-    hit = load(qwen, "int8")
-    assert all(same_bytes(a, b) for a, b in zip(ours.layers, hit.layers))
+    assert_restart_hits(monkeypatch, cache, qwen, ours)

@@ -13,19 +13,9 @@ PROFILE = "ktransformers-paper-amx"
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    import contextlib
-    import io
+    from tiny_models import demo_shaped_checkpoint
 
-    from hybrid.models.presets import hf_config
-    from hybrid.models.writer import write_random_checkpoint
-    from hybrid.runtime.demo import build_tokenizer
-
-    cfg = hf_config("demo")
-    cfg.update(vocab_size=256, num_hidden_layers=2, eos_token_id=None, pad_token_id=None)
-    path = write_random_checkpoint(tmp_path_factory.mktemp("pc") / "ckpt", cfg, seed=4, std=0.1)
-    with contextlib.redirect_stdout(io.StringIO()):  # building the tokenizer prints the Zen of Python
-        build_tokenizer(path, vocab_size=256)
-    return path
+    return demo_shaped_checkpoint(tmp_path_factory.mktemp("pc") / "ckpt", seed=4)
 
 
 def plan_json(capsys, *argv):

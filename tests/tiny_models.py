@@ -353,3 +353,22 @@ def eager_and_graph_tokens(model, prompts):
     graphs, eng = generated_tokens(model, prompts, False)
     assert eng.graphs is not None and eng.graphs.graphs  # really captured
     return eager, graphs, eng
+
+
+def demo_shaped_checkpoint(path: Path, seed: int) -> Path:
+    """The demo's architecture cut to 2 layers and a 256-token vocabulary (random weights, std 0.1) with the
+    demo's byte-level BPE tokenizer at that size: a small checkpoint the CLI and planner tests load whole."""
+    import contextlib
+    import io
+
+    from hybrid.models.presets import hf_config
+    from hybrid.models.writer import write_random_checkpoint
+    from hybrid.runtime.demo import build_tokenizer
+
+    cfg = hf_config("demo")
+    cfg.update(vocab_size=VOCAB, num_hidden_layers=2, eos_token_id=None, pad_token_id=None)
+    path = write_random_checkpoint(path, cfg, seed=seed, std=0.1)
+    with contextlib.redirect_stdout(io.StringIO()):  # building the tokenizer prints the Zen of Python
+        build_tokenizer(path, vocab_size=VOCAB)
+    return path
+

@@ -165,10 +165,8 @@ def _chat_parsing(runtime, plan: tool_calls.ToolPlan, prompt: list[int]) -> Chat
 
 async def _forcing_sampling(state: ServerState, req: GenerationRequest, parsing: ChatParsing, prompt: list[int]):
     """tool_choice "required" / named: the request's sampling with the grammar of the model's call format
-    (tool_grammar.forced_grammar; unchanged where the model cannot be forced); 400 beside a response_format."""
-    if req.sampling.grammar is not None:
-        raise bad_request("response_format and tool_choice \"required\" or a named function cannot both constrain "
-                          "the output; send one of them", param="tool_choice")
+    (tool_grammar.forced_grammar; unchanged where the model cannot be forced). A request that also carries a
+    constraint of its own was refused when it was parsed (schemas.parse_request)."""
     job = functools.partial(tool_grammar.forced_grammar, state.runtime, parsing.plan, parsing.reasoning,
                             parsing.opened, prompt)
     try:
