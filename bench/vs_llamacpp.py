@@ -8,7 +8,8 @@ writes a table, JSON and a bar plot with the ratios. Cases (12-layer Qwen3-30B-A
     bf16    every expert in DRAM, bf16            llama: bf16 GGUF, -ot exps=CPU     hybrid: --resident 0
     int8    every expert in DRAM, 8-bit           llama: Q8_0 GGUF, -ot exps=CPU     hybrid: --cpu-dtype int8
     quarter a quarter of the experts in VRAM      llama: bf16 GGUF, -ncmoe 3L/4      hybrid: --resident E/4
-    int4    every expert in DRAM, 4-bit (ours only: no llama.cpp GGUF counterpart is made for it)
+    int4    every expert in DRAM, 4-bit           llama: each --gguf-q4 file (Q4_0, Q4_K_M, ...; the fastest is the
+                                                  ratio's yardstick), -ot exps=CPU           hybrid: --cpu-dtype int4
     quarter-layers (not run by default) the quarter as whole layers on both sides: hybrid --resident-layers L/4
 
 The expert VRAM matches in `quarter` (a quarter of all expert bytes) but not its layout: llama.cpp keeps whole
@@ -150,6 +151,9 @@ def main(argv=None) -> int:
     p.add_argument("--llama-bench", help="path of a llama-bench binary (required unless --summarize)")
     p.add_argument("--gguf-bf16", help="bf16 GGUF of the shape (required unless --summarize)")
     p.add_argument("--gguf-q8", help="Q8_0 GGUF of the same shape (the int8 case)")
+    p.add_argument("--gguf-q4", nargs="+", default=[], metavar="GGUF",
+                   help="4-bit GGUFs of the same shape for the int4 case (llama-quantize's Q4_0, Q4_K_M, ...); the "
+                        "ratio is against the fastest of them")
     p.add_argument("--profile", help="hardware profile for bench.hybrid_e2e (required unless --summarize)")
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=12)
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
     quarter_llama = (args.gguf_bf16, ["-ncmoe", str(ncmoe)])
     llama_for = {"bf16": (args.gguf_bf16, ["-ot", "exps=CPU"]), "quarter": quarter_llama,
                  "quarter-layers": quarter_llama,
-                 "int8": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None, "int4": None}
+                 "int8": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None,
+                 "int4": [(g, ["-ot", "exps=CPU"]) for g in args.gguf_q4] or None}
     none = ["--resident", "0"]
     ours_for = {"bf16": ("bf16", none), "int8": ("int8", none), "int4": ("int4", none),
                 "quarter": ("bf16", ["--resident", str(args.experts // 4)]),
@@ -186,9 +191,15 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         row = dict(case=case)
-        if llama_for[case]:
-            gguf, placement = llama_for[case]
-            row["llama"] = run_llama(args.llama_bench, gguf, placement, args.threads, args.reps)
+        runs = llama_for[case]
+        if runs:
+            variants = [run_llama(args.llama_bench, g, pl, args.threads, args.reps)
+                        for g, pl in (runs if isinstance(runs, list) else [runs])]
+            for v, (g, _) in zip(variants, runs if isinstance(runs, list) else [runs]):
+                v["gguf"] = g
+            row["llama"] = max(variants, key=lambda v: v["tok_s"])  # the yardstick: llama.cpp's best file
+            if len(variants) > 1:
+                row["llama_variants"] = variants
         row["hybrid"] = run_hybrid(args, *ours_for[case])
         if row.get("llama"):
             row["ratio"] = row["hybrid"]["tok_s"] / row["llama"]["tok_s"]
@@ -222,6 +233,12 @@ def main(argv=None) -> int:
                       f"{pct(h.get('b1_cold_reused_from_last_step'))} | "
                       f"{pct(h.get('b8_of_roofline'))} ({pct(h.get('b8_of_llc_roofline'))}) | "
                       f"{pct(h.get('b1_of_roofline_after'))} / {pct(h.get('b8_of_roofline_after'))} |")
+    for r in rows:
+        if r.get("llama_variants"):  # several llama.cpp files for one case: each one's speed under the table
+            lines.append("")
+            lines.append(f"{r['case']}: llama.cpp " + ", ".join(
+                f"{Path(v['gguf']).name} {v['tok_s']:.1f} ± {v['stddev']:.1f}" for v in r["llama_variants"])
+                + f" tok/s; the ratio is against {Path(r['llama']['gguf']).name}")
     (out / "vs_llamacpp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, out / "vs_llamacpp.png")

@@ -125,13 +125,13 @@ def test_vs_llamacpp_table_and_ratio(tmp_path):
     assert (out / "vs_llamacpp.png").stat().st_size > 0
 
 
-def _vs_main(tmp_path, monkeypatch, cases, hybrid_row=None, layers=12, experts=128):
+def _vs_main(tmp_path, monkeypatch, cases, hybrid_row=None, layers=12, experts=128, extra=(), llama_tok_s=None):
     """vs_llamacpp.main with both runs stubbed: the calls it makes, and the table it writes."""
     calls = []
 
     def llama(binary, gguf, placement, threads, reps):
         calls.append(("llama", gguf, placement))
-        return dict(tok_s=10.0, stddev=0.5, cmd="")
+        return dict(tok_s=(llama_tok_s or {}).get(gguf, 10.0), stddev=0.5, cmd="")
 
     def hybrid(args, cpu_dtype, placement, extra_env=None):
         calls.append(("hybrid", cpu_dtype, placement))
@@ -142,7 +142,8 @@ def _vs_main(tmp_path, monkeypatch, cases, hybrid_row=None, layers=12, experts=1
     monkeypatch.setattr(vs_llamacpp, "plot", lambda rows, path: None)
     out = tmp_path / "vs"
     assert vs_llamacpp.main(["--llama-bench", "llama-bench", "--gguf-bf16", "b.gguf", "--profile", "p", "--layers",
-                             str(layers), "--experts", str(experts), "--cases", cases, "--out", str(out)]) == 0
+                             str(layers), "--experts", str(experts), "--cases", cases, "--out", str(out),
+                             *extra]) == 0
     return calls, (out / "vs_llamacpp.md").read_text().splitlines()
 
 
@@ -152,6 +153,17 @@ def test_vs_llamacpp_quarter_keeps_a_quarter_of_the_experts_in_vram_on_both_side
     # hybrid keeps 32 of each layer's 128 experts resident
     assert calls == [("llama", "b.gguf", ["-ot", "exps=CPU"]), ("hybrid", "bf16", ["--resident", "0"]),
                      ("llama", "b.gguf", ["-ncmoe", "9"]), ("hybrid", "bf16", ["--resident", "32"])]
+
+
+def test_vs_llamacpp_int4_runs_every_4bit_gguf_and_takes_the_fastest_as_yardstick(tmp_path, monkeypatch):
+    calls, lines = _vs_main(tmp_path, monkeypatch, "int4", extra=["--gguf-q4", "q4_0.gguf", "q4_k_m.gguf"],
+                            llama_tok_s={"q4_0.gguf": 8.0, "q4_k_m.gguf": 5.0})
+    assert calls == [("llama", "q4_0.gguf", ["-ot", "exps=CPU"]), ("llama", "q4_k_m.gguf", ["-ot", "exps=CPU"]),
+                     ("hybrid", "int4", ["--resident", "0"])]
+    assert any(l.startswith("| int4 | 8.0 ± 0.5 | 20.0 | 2.50x |") for l in lines)
+    assert "int4: llama.cpp q4_0.gguf 8.0 ± 0.5, q4_k_m.gguf 5.0 ± 0.5 tok/s; the ratio is against q4_0.gguf" in lines
+    calls, lines = _vs_main(tmp_path, monkeypatch, "int4")  # no 4-bit GGUF: ours alone
+    assert calls == [("hybrid", "int4", ["--resident", "0"])] and any(l.startswith("| int4 | - | 20.0 | - |") for l in lines)
 
 
 def test_vs_llamacpp_quarter_layers_is_llama_cpps_layout_on_both_sides(tmp_path, monkeypatch):
