@@ -206,7 +206,8 @@ def decode_step_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, reside
     The step attends the whole cache (decode graphs' shapes are fixed at capture, so they read all
     max_context positions whatever the sequence length), plus the measured per-layer graph floor."""
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
-    t = non_expert_step_time(cfg, hw, rows, s.max_context, s.gpu_dtype_bytes, weight_bytes=gpu_read_bytes(cfg, s))
+    t = non_expert_step_time(cfg, hw, rows, s.max_context, s.gpu_dtype_bytes, weight_bytes=gpu_read_bytes(cfg, s),
+                             kv_value_bytes=kv_value_bytes(s.kv_dtype, s.gpu_dtype_bytes))
     t += decode_floor(cfg, hw)
     return t + sum(decode_layer_time(cpu_shape, gpu_shape, hw, sh, res, rows) for sh, res in zip(shares, resident))
 
@@ -229,7 +230,8 @@ def prefill_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, 
     sched = LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk)
     gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
     t = non_expert_step_time(cfg, hw, tokens, max(1, tokens // 2), s.gpu_dtype_bytes, prefill=True,
-                             weight_bytes=gpu_read_bytes(cfg, s))
+                             weight_bytes=gpu_read_bytes(cfg, s),
+                             kv_value_bytes=kv_value_bytes(s.kv_dtype, s.gpu_dtype_bytes))
     return t + sum(prefill_layer_time(sched, gpu_sched, sh, res, tokens) for sh, res in zip(shares, resident))
 
 

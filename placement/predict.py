@@ -108,17 +108,18 @@ def prefill_layer_time(scheduler: LayerScheduler, gpu_sched: LayerScheduler, sha
 
 
 def non_expert_step_time(cfg, hw: HardwareProfile, rows: int, context: int, gb: int, prefill: bool = False,
-                         weight_bytes: float | None = None) -> float:
+                         weight_bytes: float | None = None, kv_value_bytes: int | None = None) -> float:
     """GPU seconds of everything but the routed experts for `rows` tokens that each attend `context`
     positions: the weight read or the FLOPs, whichever is larger, plus attention. Decode: every row reads
     its own K/V (bandwidth-bound). Prefill: the rows share one pass over K/V (fused attention tiles the
     queries), so the causal scores' FLOPs dominate. The embedding table is gathered, not read whole.
     weight_bytes: the bytes those weights hold on the GPU when some are quantized (placement.memory
-    non_expert_bytes without the embedding); default every one in `gb` bytes."""
+    non_expert_bytes without the embedding); default every one in `gb` bytes. kv_value_bytes: the bytes of one
+    cached value (placement.memory.kv_value_bytes: 1 for an fp8 KV cache); default `gb`."""
     params = cfg.param_counts()["non_expert"] - cfg.vocab_size * cfg.hidden_size
     read = params * gb if weight_bytes is None else weight_bytes
     weights = max(2.0 * rows * params / hw.gpu_flops, read / hw.hbm_bw)
-    kv_bytes = context * cfg.kv_values_per_token * gb  # the attention kind's cache (MLA: latent + rope key)
+    kv_bytes = context * cfg.kv_values_per_token * (gb if kv_value_bytes is None else kv_value_bytes)  # the attention kind's cache (MLA: latent + rope key)
     kv_read = (1 if prefill else rows) * kv_bytes / hw.hbm_bw
     attn_flops = rows * context * cfg.attention_flops_per_key(prefill) * cfg.num_layers / hw.gpu_flops
     return weights + max(kv_read, attn_flops)

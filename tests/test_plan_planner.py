@@ -185,6 +185,25 @@ def test_non_expert_time_by_hand():
     assert dec - pre == pytest.approx(7 * kv)
     big = model_cfg(vocab_size=CFG.vocab_size + 100)
     assert non_expert_step_time(big, hw, 8, 100, 2, prefill=True) - pre == pytest.approx(100 * 256 * 2 / 1e12)
+    # an fp8 KV cache: each row reads one byte a cached value, not the compute dtype's two
+    assert dec - non_expert_step_time(CFG, hw, 8, 100, 2, kv_value_bytes=1) == pytest.approx(8 * kv / 2)
+
+
+def test_decode_step_prices_the_kv_cache_in_its_own_dtype():
+    """The planner's decode step under --kv-dtype fp8 reads half the KV bytes of bf16's: the difference is exactly
+    half the bf16 cache read of every row, at the graphs' whole context."""
+    import numpy as np
+
+    from placement.memory import MemorySettings
+    from placement.planner import decode_step_time
+
+    hw = replace(HW, gpu_flops=1e30)
+    L, E = len(CFG.moe_layer_indices), CFG.num_experts
+    shares, resident = np.full((L, E), 1.0 / E), np.zeros((L, E), dtype=bool)
+    s = MemorySettings(max_batch=4, max_context=4096)
+    bf16 = decode_step_time(CFG, hw, s, shares, resident, rows=4)
+    fp8 = decode_step_time(CFG, hw, replace(s, kv_dtype="fp8"), shares, resident, rows=4)
+    assert bf16 - fp8 == pytest.approx(4 * 4096 * CFG.kv_values_per_token * 1 / hw.hbm_bw)
 
 
 def test_graph_floor_model_builds_and_decodes_on_the_cpu():
