@@ -60,38 +60,94 @@ def _say_vector_only(dtype: str, isa: str) -> None:
                 "the AMX tiles)", dtype, isa)
 
 
+def _block_range(key, shape, what: str):
+    """A block source's key (ranges over [E, R, K]) -> (experts, rows, blocks) slices; K on 32-value blocks."""
+    key = key if isinstance(key, tuple) else (key,)
+    key = key + (slice(None),) * (3 - len(key))
+    if not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
+        raise TypeError(f"{what} weights slice by ranges only")
+    se, sr, sk = key
+    k0, k1, _ = sk.indices(shape[2])
+    if k0 % quant.MXFP4_BLOCK or (k1 % quant.MXFP4_BLOCK and k1 != shape[2]):
+        raise ValueError(f"{what} weights slice K on {quant.MXFP4_BLOCK}-value blocks, got {k0}:{k1}")
+    return se, sr, slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
+
+
 class _Mx4:
     """Published mxfp4 weights of E experts, blocks uint8 [E, R, K/32, 16] and scales [E, R, K/32], sliced
     like the float matrices [E, R, K] they stand for (K slices on 32-value block boundaries), without a copy.
-    Strided views (a loader's row de-interleave) are taken as they are: packing copies a chunk at a time."""
+    Strided views (a loader's row de-interleave) are taken as they are: packing copies a chunk at a time.
+    order "gguf": the blocks pair the nibbles as a GGUF file's MXFP4 does (values j and j + 16 in byte j;
+    quant.mxfp4_pairs_from_gguf), re-paired a chunk at a time as they are packed."""
 
-    def __init__(self, name, blocks, scales):
+    def __init__(self, name, blocks, scales, order: str = "ocp"):
         for what, t, nd in ((f"{name} blocks", blocks, 4), (f"{name} scales", scales, 3)):
             _check_tensor(what, t, nd, (torch.uint8,), contiguous=False)
         if blocks.shape[-1] != quant.MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
             raise ValueError(f"{name}: mxfp4 blocks {tuple(blocks.shape)} must be [E, R, K/32, 16] with scales "
                              f"[E, R, K/32], got scales {tuple(scales.shape)}")
-        self.blocks, self.scales = blocks, scales
+        if order not in ("ocp", "gguf"):
+            raise ValueError(f"{name}: mxfp4 nibble order must be 'ocp' or 'gguf', got {order!r}")
+        self.blocks, self.scales, self.order = blocks, scales, order
         E, R, G = scales.shape
         self.shape = torch.Size((E, R, G * quant.MXFP4_BLOCK))
 
     def __getitem__(self, key):
-        key = key if isinstance(key, tuple) else (key,)
-        key = key + (slice(None),) * (3 - len(key))
-        if not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
-            raise TypeError("mxfp4 weights slice by ranges only")
-        se, sr, sk = key
-        k0, k1, _ = sk.indices(self.shape[2])
-        if k0 % quant.MXFP4_BLOCK or (k1 % quant.MXFP4_BLOCK and k1 != self.shape[2]):
-            raise ValueError(f"mxfp4 weights slice K on {quant.MXFP4_BLOCK}-value blocks, got {k0}:{k1}")
-        g = slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
+        se, sr, g = _block_range(key, self.shape, "mxfp4")
         out = _Mx4.__new__(_Mx4)
-        out.blocks, out.scales = self.blocks[se, sr, g], self.scales[se, sr, g]
+        out.blocks, out.scales, out.order = self.blocks[se, sr, g], self.scales[se, sr, g], self.order
         out.shape = torch.Size((*out.scales.shape[:2], out.scales.shape[2] * quant.MXFP4_BLOCK))
         return out
 
+    def published(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, scales) in the published (OCP) nibble order: the views themselves, or a re-paired copy."""
+        if self.order == "ocp":
+            return self.blocks, self.scales
+        return quant.mxfp4_pairs_from_gguf(self.blocks), self.scales
+
     def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_mxfp4(self.blocks, self.scales)
+        return quant.dequantize_mxfp4(*self.published())
+
+
+class _Q40:
+    """GGUF Q4_0 weights of E experts, raw blocks uint8 [E, R, K/32, 18] (fp16 d + 16 bytes of nibbles; any
+    strides: views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 32-value
+    block boundaries), without a copy. They are int4 in groups of 32 exactly (cpu_kernels.quant, module doc):
+    packing takes their nibbles and scales as they are, a chunk of experts at a time."""
+
+    def __init__(self, name, raw):
+        _check_tensor(f"{name} Q4_0 blocks", raw, 4, (torch.uint8,), contiguous=False)
+        if raw.shape[-1] != quant.Q4_0_BLOCK_BYTES:
+            raise ValueError(f"{name}: Q4_0 blocks must be [E, R, K/32, {quant.Q4_0_BLOCK_BYTES}], got "
+                             f"{tuple(raw.shape)}")
+        self.raw = raw
+        E, R, G, _ = raw.shape
+        self.shape = torch.Size((E, R, G * quant.MXFP4_BLOCK))
+
+    def __getitem__(self, key):
+        se, sr, g = _block_range(key, self.shape, "Q4_0")
+        return _Q40("", self.raw[se, sr, g])
+
+    def dequantized(self) -> torch.Tensor:
+        return quant.dequantize_q4_0(self.raw)
+
+
+_BLOCK_SOURCES = (_Mx4, _Q40)  # weights kept in a block format of their own, never staged in floats
+
+
+def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
+    """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
+    [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
+    32) or "MXFP4" (dtype mxfp4). Sliceable like [E, R, K] (a fused gate_up's row halves are two views)."""
+    if ggml_type == "Q4_0":
+        return _Q40(name, raw)
+    if ggml_type == "MXFP4":
+        _check_tensor(f"{name} MXFP4 blocks", raw, 4, (torch.uint8,), contiguous=False)
+        if raw.shape[-1] != quant.GGUF_MXFP4_BLOCK_BYTES:
+            raise ValueError(f"{name}: GGUF MXFP4 blocks must be [E, R, K/32, {quant.GGUF_MXFP4_BLOCK_BYTES}], got "
+                             f"{tuple(raw.shape)}")
+        return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
+    raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -335,7 +391,9 @@ class CpuMoE:
     whose global ids are expert_ids (default 0..E-1) out of num_experts (default max id + 1); tokens
     routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
     32/64/128) | "mxfp4" (quantize_mxfp4 of the weights; D and F multiples of 32; CpuMoE.from_mxfp4 packs
-    published blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
+    published blocks as they are; CpuMoE.from_q4_0 GGUF Q4_0 blocks as int4 in groups of 32, and gguf_blocks makes
+    either from a GGUF file's bytes). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
+    from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
     per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
@@ -356,8 +414,9 @@ class CpuMoE:
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
                  int4_order: str | None = None, packer: str = "native"):
         # float tensors or ExpertRows (a checkpoint's own per-expert matrices); _Mx4 (from_mxfp4: the published
-        # blocks, never a float copy); _Packed (from_packed)
-        kinds = {type(w) if isinstance(w, (_Mx4, _Packed, ExpertRows)) else torch.Tensor for w in (w_gate, w_up, w_down)}
+        # blocks, never a float copy) or _Q40 (from_q4_0, gguf_blocks); _Packed (from_packed)
+        kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows)) else torch.Tensor
+                 for w in (w_gate, w_up, w_down)}
         floats = kinds <= {torch.Tensor, ExpertRows}  # the two mix: each matrix packs on its own
         if not floats and len(kinds) != 1:
             raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows (from_mxfp4 takes "
@@ -370,6 +429,9 @@ class CpuMoE:
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
         if source is _Mx4 and dtype != "mxfp4":
             raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
+        if source is _Q40 and (dtype != "int4" or group_size != quant.MXFP4_BLOCK):
+            raise ValueError(f"Q4_0 blocks pack as dtype 'int4' with group_size 32, not {dtype!r} "
+                             f"(group_size {group_size})")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -477,18 +539,44 @@ class CpuMoE:
         kwargs.setdefault("dtype", "mxfp4")
         return cls(*mats, **kwargs)
 
+    @classmethod
+    def from_q4_0(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF Q4_0 experts, packed as int4 in groups of 32 without de-quantizing them: the
+        file's nibbles and fp16 scales are its int4 nibbles and scales exactly (cpu_kernels.quant, module doc),
+        so it computes with the file's values, which re-quantizing them would not give.
+
+        gate, up: raw blocks uint8 [E, F, D/32, 18]; down: [E, D, F/32, 18] (views of the file, any strides; a
+        fused gate_up's two row halves are two views). The nibbles are re-ordered into the kernels' layout a
+        chunk of experts at a time. kwargs: CpuMoE's; dtype and group_size, if given, must be "int4" and 32.
+        """
+        mats = [w if isinstance(w, _Q40) else _Q40(name, w) for name, w in (("gate", gate), ("up", up),
+                                                                           ("down", down))]
+        kwargs.setdefault("dtype", "int4")
+        kwargs.setdefault("group_size", quant.MXFP4_BLOCK)
+        return cls(*mats, **kwargs)
+
     # ---- packing -------------------------------------------------------------------------------
     def _mx4_parts(self, w, rows_p: int, ldk: int):
         """A chunk of experts (float [c, rows, k] or _Mx4) -> (codes [c, rows_p, ldk/2], exponents [c, rows_p,
         ldk/32], None) in the kernels' layout; padding blocks are zero codes with exponent 127 (what
         quantize_mxfp4 gives an all-zero block)."""
-        blocks, scales = (w.blocks, w.scales) if isinstance(w, _Mx4) else quant.quantize_mxfp4(w)
+        blocks, scales = w.published() if isinstance(w, _Mx4) else quant.quantize_mxfp4(w)
         _, rows, G = scales.shape
         gp = ldk // quant.MXFP4_BLOCK
         blocks = torch.nn.functional.pad(blocks, (0, 0, 0, gp - G, 0, rows_p - rows))
         scales = torch.nn.functional.pad(scales, (0, gp - G, 0, rows_p - rows), value=127)
         q, e = quant.pack_mxfp4(blocks, scales)
         return q, e, None
+
+    def _q40_parts(self, w: _Q40, rows_p: int, ldk: int):
+        """A chunk of Q4_0 experts -> (packed nibbles [c, rows_p, ldk/2], fp32 scales [c, rows_p, ldk/32], None)
+        in the kernels' int4 layout, the file's nibbles and scales as they are; padding is nibble 8 with scale 0
+        (what quantize_int4 gives zeros)."""
+        u, d = quant.q4_0_parts(w.raw)
+        _, rows, K = u.shape
+        u = torch.nn.functional.pad(u, (0, ldk - K, 0, rows_p - rows), value=8)
+        d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.MXFP4_BLOCK, 0, rows_p - rows))
+        return quant.pack_int4(u, self.group_size, self._fold(ldk)), d.contiguous(), None
 
     def _quantized(self, w: torch.Tensor):
         """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
@@ -508,7 +596,7 @@ class CpuMoE:
 
     def _dequantized(self, w: torch.Tensor) -> torch.Tensor:
         """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
-        if isinstance(w, _Mx4):
+        if isinstance(w, _BLOCK_SOURCES):
             return w.dequantized()
         if isinstance(w, ExpertRows):
             w = w.dense()
@@ -587,7 +675,9 @@ class CpuMoE:
             wc = w[e0:e0 + self._PACK_CHUNK]
             if isinstance(wc, ExpertRows):
                 wc = wc.dense()
-            if self.dtype == "mxfp4":
+            if isinstance(wc, _Q40):
+                parts = list(self._q40_parts(wc, rows_p, ldk))
+            elif self.dtype == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
                 parts = [wc.to(torch.bfloat16).contiguous(), None, None]

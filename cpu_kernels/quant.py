@@ -27,6 +27,15 @@ mxfp4: the OCP microscaling format gpt-oss checkpoints are published in: blocks 
       published, one per block. 16 + 1 bytes per 32 weights = 0.53125 bytes a weight. Rows are zero padded
       to a multiple of 64 values (a zero code is 0.0 whatever the exponent), so the format asks K % 32 == 0
       (D and F of an expert, the reduction lengths of gate/up and down) and the executor refuses other shapes.
+GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
+  Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
+      values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
+      exact in fp32; d may be negative), so q4_0_parts gives the nibbles in natural order and pack_int4 stores
+      them. Re-quantizing the values instead is not lossless: Q4_0 maps a block's largest magnitude to -8,
+      quantize_int4 to +-7.
+  MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
+      nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
+      exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
 Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantization.
 """
 
@@ -121,13 +130,49 @@ def quantize_int4(w: torch.Tensor, group: int, fold: int | None = None) -> tuple
     inv = torch.where(amax > 0, 7.0 / amax, torch.zeros_like(amax))
     q = torch.round(wg * inv[..., None]).clamp(-8, 7)
     u = (q + 8).to(torch.uint8).reshape(*lead, R, K)
-    return pack_nibbles(_reorder(u, group, fold, to_stored=True)), amax / 7.0
+    return pack_int4(u, group, fold), amax / 7.0
+
+
+def pack_int4(u: torch.Tensor, group: int, fold: int | None = None) -> torch.Tensor:
+    """Nibbles u uint8 [..., R, K] (values 0..15 in natural order, K % 64 == 0) -> packed [..., R, K/2] in the
+    stored order of int4_order(K, group, fold): quantize_int4's packing, for nibbles that come as they are
+    (a GGUF file's Q4_0 blocks)."""
+    return pack_nibbles(_reorder(u, group, fold, to_stored=True))
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, fold: int | None = None) -> torch.Tensor:
     """(packed, scale) of quantize_int4 (with the same fold) -> fp32 [..., R, K] in natural order."""
     q = _reorder(unpack_nibbles(packed).float() - 8.0, group, fold, to_stored=False)
     return q * scale.repeat_interleave(group, dim=-1)
+
+
+Q4_0_BLOCK_BYTES = 18  # GGUF Q4_0: fp16 d + 16 bytes of nibbles, 32 values
+GGUF_MXFP4_BLOCK_BYTES = 17  # GGUF MXFP4: e8m0 exponent + 16 bytes of e2m1 codes, 32 values
+
+
+def q4_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] (any strides) -> (nibbles uint8 [..., R, G * 32] in natural
+    order, scales d fp32 [..., R, G]) with x = (nibble - 8) * d exactly (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q4_0_BLOCK_BYTES:
+        raise ValueError(f"Q4_0 blocks must be uint8 [..., K/32, 18], got {raw.dtype} {tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    d = raw[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    qs = raw[..., 2:]
+    u = torch.stack([qs & 0x0F, qs >> 4], dim=-2)  # [..., G, 2, 16]: values 0-15, then 16-31
+    return u.reshape(*lead, G * 32), d
+
+
+def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] -> fp32 [..., R, G * 32], as gguf.quants.dequantize."""
+    u, d = q4_0_parts(raw)
+    return (u.float() - 8.0) * d.repeat_interleave(32, dim=-1)
+
+
+def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:
+    """The 16 code bytes of GGUF MXFP4 blocks [..., 16] (values j, j + 16 in byte j) -> the published pairing
+    (values 2j, 2j + 1 in byte j), a new tensor."""
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # value order 0..31
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 # e2m1 code -> value: sign bit 3, two exponent bits, one mantissa bit (0, 0.5 subnormal; 1, 1.5; 2, 3; 4, 6).

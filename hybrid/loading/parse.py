@@ -169,20 +169,49 @@ def hybrid_config_from_args(args):
             raise UsageError(f"--cpu-dtype {cpu_dtype} differs from the plan's {planned}; make a new plan with "
                              f"`hybrid plan --cpu-dtype {cpu_dtype}` or drop --cpu-dtype")
         cpu_dtype = planned
+    chosen, group = cpu_dtype is not None, getattr(args, "int4_group", None)
+    fmt = None if chosen else gguf_cpu_format(getattr(args, "model", None))
+    if fmt is not None:  # chosen for the user from the file's blocks: checkpoint_cpu_dtype keeps it
+        chosen, cpu_dtype, group = True, fmt[0], group or fmt[1]
+        import logging
+
+        name, exact = ("int4 group %d" % group, group == fmt[1]) if cpu_dtype == "int4" else ("mxfp4", True)
+        logging.getLogger("hybrid.offload").warning(
+            "GGUF file whose experts are all %s: the CPU experts default to %s%s (--cpu-dtype converts them)",
+            "Q4_0" if cpu_dtype == "int4" else "MXFP4", name, ", the file's blocks as they are" if exact else "")
     return HybridConfig(gpu_experts=args.gpu_experts,
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
-                        cpu_dtype_chosen=cpu_dtype is not None,
+                        cpu_dtype_chosen=chosen,
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
                         plan=plan, replace=getattr(args, "replace", None) or "off",
                         defer_experts=getattr(args, "defer_experts", None) or 0,
                         packed_cache=getattr(args, "packed_cache", True),
-                        cpu_group=getattr(args, "int4_group", None) or HybridConfig.cpu_group,
+                        cpu_group=group or HybridConfig.cpu_group,
                         # the plan's VRAM includes its staging: slots x experts per slot
                         staging_slots=int(plan.settings.get("staging_slots", HybridConfig.staging_slots))
                         if plan is not None else HybridConfig.staging_slots,
                         ship_chunk=int(plan.settings.get("ship_chunk", HybridConfig.ship_chunk))
                         if plan is not None else HybridConfig.ship_chunk)
+
+
+def gguf_cpu_format(model: str | None) -> tuple[str, int] | None:
+    """(CPU dtype, int4 group) that a GGUF file's experts default to when no --cpu-dtype is given: int4 in groups of
+    32 when every expert weight is Q4_0, mxfp4 when every one is MXFP4 (the executor then holds the file's values
+    exactly; hybrid.models.gguf.repack), else None (bf16, as for any checkpoint; also for a file that cannot be
+    read, which the load then names)."""
+    from hybrid.models.gguf import is_gguf
+
+    if not model or not is_gguf(model):
+        return None
+    from hybrid.models.checkpoints import open_cached
+    from hybrid.models.errors import ModelLoadError
+    from hybrid.models.gguf.repack import default_format
+
+    try:
+        return default_format(open_cached(model))
+    except ModelLoadError:
+        return None
 
 
 def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:

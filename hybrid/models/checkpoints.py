@@ -50,13 +50,22 @@ def check_checkpoint(path):
     return loader.check_checkpoint(path)
 
 
-def load_model(path, *, mxfp4_experts: bool = False, experts_cached=None, **kwargs):
-    """hybrid.models.loader.load_model for a directory, hybrid.models.gguf.load_gguf for a GGUF file (whose
-    experts arrive de-quantized: CPU executor formats that keep a file's own blocks come later, so
-    --cpu-dtype mxfp4 is refused for it, and the packed cache is not consulted)."""
+def load_model(path, *, mxfp4_experts: bool = False, experts_cached=None, cpu_format=None, **kwargs):
+    """hybrid.models.loader.load_model for a directory, hybrid.models.gguf.load_gguf for a GGUF file (the packed
+    cache is not consulted for it). cpu_format: (dtype, int4 group) of the CPU executor an experts_factory packs
+    for: a GGUF file's expert blocks that it holds exactly (Q4_0 in int4 group 32, MXFP4 in mxfp4) reach the
+    factory as they are, the others de-quantized (hybrid.models.gguf.repack); a directory's MXFP4 experts
+    follow mxfp4_experts. --cpu-dtype mxfp4 is refused for a GGUF file without MXFP4 experts."""
     if not is_gguf(path):
         return loader.load_model(path, mxfp4_experts=mxfp4_experts, experts_cached=experts_cached, **kwargs)
+    from hybrid.models.gguf.repack import file_types
+
+    ckpt = open_cached(path)
     if mxfp4_experts:
-        raise ModelLoadError(f"{Path(path).name}: --cpu-dtype mxfp4 keeps a safetensors checkpoint's MXFP4 experts as "
-                             "published; a GGUF file's experts are de-quantized, so choose bf16, int8 or int4")
-    return load_gguf(open_cached(path), **kwargs)
+        kinds = file_types(ckpt)
+        if "MXFP4" not in kinds:
+            raise ModelLoadError(f"{Path(path).name}: --cpu-dtype mxfp4 keeps MXFP4 experts as published; this file's "
+                                 f"experts are {', '.join(sorted(kinds))}, which would be de-quantized, so choose "
+                                 "bf16, int8 or int4")
+        cpu_format = ("mxfp4", 32)
+    return load_gguf(ckpt, cpu_format=cpu_format, **kwargs)

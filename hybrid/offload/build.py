@@ -106,7 +106,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     t_load, times = time.perf_counter(), LoadTimes()
     from hybrid.models.gguf import is_gguf
 
-    # a GGUF file's experts arrive de-quantized from its blocks; the cache is keyed by safetensors directories
+    # the cache is keyed by safetensors directories: a GGUF file's experts are packed from the file every load
     cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache and not is_gguf(model_dir) else None
     # the compiled packer reads the checkpoint's experts where they lie (memory-mapped), so no layer is staged
     views = {"expert_views": True} if packs_views(model_dir, hcfg.cpu_dtype, offload.cpu_isa) else {}
@@ -114,6 +114,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
         model = load_model(model_dir, device=device, dtype=dtype, expert_device="cpu",
                            expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
                            experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4",
+                           cpu_format=(hcfg.cpu_dtype, hcfg.cpu_group),  # a GGUF's blocks this format holds exactly
                            gpu_dtypes=gpu_dtypes, experts_cached=None if cache is None else cache.holds, **views)
         if cache is not None:
             cache.commit()

@@ -96,7 +96,9 @@ class HybridExperts(nn.Module):
         """fn: the experts' function (gpt-oss: clamped SwiGLU); biases: (b_gate [E, F], b_up [E, F], b_down
         [E, D]) or None. The CPU executor computes the same function; the GPU lanes keep the biases (fp32,
         E x (2F + D) values) on the device. w_gate, w_up, w_down may be published MXFP4 (blocks, scales) pairs
-        ([E, F, D/32, 16], [E, F, D/32]; down [E, D, F/32, 16]) for cpu_dtype mxfp4: packed without a float copy.
+        ([E, F, D/32, 16], [E, F, D/32]; down [E, D, F/32, 16]) for cpu_dtype mxfp4: packed without a float copy;
+        or a GGUF file's blocks as cpu_kernels weight sources (cpu_kernels.moe.gguf_blocks: Q4_0 for int4 in groups
+        of 32, MXFP4 for mxfp4), which CpuMoE takes as they are.
         cache: the load's packed cache (hybrid.offload.packed_cache), which the executor is copied from where it
         holds this layer, and written to where it does not; times: the load's LoadTimes, which the seconds spent
         converting, in the cache and on the device are added to."""

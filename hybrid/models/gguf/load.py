@@ -1,9 +1,10 @@
 """load_gguf: a GGUF checkpoint into a MoETransformer, de-quantized to the model's dtype.
 
-Phase 1: every tensor is de-quantized (hybrid.models.gguf.dequant) to float32 and stored in the model's dtype,
-tensor by tensor, a layer's expert stacks a slice at a time, so neither the file nor a layer's experts are ever
-held twice in float32. Keeping the experts in their block formats for the CPU executor (no de-quantization) is a
-later phase.
+Every tensor is de-quantized (hybrid.models.gguf.dequant) to float32 and stored in the model's dtype, tensor by
+tensor, a layer's expert stacks a slice at a time, so neither the file nor a layer's experts are ever held twice
+in float32. The exception: with `cpu_format` (the CPU executor's dtype and int4 group the experts factory packs
+into), a layer whose expert blocks that format holds exactly (Q4_0 in int4 group 32, MXFP4 in mxfp4) reaches the
+factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized.
 
 Before anything is allocated, every parameter of the model the config describes is matched to its GGUF
 tensors on a meta-device skeleton: a missing tensor, a shape that differs, a tensor type without a
@@ -23,6 +24,7 @@ import torch
 
 from cpu_kernels.knobs import knobs
 from hybrid.models.errors import ModelLoadError
+from hybrid.models.gguf import repack
 from hybrid.models.gguf.checkpoint import GgufCheckpoint, display_name, open_gguf
 from hybrid.models.gguf.dequant import SUPPORTED, chunks, dequantize, dequantize_into, nbytes, type_name
 from hybrid.models.gguf.names import (ExpertTensor, Source, expert_tensors, is_plain, param_source, same_shape,
@@ -124,11 +126,12 @@ def read_source(ckpt: GgufCheckpoint, source: Source) -> torch.Tensor:
     return source.build(parts)
 
 
-def _stack(cfg, device, dtype) -> list[torch.Tensor]:
-    """An empty expert stack [gate, up, down(, b_gate, b_up, b_down fp32)] for an experts_factory."""
+def _stack(cfg, device, dtype, weights: bool = True) -> list:
+    """An empty expert stack [gate, up, down(, b_gate, b_up, b_down fp32)] for an experts_factory (weights=False:
+    None for gate, up and down, whose blocks go to the factory as they are)."""
     E, F_, D = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
     out = [torch.empty(E, F_, D, device=device, dtype=dtype), torch.empty(E, F_, D, device=device, dtype=dtype),
-           torch.empty(E, D, F_, device=device, dtype=dtype)]
+           torch.empty(E, D, F_, device=device, dtype=dtype)] if weights else [None] * 3
     if cfg.expert_fn.bias:  # fp32, as StackedExperts and the CPU executor keep them
         out += [torch.empty(E, n, device=device, dtype=torch.float32) for n in (F_, F_, D)]
     return out
@@ -162,14 +165,18 @@ def _opened(path: str | Path | GgufCheckpoint) -> GgufCheckpoint:
 def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
               experts_factory: ExpertsFactory | None = None, progress: bool = True,
-              gpu_dtypes: dict[str, str] | None = None) -> MoETransformer:
+              gpu_dtypes: dict[str, str] | None = None, cpu_format: tuple[str, int] | None = None) -> MoETransformer:
     """The model in the GGUF checkpoint at `path` (a .gguf file, any part of a split one, or an open
     GgufCheckpoint), every
     parameter de-quantized to `dtype` on `device`; experts on `expert_device` in `expert_dtype` (default: the
     same), wrapped in StackedExperts or handed to `experts_factory(layer, w_gate, w_up, w_down[, biases=])` one
-    layer at a time, as hybrid.models.loader.load_model does. See the module docstring."""
+    layer at a time, as hybrid.models.loader.load_model does. cpu_format: (dtype, int4 group) of the CPU executor
+    the factory packs for; a layer whose expert blocks it holds exactly gets weight sources over the file's blocks
+    (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged. See the module docstring."""
     from tqdm import tqdm
 
+    if cpu_format is not None and experts_factory is None:
+        raise ValueError("cpu_format hands expert blocks to an experts_factory; none was given")
     ckpt = _opened(path)
     cfg = ckpt.config
     with torch.device("meta"):
@@ -178,6 +185,10 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     del skeleton
     work = plan(ckpt, shapes)
     _log_skipped(ckpt)
+    fmt = None if cpu_format is None else repack.cpu_format(*cpu_format)
+    choice = {} if fmt is None else repack.choose(ckpt, work.experts, fmt)
+    if choice:
+        log.info("%s", repack.describe(choice, fmt))
     model = build_empty(cfg, device, dtype, expert_device, expert_dtype, build_experts=experts_factory is None,
                         gpu_dtypes=gpu_dtypes)
     params, qweights = dict(model.named_parameters()), quantized(model)
@@ -192,12 +203,17 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
 
     def load_experts(layer: int) -> None:
         tensors = work.experts[layer]
+        as_blocks = layer in choice and choice[layer] is None
         if experts_factory is None:
             ex = model.layers[layer].moe.experts
             stack = [ex.w_gate, ex.w_up, ex.w_down, *(ex.biases or ())]
         else:
-            stack = _stack(cfg, edev, edt)
-        fill_experts(ckpt, stack, tensors)
+            stack = _stack(cfg, edev, edt, weights=not as_blocks)
+        if as_blocks:  # the weights as the file's blocks; biases (fp32 tensors) as usual
+            stack[:3] = repack.sources(ckpt, tensors, cfg.expert_intermediate_size)
+            fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
+        else:
+            fill_experts(ckpt, stack, tensors)
         if experts_factory is not None:
             extra = {"biases": tuple(stack[3:])} if cfg.expert_fn.bias else {}
             model.layers[layer].moe.experts = experts_factory(layer, *stack[:3], **extra)

@@ -1,0 +1,128 @@
+"""Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
+
+Two GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
+by int4 in groups of 32 and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format) and
+all of a layer's expert weights (gate, up and down, or the fused gate_up and down) are of that type, the layer's
+blocks go to the experts factory as weight sources over the memory-mapped file (cpu_kernels.moe.gguf_blocks:
+views, no copy), and the executor computes with exactly the file's values. Every other layer is de-quantized and
+the executor re-quantizes it, which changes its values. One log line per load says which layers went which way
+and why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.models.errors import ModelLoadError
+from hybrid.models.gguf.checkpoint import GgufCheckpoint
+from hybrid.models.gguf.dequant import type_name
+from hybrid.models.gguf.names import ExpertTensor, expert_tensors
+
+# GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly
+LOSSLESS = {"Q4_0": ("int4", 32), "MXFP4": ("mxfp4", 32)}
+WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
+
+
+def cpu_format(dtype: str, group: int) -> tuple[str, int]:
+    """The CPU executor's format as LOSSLESS names them: (dtype, int4 group; mxfp4 always 32, others 0)."""
+    return dtype, group if dtype == "int4" else 32 if dtype == "mxfp4" else 0
+
+
+def format_name(fmt: tuple[str, int]) -> str:
+    return f"int4 group {fmt[1]}" if fmt[0] == "int4" else fmt[0]
+
+
+def weight_types(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict[str, str]:
+    """A layer's expert weight tensors: which -> GGUF type name."""
+    return {e.which: type_name(ckpt.tensors[e.name].ggml_type) for e in tensors if e.which in WEIGHTS}
+
+
+def why_not(types: dict[str, str], fmt: tuple[str, int]) -> str | None:
+    """None when `fmt` holds every one of a layer's expert weights exactly, else why not (a short clause)."""
+    kinds = sorted(set(types.values()))
+    if len(kinds) > 1:
+        return "mixed block types: " + ", ".join(f"{w} {t}" for w, t in types.items())
+    kind = kinds[0]
+    if LOSSLESS.get(kind) == fmt:
+        return None
+    if kind in LOSSLESS:
+        return f"{kind} blocks are held exactly by --cpu-dtype {format_name(LOSSLESS[kind])} only"
+    return f"no CPU format holds {kind} as stored"
+
+
+def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int]) -> dict[int, str | None]:
+    """MoE layer -> None where its expert blocks are repacked as they are, else why it is de-quantized."""
+    return {i: why_not(weight_types(ckpt, tensors), fmt) for i, tensors in sorted(experts.items())}
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, start = [], None
+    for j, i in enumerate(layers):
+        if start is None:
+            start = i
+        if j + 1 == len(layers) or layers[j + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(out)
+
+
+def describe(choice: dict[int, str | None], fmt: tuple[str, int]) -> str:
+    """The load's one line: which layers were repacked losslessly, which de-quantized and re-quantized and why."""
+    parts = []
+    kept = [i for i, why in choice.items() if why is None]
+    if kept:
+        parts.append(f"layers {_ranges(kept)} repacked losslessly (the file's blocks as they are)")
+    reasons: dict[str, list[int]] = {}
+    for i, why in choice.items():
+        if why is not None:
+            reasons.setdefault(why, []).append(i)
+    for why, layers in reasons.items():
+        parts.append(f"layers {_ranges(layers)} de-quantized and re-quantized ({why})")
+    return f"GGUF experts for the CPU executor ({format_name(fmt)}): " + "; ".join(parts)
+
+
+def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor) -> None:
+    """The de-quantizing load's NaN/Inf refusal, on the blocks: a Q4_0 value is finite where its fp16 scale is;
+    an MXFP4 exponent of 255 is e8m0's NaN."""
+    bad = int((~torch.isfinite(raw[..., :2].view(torch.float16))).sum()) if kind == "Q4_0" else int(
+        (raw[..., 0] == 255).sum())
+    if bad:
+        raise ModelLoadError(f"tensor {e.name!r} in {ckpt.tensors[e.name].file.name}: {bad} block(s) with a NaN/Inf "
+                             "scale; the checkpoint is corrupt")
+
+
+def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> tuple:
+    """(gate, up, down) weight sources over a layer's blocks in the file (views, no copy), for an experts factory
+    that hands them to cpu_kernels.CpuMoE; a fused gate_up [E, 2F, D] is split into its two row halves."""
+    from cpu_kernels.moe import gguf_blocks
+
+    out = {}
+    for e in tensors:
+        if e.which not in WEIGHTS:
+            continue
+        t = ckpt.tensors[e.name]
+        kind = type_name(t.ggml_type)
+        E, R, K = e.shape
+        raw = t.raw().view(E, R, K // 32, -1)
+        _checked(ckpt, e, kind, raw)
+        if e.which == "gate_up":
+            out["w_gate"], out["w_up"] = (gguf_blocks(e.name, raw[:, :F], kind), gguf_blocks(e.name, raw[:, F:], kind))
+        else:
+            out[e.which] = gguf_blocks(e.name, raw, kind)
+    return out["w_gate"], out["w_up"], out["w_down"]
+
+
+def file_types(ckpt: GgufCheckpoint) -> set[str]:
+    """The GGUF types of every MoE layer's expert weights in the file (tensors it lacks are left out: the load
+    refuses those, by name)."""
+    cfg, have = ckpt.config, ckpt.tensors.__contains__
+    return {type_name(ckpt.tensors[e.name].ggml_type) for i in cfg.moe_layer_indices
+            for e in expert_tensors(cfg, i, have) if e.which in WEIGHTS and have(e.name)}
+
+
+def default_format(ckpt: GgufCheckpoint) -> tuple[str, int] | None:
+    """The CPU format that holds every MoE layer's expert blocks exactly (all Q4_0: int4 group 32; all MXFP4:
+    mxfp4), or None: what the CPU experts default to for this file when the user names no --cpu-dtype."""
+    kinds = file_types(ckpt)
+    return LOSSLESS.get(kinds.pop()) if len(kinds) == 1 else None

@@ -1,0 +1,326 @@
+"""GGUF experts handed to the CPU executor as the file's own blocks: Q4_0 as int4 in groups of 32, MXFP4 as mxfp4.
+
+The packed bytes are checked against gguf-py's de-quantization of the same blocks (every value exactly, padding
+zero), the executor's output against the PyTorch reference on those values, and a whole tiny model loaded through
+the hybrid runtime against the same file loaded de-quantized with fp32 experts, while a re-quantizing load (int4 in
+groups of 64) differs. Ragged shapes (F = 96, not a multiple of 64; several experts; two NUMA slices), fused
+gate_up tensors, layers of mixed block types (de-quantized, and the log line says why) and the default CPU dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+import cpu_kernels  # noqa: E402
+from cpu_kernels import CpuMoE, quant  # noqa: E402
+from cpu_kernels.moe import gguf_blocks  # noqa: E402
+from cpu_kernels.reference import moe_forward  # noqa: E402
+from cpu_kernels.topology import Topology  # noqa: E402
+from hybrid.models.errors import ModelLoadError  # noqa: E402
+from hybrid.models.gguf import load_gguf  # noqa: E402
+from test_gguf import PROMPT, add_metadata, gguf_tensors, hf_model  # noqa: E402
+from tiny_models import single_logits  # noqa: E402
+
+COMPILED = [i for i in cpu_kernels.available_isas() if i != "ref"]
+BYTES = {Q.Q4_0: quant.Q4_0_BLOCK_BYTES, Q.MXFP4: quant.GGUF_MXFP4_BLOCK_BYTES}
+PROFILE = "ktransformers-paper-amx"
+
+
+def blocks(shape, t, seed):
+    """(raw blocks uint8 [*shape[:-1], K/32, bytes], gguf-py's de-quantization fp32 [*shape]) of random values."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+    b = gguf.quants.quantize(x, t)
+    raw = torch.from_numpy(b.copy()).reshape(*shape[:-1], shape[-1] // 32, BYTES[t])
+    return raw, torch.from_numpy(gguf.quants.dequantize(b, t).reshape(shape).copy())
+
+
+def expert_blocks(t, E=3, F=96, D=64):
+    """A layer's gate, up [E, F, D] and down [E, D, F] as (raw, values) pairs."""
+    return [blocks(s, t, seed) for seed, s in enumerate(((E, F, D), (E, F, D), (E, D, F)))]
+
+
+def two_nodes() -> Topology:
+    cpus = sorted(os.sched_getaffinity(0))
+    return Topology(((cpus[0],), (cpus[-1],)))
+
+
+def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
+    """The values the kernels read for matrix `name`, one [E, rows_p, ldk] per node slice, padding included."""
+    parts = []
+    for node in moe.packed_weights():
+        m = node[name]
+        if m["dtype"] == "int4":
+            parts.append(quant.dequantize_int4(m["q"], m["scale"], m["group"], m["fold"]))
+        else:
+            parts.append(quant.dequantize_mxfp4_packed(m["q"], m["scale"]))
+    return parts
+
+
+def check_held(moe: CpuMoE, values) -> None:
+    """Each node slice of gate, up and down holds exactly the file's values, and zeros in its padding."""
+    for n, node in enumerate(moe.packed_weights()):
+        f0, f1 = node["f0"], node["f1"]
+        for name, want in zip(("gate", "up", "down"), values):
+            got = held_values(moe, name)[n]
+            rows, k = node[name]["rows"], node[name]["k"]
+            part = want[:, f0:f1] if name != "down" else want[:, :, f0:f1]
+            assert torch.equal(got[:, :rows, :k], part), (name, n)
+            assert not got[:, rows:].any() and not got[:, :, k:].any(), (name, n)
+
+
+def rounded_reference(x, values, ids, w):
+    """moe_forward with the kernels' per-token int8 rounding of x and h (cpu_kernels' int4 / mxfp4 paths)."""
+    def q(v):
+        amax = v.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        return torch.round(v * inv).clamp(-127, 127) * (amax / 127.0)
+
+    wg, wu, wd = values
+    out = torch.zeros(x.shape[0], wd.shape[1])
+    for e in torch.unique(ids).tolist():
+        tok, kk = (ids == e).nonzero(as_tuple=True)
+        xe = q(x[tok].float())
+        h = q(torch.nn.functional.silu(xe @ wg[e].T) * (xe @ wu[e].T))
+        out.index_add_(0, tok, (h @ wd[e].T) * w[tok, kk][:, None])
+    return out
+
+
+def routing(T, E, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, E, (T, 2), generator=g), torch.rand(T, 2, generator=g) + 0.1
+
+
+def rel_err(y, r):
+    return float((y - r).abs().max() / r.abs().max())
+
+
+# -- the executor over Q4_0 blocks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("order", ["natural", "interleaved"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
+    """The packed int4 state de-quantizes to gguf-py's values of the blocks exactly (padding zero), in both
+    stored orders and across NUMA slices; re-quantizing those values in groups of 32 does not give them back."""
+    pairs = expert_blocks(Q.Q4_0)
+    raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    topo = two_nodes() if nodes == 2 else None
+    moe = CpuMoE.from_q4_0(*raws, isa=isa, int4_order=order, topology=topo)
+    assert (moe.dtype, moe.group_size, moe.int4_order, len(moe.packed_weights())) == ("int4", 32, order, nodes)
+    check_held(moe, values)
+    again = CpuMoE(*values, dtype="int4", group_size=32, isa=isa, int4_order=order, topology=topo)
+    assert not torch.equal(held_values(again, "gate")[0], held_values(moe, "gate")[0])
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.available_isas())
+def test_q4_0_forward_is_the_reference_on_the_files_values(isa):
+    """ref: the PyTorch reference on gguf-py's de-quantized values, to float rounding; compiled kernels: that
+    reference with their int8 activation rounding emulated (only summation order differs)."""
+    pairs = expert_blocks(Q.Q4_0, E=4, F=96, D=128)
+    raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    moe = CpuMoE.from_q4_0(*raws, isa=isa)
+    x = torch.randn(33, 128, generator=torch.Generator().manual_seed(2))
+    ids, w = routing(33, 4)
+    y = moe(x, ids, w)
+    if isa == "ref":
+        torch.testing.assert_close(y, moe_forward(x, *values, ids, w), rtol=0, atol=1e-6)
+    else:
+        ref = rounded_reference(x, values, ids, w)
+        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+
+
+def test_q4_0_sources_slice_and_refuse():
+    """A fused gate_up's row halves are views of the file; other dtypes and groups are refused."""
+    (raw, values), up, down = expert_blocks(Q.Q4_0)
+    fused = torch.cat([raw, up[0]], dim=1)
+    src = gguf_blocks("gate_up", fused, "Q4_0")
+    gate = src[:, :96]
+    assert gate.raw.data_ptr() == fused.data_ptr() and tuple(gate.shape) == (3, 96, 64)
+    assert torch.equal(gate.dequantized(), values) and torch.equal(src[:, 96:].dequantized(), up[1])
+    assert torch.equal(src[1:2, 5:9, 32:64].dequantized(), torch.cat([values, up[1]], 1)[1:2, 5:9, 32:64])
+    with pytest.raises(ValueError, match="on 32-value blocks"):
+        src[:, :, 16:48]
+    with pytest.raises(ValueError, match="group_size 32"):
+        CpuMoE.from_q4_0(raw, up[0], down[0], group_size=64)
+    with pytest.raises(ValueError, match="int4"):
+        CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
+    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q8_0"):
+        gguf_blocks("x", raw, "Q8_0")
+
+
+# -- the executor over GGUF MXFP4 blocks ------------------------------------------------------------------------
+@pytest.mark.parametrize("isa", COMPILED)
+def test_gguf_mxfp4_is_the_published_format_re_paired(isa):
+    """GGUF MXFP4 (values j and j + 16 in byte j) packs to the same bytes as the OCP layout of the same values
+    (from_mxfp4), which de-quantize to gguf-py's values exactly."""
+    pairs = expert_blocks(Q.MXFP4)
+    raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    topo = two_nodes()
+    moe = CpuMoE(*(gguf_blocks(n, r, "MXFP4") for n, r in zip("gud", raws)), dtype="mxfp4", isa=isa, topology=topo)
+    check_held(moe, values)
+    ocp = [quant.quantize_mxfp4(v) for v in values]  # the same values in the published layout
+    assert all(torch.equal(quant.dequantize_mxfp4(*p), v) for p, v in zip(ocp, values))
+    published = CpuMoE.from_mxfp4(*ocp, isa=isa, topology=topo)
+    a, b = moe.packed_state(), published.packed_state()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
+    ids, w = routing(9, 3)
+    assert torch.equal(moe(x, ids, w), published(x, ids, w))
+
+
+def test_gguf_mxfp4_nibble_order_by_hand():
+    """One block written by hand: byte j's low nibble is value j, its high nibble value j + 16."""
+    raw = torch.zeros(1, 1, 1, 17, dtype=torch.uint8)
+    raw[..., 0] = 127  # 2^0
+    raw[..., 1] = 0x2 | (0x7 << 4)  # value 0: 1.0, value 16: 6.0
+    raw[..., 2] = 0x9  # value 1: -0.5
+    got = gguf_blocks("m", raw, "MXFP4").dequantized()[0, 0]
+    want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(1, 17).numpy(), Q.MXFP4)).reshape(32)
+    assert torch.equal(got, want) and (got[0], got[1], got[16]) == (1.0, -0.5, 6.0) and got.abs().sum() == 7.5
+
+
+# -- whole models through the hybrid runtime --------------------------------------------------------------------
+def write_typed(path, model_type, hf, types, tensors=None) -> None:
+    """The GGUF of `hf` (test_gguf's miniature converter) with each expert weight stored in types(name) (F32 for
+    None) and every other tensor F32; tensors: name -> replacement (None drops one)."""
+    ts = gguf_tensors(model_type, hf)
+    ts.update(tensors or {})
+    w = gguf.GGUFWriter(str(path), {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}[model_type])
+    add_metadata(w, model_type, hf.config)
+    for name, t in ts.items():
+        if t is None:
+            continue
+        kind = types(name) if "_exps.weight" in name else None
+        if kind is None:
+            w.add_tensor(name, t.numpy())
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t.numpy(), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def fused(hf) -> dict:
+    """Every layer's gate and up stacks as one ffn_gate_up_exps [E, 2F, D] (gate rows first)."""
+    ts, out = gguf_tensors("qwen3_moe", hf), {}
+    for i in range(hf.config.num_hidden_layers):
+        g, u = ts[f"blk.{i}.ffn_gate_exps.weight"], ts[f"blk.{i}.ffn_up_exps.weight"]
+        out |= {f"blk.{i}.ffn_gate_exps.weight": None, f"blk.{i}.ffn_up_exps.weight": None,
+                f"blk.{i}.ffn_gate_up_exps.weight": torch.cat([g, u], dim=1)}
+    return out
+
+
+def hybrid_logits(path, caplog=None, **kw):
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
+
+    hcfg = HybridConfig(gpu_experts=0, schedule="cpu", profile=PROFILE, packed_cache=False, **kw)
+    with caplog.at_level(logging.INFO, "hybrid.models") if caplog is not None else contextlib.nullcontext():
+        model, off = load_hybrid(str(path), "cpu", torch.float32, hcfg, progress=False)
+    return single_logits(model, PROMPT), off
+
+
+@pytest.fixture(scope="module")
+def qwen3_ragged(tmp_path_factory):
+    """Tiny Qwen3-MoE with experts of F = 96 (not a multiple of 64), 8 experts, 3 layers."""
+    return hf_model("qwen3_moe", tmp_path_factory, moe_intermediate_size=96)[0]
+
+
+@pytest.mark.parametrize("kind, dtype, fuse", [(Q.Q4_0, "int4", False), (Q.Q4_0, "int4", True),
+                                              (Q.MXFP4, "mxfp4", False), (Q.MXFP4, "mxfp4", True)],
+                         ids=["q4_0", "q4_0-fused", "mxfp4", "mxfp4-fused"])
+def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, kind, dtype, fuse):
+    """The hybrid runtime's logits equal those of the same file loaded de-quantized with fp32 experts (ref ISA:
+    no activation rounding), while int4 in groups of 64 (re-quantized) differs; with the compiled kernels the
+    packed bytes hold the file's values exactly."""
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind, fused(qwen3_ragged) if fuse else None)
+    plain = single_logits(load_gguf(path, progress=False), PROMPT)
+    got, off = hybrid_logits(path, caplog, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
+    assert "layers 0-2 repacked losslessly" in caplog.text and "de-quantized" not in caplog.text
+    assert (got - plain).abs().max().item() <= 1e-5
+    requantized, _ = hybrid_logits(path, cpu_dtype="int4", cpu_group=64, cpu_isa="ref")
+    assert (requantized - plain).abs().max().item() > 1e-3
+    if COMPILED:
+        from hybrid.models.gguf import open_gguf
+        from hybrid.models.gguf.dequant import dequantize
+
+        _, off = hybrid_logits(path, cpu_dtype=dtype, cpu_group=32, cpu_isa=COMPILED[0])
+        ckpt = open_gguf(path)
+        for layer in off.layers:
+            t = {n: ckpt.tensors[f"blk.{layer.layer}.ffn_{n}_exps.weight"] for n in ("down", "gate_up", "gate", "up")
+                 if f"blk.{layer.layer}.ffn_{n}_exps.weight" in ckpt.tensors}
+            v = {n: dequantize(x.raw(), x.ggml_type, x.shape) for n, x in t.items()}
+            if fuse:
+                v["gate"], v["up"] = v["gate_up"][:, :96], v["gate_up"][:, 96:]
+            check_held(layer.cpu_moe, (v["gate"], v["up"], v["down"]))
+
+
+def test_gpt_oss_mxfp4_experts_with_biases(tmp_path, tmp_path_factory, caplog):
+    """gpt-oss (clamped SwiGLU, expert biases as F32 tensors) with MXFP4 expert blocks: mxfp4 repacks them and
+    computes the de-quantized model."""
+    hf = hf_model("gpt_oss", tmp_path_factory, swiglu_limit=7.0)[0]
+    path = tmp_path / "g.gguf"
+    write_typed(path, "gpt_oss", hf, lambda n: Q.MXFP4)
+    plain = single_logits(load_gguf(path, progress=False), PROMPT)
+    got, off = hybrid_logits(path, caplog, cpu_dtype="mxfp4", cpu_isa="ref")
+    assert "repacked losslessly" in caplog.text
+    assert off.layers[0].cpu_moe._bias[0] is not None
+    assert (got - plain).abs().max().item() <= 1e-5
+
+
+def test_mixed_layers_are_de_quantized_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
+    """A layer whose down is Q8_0 (and a Q4_0 file under int8) is de-quantized and re-quantized; the one log
+    line names the layers each way and the reason; the repacked layers still hold the file's values."""
+    path = tmp_path / "mixed.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q8_0 if n == "blk.1.ffn_down_exps.weight" else Q.Q4_0)
+    _, off = hybrid_logits(path, caplog, cpu_dtype="int4", cpu_group=32, cpu_isa="ref")
+    lines = [r.getMessage() for r in caplog.records if "GGUF experts" in r.getMessage()]
+    assert lines == ["GGUF experts for the CPU executor (int4 group 32): layers 0, 2 repacked losslessly (the file's "
+                     "blocks as they are); layers 1 de-quantized and re-quantized (mixed block types: w_gate Q4_0, "
+                     "w_up Q4_0, w_down Q8_0)"]
+    caplog.clear()
+    hybrid_logits(path, caplog, cpu_dtype="int8", cpu_isa="ref")
+    assert "layers 0, 2 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 " \
+           "only)" in caplog.text
+
+
+def test_mxfp4_cpu_dtype_is_refused_for_a_file_without_mxfp4_experts(tmp_path, qwen3_ragged):
+    from hybrid.models import load_model
+
+    path = tmp_path / "q.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q4_0)
+    with pytest.raises(ModelLoadError, match="this file's experts are Q4_0, which would be de-quantized") as exc:
+        load_model(path, experts_factory=lambda *a, **k: None, mxfp4_experts=True, progress=False)
+    assert "\n" not in str(exc.value)
+
+
+# -- the default CPU dtype --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, argv, want", [
+    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 32)), (Q.Q8_0, [], ("bf16", 128)),
+    (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64))],
+    ids=["q4_0", "mxfp4", "q8_0", "asked-int8", "asked-group"])
+def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_ragged, kind, argv, want):
+    """Without --cpu-dtype, a file whose experts are all Q4_0 gets int4 in groups of 32 and all MXFP4 gets mxfp4,
+    kept through the checks before loading; anything else, or a dtype or group the user gives, as before."""
+    from hybrid.cli import build_parser
+    from hybrid.loading.check import check_before_load
+    from hybrid.loading.parse import session_config_from_args
+
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind)
+    args = build_parser().parse_args(["generate", "--model", str(path), "--device", "cpu", "--gpu-experts", "0",
+                                      *argv])
+    _, config = check_before_load(str(path), session_config_from_args(args))
+    assert (config.hybrid.cpu_dtype, config.hybrid.cpu_group) == want
