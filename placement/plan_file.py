@@ -2,8 +2,8 @@
 
     {"schema_version": 1, "kind": "hybrid-plan",
      "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
-     "settings": {"max_context", "max_batch", "cpu_dtype", "gpu_dtype_bytes", "staging_slots", "ship_chunk",
-                  "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
+     "settings": {"max_context", "max_batch", "cpu_dtype", "int4_group" (int4 only), "gpu_dtype_bytes",
+                  "staging_slots", "ship_chunk", "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
      "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes
      "memory": {"gpu": {non_expert, kv_cache, staging, graph_buffers, reserve, resident_experts,
                         per_resident_expert}, "cpu": {experts, cold_experts, pinned_buffers, per_expert}},
@@ -14,7 +14,8 @@
 `predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts. `staging_slots`
 x `ship_chunk` is the ship lane's staging (chosen by placement.planner.choose_staging unless given), which the
 runtime allocates as the plan says, since the plan's VRAM includes it. `kv_dtype` (bf16 or fp8) is the KV
-cache's value dtype the plan priced; `--plan` runs use it (a different --kv-dtype is refused; plans without the
+cache's value dtype the plan priced; `int4_group` the int4 experts' group size it priced (`--plan` runs load
+with it unless --int4-group says otherwise, which is refused); `--plan` runs use it (a different --kv-dtype is refused; plans without the
 field: --kv-dtype's, default bf16).
 """
 
@@ -69,6 +70,8 @@ def _check_types(plan) -> None:
             raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
     if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in CPU_DTYPE_NAMES:
         raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8, int4 or mxfp4, got {plan.settings['cpu_dtype']!r}")
+    if "int4_group" in plan.settings and plan.settings["int4_group"] not in (32, 64, 128):
+        raise UsageError(f"plan: settings.int4_group must be 32, 64 or 128, got {plan.settings['int4_group']!r}")
     if "kv_dtype" in plan.settings and plan.settings["kv_dtype"] not in KV_DTYPES:
         raise UsageError(f"plan: settings.kv_dtype must be {' or '.join(KV_DTYPES)}, got {plan.settings['kv_dtype']!r}")
     if "stats" in plan.settings and not isinstance(plan.settings["stats"], dict):

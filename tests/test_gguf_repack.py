@@ -324,3 +324,47 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_ragged, kind
                                       *argv])
     _, config = check_before_load(str(path), session_config_from_args(args))
     assert (config.hybrid.cpu_dtype, config.hybrid.cpu_group) == want
+
+
+def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged, capsys):
+    """`hybrid plan --model X.gguf` without --cpu-dtype prices the experts in the dtype and group the runtime
+    will give them: a Q4_0 file's as int4 in groups of 32 (its blocks kept), so a plan matches the load."""
+    import json as _json
+
+    from hybrid.cli import main
+
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q4_0)
+    argv = ["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+            "ktransformers-paper-amx", "--json"]
+    assert main(argv) == 0
+    plan = _json.loads(capsys.readouterr().out)
+    assert main([*argv, "--cpu-dtype", "int4"]) == 0  # int4 in the default group: other bytes
+    asked = _json.loads(capsys.readouterr().out)
+    assert plan["settings"]["cpu_dtype"] == "int4" and asked["settings"]["cpu_dtype"] == "int4"
+    assert plan["settings"]["int4_group"] == 32 != asked["settings"]["int4_group"]
+    from placement.memory import packed_expert_bytes
+
+    cfg, threads = qwen3_ragged.config, plan["settings"]["node_threads"]
+    for p, group in ((plan, 32), (asked, 128)):  # each priced at its own group (F = 96 pads to 128 in groups of 128)
+        assert p["memory"]["cpu"]["per_expert"] == packed_expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                                       "int4", threads, group)
+
+
+def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
+    """A plan made with --int4-group 64 loads its int4 experts in groups of 64 under --plan; a different
+    --int4-group beside it is refused (the plan priced the other one)."""
+    import json as _json
+
+    from hybrid.cli import build_parser, main
+    from hybrid.loading.parse import hybrid_config_from_args
+    from placement.errors import UsageError
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--profile", "ktransformers-paper-amx",
+                 "--cpu-dtype", "int4", "--int4-group", "64", "--out", str(out)]) == 0
+    assert _json.loads(out.read_text())["settings"]["int4_group"] == 64
+    parse = build_parser().parse_args
+    assert hybrid_config_from_args(parse(["generate", "--plan", str(out)])).cpu_group == 64
+    with pytest.raises(UsageError, match="--int4-group 32 differs from the plan's 64"):
+        hybrid_config_from_args(parse(["generate", "--plan", str(out), "--int4-group", "32"]))

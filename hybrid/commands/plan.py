@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
                    help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
                    "checkpoints published in MXFP4 such as gpt-oss; mxfp4: 0.53125 bytes a weight)")
+    p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
+                   help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128, or 32 for a GGUF "
+                   "file of Q4_0 experts, whose blocks are kept as they are); the plan records it for --plan")
     p.add_argument("--gpu-dtype", default="auto", choices=("auto", "bf16", "int8", "int4", "fp8"),
                    help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
                    "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "
@@ -99,6 +102,7 @@ def build_plan(args):
     # settings and budgets first: a bad value fails before the checkpoint is even opened
     d = MemorySettings()
     mem = MemorySettings(max_context=args.max_context, max_batch=args.max_batch, cpu_dtype=args.cpu_dtype or "bf16",
+                         group=args.int4_group or d.group,
                          staging_slots=d.staging_slots if args.staging_slots is None else args.staging_slots,
                          ship_chunk=d.ship_chunk if args.ship_chunk is None else args.ship_chunk,
                          reserve=parse_bytes(args.reserve), node_threads=node_threads(args),
@@ -122,9 +126,14 @@ def build_plan(args):
             model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
         _, cfg, raw = read_config(model_dir)
     if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
+        from hybrid.loading.parse import gguf_cpu_format
         from hybrid.offload.config import default_cpu_dtype
 
-        mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
+        fmt = None if args.preset else gguf_cpu_format(model_dir)  # a GGUF file's Q4_0 / MXFP4 experts as they are
+        if fmt is not None:
+            mem = replace(mem, cpu_dtype=fmt[0], group=(args.int4_group or fmt[1]) if fmt[0] == "int4" else mem.group)
+        else:
+            mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
         settings = replace(settings, memory=mem)
     from placement.gpu_dtypes import checkpoint_kind, choose
 

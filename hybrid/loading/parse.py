@@ -170,6 +170,12 @@ def hybrid_config_from_args(args):
                              f"`hybrid plan --cpu-dtype {cpu_dtype}` or drop --cpu-dtype")
         cpu_dtype = planned
     chosen, group = cpu_dtype is not None, getattr(args, "int4_group", None)
+    planned_group = plan.settings.get("int4_group") if plan is not None else None
+    if planned_group is not None:
+        if group is not None and group != planned_group:
+            raise UsageError(f"--int4-group {group} differs from the plan's {planned_group}; make a new plan with "
+                             f"`hybrid plan --int4-group {group}` or drop --int4-group")
+        group = planned_group
     fmt = None if chosen else gguf_cpu_format(getattr(args, "model", None))
     if fmt is not None:  # chosen for the user from the file's blocks: checkpoint_cpu_dtype keeps it
         chosen, cpu_dtype, group = True, fmt[0], group or fmt[1]
