@@ -49,6 +49,9 @@ def check(kind, T, N, K, dtype, bias, device, config=None, seed=0):
     ref = F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float())
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
     xd, wd, bd = on(x), w.to(device), on(b)
+    if device == "cuda" and kind == "int4" and dtype == torch.float32:  # declined there: de-quantized instead
+        assert not qlinear_small_supported(xd, wd, bd)
+        return None
     assert qlinear_small_supported(xd, wd, bd)
     y = qlinear_small(xd, wd, bd, config).cpu()
     assert y.shape == (T, N) and y.dtype == dtype
