@@ -17,7 +17,8 @@ strict mode writes it): a model that likes spaces cannot run out its max_tokens 
 Each option is compiled when the request is parsed, so a bad schema, grammar or regex is a 400 naming its
 parameter before the request is queued; a request holds one constraint at most (a second one is a 400
 naming it). `check_for_model` then checks the grammar against the served model's vocabulary (the special
-tokens a grammar may name).
+tokens a grammar may name). On a reasoning model's chat the grammar then holds the answer after its reasoning
+(hybrid.server.reasoned_grammar).
 """
 
 from __future__ import annotations

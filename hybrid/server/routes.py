@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from hybrid.server import openai_format as fmt
-from hybrid.server import grammars, reasoning, tool_calls, tool_grammar
+from hybrid.server import grammars, reasoned_grammar, reasoning, tool_calls, tool_grammar
 from hybrid.server.config import ServerConfig
 from hybrid.server.errors import SHUTTING_DOWN, ApiError, bad_request, queue_full, shutting_down, unavailable
 from hybrid.server.metrics import Metrics
@@ -176,6 +176,17 @@ async def _forcing_sampling(state: ServerState, req: GenerationRequest, parsing:
     return req.sampling if grammar is None else replace(req.sampling, grammar=grammar)
 
 
+async def _reasoned_sampling(state: ServerState, req: GenerationRequest, parsing: ChatParsing, prompt: list[int]):
+    """A reasoning model's constraint held to its answer, its reasoning left free (reasoned_grammar)."""
+    job = functools.partial(reasoned_grammar.after_reasoning, state.runtime, req.sampling.grammar, parsing.reasoning,
+                            parsing.opened, prompt)
+    try:
+        grammar = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, job)
+    except ValueError as exc:
+        raise bad_request(f"'{req.constraint}': {exc}", param=req.constraint) from None
+    return replace(req.sampling, grammar=grammar)
+
+
 def _check_message_count(body, limit: int) -> None:
     """400 for a chat of more than `limit` messages, before any of them is looked at."""
     messages = body.get("messages") if isinstance(body, dict) else None
@@ -318,6 +329,8 @@ async def _generate(request: web.Request, state: ServerState, chat: bool, events
     parsing = _chat_parsing(state.runtime, plan, prompts[0]) if chat else ChatParsing()
     if chat and parsing.plan.forces_call:
         req.sampling = await _forcing_sampling(state, req, parsing, prompts[0])
+    elif chat and req.constraint is not None and parsing.reasoning is not None:
+        req.sampling = await _reasoned_sampling(state, req, parsing, prompts[0])
 
     def sink_for(index: int):
         def sink(ev: Event) -> None:  # called on the engine thread
