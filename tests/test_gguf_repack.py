@@ -368,3 +368,43 @@ def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
     assert hybrid_config_from_args(parse(["generate", "--plan", str(out)])).cpu_group == 64
     with pytest.raises(UsageError, match="--int4-group 32 differs from the plan's 64"):
         hybrid_config_from_args(parse(["generate", "--plan", str(out), "--int4-group", "32"]))
+
+
+# -- the packed-expert cache ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, cpu_dtype, group", [(Q.Q4_0, "int4", 32), (Q.Q8_0, "int8", 128)],
+                         ids=["q4_0-kept", "q8_0-dequantized"])
+def test_a_gguf_restart_copies_the_packed_cache(tmp_path, qwen3_ragged, monkeypatch, kind, cpu_dtype, group):
+    """A GGUF file's packed experts are cached like a folder's (keyed by its parts' names, sizes and mtimes): the
+    second load converts nothing and holds the first's bytes; a file changed in place is another key."""
+    from test_packed_cache import folders, load, no_conversion, outputs, same_bytes
+
+    from hybrid.offload import packed_cache as pc
+
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "hycache"))
+    cpu_kernels.knobs.reset()
+    cache = tmp_path / "hycache" / "packed"
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind)
+    first = load(path, cpu_dtype, cpu_group=group)
+    (key,) = folders(cache)
+    assert first.load_times.convert_s > 0 and pc.read_manifest(cache / key)["dtype"] == cpu_dtype
+    from hybrid.models.gguf import load as gguf_load, repack
+
+    def biases_only(ckpt, stack, tensors):  # the layers the cache holds: their expert weights are not even read
+        assert not any(e.which in repack.WEIGHTS for e in tensors), "read the experts of a layer the cache holds"
+        return real(ckpt, stack, tensors)
+
+    real = gguf_load.fill_experts
+    with monkeypatch.context() as m:
+        no_conversion(m)
+        m.setattr(gguf_load, "fill_experts", biases_only)
+        m.setattr(repack, "sources", None)  # (the file's blocks are not taken either)
+        second = load(path, cpu_dtype, cpu_group=group)
+    assert second.load_times.convert_s == 0 and second.load_times.cache_bytes > 0
+    assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
+    for a, b in zip(outputs(first), outputs(second)):
+        assert torch.equal(a, b)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # rewritten: converted again
+    again = load(path, cpu_dtype, cpu_group=group)
+    assert again.load_times.convert_s > 0 and folders(cache) != [key]  # (the stale copy of the same file goes)
+    cpu_kernels.knobs.reset()

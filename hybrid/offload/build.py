@@ -104,10 +104,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     from hybrid.offload.packed_cache import LoadTimes, open_for_load
 
     t_load, times = time.perf_counter(), LoadTimes()
-    from hybrid.models.gguf import is_gguf
-
-    # the cache is keyed by safetensors directories: a GGUF file's experts are packed from the file every load
-    cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache and not is_gguf(model_dir) else None
+    cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache else None
     # the compiled packer reads the checkpoint's experts where they lie (memory-mapped), so no layer is staged
     views = {"expert_views": True} if packs_views(model_dir, hcfg.cpu_dtype, offload.cpu_isa) else {}
     try:

@@ -4,7 +4,8 @@ re-quantizing and packing run at 0.3-0.7 GB/s; copying packed bytes back runs at
 
 $HYBRID_CACHE/packed/<key>/ holds one file per MoE layer (layer-<i>.bin: the executor's buffers back to back at
 4 KiB offsets), manifest.json and last_used. The key hashes everything the bytes depend on: the checkpoint (its
-folder, every safetensors file's name, size and mtime_ns, config.json's bytes), the packing layout
+folder, every safetensors file's name, size and mtime_ns, config.json's bytes; a GGUF file: every part's name,
+size and mtime_ns), the packing layout
 (cpu_kernels.moe.packed_layout: CPU dtype, int4 group, ISA, int4 order, K padding, row alignment, the NUMA nodes'
 F slices, the packing format) and this module's FORMAT. Another machine, ISA, thread split or dtype is another key.
 
@@ -103,8 +104,17 @@ def cache_root() -> Path:
 
 
 def checkpoint_identity(model_dir) -> dict:
-    """What says a checkpoint folder changed: its resolved path, every safetensors file's (relative name, size,
-    mtime_ns), and config.json's bytes' hash."""
+    """What says a checkpoint changed: a folder's resolved path, every safetensors file's (relative name, size,
+    mtime_ns), and config.json's bytes' hash; a GGUF file's first part's resolved path and every part's (name,
+    size, mtime_ns) (its metadata, the config, is inside them)."""
+    from hybrid.models.gguf import is_gguf
+
+    if is_gguf(model_dir):
+        from hybrid.models.gguf.files import split_parts
+
+        parts = split_parts(Path(model_dir).resolve())
+        files = [[p.name, st.st_size, st.st_mtime_ns] for p in parts for st in (p.stat(),)]
+        return dict(path=str(parts[0]), files=files, config=None)
     root = Path(model_dir).resolve()
     files = []
     for f in sorted(root.rglob("*.safetensors")):

@@ -165,14 +165,17 @@ def _opened(path: str | Path | GgufCheckpoint) -> GgufCheckpoint:
 def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
               experts_factory: ExpertsFactory | None = None, progress: bool = True,
-              gpu_dtypes: dict[str, str] | None = None, cpu_format: tuple[str, int] | None = None) -> MoETransformer:
+              gpu_dtypes: dict[str, str] | None = None, cpu_format: tuple[str, int] | None = None,
+              experts_cached=None) -> MoETransformer:
     """The model in the GGUF checkpoint at `path` (a .gguf file, any part of a split one, or an open
     GgufCheckpoint), every
     parameter de-quantized to `dtype` on `device`; experts on `expert_device` in `expert_dtype` (default: the
     same), wrapped in StackedExperts or handed to `experts_factory(layer, w_gate, w_up, w_down[, biases=])` one
     layer at a time, as hybrid.models.loader.load_model does. cpu_format: (dtype, int4 group) of the CPU executor
     the factory packs for; a layer whose expert blocks it holds exactly gets weight sources over the file's blocks
-    (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged. See the module docstring."""
+    (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged. experts_cached(layer) True (a
+    packed cache holds that layer's executor, hybrid.offload.packed_cache): its expert weights are not read, the
+    factory gets None for them (and the biases, which the GPU lanes keep). See the module docstring."""
     from tqdm import tqdm
 
     if cpu_format is not None and experts_factory is None:
@@ -203,13 +206,17 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
 
     def load_experts(layer: int) -> None:
         tensors = work.experts[layer]
-        as_blocks = layer in choice and choice[layer] is None
+        cached = experts_factory is not None and experts_cached is not None and experts_cached(layer)
+        as_blocks = cached or (layer in choice and choice[layer] is None)
         if experts_factory is None:
             ex = model.layers[layer].moe.experts
             stack = [ex.w_gate, ex.w_up, ex.w_down, *(ex.biases or ())]
         else:
             stack = _stack(cfg, edev, edt, weights=not as_blocks)
-        if as_blocks:  # the weights as the file's blocks; biases (fp32 tensors) as usual
+        if cached:  # the executor comes from the packed cache: only the biases are read
+            stack[:3] = [None] * 3
+            fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
+        elif as_blocks:  # the weights as the file's blocks; biases (fp32 tensors) as usual
             stack[:3] = repack.sources(ckpt, tensors, cfg.expert_intermediate_size)
             fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
         else:
