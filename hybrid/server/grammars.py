@@ -4,7 +4,8 @@ Constrained decoding (hybrid.runtime.sampling): every sampled token keeps the te
 the grammar is complete only an end id may follow, so the choice ends there (finish_reason "stop"). The
 spellings clients send, all compiled by llguidance:
 
-- `response_format` (chat, OpenAI's): `json_object` (any JSON object) or `json_schema` (the schema's).
+- `response_format` (OpenAI's; on completions too, as vLLM takes it): `json_object` (any JSON object) or
+  `json_schema` (the schema's).
 - `json_schema` (llama.cpp's): a JSON schema object.
 - `grammar` (llama.cpp's): a GBNF grammar (`root ::= ...`), or llguidance's Lark (one with a `start:` rule).
 - vLLM's `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object"} (one of them), and its
@@ -160,8 +161,7 @@ COMPILERS = {
 
 def request_grammar(body: dict) -> tuple[str, str] | None:
     """The request's one constraint -> (its parameter, its llguidance grammar), or None. 400 naming the option
-    that cannot be compiled, or the second of two options set. (The endpoint's keys are checked before: a
-    completions body holds no response_format.)"""
+    that cannot be compiled, or the second of two options set. (The endpoint's keys are checked before.)"""
     found = None
     for name, v in body.items():  # the body's order: the second one set is the one named
         if name not in COMPILERS or v is None:

@@ -39,10 +39,10 @@ IMPLEMENTED_COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "t
                       "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "best_of",
                       # constrained decoding (hybrid.server.grammars): llama.cpp's and vLLM's spellings
-                      "grammar", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                      "structured_outputs")
+                      "response_format", "grammar", "json_schema", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "structured_outputs")
 IMPLEMENTED_COMPLETIONS = ("prompt", "echo")
-IMPLEMENTED_CHAT = ("messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities", "tools",
+IMPLEMENTED_CHAT = ("messages", "max_completion_tokens", "top_logprobs", "modalities", "tools",
                     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort")
 # Keys that only label a request (no effect on the output, by their definition): accepted as strings.
 LABELS = ("user", "safety_identifier", "prompt_cache_key")
