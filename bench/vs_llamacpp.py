@@ -116,6 +116,12 @@ def run_hybrid(args, cpu_dtype: str, placement: list[str]) -> dict:
     return out
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run whose tok/s is the median (the lower middle of an even count): a whole run, so its roofline and
+    lane figures stay those of the tok/s reported."""
+    return sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -162,6 +168,10 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {', '.join(KNOWN_CASES)} (default: {','.join(CASES)})")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp threads")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every case this many times, the case order reversed every other round (the host's "
+                        "memory ceiling drifts within a call); each side's median run is reported, every round's "
+                        "tok/s listed under the table")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--out", default="vs_llamacpp")
     args = p.parse_args(argv)
@@ -188,21 +198,34 @@ def main(argv=None) -> int:
     ours_for = {"bf16": ("bf16", none), "int8": ("int8", none), "int4": ("int4", none),
                 "quarter": ("bf16", ["--resident", str(args.experts // 4)]),
                 "quarter-layers": ("bf16", ["--resident-layers", str(args.layers // 4)])}
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    runs_of = {c: [] for c in cases}  # case -> one (llama, variants, hybrid) per round
+    for r in range(args.rounds):
+        for case in (cases if r % 2 == 0 else cases[::-1]):
+            runs = llama_for[case]
+            llama, variants = None, None
+            if runs:
+                files = runs if isinstance(runs, list) else [runs]
+                variants = [dict(run_llama(args.llama_bench, g, pl, args.threads, args.reps), gguf=g)
+                            for g, pl in files]
+                llama = max(variants, key=lambda v: v["tok_s"])  # the yardstick: llama.cpp's best file
+            runs_of[case].append((llama, variants, run_hybrid(args, *ours_for[case])))
+            if args.rounds > 1:
+                print(f"round {r + 1} {case}: llama {llama['tok_s'] if llama else float('nan'):.1f}, hybrid "
+                      f"{runs_of[case][-1][2]['tok_s']:.1f} tok/s", flush=True)
     rows = []
     for case in cases:
-        row = dict(case=case)
-        runs = llama_for[case]
-        if runs:
-            variants = [run_llama(args.llama_bench, g, pl, args.threads, args.reps)
-                        for g, pl in (runs if isinstance(runs, list) else [runs])]
-            for v, (g, _) in zip(variants, runs if isinstance(runs, list) else [runs]):
-                v["gguf"] = g
-            row["llama"] = max(variants, key=lambda v: v["tok_s"])  # the yardstick: llama.cpp's best file
+        got = runs_of[case]
+        row = dict(case=case, hybrid=median_run([h for _, _, h in got]))
+        if got[0][0] is not None:
+            row["llama"] = median_run([l for l, _, _ in got])
+            variants = next(v for l, v, _ in got if l is row["llama"])
             if len(variants) > 1:
                 row["llama_variants"] = variants
-        row["hybrid"] = run_hybrid(args, *ours_for[case])
-        if row.get("llama"):
             row["ratio"] = row["hybrid"]["tok_s"] / row["llama"]["tok_s"]
+        if args.rounds > 1:
+            row["rounds"] = [dict(hybrid=h["tok_s"], llama=l["tok_s"] if l else None) for l, _, h in got]
         rows.append(row)
         print(f"{case:14} llama {row.get('llama', {}).get('tok_s', float('nan')):7.1f}  hybrid "
               f"{row['hybrid']['tok_s']:7.1f} tok/s  ratio {row.get('ratio', float('nan')):.2f}  "
@@ -213,7 +236,8 @@ def main(argv=None) -> int:
               f"{row['hybrid'].get('b8_of_llc_roofline') or float('nan'):.2f})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vs_llamacpp.json").write_text(json.dumps(dict(layers=args.layers, preset=args.preset, rows=rows), indent=1))
+    (out / "vs_llamacpp.json").write_text(json.dumps(dict(layers=args.layers, preset=args.preset, rounds=args.rounds,
+                                                          rows=rows), indent=1))
     # "LLC-aware": the bound if every read the step before also made came from the LLC, as far as it holds
     # them (bench.bounds.llc_adjusted); "reused": the share of a step's cold experts the step before read too.
     # "ceiling after": b1 / b8 shares against the DRAM ceiling measured again right after that batch's steps
@@ -234,6 +258,10 @@ def main(argv=None) -> int:
                       f"{pct(h.get('b8_of_roofline'))} ({pct(h.get('b8_of_llc_roofline'))}) | "
                       f"{pct(h.get('b1_of_roofline_after'))} / {pct(h.get('b8_of_roofline_after'))} |")
     for r in rows:
+        if r.get("rounds"):  # every round's tok/s, in the order they ran
+            lines.append("")
+            lines.append(f"{r['case']} rounds (hybrid / llama.cpp tok/s): " + ", ".join(
+                f"{x['hybrid']:.1f} / {x['llama']:.1f}" if x["llama"] else f"{x['hybrid']:.1f}" for x in r["rounds"]))
         if r.get("llama_variants"):  # several llama.cpp files for one case: each one's speed under the table
             lines.append("")
             lines.append(f"{r['case']}: llama.cpp " + ", ".join(

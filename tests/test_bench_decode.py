@@ -166,6 +166,38 @@ def test_vs_llamacpp_int4_runs_every_4bit_gguf_and_takes_the_fastest_as_yardstic
     assert calls == [("hybrid", "int4", ["--resident", "0"])] and any(l.startswith("| int4 | - | 20.0 | - |") for l in lines)
 
 
+def test_vs_llamacpp_rounds_alternate_the_order_and_report_each_sides_median_run(tmp_path, monkeypatch):
+    """--rounds 3 over two cases: the order reversed every other round, each side's median run reported whole (its
+    roofline figures with it), the ratio of the medians, every round listed under the table."""
+    speeds = {"llama": iter([10.0, 30.0, 20.0, 12.0, 11.0, 13.0]), "hybrid": iter([40.0, 41.0, 45.0, 50.0, 35.0, 60.0])}
+    calls = []
+
+    def llama(binary, gguf, placement, threads, reps):
+        calls.append(("llama", placement[0]))
+        return dict(tok_s=next(speeds["llama"]), stddev=0.5, cmd="")
+
+    def hybrid(args, cpu_dtype, placement):
+        calls.append(("hybrid", placement[0]))
+        t = next(speeds["hybrid"])
+        return dict(tok_s=t, b1_of_roofline=t / 100)
+
+    monkeypatch.setattr(vs_llamacpp, "run_llama", llama)
+    monkeypatch.setattr(vs_llamacpp, "run_hybrid", hybrid)
+    monkeypatch.setattr(vs_llamacpp, "plot", lambda rows, path: None)
+    out = tmp_path / "vs"
+    assert vs_llamacpp.main(["--llama-bench", "b", "--gguf-bf16", "b.gguf", "--profile", "p", "--cases",
+                             "bf16,quarter", "--rounds", "3", "--out", str(out)]) == 0
+    order = [c[1] for c in calls if c[0] == "llama"]  # bf16 runs -ot, the quarter -ncmoe
+    assert order == ["-ot", "-ncmoe", "-ncmoe", "-ot", "-ot", "-ncmoe"]
+    bf16, quarter = json.loads((out / "vs_llamacpp.json").read_text())["rows"]
+    # bf16 ran rounds 1, 4 (reversed round 2 ran it last), 5: llama 10, 12, 11 -> 11; hybrid 40, 50, 35 -> 40
+    assert bf16["llama"]["tok_s"] == 11.0 and bf16["hybrid"] == dict(tok_s=40.0, b1_of_roofline=0.4)
+    assert bf16["ratio"] == 40.0 / 11.0 and [r["hybrid"] for r in bf16["rounds"]] == [40.0, 50.0, 35.0]
+    assert quarter["llama"]["tok_s"] == 20.0 and quarter["hybrid"]["tok_s"] == 45.0
+    lines = (out / "vs_llamacpp.md").read_text().splitlines()
+    assert "bf16 rounds (hybrid / llama.cpp tok/s): 40.0 / 10.0, 50.0 / 12.0, 35.0 / 11.0" in lines
+
+
 def test_vs_llamacpp_quarter_layers_is_llama_cpps_layout_on_both_sides(tmp_path, monkeypatch):
     """quarter-layers (asked for, not a default case): the same -ncmoe 9 for llama.cpp, and ours keeps every expert of
     the last 3 of 12 layers resident instead of 32 per layer."""
