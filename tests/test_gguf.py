@@ -602,8 +602,8 @@ def test_write_tokenizer_files_for_the_runtime_tokenizer(tmp_path, tmp_path_fact
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("tokenizer.ggml.pre", "kimi-k2", "tokenizer.ggml.pre 'kimi-k2' is not supported"),
-    ("tokenizer.ggml.model", "llama", "tokenizer.ggml.model 'llama' is not supported"),
+    ("tokenizer.ggml.pre", "foo", "tokenizer.ggml.pre 'foo' is not supported"),
+    ("tokenizer.ggml.model", "t5", "tokenizer.ggml.model 't5' is not supported"),
     ("tokenizer.ggml.merges", ["ab"], "merges entry 'ab' is not two tokens"),
     ("tokenizer.ggml.merges", ["zz qq"], "merges and .tokens do not make a BPE tokenizer"),
 ])

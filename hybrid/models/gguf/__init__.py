@@ -7,12 +7,14 @@
 Modules, one job each: files (the file or split parts, read with gguf.GGUFReader, memory-mapped), hparams
 (metadata -> the family's config.json dict), checkpoint (open_gguf: files + config through the family's
 parse_config), names (GGUF tensor names -> our parameters, undoing the converter's transforms), dequant (torch
-de-quantizers, bit-exact with gguf-py's reference), load (load_gguf / check_gguf), tokenizer (tokenizers.Tokenizer
-and tokenizer_config from the metadata).
+de-quantizers, bit-exact with gguf-py's reference), repack (expert blocks kept for the CPU executor), load
+(load_gguf / check_gguf), tokenizer (tokenizers.Tokenizer and tokenizer_config from the metadata; spm: a
+SentencePiece "llama" vocabulary's).
 
 Architectures: qwen3moe, qwen2moe, llama with experts (Mixtral), deepseek2 (DeepSeek-V3 / R1, Kimi-K2),
 glm4moe, gpt-oss. Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4.
-Phase 1 de-quantizes every tensor to the model's dtype; keeping block formats for the CPU executor is later.
+Tensors are de-quantized to the model's dtype, except expert blocks the CPU executor's format holds exactly (Q4_0
+in int4 groups of 32, MXFP4 in mxfp4: repack), which reach it as the file's own nibbles and scales.
 """
 
 from hybrid.models.gguf.checkpoint import GgufCheckpoint, is_gguf, open_gguf, read_gguf_config

@@ -2,21 +2,25 @@
 tokenizer_config-like dict, and write_tokenizer_files, which saves both where hybrid.runtime.tokenizer.Tokenizer
 reads them (tokenizer.json, tokenizer_config.json).
 
-Supported: tokenizer.ggml.model "gpt2" (byte-level BPE: tokenizer.ggml.tokens in id order, .merges as "a b"
-strings, .token_type) with these tokenizer.ggml.pre values, each rebuilt as the Hugging Face tokenizer.json of
-the models that use it publishes it (the regexes are the ones llama.cpp's llama-vocab.cpp quotes as "original
-regex from tokenizer.json"):
+Supported: tokenizer.ggml.model "llama" (SentencePiece BPE: Llama 2, Mistral, Mixtral; tokens, .scores and
+.token_type, byte-fallback tokens; rebuilt by the spm module as the published tokenizer.json has it, BOS added
+unless tokenizer.ggml.add_bos_token says otherwise), and "gpt2" (byte-level BPE: tokenizer.ggml.tokens in id
+order, .merges as "a b" strings, .token_type) with these tokenizer.ggml.pre values, each rebuilt as the Hugging
+Face tokenizer.json of the models that use it publishes it (the regexes are the ones llama.cpp's llama-vocab.cpp
+quotes as "original regex from tokenizer.json"; Kimi-K2's is the tiktoken pat_str of its tokenization_kimi.py):
 
     qwen2, deepseek-r1-qwen     Qwen2 / Qwen3 (split on letters, single digits; NFC-normalised)
     llama-bpe, llama3, llama-v3 Llama 3 (digits in groups of up to three; whole words in the vocabulary kept)
     glm4, chatglm-bpe           GLM-4 / GLM-4.5 (Llama 3's split)
     deepseek-v3                 DeepSeek-V3 / R1 (digits, CJK runs, then words and punctuation)
+    kimi-k2                     Kimi-K2 (Han runs, then o200k-like words without Han; whole words kept)
     gpt-4o                      gpt-oss (o200k: case-aware word split)
     gpt-2                       GPT-2's byte-level split
 
-Anything else (SentencePiece "llama" vocabularies, Kimi-K2's "kimi-k2", other pre-tokenizers) is refused in one
-line. Token types: CONTROL tokens become special added tokens (matched whole in text, skipped when decoding
-with skip_special_tokens), USER_DEFINED tokens plain added tokens (matched whole, kept when decoding).
+Anything else (other models such as "t5", other pre-tokenizers) is refused in one line. Token types: CONTROL
+tokens (and a SentencePiece vocabulary's UNKNOWN one, as llama.cpp matches it) become special added tokens
+(matched whole in text, skipped when decoding with skip_special_tokens), USER_DEFINED tokens plain added tokens
+(matched whole, kept when decoding).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 from hybrid.models.errors import ModelLoadError
 
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # gguf.TokenType
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
          r"|\s+(?!\S)|\s+")
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -38,6 +42,15 @@ DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
 GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Oniguruma (the tokenizers library's regex engine) reads the class intersections `&&` as tiktoken's Rust
+# regex does: letters and marks other than Han.
+KIMI_K2 = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
 
 
 class Pre:
@@ -55,6 +68,7 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "glm4": Pre((LLAMA3,)), "chatglm-bpe": Pre((LLAMA3,)),
     "deepseek-v3": Pre(DEEPSEEK3),
+    "kimi-k2": Pre((KIMI_K2,), ignore_merges=True),  # tiktoken takes a piece found whole in the vocabulary
     "gpt-4o": Pre((GPT4O,)),
     "gpt-2": Pre(None),
 }
@@ -108,9 +122,9 @@ def _template(bos: tuple[str, int] | None, eos: tuple[str, int] | None):
                                          special_tokens=specials)
 
 
-def _build(tokens: list[str], types: list[int] | None, merges: list[tuple[str, str]], pre: Pre,
-           bos: tuple[str, int] | None, eos: tuple[str, int] | None, origin: str):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+def _byte_level(tokens: list[str], merges: list[tuple[str, str]], pre: Pre, origin: str):
+    """The byte-level BPE of a "gpt2" vocabulary under the pre-tokenizer `pre` (no added tokens yet)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -126,15 +140,30 @@ def _build(tokens: list[str], types: list[int] | None, merges: list[tuple[str, s
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _add_tokens(tok, tokens: list[str], types: list[int] | None, special: tuple[int, ...]) -> None:
+    """Tokens of the types in `special` as special added tokens, USER_DEFINED ones as plain added tokens."""
+    from tokenizers import AddedToken
+
     types = types or []
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, ty in enumerate(types) if ty == CONTROL])
+                            for i, ty in enumerate(types) if ty in special])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, ty in enumerate(types) if ty == USER_DEFINED])
-    template = _template(bos, eos)
-    if template is not None:
-        tok.post_processor = template
-    return tok
+
+
+def _sentencepiece(metadata: dict, tokens: list[str], origin: str):
+    """The tokenizer of a "llama" (SentencePiece BPE) vocabulary: hybrid.models.gguf.spm."""
+    from hybrid.models.gguf.spm import check_scores, spm_tokenizer
+
+    scores = check_scores(_key(metadata, "tokenizer.ggml.scores", origin, list, required=True), tokens, origin)
+    unk = _token(tokens, metadata, "unknown", origin)
+    if unk is None and "<unk>" in tokens:
+        unk = "<unk>"
+    prefix = _key(metadata, "tokenizer.ggml.add_space_prefix", origin, bool)
+    return spm_tokenizer(tokens, scores, unk, prefix is not False, origin)
 
 
 def _special(tokens: list[str], metadata: dict, which: str, origin: str) -> tuple[str, int] | None:
@@ -158,24 +187,33 @@ def tokenizer_from_metadata(metadata: dict[str, Any], origin: str = "GGUF file")
     docstring for what is supported. The config has chat_template, bos_token, eos_token, pad_token, unk_token,
     add_bos_token and add_eos_token, as a tokenizer_config.json would."""
     model = _key(metadata, "tokenizer.ggml.model", origin, str, required=True)
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(f"{origin}: tokenizer.ggml.model {model!r} is not supported (supported: gpt2, "
-                             "byte-level BPE)")
-    pre_name = _key(metadata, "tokenizer.ggml.pre", origin, str) or "default"
-    if pre_name not in PRE_TOKENIZERS:
-        raise ModelLoadError(f"{origin}: tokenizer.ggml.pre {pre_name!r} is not supported (supported: "
-                             f"{', '.join(PRE_TOKENIZERS)})")
-    pre = PRE_TOKENIZERS[pre_name]
+                             "byte-level BPE; llama, SentencePiece BPE)")
+    pre = None
+    if model == "gpt2":
+        pre_name = _key(metadata, "tokenizer.ggml.pre", origin, str) or "default"
+        if pre_name not in PRE_TOKENIZERS:
+            raise ModelLoadError(f"{origin}: tokenizer.ggml.pre {pre_name!r} is not supported (supported: "
+                                 f"{', '.join(PRE_TOKENIZERS)})")
+        pre = PRE_TOKENIZERS[pre_name]
     tokens = _key(metadata, "tokenizer.ggml.tokens", origin, list, required=True)
     types = _key(metadata, "tokenizer.ggml.token_type", origin, list)
     if types is not None and len(types) != len(tokens):
         raise ModelLoadError(f"{origin}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    merges = _merges(_key(metadata, "tokenizer.ggml.merges", origin, list, required=True), origin)
+    if pre is None:  # SentencePiece: llama.cpp and transformers add BOS unless the file says otherwise
+        tok, special, default_bos = _sentencepiece(metadata, tokens, origin), (CONTROL, UNKNOWN), True
+    else:
+        merges = _merges(_key(metadata, "tokenizer.ggml.merges", origin, list, required=True), origin)
+        tok, special, default_bos = _byte_level(tokens, merges, pre, origin), (CONTROL,), pre.add_bos
+    _add_tokens(tok, tokens, types, special)
     add_bos = _key(metadata, "tokenizer.ggml.add_bos_token", origin, bool)
-    add_bos = pre.add_bos if add_bos is None else add_bos
+    add_bos = default_bos if add_bos is None else add_bos
     add_eos = bool(_key(metadata, "tokenizer.ggml.add_eos_token", origin, bool))
     bos, eos = _special(tokens, metadata, "bos", origin), _special(tokens, metadata, "eos", origin)
-    tok = _build(tokens, types, merges, pre, bos if add_bos else None, eos if add_eos else None, origin)
+    template = _template(bos if add_bos else None, eos if add_eos else None)
+    if template is not None:
+        tok.post_processor = template
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": _key(metadata, "tokenizer.chat_template", origin, str),
