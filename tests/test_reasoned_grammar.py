@@ -14,6 +14,7 @@ from hybrid.server import grammars
 from hybrid.server.reasoned_grammar import grammar_list, reasoning_prefix, wrap
 from hybrid.server.testing import FakeTokenizer
 from hybrid.server.tool_grammar import _Lark
+from test_tool_grammar import think_server  # noqa: F401  (the scripted server behind a thinking template)
 
 BYTES = FakeTokenizer().grammar_tokenizer()
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
@@ -87,19 +88,6 @@ def test_the_request_grammar_is_kept_as_compiled_under_its_own_name():
 
 
 # --- the scripted server (the prompt opens the reasoning) -------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def think_server():
-    from hybrid.server.adapter import Runtime
-    from test_server_http import ServerThread
-    from test_server_tools import ScriptedEngine, ThinkTokenizer
-
-    engine = ScriptedEngine()
-    engine.model.cfg.family, engine.start = "qwen3_moe", FakeTokenizer().encode("<assistant><think>\n")
-    s = ServerThread(Runtime(engine, ThinkTokenizer(), "on"), prefill_chunk=2048)
-    yield s
-    s.close()
-
 
 def _post(server, **body):
     return server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Which city?"}],
