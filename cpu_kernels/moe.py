@@ -289,9 +289,16 @@ _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_D
 
 
 def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
-    """w (a float tensor [E, rows, k], any strides, or ExpertRows) -> (first expert, experts, hy_pack_mat source,
-    what it points into) for each run of experts stored alike (dtype, strides, scales): usually one run for all E."""
+    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 blocks) -> (first expert, experts,
+    hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
+    usually one run for all E."""
     E, rows, k = w.shape
+    if isinstance(w, _Q40):  # raw blocks [E, rows, k/32, 18]: one run, byte strides
+        src = _native.HyPackSrc()
+        ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
+        src.w, src.wdtype, src.rs, src.cs = ptrs, _native.PACK_SRC_Q4_0, w.raw.stride(1), w.raw.stride(2)
+        src.rows, src.k = rows, k
+        return [(0, E, src, [w, ptrs])]
     if isinstance(w, torch.Tensor):  # expert e at data_ptr + e * stride(0) elements
         size = w.element_size()
         views = [(w.data_ptr() + e * w.stride(0) * size, w.dtype, w.stride()[1:], None) for e in range(E)]
@@ -640,6 +647,9 @@ class CpuMoE:
 
     def _packs_natively(self, w) -> bool:
         """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
+        if isinstance(w, _Q40):  # (the blocks' own bytes in one run each: raw's last stride 1)
+            return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= quant.Q4_0_BLOCK_BYTES
+                    and _native.has_packer(self.isa))
         return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4")
                 and isinstance(w, (torch.Tensor, ExpertRows)) and _native.has_packer(self.isa))
 

@@ -122,6 +122,36 @@ def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
     assert not torch.equal(held_values(again, "gate")[0], held_values(moe, "gate")[0])
 
 
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("order", ["natural", "interleaved"])
+def test_q4_0_compiled_packer_writes_the_reference_bytes(isa, order):
+    """The compiled packer (csrc/pack.h, Q4_0 source) writes the PyTorch path's bytes, scales and padding, from
+    contiguous blocks and from strided views (a fused gate_up's row halves), across NUMA slices."""
+    F, D = 96, 128
+    (fused, _), (down, _) = blocks((4, 2 * F, D), Q.Q4_0, 7), blocks((4, D, F), Q.Q4_0, 8)
+    gate, up = gguf_blocks("g", fused, "Q4_0")[:, :F], gguf_blocks("u", fused, "Q4_0")[:, F:]
+    assert not gate.raw.is_contiguous()  # strided rows
+    for topo in (None, two_nodes()):
+        native = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo)
+        torch_ = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo, packer="torch")
+        assert native._packs_natively(gate) and not torch_._packs_natively(gate)
+        a, b = native.packed_state(), torch_.packed_state()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_q4_0_compiled_packer_refuses_a_nan_scale():
+    """A block whose fp16 d is NaN stops the compiled packer as a non-finite weight of its expert."""
+    from cpu_kernels.moe import NonFiniteWeights
+
+    if not COMPILED:
+        pytest.skip("no compiled ISA on this machine")
+    raw, _ = blocks((3, 64, 64), Q.Q4_0, 9)
+    raw = raw.clone()
+    raw[1, 5, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 0x7E00: NaN
+    with pytest.raises(NonFiniteWeights, match="expert 1"):
+        CpuMoE.from_q4_0(raw, raw, raw, isa=COMPILED[0])  # (square experts: down has gate's shape)
+
+
 @pytest.mark.parametrize("isa", cpu_kernels.available_isas())
 def test_q4_0_forward_is_the_reference_on_the_files_values(isa):
     """ref: the PyTorch reference on gguf-py's de-quantized values, to float rounding; compiled kernels: that

@@ -832,4 +832,8 @@ MUTATIONS = [
     M("spm merges ranked worst first", "found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)", "found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=False)", ["tests/test_gguf_tokenizers.py"]),
     M("spm space prefix only when the file says so", "spm_tokenizer(tokens, scores, unk, prefix is not False, origin)", "spm_tokenizer(tokens, scores, unk, prefix is True, origin)", ["tests/test_gguf_tokenizers.py"]),
     M("kimi-k2 whole pieces merged instead of taken whole", '"kimi-k2": Pre((KIMI_K2,), ignore_merges=True)', '"kimi-k2": Pre((KIMI_K2,), ignore_merges=False)', ["tests/test_gguf_tokenizers.py"]),
+    M("packer: Q4_0 nibble halves swapped", "      nat[32 * b + j] = blk[2 + j] & 0x0F;\n      nat[32 * b + 16 + j] = blk[2 + j] >> 4;", "      nat[32 * b + j] = blk[2 + j] >> 4;\n      nat[32 * b + 16 + j] = blk[2 + j] & 0x0F;", ["tests/test_gguf_repack.py"]),
+    M("packer: Q4_0 padding columns as nibble 0", "std::memset(nat + 32 * nb, 8, (size_t)(ldk - 32 * nb));", "std::memset(nat + 32 * nb, 0, (size_t)(ldk - 32 * nb));", ["tests/test_gguf_repack.py"]),
+    M("packer: a Q4_0 NaN scale packed", "bad |= (h & 0x7C00u) == 0x7C00u;", "bad |= 0;", ["tests/test_gguf_repack.py"]),
+    M("Q4_0 blocks never packed by the compiled packer", "return (self.packer == \"native\" and w.raw.stride(3) == 1", "return (False and w.raw.stride(3) == 1", ["tests/test_gguf_repack.py"]),
 ]

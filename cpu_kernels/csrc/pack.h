@@ -7,19 +7,23 @@
 //         nibble layout of quant.py (hy.h i4_for_each_word)
 //   bf16: round to nearest even
 // (torch's `127.0 / amax` is amax.reciprocal() * 127: two roundings, kept so.) Padding rows and columns are zeros
-// going through the same steps (int4: nibble 8, scale 0). Included by api.h.
+// going through the same steps (int4: nibble 8, scale 0). A GGUF Q4_0 source (18-byte blocks of 32 values: fp16 d,
+// then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; x = (q - 8) * d) is int4 in groups of 32
+// exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4).
+// Included by api.h.
 #pragma once
 #include <atomic>
 #include <vector>
 #include "hy.h"
 #include "pool.h"
 
-enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3 };
+enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
 // (r, c) of its rows x k window is at w[i] + (r * rs + c * cs) elements; FP8: times its block scale
-// s[i][((r0 + r) / b0) * srs + ((c0 + c) / b1) * scs] (r0, c0: the window's place in the whole matrix).
+// s[i][((r0 + r) / b0) * srs + ((c0 + c) / b1) * scs] (r0, c0: the window's place in the whole matrix). Q4_0: row r's
+// block b starts at w[i] + r * rs + b * cs bytes (each block's 18 bytes contiguous), k = blocks x 32.
 typedef struct {
   const void* const* w;
   const void* const* s;
@@ -121,14 +125,9 @@ void pack_row_int8(const float* v, const HyMat& M, int e, int r) {
   ((int32_t*)M.rsum)[e * M.r_estride + r] = sum;
 }
 
-void pack_row_int4(const float* v, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
-  const int ldk = M.ldk, group = M.group, G = ldk / group;
-  float* scale = (float*)M.scale + e * M.s_estride + (int64_t)r * G;
-  for (int g = 0; g < G; ++g) {
-    const float amax = abs_max(v + g * group, group);
-    quantize_values(v + g * group, group, inverse_scale(amax, 7.f), -8.f, 7.f, 8.f, nat + g * group);
-    scale[g] = amax / 7.f;
-  }
+// A row's nibbles nat[0, ldk) (natural order) -> its stored bytes: quant.py pack_int4's order and chunk layout.
+void store_row_int4(const uint8_t* nat, const HyMat& M, int e, int r, uint8_t* st) {
+  const int ldk = M.ldk, group = M.group;
   const uint8_t* s = nat;
   if (!i4_natural(group, M.fold)) {
     i4_for_each_word(ldk, group, M.fold, [&](int P, int N) { std::memcpy(st + 4 * P, nat + 4 * N, 4); });
@@ -137,6 +136,41 @@ void pack_row_int4(const float* v, const HyMat& M, int e, int r, uint8_t* nat, u
   uint8_t* out = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
   for (int c = 0; c < ldk / 64; ++c)
     for (int j = 0; j < 32; ++j) out[c * 32 + j] = (uint8_t)(s[c * 64 + j] | (s[c * 64 + 32 + j] << 4));
+}
+
+void pack_row_int4(const float* v, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
+  const int ldk = M.ldk, group = M.group, G = ldk / group;
+  float* scale = (float*)M.scale + e * M.s_estride + (int64_t)r * G;
+  for (int g = 0; g < G; ++g) {
+    const float amax = abs_max(v + g * group, group);
+    quantize_values(v + g * group, group, inverse_scale(amax, 7.f), -8.f, 7.f, 8.f, nat + g * group);
+    scale[g] = amax / 7.f;
+  }
+  store_row_int4(nat, M, e, r, st);
+}
+
+// Row r of Q4_0 source expert i -> int4 row r of expert e (group 32): the blocks' nibbles and d as they are; padding
+// (columns past k, rows past rows) nibble 8 with scale 0. False if a block's d is not finite.
+bool pack_row_q4_0(const HyPackSrc& S, int i, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 32 : 0;
+  float* scale = (float*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 32);
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    bad |= (h & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    scale[b] = f16_to_f32(h);
+    for (int j = 0; j < 16; ++j) {
+      nat[32 * b + j] = blk[2 + j] & 0x0F;
+      nat[32 * b + 16 + j] = blk[2 + j] >> 4;
+    }
+  }
+  std::memset(nat + 32 * nb, 8, (size_t)(ldk - 32 * nb));
+  for (int b = nb; b < ldk / 32; ++b) scale[b] = 0.f;
+  store_row_int4(nat, M, e, r, st);
+  return !bad;
 }
 
 void pack_row_bf16(const float* v, const HyMat& M, int e, int r) {
@@ -161,7 +195,10 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_FP8) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q4_0) return false;
+  if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
+    return M->dtype == HY_INT4 && M->group == 32 && M->scale && S->k % 32 == 0 && S->cs >= 18 &&
+           i4_fold_ok(M->ldk, M->group, M->fold);
   if (S->wdtype == HY_SRC_FP8 && (!S->s || S->b0 < 1 || S->b1 < 1 || S->r0 < 0 || S->c0 < 0 ||
                                   (S->sdtype != HY_SRC_F32 && S->sdtype != HY_SRC_BF16)))
     return false;
@@ -192,6 +229,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
     bool ok = true;
     for (int r = (task % blocks) * RB; r < std::min(M->rows_p, (task % blocks + 1) * RB); ++r) {
       if (copy) { ok &= copy_row_bf16(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
