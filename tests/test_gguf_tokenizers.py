@@ -326,3 +326,38 @@ def test_unknown_pre_tokenizer_is_refused():
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.pre 'foo' is not supported") as exc:
         tokenizer_from_metadata({**kimi_metadata(), "tokenizer.ggml.pre": "foo"}, "t.gguf")
     assert "\n" not in str(exc.value) and "kimi-k2" in str(exc.value)
+
+
+def test_a_mixtral_gguf_with_its_sentencepiece_vocabulary_runs_through_generate(tmp_path, tmp_path_factory,
+                                                                               monkeypatch, capsys):
+    """`hybrid generate --model mixtral.gguf`: the file alone (SentencePiece tokenizer from its metadata, Q4_0
+    experts kept as int4 groups of 32 by default on the CPU executor) gives the plain load's greedy tokens, and
+    the prompt's ids are the tokenizer's (BOS first)."""
+    import json as _json
+
+    from hybrid.cli import main
+    from test_gguf import hf_model, write_gguf
+
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "cache"))
+    tokens, scores, types = spm_vocabulary()
+    hf, _ = hf_model("mixtral", tmp_path_factory, vocab_size=len(tokens))
+
+    def add_tokenizer(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    path = tmp_path / "mixtral.gguf"
+    write_gguf(path, "mixtral", hf, expert_type=gguf.GGMLQuantizationType.Q4_0, extra=add_tokenizer)
+    runs = {}
+    for name, extra in (("plain", []), ("hybrid", ["--gpu-experts", "0"])):
+        assert main(["generate", "--model", str(path), "--prompt", "hello there", "-n", "4", "--json", *extra]) == 0
+        runs[name] = _json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["plain"]["prompt_token_ids"] == [1] + spm_reference("hello there")
+    assert runs["plain"]["generated_token_ids"] == runs["hybrid"]["generated_token_ids"]
+    assert len(runs["hybrid"]["generated_token_ids"]) == 4
+    assert (runs["hybrid"]["hybrid"]["cpu_dtype"], runs["hybrid"]["hybrid"]["int4_group"]) == ("int4", 32)

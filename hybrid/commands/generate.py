@@ -96,5 +96,6 @@ def device_fields(s) -> dict:
             "resident_bytes": int(mem["vram_resident_bytes"]), "dram_expert_bytes": int(mem["dram_expert_bytes"]),
             "ship_lane": "pcie host->device" if cuda else "copy within dram (no pcie)",
             "schedule": str(off.scheduler.strategy), "profile": str(off.profile_name),
+            "cpu_dtype": off.cpu_dtype, **({"int4_group": off.group_size} if off.cpu_dtype == "int4" else {}),
         }
     return out
