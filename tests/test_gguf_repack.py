@@ -29,7 +29,7 @@ from cpu_kernels.reference import moe_forward  # noqa: E402
 from cpu_kernels.topology import Topology  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.gguf import load_gguf  # noqa: E402
-from test_gguf import PROMPT, add_metadata, gguf_tensors, hf_model  # noqa: E402
+from test_gguf import FP16_AT, PROMPT, add_metadata, gguf_tensors, hf_model, valid_blocks  # noqa: E402
 from tiny_models import single_logits  # noqa: E402
 
 COMPILED = [i for i in cpu_kernels.available_isas() if i != "ref"]
@@ -233,6 +233,10 @@ def write_typed(path, model_type, hf, types, tensors=None) -> None:
         kind = types(name) if "_exps.weight" in name else None
         if kind is None:
             w.add_tensor(name, t.numpy())
+        elif kind in FP16_AT:  # a K-quant (gguf-py has no quantizer for it): valid random blocks
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            data = valid_blocks(kind, t.numel() // block, np.random.default_rng(len(name)))
+            w.add_tensor(name, data.reshape(*t.shape[:-1], t.shape[-1] // block * size), raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(t.numpy(), kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -337,23 +341,47 @@ def test_mxfp4_cpu_dtype_is_refused_for_a_file_without_mxfp4_experts(tmp_path, q
 
 
 # -- the default CPU dtype --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_256(tmp_path_factory):
+    """Tiny Qwen3-MoE whose expert matrices are 256 wide both ways (K-quants' super-blocks)."""
+    return hf_model("qwen3_moe", tmp_path_factory, hidden_size=256, moe_intermediate_size=256)[0]
+
+
 @pytest.mark.parametrize("kind, argv, want", [
-    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 32)), (Q.Q8_0, [], ("bf16", 128)),
-    (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64))],
-    ids=["q4_0", "mxfp4", "q8_0", "asked-int8", "asked-group"])
-def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_ragged, kind, argv, want):
-    """Without --cpu-dtype, a file whose experts are all Q4_0 gets int4 in groups of 32 and all MXFP4 gets mxfp4,
-    kept through the checks before loading; anything else, or a dtype or group the user gives, as before."""
+    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("int8", 128)),
+    (Q.Q4_K, [], ("int4", 32)), (Q.Q6_K, [], ("int8", 128)), ("mixed", [], ("int4", 32)), (Q.F32, [], ("bf16", 128)),
+    (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
+    (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
+def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
+    """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
+    (all Q4_0: int4 in groups of 32 and all MXFP4: mxfp4, the file's values exactly; Q4_K: int4 groups of 32;
+    Q6_K and Q8_0: int8; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: int4), kept through the checks before
+    loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
     from hybrid.loading.parse import session_config_from_args
 
     path = tmp_path / "m.gguf"
-    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind)
+    # mixed: layer 0's gate in Q6_K (Q4_K_M files keep some tensors in Q6_K; the first one met here), the rest Q4_K
+    types = (lambda n: Q.Q6_K if n == "blk.0.ffn_gate_exps.weight" else Q.Q4_K) if kind == "mixed" else \
+        (lambda n: None) if kind == Q.F32 else (lambda n: kind)
+    write_typed(path, "qwen3_moe", qwen3_256, types)
     args = build_parser().parse_args(["generate", "--model", str(path), "--device", "cpu", "--gpu-experts", "0",
                                       *argv])
-    _, config = check_before_load(str(path), session_config_from_args(args))
+    with caplog.at_level(logging.WARNING, "hybrid.offload"):
+        _, config = check_before_load(str(path), session_config_from_args(args))
     assert (config.hybrid.cpu_dtype, config.hybrid.cpu_group) == want
+    said = [r.getMessage() for r in caplog.records if "GGUF file whose experts are" in r.getMessage()]
+    if "--cpu-dtype" in argv or kind == Q.F32:
+        assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
+    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, MXFP4)
+        exact = kind == Q.MXFP4 or (kind == Q.Q4_0 and want[1] == 32)
+        how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
+        fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
+        what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
+        assert said == [f"GGUF file whose experts are {what}: the CPU experts default to {fmt}, {how} "
+                        "(--cpu-dtype chooses another)"]
 
 
 def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged, capsys):

@@ -820,7 +820,7 @@ MUTATIONS = [
     M("GGUF Q4_0 nibbles paired like published mxfp4", "u = torch.stack([qs & 0x0F, qs >> 4], dim=-2)", "u = torch.stack([qs & 0x0F, qs >> 4], dim=-1)", ["tests/test_gguf_repack.py"]),
     M("GGUF MXFP4 blocks taken in the published nibble pairing", "return quant.mxfp4_pairs_from_gguf(self.blocks), self.scales", "return self.blocks, self.scales", ["tests/test_gguf_repack.py"]),
     M("GGUF Q4_0/MXFP4 experts silently de-quantized and re-quantized", "as_blocks = cached or (layer in choice and choice[layer] is None)", "as_blocks = cached", ["tests/test_gguf_repack.py"]),
-    M("plan: a GGUF file's Q4_0 experts priced in the default int4 group", 'group=(args.int4_group or fmt[1]) if fmt[0] == "int4" else mem.group', "group=mem.group", ["tests/test_gguf_repack.py"]),
+    M("plan: a GGUF file's Q4_0 experts priced in the default int4 group", 'group=(args.int4_group or fmt.group) if fmt.dtype == "int4"', 'group=mem.group if fmt.dtype == "int4"', ["tests/test_gguf_repack.py"]),
     M("plan: the int4 group not recorded", '**({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype"', '"kv_dtype"', ["tests/test_gguf_repack.py"]),
     M("runtime: the plan's int4 group ignored", "        group = planned_group\n", "        pass\n", ["tests/test_gguf_repack.py"]),
     M("planner: the KV cache read at the compute dtype", "kv_bytes = context * cfg.kv_values_per_token * (gb if kv_value_bytes is None else kv_value_bytes)", "kv_bytes = context * cfg.kv_values_per_token * gb", ["tests/test_plan_planner.py"]),
@@ -836,4 +836,6 @@ MUTATIONS = [
     M("packer: Q4_0 padding columns as nibble 0", "std::memset(nat + 32 * nb, 8, (size_t)(ldk - 32 * nb));", "std::memset(nat + 32 * nb, 0, (size_t)(ldk - 32 * nb));", ["tests/test_gguf_repack.py"]),
     M("packer: a Q4_0 NaN scale packed", "bad |= (h & 0x7C00u) == 0x7C00u;", "bad |= 0;", ["tests/test_gguf_repack.py"]),
     M("Q4_0 blocks never packed by the compiled packer", "return (self.packer == \"native\" and w.raw.stride(3) == 1", "return (False and w.raw.stride(3) == 1", ["tests/test_gguf_repack.py"]),
+    M("GGUF default: the first expert type, not the one holding most bytes", "follows = max(sizes, key=sizes.get)", "follows = next(iter(sizes))", ["tests/test_gguf_repack.py"]),
+    M("GGUF default: K-quant files stay bf16", '"Q4_K": ("int4", 32),', '"Q4_K": ("bf16", 0),', ["tests/test_gguf_repack.py"]),
 ]

@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
     p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
                    help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
-                   "checkpoints published in MXFP4 such as gpt-oss; mxfp4: 0.53125 bytes a weight)")
+                   "checkpoints published in MXFP4 such as gpt-oss, or for a GGUF file the format nearest its expert "
+                   "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight)")
     p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
                    help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128, or 32 for a GGUF "
                    "file of Q4_0 experts, whose blocks are kept as they are); the plan records it for --plan")
@@ -129,9 +130,10 @@ def build_plan(args):
         from hybrid.loading.parse import gguf_cpu_format
         from hybrid.offload.config import default_cpu_dtype
 
-        fmt = None if args.preset else gguf_cpu_format(model_dir)  # a GGUF file's Q4_0 / MXFP4 experts as they are
+        fmt = None if args.preset else gguf_cpu_format(model_dir)  # a GGUF file's: the format nearest its blocks
         if fmt is not None:
-            mem = replace(mem, cpu_dtype=fmt[0], group=(args.int4_group or fmt[1]) if fmt[0] == "int4" else mem.group)
+            mem = replace(mem, cpu_dtype=fmt.dtype, group=(args.int4_group or fmt.group) if fmt.dtype == "int4"
+                          else mem.group)
         else:
             mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
         settings = replace(settings, memory=mem)

@@ -89,7 +89,9 @@ def add_hybrid_arguments(p) -> None:
                    "cost model), cpu (llama.cpp -ot exps=CPU), ship (always ship weights), threshold:N")
     g.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPES, help="dtype of the CPU-resident experts "
                    "(default bf16, and mxfp4 for MXFP4 checkpoints: 4-bit e2m1 + one exponent per 32 values, "
-                   "gpt-oss's published format, kept as published; bf16/int8/int4 convert them)")
+                   "gpt-oss's published format, kept as published; bf16/int8/int4 convert them. A GGUF file: the "
+                   "format nearest its expert blocks, int4 in groups of 32 for Q4_0 (its blocks as they are), Q4_K, "
+                   "IQ4_XS, Q3_K, Q2_K; int8 for Q5_K, Q6_K, Q8_0; mxfp4 for MXFP4)")
     g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
     g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
                    f"profile, else the built-in {FALLBACK_PROFILE})")
@@ -178,13 +180,16 @@ def hybrid_config_from_args(args):
         group = planned_group
     fmt = None if chosen else gguf_cpu_format(getattr(args, "model", None))
     if fmt is not None:  # chosen for the user from the file's blocks: checkpoint_cpu_dtype keeps it
-        chosen, cpu_dtype, group = True, fmt[0], group or fmt[1]
+        chosen, cpu_dtype = True, fmt.dtype
+        group = (group or fmt.group) if cpu_dtype == "int4" else group
         import logging
 
-        name, exact = ("int4 group %d" % group, group == fmt[1]) if cpu_dtype == "int4" else ("mxfp4", True)
+        name = f"int4 group {group}" if cpu_dtype == "int4" else cpu_dtype
+        how = ("the file's blocks as they are" if fmt.exact and (cpu_dtype != "int4" or group == fmt.group)
+               else "re-quantized from the file's values")
         logging.getLogger("hybrid.offload").warning(
-            "GGUF file whose experts are all %s: the CPU experts default to %s%s (--cpu-dtype converts them)",
-            "Q4_0" if cpu_dtype == "int4" else "MXFP4", name, ", the file's blocks as they are" if exact else "")
+            "GGUF file whose experts are %s %s: the CPU experts default to %s, %s (--cpu-dtype chooses another)",
+            "all" if fmt.only else "mostly", fmt.follows, name, how)
     return HybridConfig(gpu_experts=args.gpu_experts,
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
@@ -201,11 +206,11 @@ def hybrid_config_from_args(args):
                         if plan is not None else HybridConfig.ship_chunk)
 
 
-def gguf_cpu_format(model: str | None) -> tuple[str, int] | None:
-    """(CPU dtype, int4 group) that a GGUF file's experts default to when no --cpu-dtype is given: int4 in groups of
-    32 when every expert weight is Q4_0, mxfp4 when every one is MXFP4 (the executor then holds the file's values
-    exactly; hybrid.models.gguf.repack), else None (bf16, as for any checkpoint; also for a file that cannot be
-    read, which the load then names)."""
+def gguf_cpu_format(model: str | None):
+    """The CPU format a GGUF file's experts default to when no --cpu-dtype is given (hybrid.models.gguf.repack
+    DefaultFormat: the executor's format nearest the type of most of its expert bytes; int4 in groups of 32 for
+    Q4_0 and mxfp4 for MXFP4 hold the file's values exactly), or None (not a GGUF file, or one that cannot be read,
+    which the load then names: bf16, as for any checkpoint)."""
     from hybrid.models.gguf import is_gguf
 
     if not model or not is_gguf(model):

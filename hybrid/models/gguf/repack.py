@@ -11,6 +11,8 @@ and why.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hybrid.models.errors import ModelLoadError
@@ -20,6 +22,13 @@ from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly
 LOSSLESS = {"Q4_0": ("int4", 32), "MXFP4": ("mxfp4", 32)}
+# GGUF type -> the CPU executor's format a file of it defaults to: the exact one where there is one, else the
+# smallest with at least the type's bits per weight (int4 in groups of 32 is 5 bits a weight with its fp32 scales;
+# int8 8.03), so the experts' DRAM stays near the file's and no precision is given up below the file's own. Below
+# 4 bits there is nothing smaller than int4.
+NEAREST = {**LOSSLESS, "Q2_K": ("int4", 32), "Q3_K": ("int4", 32), "IQ4_XS": ("int4", 32), "Q4_K": ("int4", 32),
+           "Q5_K": ("int8", 0), "Q6_K": ("int8", 0), "Q8_0": ("int8", 0), "BF16": ("bf16", 0), "F16": ("bf16", 0),
+           "F32": ("bf16", 0)}
 WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
 
 
@@ -121,8 +130,43 @@ def file_types(ckpt: GgufCheckpoint) -> set[str]:
             for e in expert_tensors(cfg, i, have) if e.which in WEIGHTS and have(e.name)}
 
 
-def default_format(ckpt: GgufCheckpoint) -> tuple[str, int] | None:
-    """The CPU format that holds every MoE layer's expert blocks exactly (all Q4_0: int4 group 32; all MXFP4:
-    mxfp4), or None: what the CPU experts default to for this file when the user names no --cpu-dtype."""
-    kinds = file_types(ckpt)
-    return LOSSLESS.get(kinds.pop()) if len(kinds) == 1 else None
+def expert_bytes_by_type(ckpt: GgufCheckpoint) -> dict[str, int]:
+    """The file's MoE expert weight bytes per GGUF type (unsloth's mixed files use several)."""
+    from hybrid.models.gguf.dequant import nbytes
+
+    cfg, have = ckpt.config, ckpt.tensors.__contains__
+    out: dict[str, int] = {}
+    for i in cfg.moe_layer_indices:
+        for e in expert_tensors(cfg, i, have):
+            if e.which in WEIGHTS and have(e.name):
+                t = ckpt.tensors[e.name]
+                out[type_name(t.ggml_type)] = out.get(type_name(t.ggml_type), 0) + nbytes(t.ggml_type, t.shape)
+    return out
+
+
+class DefaultFormat(NamedTuple):
+    """What a GGUF file's CPU experts default to when the user names no --cpu-dtype: `dtype` and `group` (int4's)
+    from NEAREST for `follows`, the type holding most of the expert bytes; `only`: every expert block is of that
+    type; `exact`: and it is a lossless one, so the executor holds the file's values."""
+
+    dtype: str
+    group: int
+    follows: str
+    only: bool
+    exact: bool
+
+
+def default_format(ckpt: GgufCheckpoint) -> DefaultFormat | None:
+    """The CPU format this file's experts default to (DefaultFormat), or None: float experts (bf16, as any
+    checkpoint's), no expert, or a type NEAREST lacks (the load then names it)."""
+    sizes = expert_bytes_by_type(ckpt)
+    if not sizes:
+        return None
+    follows = max(sizes, key=sizes.get)
+    if follows not in NEAREST:
+        return None
+    dtype, group = NEAREST[follows]
+    if dtype == "bf16":
+        return None
+    only = len(sizes) == 1
+    return DefaultFormat(dtype, group, follows, only, only and follows in LOSSLESS)
