@@ -285,6 +285,33 @@ class ExpertRows:
         return torch.stack(parts)
 
 
+class ExpertChunks:
+    """E experts' float matrices of one kind, [E, rows, k], that exist a few experts at a time: read(e0, e1) ->
+    float tensor [e1 - e0, R, K] of the whole matrices (e.g. a GGUF file's K-quant blocks de-quantized on demand).
+    Sliced like a [E, rows, k] tensor, by ranges, into a window that reads nothing yet; dense() reads the window.
+    The packers take a chunk of experts at a time (CpuMoE._PACK_CHUNK), so a layer is never held whole in floats."""
+
+    def __init__(self, read, shape):
+        self.read, self.full = read, torch.Size(shape)
+        self.e0, self.r0, self.c0, self.shape = 0, 0, 0, torch.Size(shape)
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (3 - len(key))
+        if len(key) != 3 or not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
+            raise TypeError("ExpertChunks slice by ranges only")
+        (e0, e1, _), (a, b, _), (c, d, _) = (k.indices(n) for k, n in zip(key, self.shape))
+        out = ExpertChunks(self.read, self.full)
+        out.e0, out.r0, out.c0 = self.e0 + e0, self.r0 + a, self.c0 + c
+        out.shape = torch.Size((max(0, e1 - e0), max(0, b - a), max(0, d - c)))
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The window's values [E, rows, k] (read now)."""
+        E, rows, k = self.shape
+        return self.read(self.e0, self.e0 + E)[:, self.r0:self.r0 + rows, self.c0:self.c0 + k]
+
+
 _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_DTYPES)}
 
 
@@ -420,11 +447,12 @@ class CpuMoE:
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
                  int4_order: str | None = None, packer: str = "native"):
-        # float tensors or ExpertRows (a checkpoint's own per-expert matrices); _Mx4 (from_mxfp4: the published
+        # float tensors, ExpertRows (a checkpoint's own per-expert matrices) or ExpertChunks (read a few experts
+        # at a time); _Mx4 (from_mxfp4: the published
         # blocks, never a float copy) or _Q40 (from_q4_0, gguf_blocks); _Packed (from_packed)
-        kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows)) else torch.Tensor
+        kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
                  for w in (w_gate, w_up, w_down)}
-        floats = kinds <= {torch.Tensor, ExpertRows}  # the two mix: each matrix packs on its own
+        floats = kinds <= {torch.Tensor, ExpertRows, ExpertChunks}  # these mix: each matrix packs on its own
         if not floats and len(kinds) != 1:
             raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows (from_mxfp4 takes "
                              "blocks, from_packed packed bytes)")
@@ -432,7 +460,7 @@ class CpuMoE:
         if packer not in ("native", "torch"):
             raise ValueError(f"packer must be 'native' or 'torch', got {packer!r}")
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            if source is torch.Tensor and not isinstance(w, ExpertRows):
+            if source is torch.Tensor and not isinstance(w, (ExpertRows, ExpertChunks)):
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
         if source is _Mx4 and dtype != "mxfp4":
             raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
@@ -605,7 +633,7 @@ class CpuMoE:
         """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
         if isinstance(w, _BLOCK_SOURCES):
             return w.dequantized()
-        if isinstance(w, ExpertRows):
+        if isinstance(w, (ExpertRows, ExpertChunks)):
             w = w.dense()
         if self.dtype == "mxfp4":
             return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w))
@@ -651,7 +679,7 @@ class CpuMoE:
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= quant.Q4_0_BLOCK_BYTES
                     and _native.has_packer(self.isa))
         return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4")
-                and isinstance(w, (torch.Tensor, ExpertRows)) and _native.has_packer(self.isa))
+                and isinstance(w, (torch.Tensor, ExpertRows, ExpertChunks)) and _native.has_packer(self.isa))
 
     def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
         """_mat by the compiled packer: every expert's rows straight from w (a float tensor or ExpertRows) into
@@ -660,13 +688,16 @@ class CpuMoE:
         aux = [None if s is None else weight_buffer(self.E * s) for s in self._aux_strides(rows_p, ldk)]
         m = self._hymat(block, aux, rows, k, row_align)
         lib, bad = _native.load(self.isa), ctypes.c_int32(-1)
-        for e0, n, src, _keep in _pack_sources(w):  # _keep: what src points into, alive through the call
-            rc = lib.hy_pack_mat(pool, ctypes.byref(src), ctypes.byref(m), e0, n, int(_one_node_machine()),
-                                 ctypes.byref(bad))
-            if rc == _native.PACK_NONFINITE:
-                raise NonFiniteWeights(name, e0 + bad.value)
-            if rc != 0:
-                raise RuntimeError(f"cpu_kernels: hy_pack_mat failed with code {rc}")
+        step = self._PACK_CHUNK if isinstance(w, ExpertChunks) else self.E  # read a chunk of experts at a time
+        for c0 in range(0, self.E, step):
+            part = w[c0:c0 + step].dense() if isinstance(w, ExpertChunks) else w
+            for e0, n, src, _keep in _pack_sources(part):  # _keep: what src points into, alive through the call
+                rc = lib.hy_pack_mat(pool, ctypes.byref(src), ctypes.byref(m), c0 + e0, n,
+                                     int(_one_node_machine()), ctypes.byref(bad))
+                if rc == _native.PACK_NONFINITE:
+                    raise NonFiniteWeights(name, c0 + e0 + bad.value)
+                if rc != 0:
+                    raise RuntimeError(f"cpu_kernels: hy_pack_mat failed with code {rc}")
         return m, aux
 
     def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple, name: str = ""):
@@ -683,7 +714,7 @@ class CpuMoE:
         bufs, strides = None, None
         for e0 in range(0, self.E, self._PACK_CHUNK):
             wc = w[e0:e0 + self._PACK_CHUNK]
-            if isinstance(wc, ExpertRows):
+            if isinstance(wc, (ExpertRows, ExpertChunks)):
                 wc = wc.dense()
             if isinstance(wc, _Q40):
                 parts = list(self._q40_parts(wc, rows_p, ldk))

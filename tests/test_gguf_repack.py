@@ -466,3 +466,37 @@ def test_a_gguf_restart_copies_the_packed_cache(tmp_path, qwen3_ragged, monkeypa
     again = load(path, cpu_dtype, cpu_group=group)
     assert again.load_times.convert_s > 0 and folders(cache) != [key]  # (the stale copy of the same file goes)
     cpu_kernels.knobs.reset()
+
+
+def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path, tmp_path_factory, monkeypatch):
+    """A layer whose blocks the CPU format does not hold (Q8_0 into int8) is de-quantized a chunk of experts at a
+    time as it is packed (never the whole layer in floats), into the bytes that packing the whole de-quantized
+    layer gives."""
+    from hybrid.models.gguf import load as gguf_load, open_gguf
+    from hybrid.models.gguf.names import expert_tensors
+
+    hf = hf_model("qwen3_moe", tmp_path_factory, moe_intermediate_size=96, num_experts=12)[0]
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", hf, lambda n: Q.Q8_0)
+    real, reads = gguf_load.dequantize, []
+
+    def spy(raw, t, shape):
+        if len(shape) == 3:  # an expert stack's experts
+            reads.append(shape[0])
+        return real(raw, t, shape)
+
+    monkeypatch.setattr(gguf_load, "dequantize", spy)
+    _, off = hybrid_logits(path, cpu_dtype="int8")
+    E = hf.config.num_experts
+    assert reads and max(reads) <= CpuMoE._PACK_CHUNK < E and sum(reads) % E == 0
+    monkeypatch.undo()
+    ckpt = open_gguf(path)
+    cfg = ckpt.config
+    for layer in off.layers:
+        stack = [torch.empty(E, cfg.expert_intermediate_size, cfg.hidden_size),
+                 torch.empty(E, cfg.expert_intermediate_size, cfg.hidden_size),
+                 torch.empty(E, cfg.hidden_size, cfg.expert_intermediate_size)]
+        gguf_load.fill_experts(ckpt, stack, expert_tensors(cfg, layer.layer, ckpt.tensors.__contains__))
+        whole = CpuMoE(*stack, dtype="int8", isa=layer.cpu_moe.isa, topology=layer.cpu_moe.topology)
+        a, b = layer.cpu_moe.packed_state(), whole.packed_state()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -819,7 +819,7 @@ MUTATIONS = [
     M("packed cache: stale sweep takes a live writer's folder", "parts[2].isdigit() and not _pid_alive(int(parts[2]))", "parts[2].isdigit() and _pid_alive(int(parts[2])) is not None", ["tests/test_packed_cache.py"]),
     M("GGUF Q4_0 nibbles paired like published mxfp4", "u = torch.stack([qs & 0x0F, qs >> 4], dim=-2)", "u = torch.stack([qs & 0x0F, qs >> 4], dim=-1)", ["tests/test_gguf_repack.py"]),
     M("GGUF MXFP4 blocks taken in the published nibble pairing", "return quant.mxfp4_pairs_from_gguf(self.blocks), self.scales", "return self.blocks, self.scales", ["tests/test_gguf_repack.py"]),
-    M("GGUF Q4_0/MXFP4 experts silently de-quantized and re-quantized", "as_blocks = cached or (layer in choice and choice[layer] is None)", "as_blocks = cached", ["tests/test_gguf_repack.py"]),
+    M("GGUF Q4_0/MXFP4 experts silently de-quantized and re-quantized", "kept = not cached and layer in choice and choice[layer] is None", "kept = False", ["tests/test_gguf_repack.py"]),
     M("plan: a GGUF file's Q4_0 experts priced in the default int4 group", 'group=(args.int4_group or fmt.group) if fmt.dtype == "int4"', 'group=mem.group if fmt.dtype == "int4"', ["tests/test_gguf_repack.py"]),
     M("plan: the int4 group not recorded", '**({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype"', '"kv_dtype"', ["tests/test_gguf_repack.py"]),
     M("runtime: the plan's int4 group ignored", "        group = planned_group\n", "        pass\n", ["tests/test_gguf_repack.py"]),
@@ -838,4 +838,6 @@ MUTATIONS = [
     M("Q4_0 blocks never packed by the compiled packer", "return (self.packer == \"native\" and w.raw.stride(3) == 1", "return (False and w.raw.stride(3) == 1", ["tests/test_gguf_repack.py"]),
     M("GGUF default: the first expert type, not the one holding most bytes", "follows = max(sizes, key=sizes.get)", "follows = next(iter(sizes))", ["tests/test_gguf_repack.py"]),
     M("GGUF default: K-quant files stay bf16", '"Q4_K": ("int4", 32),', '"Q4_K": ("bf16", 0),', ["tests/test_gguf_repack.py"]),
+    M("GGUF: a de-quantized layer staged whole in floats", "chunked = cpu_format is not None and not cached", "chunked = False and not cached", ["tests/test_gguf_repack.py"]),
+    M("packer: ExpertChunks read whole", "step = self._PACK_CHUNK if isinstance(w, ExpertChunks) else self.E", "step = self.E", ["tests/test_gguf_repack.py"]),
 ]

@@ -4,7 +4,9 @@ Every tensor is de-quantized (hybrid.models.gguf.dequant) to float32 and stored 
 tensor, a layer's expert stacks a slice at a time, so neither the file nor a layer's experts are ever held twice
 in float32. The exception: with `cpu_format` (the CPU executor's dtype and int4 group the experts factory packs
 into), a layer whose expert blocks that format holds exactly (Q4_0 in int4 group 32, MXFP4 in mxfp4) reaches the
-factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized.
+factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized; any other layer reaches it as
+ExpertChunks (expert_chunks), de-quantized a few experts at a time as the executor packs them, so no layer is
+staged whole in floats.
 
 Before anything is allocated, every parameter of the model the config describes is matched to its GGUF
 tensors on a meta-device skeleton: a missing tensor, a shape that differs, a tensor type without a
@@ -156,6 +158,34 @@ def fill_experts(ckpt: GgufCheckpoint, stack: list[torch.Tensor], tensors: list[
             dequantize_into(dst, t.raw(), t.ggml_type, check)
 
 
+def expert_chunks(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> tuple:
+    """(gate, up, down) of one layer as cpu_kernels ExpertChunks over the file: a few experts' values de-quantized
+    (and checked) when the packer reaches them, so the layer is never held whole in floats; a fused gate_up's two
+    row halves read the same blocks."""
+    from cpu_kernels.moe import ExpertChunks
+
+    F_ = ckpt.config.expert_intermediate_size
+    out = {}
+    for e in tensors:
+        if e.which not in repack.WEIGHTS:
+            continue
+        t, check = ckpt.tensors[e.name], _finite(e.name, ckpt)
+        E, R, K = e.shape
+        per = nbytes(t.ggml_type, (R, K))  # one expert's bytes
+
+        def read(e0, e1, t=t, check=check, R=R, K=K, per=per):
+            values = dequantize(t.raw()[e0 * per:e1 * per], t.ggml_type, (e1 - e0, R, K))
+            check(values)
+            return values
+
+        if e.which == "gate_up":  # [E, 2F, D]: gate rows, then up rows
+            whole = ExpertChunks(read, (E, R, K))
+            out["w_gate"], out["w_up"] = whole[:, :F_], whole[:, F_:]
+        else:
+            out[e.which] = ExpertChunks(read, (E, R, K))
+    return out["w_gate"], out["w_up"], out["w_down"]
+
+
 def _opened(path: str | Path | GgufCheckpoint) -> GgufCheckpoint:
     """A path is opened; an open checkpoint is used as it is (gguf-py parses a header with a 150k-token
     vocabulary in seconds: callers that already opened one pass it on)."""
@@ -207,16 +237,23 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     def load_experts(layer: int) -> None:
         tensors = work.experts[layer]
         cached = experts_factory is not None and experts_cached is not None and experts_cached(layer)
-        as_blocks = cached or (layer in choice and choice[layer] is None)
+        kept = not cached and layer in choice and choice[layer] is None  # the file's blocks, as the format holds them
+        # the CPU executor's factory (cpu_format given) packs from the file's blocks or from chunks of de-quantized
+        # experts; any other factory, or none, gets float stacks
+        chunked = cpu_format is not None and not cached and not kept
+        no_stacks = cached or chunked or kept
         if experts_factory is None:
             ex = model.layers[layer].moe.experts
             stack = [ex.w_gate, ex.w_up, ex.w_down, *(ex.biases or ())]
         else:
-            stack = _stack(cfg, edev, edt, weights=not as_blocks)
+            stack = _stack(cfg, edev, edt, weights=not no_stacks)
         if cached:  # the executor comes from the packed cache: only the biases are read
             stack[:3] = [None] * 3
             fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
-        elif as_blocks:  # the weights as the file's blocks; biases (fp32 tensors) as usual
+        elif chunked:  # de-quantized a few experts at a time as they are packed; biases as usual
+            stack[:3] = expert_chunks(ckpt, tensors)
+            fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
+        elif kept:  # the weights as the file's blocks; biases (fp32 tensors) as usual
             stack[:3] = repack.sources(ckpt, tensors, cfg.expert_intermediate_size)
             fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
         else:
