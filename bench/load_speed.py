@@ -6,8 +6,8 @@ For each CPU dtype, three fresh processes (`hybrid generate --model DIR --cpu-dt
     write     the packed cache missed: converted again and written to the cache
     hit       the packed cache hit: the packed bytes copied back, no conversion
 
-Each row gives the load's seconds and GB/s of checkpoint (every safetensors byte / the load's seconds, from the
-"loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), and the
+Each row gives the load's seconds and GB/s of checkpoint (every safetensors or GGUF byte / the load's seconds, from
+the "loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), and the
 process's memory sampled from /proc every 10 ms: peak anonymous memory (RssAnon), the anonymous memory once the
 load is done (settled: when that line appears), their difference (the conversion's staging), and VmHWM (peak
 resident memory, page cache of the memory-mapped checkpoint included); and the process's CPU seconds (user + system,
@@ -20,6 +20,7 @@ HYBRID_CACHE under --scratch (this machine's calibrated profile.json is copied i
     python -m bench.make_checkpoint --preset qwen3-30b-a3b --layers 12 --out /data/q3-12l
     python -m bench.load_speed --model /data/q3-12l                              # bf16, int8, int4
     python -m bench.load_speed --model /data/dsv3-cut --cpu-dtype int8 --runs convert --json out.json
+    python -m bench.load_speed --model /data/q3-q4_0.gguf --cpu-dtype default      # a GGUF file, its own format
 """
 
 from __future__ import annotations
@@ -41,14 +42,23 @@ LOAD_LINE = re.compile(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+)
 FIELDS = ("RssAnon", "VmRSS", "VmHWM")
 
 
+def checkpoint_files(model: Path) -> list[Path]:
+    """A folder's safetensors files, or a GGUF file's parts."""
+    if model.suffix == ".gguf" and model.is_file():
+        from hybrid.models.gguf.files import split_parts
+
+        return split_parts(model)
+    return sorted(model.rglob("*.safetensors"))
+
+
 def checkpoint_bytes(model: Path) -> int:
-    return sum(f.stat().st_size for f in model.rglob("*.safetensors"))
+    return sum(f.stat().st_size for f in checkpoint_files(model))
 
 
 def read_once(model: Path) -> float:
     """Reads every safetensors file sequentially; returns GB/s."""
     t0, n = time.perf_counter(), 0
-    for f in sorted(model.rglob("*.safetensors")):
+    for f in checkpoint_files(model):
         with open(f, "rb", buffering=0) as fh:
             while chunk := fh.read(64 << 20):
                 n += len(chunk)
@@ -71,7 +81,8 @@ def memory_kib(pid: int) -> dict[str, int]:
 
 def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
     """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs."""
-    cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), "--cpu-dtype", dtype, "-n", "1",
+    chosen = ["--gpu-experts", "0"] if dtype == "default" else ["--cpu-dtype", dtype]  # default: the file's own
+    cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), *chosen, "-n", "1",
            "--prompt", "hello"] + (["--no-cache"] if no_cache else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = {k: 0 for k in FIELDS}
@@ -126,16 +137,19 @@ def scratch_cache(scratch: Path) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.load_speed", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, type=Path, help="checkpoint directory")
-    ap.add_argument("--cpu-dtype", default="bf16,int8,int4", help="comma-separated CPU dtypes (default bf16,int8,int4)")
+    ap.add_argument("--model", required=True, type=Path, help="checkpoint directory, or a GGUF file")
+    ap.add_argument("--cpu-dtype", default="bf16,int8,int4",
+                    help="comma-separated CPU dtypes (default bf16,int8,int4); `default`: none given, the checkpoint's "
+                    "own default (a GGUF file's: the format nearest its blocks)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     ap.add_argument("--scratch", type=Path, default=Path("~/.cache").expanduser(),
                     help="folder for the temporary packed caches (default ~/.cache; removed at the end)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
-    if not args.model.is_dir() or any(r not in RUNS for r in runs):
-        ap.error(f"--model must be a checkpoint folder and --runs a subset of {','.join(RUNS)}")
+    is_gguf = args.model.suffix == ".gguf" and args.model.is_file()
+    if not (args.model.is_dir() or is_gguf) or any(r not in RUNS for r in runs):
+        ap.error(f"--model must be a checkpoint folder or a GGUF file and --runs a subset of {','.join(RUNS)}")
     total = checkpoint_bytes(args.model)
     print(f"checkpoint {args.model}: {total / 1e9:.2f} GB, read once at {read_once(args.model):.2f} GB/s; "
           f"{os.cpu_count()} cpus", flush=True)
