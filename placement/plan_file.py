@@ -3,7 +3,8 @@
     {"schema_version": 1, "kind": "hybrid-plan",
      "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
      "settings": {"max_context", "max_batch", "cpu_dtype", "int4_group" (int4 only), "gpu_dtype_bytes",
-                  "staging_slots", "ship_chunk", "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens", "profile", "stats": {..}},
+                  "staging_slots", "ship_chunk", "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens",
+                  "profile", "stats": {..}},
      "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes
      "memory": {"gpu": {non_expert, kv_cache, staging, graph_buffers, reserve, resident_experts,
                         per_resident_expert}, "cpu": {experts, cold_experts, pinned_buffers, per_expert}},
@@ -14,9 +15,9 @@
 `predicted_saving_s` is the layer's predicted decode-step seconds saved by its resident experts. `staging_slots`
 x `ship_chunk` is the ship lane's staging (chosen by placement.planner.choose_staging unless given), which the
 runtime allocates as the plan says, since the plan's VRAM includes it. `kv_dtype` (bf16 or fp8) is the KV
-cache's value dtype the plan priced; `int4_group` the int4 experts' group size it priced (`--plan` runs load
-with it unless --int4-group says otherwise, which is refused); `--plan` runs use it (a different --kv-dtype is refused; plans without the
-field: --kv-dtype's, default bf16).
+cache's value dtype the plan priced; `--plan` runs use it (a different --kv-dtype is refused; plans without the
+field: --kv-dtype's, default bf16). `int4_group` is the int4 experts' group size the plan priced; `--plan` runs load
+with it (a different --int4-group is refused).
 """
 
 from __future__ import annotations

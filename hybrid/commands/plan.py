@@ -47,7 +47,8 @@ def register(subparsers) -> None:
                    "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight)")
     p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
                    help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128, or 32 for a GGUF "
-                   "file of Q4_0 experts, whose blocks are kept as they are); the plan records it for --plan")
+                   "file whose experts default to int4: Q4_0 blocks are then kept as they are); the plan records it "
+                   "for --plan")
     p.add_argument("--gpu-dtype", default="auto", choices=("auto", "bf16", "int8", "int4", "fp8"),
                    help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
                    "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "
