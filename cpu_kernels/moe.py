@@ -60,17 +60,22 @@ def _say_vector_only(dtype: str, isa: str) -> None:
                 "the AMX tiles)", dtype, isa)
 
 
-def _block_range(key, shape, what: str):
-    """A block source's key (ranges over [E, R, K]) -> (experts, rows, blocks) slices; K on 32-value blocks."""
+def _ranges(key, shape, what: str) -> list[tuple[int, int]]:
+    """A key slicing a source that stands for [E, rows, k] (ranges only; missing ones whole) -> (start, stop) of
+    each of the three dims."""
     key = key if isinstance(key, tuple) else (key,)
     key = key + (slice(None),) * (3 - len(key))
-    if not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
-        raise TypeError(f"{what} weights slice by ranges only")
-    se, sr, sk = key
-    k0, k1, _ = sk.indices(shape[2])
+    if len(key) != 3 or not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
+        raise TypeError(f"{what} slice by ranges only")
+    return [k.indices(n)[:2] for k, n in zip(key, shape)]
+
+
+def _block_range(key, shape, what: str):
+    """A block source's key (ranges over [E, R, K]) -> (experts, rows, blocks) slices; K on 32-value blocks."""
+    (e0, e1), (r0, r1), (k0, k1) = _ranges(key, shape, f"{what} weights")
     if k0 % quant.MXFP4_BLOCK or (k1 % quant.MXFP4_BLOCK and k1 != shape[2]):
         raise ValueError(f"{what} weights slice K on {quant.MXFP4_BLOCK}-value blocks, got {k0}:{k1}")
-    return se, sr, slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
+    return slice(e0, e1), slice(r0, r1), slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
 
 
 class _Mx4:
@@ -254,11 +259,7 @@ class ExpertRows:
         self.shape = torch.Size((len(mats), R, C))
 
     def __getitem__(self, key):
-        key = key if isinstance(key, tuple) else (key,)
-        key = key + (slice(None),) * (3 - len(key))
-        if len(key) != 3 or not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
-            raise TypeError("ExpertRows slice by ranges only")
-        (e0, e1, _), (a, b, _), (c, d, _) = (k.indices(n) for k, n in zip(key, self.shape))
+        (e0, e1), (a, b), (c, d) = _ranges(key, self.shape, "ExpertRows")
         out = ExpertRows.__new__(ExpertRows)
         out.mats, out.scales, out.block = self.mats[e0:e1], self.scales[e0:e1], self.block
         out.r0, out.c0 = self.r0 + a, self.c0 + c
@@ -292,16 +293,12 @@ class ExpertChunks:
     The packers take a chunk of experts at a time (CpuMoE._PACK_CHUNK), so a layer is never held whole in floats."""
 
     def __init__(self, read, shape):
-        self.read, self.full = read, torch.Size(shape)
-        self.e0, self.r0, self.c0, self.shape = 0, 0, 0, torch.Size(shape)
+        self.read, self.shape = read, torch.Size(shape)
+        self.e0, self.r0, self.c0 = 0, 0, 0
 
     def __getitem__(self, key):
-        key = key if isinstance(key, tuple) else (key,)
-        key = key + (slice(None),) * (3 - len(key))
-        if len(key) != 3 or not all(isinstance(k, slice) and k.step in (None, 1) for k in key):
-            raise TypeError("ExpertChunks slice by ranges only")
-        (e0, e1, _), (a, b, _), (c, d, _) = (k.indices(n) for k, n in zip(key, self.shape))
-        out = ExpertChunks(self.read, self.full)
+        (e0, e1), (a, b), (c, d) = _ranges(key, self.shape, "ExpertChunks")
+        out = ExpertChunks(self.read, self.shape)
         out.e0, out.r0, out.c0 = self.e0 + e0, self.r0 + a, self.c0 + c
         out.shape = torch.Size((max(0, e1 - e0), max(0, b - a), max(0, d - c)))
         return out

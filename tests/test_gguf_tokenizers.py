@@ -60,10 +60,9 @@ def spm_vocabulary():
     return _SPM[0]
 
 
-def write_spm_gguf(path, arch: str = "llama", **extra):
-    """A GGUF file (no tensors) with the SentencePiece vocabulary; extra: more tokenizer.ggml keys."""
+def add_spm_tokenizer(w) -> None:
+    """The SentencePiece vocabulary's tokenizer.ggml keys, into GGUF writer w."""
     tokens, scores, types = spm_vocabulary()
-    w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -71,6 +70,12 @@ def write_spm_gguf(path, arch: str = "llama", **extra):
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+
+
+def write_spm_gguf(path, arch: str = "llama", **extra):
+    """A GGUF file (no tensors) with the SentencePiece vocabulary; extra: more tokenizer.ggml keys."""
+    w = gguf.GGUFWriter(str(path), arch)
+    add_spm_tokenizer(w)
     for key, value in extra.items():
         getattr(w, f"add_{key}")(value)
     w.write_header_to_file()
@@ -339,20 +344,9 @@ def test_a_mixtral_gguf_with_its_sentencepiece_vocabulary_runs_through_generate(
     from test_gguf import hf_model, write_gguf
 
     monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "cache"))
-    tokens, scores, types = spm_vocabulary()
-    hf, _ = hf_model("mixtral", tmp_path_factory, vocab_size=len(tokens))
-
-    def add_tokenizer(w):
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_unk_token_id(0)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-
+    hf, _ = hf_model("mixtral", tmp_path_factory, vocab_size=len(spm_vocabulary()[0]))
     path = tmp_path / "mixtral.gguf"
-    write_gguf(path, "mixtral", hf, expert_type=gguf.GGMLQuantizationType.Q4_0, extra=add_tokenizer)
+    write_gguf(path, "mixtral", hf, expert_type=gguf.GGMLQuantizationType.Q4_0, extra=add_spm_tokenizer)
     runs = {}
     for name, extra in (("plain", []), ("hybrid", ["--gpu-experts", "0"])):
         assert main(["generate", "--model", str(path), "--prompt", "hello there", "-n", "4", "--json", *extra]) == 0
