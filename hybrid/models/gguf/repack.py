@@ -125,9 +125,7 @@ def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> tuple:
 def file_types(ckpt: GgufCheckpoint) -> set[str]:
     """The GGUF types of every MoE layer's expert weights in the file (tensors it lacks are left out: the load
     refuses those, by name)."""
-    cfg, have = ckpt.config, ckpt.tensors.__contains__
-    return {type_name(ckpt.tensors[e.name].ggml_type) for i in cfg.moe_layer_indices
-            for e in expert_tensors(cfg, i, have) if e.which in WEIGHTS and have(e.name)}
+    return set(expert_bytes_by_type(ckpt))
 
 
 def expert_bytes_by_type(ckpt: GgufCheckpoint) -> dict[str, int]:
