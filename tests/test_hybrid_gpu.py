@@ -186,10 +186,11 @@ def test_doorbell_graphs_match_host_function_graphs(tmp_path, monkeypatch, resid
         assert calls["in_place"] > 0 and calls["packed"] == 0
 
 
-@pytest.mark.parametrize("resident", [0, 4])
-def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
+@pytest.mark.parametrize("resident,defer", [(0, 2), (4, 2), (0, 1)])
+def test_deferred_experts_in_graphs_match_eager(tmp_path, resident, defer):
     """Expert deferral in decode graphs (the deferred CPU job on its own stream and doorbell, joined by the next
-    layer) computes what eager deferral computes."""
+    layer) computes what eager deferral computes; one deferred expert per token makes the routing's column
+    slices strided."""
     from hybrid.offload.build import load_hybrid
     from hybrid.offload.config import HybridConfig
     from hybrid.runtime.engine import Engine
@@ -199,7 +200,7 @@ def test_deferred_experts_in_graphs_match_eager(tmp_path, resident):
     runs = []
     for eager in (True, False):
         model, off = load_hybrid(ckpt, "cuda", torch.bfloat16,
-                                 HybridConfig(gpu_experts=resident, schedule="cpu", defer_experts=2), progress=False)
+                                 HybridConfig(gpu_experts=resident, schedule="cpu", defer_experts=defer), progress=False)
         eng = Engine(model, None, max_batch=4, max_context=64, eager=eager)
         res = eng.generate([[5, 17, 99, 3], [200, 1, 64, 7, 8]], max_new_tokens=10,
                            sampling=SamplingParams(temperature=0), stop_token_ids=[])

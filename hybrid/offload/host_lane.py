@@ -314,9 +314,11 @@ class HostFnLane:
         self._deferred_wait = None  # the inputs may be freed now: every later use of their memory is ordered
 
     def _write_packed(self, block, x, ids, w) -> None:
-        """One kernel on the current stream: ids (int64), weights (fp32) and x into a _packed block, in place."""
+        """ids (int64), weights (fp32) and x into a _packed block, in place, on the current stream. The deferred
+        experts' ids and weights are column slices of the routing's [T, K]: contiguous() packs them (one
+        deferred expert per token would otherwise flatten to a strided view, which cannot be read as bytes)."""
         parts = [ids.to(torch.int64), w.to(torch.float32), x]
-        torch.cat([t.reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
+        torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts], out=self._alias(block))
 
     def _alias(self, t: torch.Tensor) -> torch.Tensor:
         """The mapped CUDA alias of a pinned buffer view (made once per view; graphs hold its address)."""
