@@ -10,6 +10,8 @@ routing is what decode would compute for it, since routing depends only on its o
     max_over_mean   the most-used expert's load over the mean load (uniform: ~1)
     entropy         load entropy over log(E) (uniform: 1)
     lag1 / lag8     share of a token's K experts also used by the token 1 (8) positions before (uniform: K/E)
+    top1_repeat     share of tokens whose first-ranked expert is the token before's first-ranked (uniform: 1/E; the
+                    measure of Mixtral's routing analysis, Jiang et al. 2024, arXiv 2401.04088, Table 5)
     within8         share of a token's experts used by any of the 8 tokens before (uniform: 1 - (1 - K/E)^8)
     reuse_median    median positions since an expert was last used, over reused (token, expert) pairs
 """
@@ -74,6 +76,7 @@ def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:
             last[e] = t
     return {"top10_share": float(top), "max_over_mean": float(load.max() / load.mean()),
             "entropy": float(-(nz * np.log(nz)).sum() / np.log(num_experts)), "lag1": lag[1], "lag8": lag[8],
+            "top1_repeat": float(np.mean(chosen[1:, 0] == chosen[:-1, 0])) if T > 1 else None,
             "within8": float(np.mean(within)) if within else None,
             "reuse_median": float(np.median(gaps)) if gaps else None}
 
@@ -81,7 +84,7 @@ def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:
 def uniform_figures(num_experts: int, k: int) -> dict:
     p = k / num_experts
     return {"top10_share": 0.10, "max_over_mean": 1.0, "entropy": 1.0, "lag1": p, "lag8": p,
-            "within8": 1 - (1 - p) ** 8, "reuse_median": None}
+            "top1_repeat": 1 / num_experts, "within8": 1 - (1 - p) ** 8, "reuse_median": None}
 
 
 def main(argv=None) -> int:

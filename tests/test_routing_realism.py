@@ -26,3 +26,11 @@ def test_rotating_routing_has_no_lag1_overlap_and_a_known_reuse_distance():
 def test_uniform_baseline():
     u = uniform_figures(16, 4)
     assert u["lag1"] == 0.25 and abs(u["within8"] - (1 - 0.75 ** 8)) < 1e-12
+
+
+def test_top1_repeat_reads_the_first_ranked_expert_only():
+    # the first-ranked expert repeats every other step; the second-ranked one never moves
+    chosen = np.array([[t // 2 % 3, 7] for t in range(13)])
+    f = layer_figures(chosen, num_experts=8)
+    assert f["top1_repeat"] == 6 / 12 and f["lag1"] == (6 * 1.0 + 6 * 0.5) / 12
+    assert uniform_figures(8, 2)["top1_repeat"] == 1 / 8
