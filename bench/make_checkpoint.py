@@ -11,11 +11,11 @@ Mixtral-8x7B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V3, Kimi-K2, GLM-4.5 and 
 the first N decoder layers (a whole model in bf16 is tens to hundreds of GB: a cut one fits a small disk and still
 has every layer's shape); --experts / --top-k cut the routed experts instead (every layer at its real widths, a
 few experts each, for the non-expert side's VRAM at full depth; routing groups become one group). By default
-the demo's byte-level BPE tokenizer (~1k tokens, all ids valid in every preset's vocabulary) is copied
-in and padded with placeholder tokens `<idN>` up to the preset's vocab_size, so `hybrid generate --model
-OUT` runs and every id the random model generates shows as text (without the padding, ids past the ~1k
-real tokens decoded to nothing: empty output); --tokenizer none skips it. The weights are N(0, 0.02):
-throughput is meaningful, the text is not.
+a generic byte-level BPE tokenizer (hybrid.runtime.demo.build_tokenizer: ~1k tokens, all ids valid in every
+preset's vocabulary) is written in and padded with placeholder tokens `<idN>` up to the preset's vocab_size,
+so `hybrid generate --model OUT` runs and every id the random model generates shows as text (without the
+padding, ids past the ~1k real tokens decoded to nothing: empty output); --tokenizer none skips it. The
+weights are N(0, 0.02): throughput is meaningful, the text is not.
 """
 
 from __future__ import annotations
@@ -40,6 +40,18 @@ def pad_tokenizer(src, dst, vocab_size: int) -> int:
         tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
     tok.save(str(dst))
     return tok.get_vocab_size(with_added_tokens=True)
+
+
+def write_tokenizer(out, vocab_size: int) -> int:
+    """Writes hybrid.runtime.demo's generic byte-level BPE (~1k tokens, ChatML template) into folder `out`, padded to
+    vocab_size; returns its size. Not the packaged demo's own tokenizer: its 2048 tokens outnumber the demo
+    preset's 1088 ids, where this one's fit every preset's vocabulary."""
+    from pathlib import Path
+
+    from hybrid.runtime.demo import build_tokenizer
+
+    build_tokenizer(Path(out))
+    return pad_tokenizer(Path(out) / "tokenizer.json", Path(out) / "tokenizer.json", vocab_size)
 
 
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
@@ -83,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
     p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
-                   help="copy the demo checkpoint's tokenizer files in (default) or write none")
+                   help="write a ~1k-token byte-level BPE tokenizer padded to the vocabulary (default) or none")
     p.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     args = p.parse_args(argv)
     from hybrid.models.families import family_for
@@ -109,13 +121,7 @@ def main(argv=None) -> int:
                                   device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None,
                                   mxfp4=args.mxfp4)
     if args.tokenizer == "demo":
-        import shutil
-
-        from hybrid.runtime.demo import ensure_demo_checkpoint
-
-        demo = ensure_demo_checkpoint()
-        shutil.copy(demo / "tokenizer_config.json", out / "tokenizer_config.json")
-        pad_tokenizer(demo / "tokenizer.json", out / "tokenizer.json", raw["vocab_size"])
+        write_tokenizer(out, raw["vocab_size"])
     quant = " + fp8" if args.fp8 else " + mxfp4 experts" if args.mxfp4 else ""
     print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.dtype}{quant}, "
           "random weights) "

@@ -175,9 +175,9 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     if not args.model:
-        from hybrid.runtime.demo import ensure_demo_checkpoint
+        from hybrid.runtime.demo import demo_checkpoint
 
-        args.model = str(ensure_demo_checkpoint())
+        args.model = str(demo_checkpoint())
     hw = pricing_profile(args.profile, note=lambda line: print(f"# note: {line}", flush=True))
     t0 = time.perf_counter()
     model, off = load_hybrid(args.model, device, dtype, HybridConfig(gpu_experts=0, cpu_dtype=args.cpu_dtype,

@@ -14,8 +14,8 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
 Perplexity: teacher-forced over --tokens of the text in windows of the model's --window positions; greedy
 agreement: --prompts prompts of 32 tokens cut from the text, --new greedy tokens each, the share of positions
 equal to the reference's and each prompt's first differing position. On a model that has learned something
-(bench.train_small) these are quality figures; on random weights (the demo, bench.make_checkpoint) only the
-change between settings means anything, and little.
+(bench.train_small, the built-in demo among them) these are quality figures; on random weights
+(bench.make_checkpoint) only the change between settings means anything, and little.
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ def main(argv=None) -> int:
     settings = [s for s in a.settings.split(",") if s]
     parsed = [parse_setting(s) for s in settings]  # every setting checked before anything is loaded
     if a.model is None:
-        from hybrid.runtime.demo import ensure_demo_checkpoint
+        from hybrid.runtime.demo import demo_checkpoint
 
-        a.model = str(ensure_demo_checkpoint())
+        a.model = str(demo_checkpoint())
     if a.corpus:
         from bench.corpus import load_corpus
 

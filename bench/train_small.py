@@ -79,6 +79,13 @@ SIZES = {
                  qwen3=dict(num_key_value_heads=2, head_dim=16),
                  deepseek=dict(n_group=4, topk_group=2, intermediate_size=128, q_lora_rank=32, kv_lora_rank=32,
                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    # The built-in demo (hybrid/runtime/demo_model, shipped in the package): small enough to ship (~4 MB in bf16),
+    # large enough to print English-like text; minutes on 2 CPU cores.
+    "demo": Size(vocab=2048, hidden=128, layers=4, heads=4, experts=16, top_k=4, expert_ffn=64, seq_len=128,
+                 batch=32, lr=2e-3, warmup=50, steps=1500, val_tokens=16384, eval_every=250, eval_tokens=32768,
+                 qwen3=dict(num_key_value_heads=2, head_dim=32),
+                 deepseek=dict(n_group=4, topk_group=2, intermediate_size=256, q_lora_rank=64, kv_lora_rank=64,
+                               qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)),
     # One H200 for ~5 minutes: 64 fine-grained experts top-8, a budget of 240 s of steps.
     "small": Size(vocab=8192, hidden=512, layers=8, heads=8, experts=64, top_k=8, expert_ffn=256, seq_len=512,
                   batch=16, lr=1e-3, warmup=100, steps=None, max_steps=6000, max_epochs=8, budget_s=240.0,

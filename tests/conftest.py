@@ -3,8 +3,8 @@
 Hermetic cache: every test sees HYBRID_CACHE pointing at a temporary directory made for this test session,
 never the user's ~/.cache/hybrid. A profile written there by `hybrid calibrate` (say, on a machine without a
 GPU) would otherwise change what `hybrid cost`, the scheduler and the planner read, and tests would pass or
-fail by what the developer ran before. The directory is shared by the session's tests so the demo checkpoint
-is built once; tests that need an empty cache set their own (monkeypatch.setenv wins over this one).
+fail by what the developer ran before. The directory is shared by the session's tests so caches written there
+(packed experts) are built once; tests that need an empty cache set their own (monkeypatch.setenv wins over this one).
 Subprocesses started by tests inherit it through os.environ.
 """
 

@@ -20,7 +20,7 @@ import pytest
 from bench.serve_features import SETTINGS, output_problem, schema_problem
 
 REPO = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = 240  # two server starts (torch import, model load) and the first build of the demo checkpoint
+RUN_TIMEOUT_S = 240  # two server starts (torch import, model load)
 DECODE_TOKENS, STRING_CHARS = 48, 24  # the demo's tokens are short: the schema's skeleton alone takes ~25
 
 

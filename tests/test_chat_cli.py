@@ -209,9 +209,9 @@ def test_turn_two_continues_from_the_reply_tokens(tok_dir):
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint
 
-    return ensure_demo_checkpoint(progress_print=lambda m: None)
+    return demo_checkpoint()
 
 
 def checkpoint_with_template(demo_dir, dst, chat_template):
@@ -251,7 +251,7 @@ def test_demo_tokenizer_covers_the_model_and_turn_two_reuses_turn_one(demo_dir, 
 
     vocab = json.loads((demo_dir / "config.json").read_text())["vocab_size"]
     tok = Tokenizer(demo_dir)
-    assert tok.vocab_size == vocab and tok.decode([vocab - 1]) == f"<id{vocab - 1}>"
+    assert tok.vocab_size == vocab
     monkeypatch.setattr("builtins.input", script("Hello there, how are you?", "Tell me more."))
     assert main(["chat", "-n", "8"]) == 0
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """First use: a random checkpoint of a real shape gets a tokenizer that covers its vocabulary (and a model
 whose vocabulary its tokenizer does not cover is warned about); load time is reported apart from prefill;
-the warm-up leaves no state behind."""
+the warm-up leaves no state behind; an install that lost the demo's files is told so in one line."""
 
 from __future__ import annotations
 
@@ -35,13 +35,9 @@ def test_vocab_larger_than_tokenizer_warns(tmp_path, capsys):
 
     out = tmp_path / "olmoe"
     assert make(["--preset", "olmoe-1b-7b", "--layers", "1", "--out", str(out), "--tokenizer", "none"]) == 0
-    import shutil
+    from hybrid.runtime.demo import build_tokenizer
 
-    from hybrid.runtime.demo import ensure_demo_checkpoint
-
-    demo = ensure_demo_checkpoint()
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the old behaviour: the 1k demo tokenizer as is
-        shutil.copy(demo / name, out / name)
+    build_tokenizer(out)  # the old behaviour: the 1k tokenizer, not padded to the vocabulary
     capsys.readouterr()
     assert main(["generate", "--model", str(out), "-n", "1"]) == 0
     err = capsys.readouterr().err
@@ -58,10 +54,10 @@ def test_warmup_leaves_no_state():
     # the first real generation after a warm-up equals one on a fresh engine without it, token for token and
     # in its logits; the routing counters of the executors are what they were
     from hybrid.models import load_model
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint
     from hybrid.runtime.engine import Engine
 
-    model = load_model(ensure_demo_checkpoint(), progress=False)
+    model = load_model(demo_checkpoint(), progress=False)
     prompt = [5, 17, 300, 42, 9]
     cold = Engine(model, max_batch=2, max_context=64)
     slot = cold.allocate_slot()
@@ -82,12 +78,12 @@ def test_warmup_leaves_no_state():
 def test_warmup_restores_hybrid_routing_counters():
     import numpy as np
 
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint
     from hybrid.runtime.engine import Engine
     from hybrid.offload.build import load_hybrid
     from hybrid.offload.config import HybridConfig
 
-    model, offload = load_hybrid(str(ensure_demo_checkpoint()), torch.device("cpu"), torch.float32,
+    model, offload = load_hybrid(str(demo_checkpoint()), torch.device("cpu"), torch.float32,
                                  HybridConfig(gpu_experts=2, schedule="cpu"), progress=False)
     e = Engine(model, max_batch=1, max_context=64)
     before = [layer.moe.experts.stats.routed.copy() for layer in model.layers if layer.moe is not None]
@@ -96,14 +92,19 @@ def test_warmup_restores_hybrid_routing_counters():
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
-def test_an_unwritable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
-    """The demo is built under HYBRID_CACHE: a folder that cannot be made there is one line and exit 2."""
-    from cpu_kernels import knobs
-    from hybrid.cli import main
+def test_an_install_without_the_demo_files_is_one_line(tmp_path, monkeypatch, capsys):
+    """The demo ships in the package: an install that lost one of its files says how to mend it, in one line and
+    exit 2, for generate and plan alike."""
+    import shutil
 
-    (tmp_path / "file").write_text("not a folder")
-    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "file" / "cache"))
-    knobs.reset()
-    assert main(["generate", "-n", "1", "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "HYBRID_CACHE" in err[0] and "Traceback" not in err[0]
+    from hybrid.runtime import demo
+
+    broken = tmp_path / "demo_model"
+    shutil.copytree(demo.demo_checkpoint(), broken)
+    (broken / "model.safetensors").unlink()
+    monkeypatch.setattr(demo, "DEMO_DIR", broken)
+    for argv in (["generate", "-n", "1", "--prompt", "hi"], ["plan", "--gpu-budget", "1GiB", "--cpu-budget", "8GiB"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0], err
+        assert "model.safetensors" in err[0] and "reinstall hybrid-moe or pass --model DIR" in err[0], err

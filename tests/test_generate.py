@@ -4,6 +4,7 @@ strings, streaming, seeds, top-k/top-p, the demo checkpoint and `hybrid generate
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,20 +145,10 @@ def test_filter_logits_top_k_top_p():
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    import os
+def demo_dir():
+    from hybrid.runtime.demo import demo_checkpoint
 
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("HYBRID_CACHE")
-    os.environ["HYBRID_CACHE"] = str(cache)
-    from hybrid.runtime.demo import ensure_demo_checkpoint
-
-    path = ensure_demo_checkpoint(progress_print=lambda m: None)
-    yield path
-    if old is None:
-        os.environ.pop("HYBRID_CACHE")
-    else:
-        os.environ["HYBRID_CACHE"] = old
+    return demo_checkpoint()
 
 
 def test_stop_strings_and_streaming_with_tokenizer(demo_dir):
@@ -200,12 +191,12 @@ def test_earliest_of_two_stop_strings_cuts_and_held_text_is_flushed(demo_dir):
     assert out.finish_reason == "length" and out.text == free and "".join(pieces) == free
 
 
-def test_demo_checkpoint_is_cached_and_loads(demo_dir):
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+def test_demo_checkpoint_is_the_packaged_folder(demo_dir):
+    import hybrid
+    from hybrid.runtime.demo import DEMO_FILES
 
-    mtime = (demo_dir / "config.json").stat().st_mtime
-    assert ensure_demo_checkpoint(progress_print=lambda m: None) == demo_dir
-    assert (demo_dir / "config.json").stat().st_mtime == mtime
+    assert demo_dir == Path(hybrid.__file__).resolve().parent / "runtime" / "demo_model"
+    assert all((demo_dir / name).is_file() for name in DEMO_FILES)
     cfg = json.loads((demo_dir / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe"
     tcfg = json.loads((demo_dir / "tokenizer_config.json").read_text())
@@ -216,7 +207,7 @@ def test_cli_generate_json(demo_dir, capsys):
     assert main(["generate", "--prompt", "Hello there", "-n", "6", "--json"]) == 0
     out = capsys.readouterr()
     res = json.loads(out.out)
-    assert res["demo_random_weights"] is True and "RANDOM" in out.err
+    assert res["demo"] is True and "Shakespeare" in out.err and "--model DIR" in out.err
     assert len(res["generated_token_ids"]) <= 6 and res["prompt"] == "Hello there"
     assert res["prefill_tokens_per_s"] > 0 and res["dtype"] == "float32"
     # Same greedy tokens from the library.
@@ -263,7 +254,7 @@ def test_make_checkpoint_writes_a_loadable_model_with_tokenizer(demo_dir, tmp_pa
     assert "wrote" in capsys.readouterr().out
     assert main(["generate", "--model", str(out), "-n", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["demo_random_weights"] is False and len(res["generated_token_ids"]) <= 2
+    assert res["demo"] is False and len(res["generated_token_ids"]) <= 2
 
 
 def test_chat_template_features(tmp_path):

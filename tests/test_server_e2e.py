@@ -5,7 +5,7 @@ and a 256-token context, so 16 concurrent clients exercise queueing, slot reuse 
 membership changes every few steps.
 
 The server runs in float64. In fp32, CPU GEMMs round differently at different batch sizes (measured
-~5e-7 on the demo's logits), and the random-weight router's top-k turns that into a different expert
+~5e-7 on the demo's logits), and the router's top-k turns that into a different expert
 at a near-tie within ~20 tokens, so fp32 greedy output can legitimately differ batched vs alone. In
 fp64 that noise is far below any router or argmax margin, so a mismatch here means a real batching
 bug (masking, positions, slots), which is what the test is for.
@@ -30,7 +30,7 @@ import pytest
 KEY = "test-key-e2e"
 MAX_BATCH, MAX_CONTEXT = 8, 256
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180  # importing torch + building the demo checkpoint on a cold 2-core CI runner
+START_TIMEOUT_S = 180  # importing torch + loading the demo model on a cold 2-core CI runner
 
 
 def _start(log_path, extra_args):
@@ -133,9 +133,9 @@ def test_openai_client_completions_and_chat(server):
 
 
 def test_openai_client_json_schema_output_parses_on_a_real_model(server):
-    """response_format json_schema through the openai client against the demo model (random weights, its
-    byte-level BPE vocabulary padded past the tokenizer): the reply is JSON that follows the schema. The integer is
-    bounded because a random model, free to, writes digits until max_tokens."""
+    """response_format json_schema through the openai client against the demo model (a small model trained on
+    Shakespeare, its byte-level BPE of 2048 tokens): the reply is JSON that follows the schema. The integer is
+    bounded because a model that never saw JSON, free to, may write digits until max_tokens."""
     c, model = server.client(), _model(server)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},

@@ -233,12 +233,12 @@ def demo():
     import torch
 
     from hybrid.models import load_model
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint
     from hybrid.runtime.engine import Engine
     from hybrid.runtime.tokenizer import Tokenizer
     from hybrid.server.adapter import Runtime
 
-    path = ensure_demo_checkpoint(progress_print=lambda *a: None)
+    path = demo_checkpoint()
     tok = Tokenizer(path)
     model = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     s = ServerThread(Runtime(Engine(model, tok, max_batch=4, max_context=256, eager=True), tok, "on"))

@@ -266,9 +266,9 @@ def test_cli_refuses_a_model_name_that_is_not_utf8_in_one_line():
 
 
 def test_cli_refuses_a_model_directory_name_that_cannot_be_the_model_id(tmp_path):
-    from hybrid.runtime.demo import ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint
 
-    demo = ensure_demo_checkpoint(progress_print=lambda *a: None)
+    demo = demo_checkpoint()
     model = os.path.join(os.fsencode(tmp_path), b"model\tname")  # the default id: the directory's name
     os.mkdir(model)
     for f in demo.iterdir():  # (copies: the loader refuses links that lead out of the directory)

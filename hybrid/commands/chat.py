@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("chat", help="interactive chat (chat template, streaming)",
                               description="Chat in the terminal. Commands: /help lists them; /reset clears the "
                               "history, /exit (or Ctrl-D) quits; Ctrl-C stops a reply. Replies go to stdout, "
-                              "stats and notes to stderr. Without --model the random-weight demo model is used.")
+                              "stats and notes to stderr. Without --model the built-in demo model (trained on "
+                              "Shakespeare) is used.")
     p.add_argument("-n", "--max-new-tokens", type=int, default=256, help="reply length limit (default 256)")
     p.add_argument("--system", help="system prompt")
     add_model_arguments(p)

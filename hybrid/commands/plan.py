@@ -123,9 +123,9 @@ def build_plan(args):
         cfg, model_dir = family_for(raw).parse_config(raw), f"preset {args.preset}"
     else:
         if not model_dir:
-            from hybrid.runtime.demo import ensure_demo_checkpoint
+            from hybrid.runtime.demo import demo_checkpoint
 
-            model_dir = str(ensure_demo_checkpoint(progress_print=lambda m: print(m, file=sys.stderr)))
+            model_dir = str(demo_checkpoint())
         _, cfg, raw = read_config(model_dir)
     if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
         from hybrid.loading.parse import gguf_cpu_format

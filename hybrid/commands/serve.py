@@ -22,7 +22,7 @@ def register(subparsers) -> None:
         description="OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream or "
         "not), /health, /metrics (Prometheus). Requests are batched continuously on one engine thread.")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, safetensors, tokenizer); "
-                   "default: the demo checkpoint, generated on first use")
+                   "default: the built-in demo model, shipped in the package")
     p.add_argument("--host", default=d.host, help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
     p.add_argument("--api-key", default=None,

@@ -158,7 +158,7 @@ def warn_vocab_mismatch(model_vocab: int, tokenizer_vocab: int, log) -> None:
     if tokenizer_vocab > model_vocab:  # a prompt could encode to ids the embedding does not have
         log(f"warning: the tokenizer has {tokenizer_vocab} token ids but the model only {model_vocab}: a prompt "
             "that encodes to the extra ids cannot run (not this model's tokenizer?)")
-    if tokenizer_vocab < 0.9 * model_vocab:  # the demo pads its vocabulary up to a multiple of 64
+    if tokenizer_vocab < 0.9 * model_vocab:  # embedding rows rounded up to a multiple of 64 stay within 10%
         log(f"warning: the model has {model_vocab} token ids but its tokenizer only {tokenizer_vocab}; generated ids "
             f">= {tokenizer_vocab} have no text and are dropped from the output (a tokenizer from another model?)")
 

@@ -1,5 +1,5 @@
-"""Load: the checkpoint directory (the demo is built on first use), then the model, with every expert in the
-CPU executor when the hybrid flags are on, and its tokenizer."""
+"""Load: the checkpoint directory (--model, else the demo shipped in the package), then the model, with every
+expert in the CPU executor when the hybrid flags are on, and its tokenizer."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from hybrid.loading.parse import SessionConfig
 
 
 def resolve_model_dir(config: SessionConfig, log) -> tuple[str, bool]:
-    """(checkpoint directory, whether it is the random-weight demo)."""
+    """(checkpoint directory, whether it is the built-in demo); the demo is announced in one line."""
     if config.model:
         return config.model, False
-    from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint, demo_notice
 
-    model_dir = str(ensure_demo_checkpoint(progress_print=log))
-    log(DEMO_NOTICE.format(path=model_dir))
-    return model_dir, True
+    path = demo_checkpoint()
+    log(demo_notice(path))
+    return str(path), True
 
 
 def load_weights(model_dir: str, config: SessionConfig, progress: bool):

@@ -55,7 +55,7 @@ def add_max_context_argument(p) -> None:
 
 def add_model_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
-                   "tokenizer.json). Default: a small built-in demo model with random weights.")
+                   "tokenizer.json). Default: a small built-in demo model trained on Shakespeare's plays.")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
     add_max_context_argument(p)

@@ -1,5 +1,5 @@
 """config.json contents of the public models the benchmarks imitate (shapes only; from each model's
-published config.json), plus the demo model. `hf_config(name, layers=N)` returns a copy, optionally
+published config.json), plus a small "demo" shape for tests. `hf_config(name, layers=N)` returns a copy, optionally
 with fewer layers (disk and time on the GPU box)."""
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ PRESETS: dict[str, dict] = {
         "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "eos_token_id": 200002,
         "pad_token_id": 199999, "torch_dtype": "bfloat16",
     },
-    # The demo model: a real Qwen3-MoE config, small enough to write in a second on 2 cores.
+    # A small real Qwen3-MoE config for random checkpoints in tests and benches, small enough to write in a second
+    # on 2 cores. (The built-in demo, hybrid/runtime/demo_model, is a trained model of its own smaller shape.)
     "demo": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1088,
         "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,

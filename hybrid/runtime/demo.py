@@ -1,30 +1,33 @@
-"""The demo checkpoint: a small Qwen3-MoE model with RANDOM weights and a byte-level BPE tokenizer,
-built on first use and cached, so `hybrid generate` works on a fresh machine with no download.
+"""The demo checkpoint: a small Qwen3-MoE model trained on Shakespeare's plays, shipped inside the package
+(hybrid/runtime/demo_model), so that `hybrid generate` without --model prints English on a fresh machine with
+no download and no first-use build.
 
-Location: $HYBRID_CACHE/demo-qwen3-moe-v2, default ~/.cache/hybrid/demo-qwen3-moe-v2. It is written to
-a temporary directory and renamed into place, so an interrupted build never leaves a half checkpoint.
+The folder is what `python -m bench.train_small --family qwen3_moe --size demo --device cpu` writes: config.json,
+model.safetensors (bf16), a byte-level BPE tokenizer of 2048 tokens trained on the same plays with the ChatML
+template, generation_config.json, and training.json, the run's own record (parameters, steps, seconds, held-out
+perplexity against the unigram baseline), which the notice below quotes. The model writes Shakespeare-like
+English and knows nothing else.
 
-The tokenizer and the model agree on the vocabulary, as bench/make_checkpoint's random checkpoints do: the
-trained tokenizer (~800 tokens from the small corpus) is padded with placeholder tokens `<idN>` up to the
-model's vocab_size, so every id the random model generates decodes to text. (Unpadded, a quarter of the
-ids decoded to nothing: the vocabulary warning on every run, and a chat history whose text no longer
-encoded to the ids the model had generated.)
+build_tokenizer and pad_tokenizer are a generic tokenizer builder for random checkpoints (bench.make_checkpoint,
+tests): a ~1k-token byte-level BPE trained on a fixed English text, padded with placeholder tokens `<idN>` up to a
+model's vocab_size so that every id a random model generates decodes to text.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from hybrid.errors import UsageError
 
-DEMO_NAME = "demo-qwen3-moe-v2"  # v2: tokenizer padded to the model's vocabulary
-DEMO_NOTICE = ("note: no --model given, using the built-in demo checkpoint ({path}); its weights are RANDOM, "
-               "so the text is gibberish. Pass --model DIR for a real Hugging Face checkpoint.")
+DEMO_DIR = Path(__file__).resolve().with_name("demo_model")
+DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json", "training.json")
+DEMO_NOTICE = ("note: no --model given, using the built-in demo ({path}): a {params:.1f} M-parameter Qwen3-MoE "
+               "model trained for {minutes:.0f} minutes on Shakespeare's plays (bench.train_small --size demo, {steps} "
+               "steps; held-out perplexity {ppl:.0f}, unigram baseline {unigram:.0f}). It writes Shakespeare-like "
+               "English and knows nothing else; pass --model DIR for a real checkpoint.")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the format Qwen chat models use.
 CHAT_TEMPLATE = (
@@ -35,7 +38,7 @@ CHAT_TEMPLATE = (
 )
 # Training text for the tokenizer: enough English for common merges. Deterministic, so every machine
 # builds the same tokenizer.
-CORPUS = """\
+TOKENIZER_TEXT = """\
 Mixture-of-experts language models route every token to a few experts out of many. The experts hold
 most of the weights, but each token only touches a small part of them, so a model with hundreds of
 billions of parameters can run with the compute of a much smaller one. The hard part is memory: the
@@ -50,25 +53,47 @@ Question: how many tokens per second can this machine generate? Answer: it depen
 """
 
 
-def cache_root() -> Path:
-    from cpu_kernels.knobs import knobs
+def demo_checkpoint() -> Path:
+    """The packaged demo checkpoint's folder; a UsageError naming the remedy when an install lost its files."""
+    missing = [name for name in DEMO_FILES if not (DEMO_DIR / name).is_file()]
+    if missing:
+        raise UsageError(f"the built-in demo model is incomplete ({DEMO_DIR} lacks {', '.join(missing)}): "
+                         "reinstall hybrid-moe or pass --model DIR")
+    return DEMO_DIR
 
-    return knobs().cache
+
+def demo_training(path: Path | None = None) -> dict:
+    """The demo's training.json: how it was trained and what it scored on held-out plays."""
+    path = demo_checkpoint() if path is None else Path(path)
+    try:
+        return json.loads((path / "training.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"the built-in demo model's training.json cannot be read ({exc}): "
+                         "reinstall hybrid-moe or pass --model DIR") from None
 
 
-def demo_path() -> Path:
-    return cache_root() / DEMO_NAME
+def demo_notice(path: Path | None = None) -> str:
+    """The one line said whenever the demo is used: what it is, from its own training record."""
+    path = demo_checkpoint() if path is None else Path(path)
+    t = demo_training(path)
+    return DEMO_NOTICE.format(path=path, params=t["params"]["total"] / 1e6, minutes=t["train_seconds"] / 60,
+                              steps=t["steps"], ppl=t["heldout_perplexity"], unigram=t["unigram_perplexity"])
 
 
-def _corpus() -> list[str]:
-    import this  # noqa: F401  (prints the Zen of Python on import; silenced below)
+def _tokenizer_text() -> list[str]:
+    import this  # noqa: F401  (prints the Zen of Python on its first import; build_tokenizer silences it)
 
     zen = codecs.decode(this.s, "rot13")
-    return (CORPUS + zen).splitlines()
+    return (TOKENIZER_TEXT + zen).splitlines()
 
 
 def build_tokenizer(out: Path, vocab_size: int = 1024) -> int:
-    """Trains a byte-level BPE tokenizer (tokenizers library); returns its size with special tokens."""
+    """Trains a byte-level BPE tokenizer (tokenizers library) on TOKENIZER_TEXT and the Zen of Python into folder
+    `out` (tokenizer.json, tokenizer_config.json with the ChatML template); returns its size with special tokens.
+    Deterministic: every machine builds the same tokenizer."""
+    import contextlib
+    import io
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -77,7 +102,9 @@ def build_tokenizer(out: Path, vocab_size: int = 1024) -> int:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer)
+    with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
+        lines = _tokenizer_text()
+    tok.train_from_iterator(lines, trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
@@ -97,64 +124,3 @@ def pad_tokenizer(file: Path, vocab_size: int) -> int:
         tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
         tok.save(str(file))
     return tok.get_vocab_size(with_added_tokens=True)
-
-
-def _build(tmp: Path) -> None:
-    """Writes the demo checkpoint into folder `tmp`: the tokenizer is trained first (its size sets the
-    model's vocabulary) in a folder of its own, and copied in after the weights, since the checkpoint writer
-    may put a new folder in place of `tmp`."""
-    import contextlib
-    import io
-
-    import torch
-    from tokenizers import Tokenizer
-
-    from hybrid.models.presets import hf_config
-    from hybrid.models.writer import write_random_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix=f".{DEMO_NAME}-tokenizer-", dir=tmp.parent) as tok_dir:
-        tok_dir = Path(tok_dir)
-        with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
-            n_tokens = build_tokenizer(tok_dir)
-        cfg = hf_config("demo")
-        cfg["vocab_size"] = max(cfg["vocab_size"], -(-n_tokens // 64) * 64)  # room for every token
-        pad_tokenizer(tok_dir / "tokenizer.json", cfg["vocab_size"])
-        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        cfg["eos_token_id"] = tok.token_to_id("<|endoftext|>")
-        cfg["pad_token_id"] = tok.token_to_id("<|endoftext|>")
-        write_random_checkpoint(tmp, cfg, seed=0, dtype=torch.bfloat16)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tok_dir / name, tmp / name)
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]}))
-    (tmp / "README.txt").write_text("hybrid demo checkpoint: Qwen3-MoE config, RANDOM weights. "
-                                    "Built by hybrid.runtime.demo; delete to rebuild.\n")
-    os.chmod(tmp, 0o755)  # (a temporary folder is private to its owner; the cache is not)
-
-
-def ensure_demo_checkpoint(progress_print=print) -> Path:
-    """Returns the demo checkpoint directory, building it first if it is not cached yet."""
-    path = demo_path()
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))
-    except OSError as exc:
-        raise UsageError(f"cannot build the demo checkpoint under {path.parent} (HYBRID_CACHE): "
-                         f"{exc.strerror or exc}; set HYBRID_CACHE to a writable folder or pass --model") from None
-    progress_print(f"building the demo checkpoint in {path} (random weights, first use only)...")
-    try:
-        _build(tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished first
-            if not (path / "config.json").is_file():
-                raise
-    except OSError as exc:  # a full disk: the half-built folder goes, nothing named like the demo is left
-        raise UsageError(f"cannot build the demo checkpoint in {path.parent} (HYBRID_CACHE): "
-                         f"{exc.strerror or exc}") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path

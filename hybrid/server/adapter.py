@@ -289,7 +289,7 @@ def _open_exact(opts, log):
     from hybrid.errors import UsageError
     from hybrid.models import ModelLoadError, load_model
     from hybrid.loading.parse import hybrid_config_from_args
-    from hybrid.runtime.demo import DEMO_NOTICE, ensure_demo_checkpoint
+    from hybrid.runtime.demo import demo_checkpoint, demo_notice
     from hybrid.runtime.config import RuntimeConfig
     from hybrid.runtime.engine import Engine
     from hybrid.loading.parse import resolve_device
@@ -299,8 +299,8 @@ def _open_exact(opts, log):
         raise UsageError("--dtype float64 loads the plain model; it cannot be combined with the hybrid-expert flags")
     model_dir = opts.model
     if not model_dir:
-        model_dir = str(ensure_demo_checkpoint(progress_print=log))
-        log(DEMO_NOTICE.format(path=model_dir))
+        model_dir = str(demo_checkpoint())
+        log(demo_notice())
     try:
         model = load_model(model_dir, device=resolve_device(opts.device), dtype=torch.float64, progress=False)
         tokenizer = Tokenizer(model_dir)
