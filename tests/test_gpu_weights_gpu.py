@@ -1,6 +1,7 @@
 """Quantized GPU weights on CUDA (run on the GPU box): each family's tiny checkpoint loaded in bf16 with int8, int4
 or fp8 parts gives the logits of the bf16 model whose matrices are the de-quantized ones (within bf16
-tolerance: the decode GEMV and the chunked de-quantizing GEMMs sum in another order than cuBLAS), CUDA-graph
+tolerance: the decode GEMV and the chunked de-quantizing GEMMs sum in another order than cuBLAS, up to the first
+token whose routing that rounding flips), CUDA-graph
 decode gives the eager tokens (the quantized GEMV is captured in the graphs), and the fused q/k/v path takes
 quantized weights."""
 
@@ -39,6 +40,30 @@ def logits(model, ids):
     return eng.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]))[0].float().cpu()
 
 
+def logits_and_routes(model, ids):
+    """The logits and, per MoE layer, each token's set of chosen experts (in prompt order)."""
+    routes = []
+    moes = [layer.moe for layer in model.layers if layer.moe is not None]
+    for moe in moes:  # every routing path (the fused router GEMV's too) hands its choice to _experts_out
+        def recording(x, chosen, weights, into, _out=moe._experts_out):
+            routes.append([frozenset(row) for row in chosen.tolist()])
+            return _out(x, chosen, weights, into)
+        moe._experts_out = recording
+    try:
+        out = logits(model, ids)
+    finally:
+        for moe in moes:
+            del moe._experts_out  # the instance attribute goes; the class's method is back
+    assert len(routes) == len(moes)
+    return out, routes
+
+
+def first_routing_difference(a, b) -> int:
+    """The first token position whose experts differ in any MoE layer (len of the prompt if none)."""
+    T = len(a[0])
+    return min([t for la, lb in zip(a, b) for t in range(T) if la[t] != lb[t]], default=T)
+
+
 def dequantized_reference(path, dtypes):
     model = load_model(path, device="cuda", dtype=torch.bfloat16, progress=False)
     with torch.no_grad():
@@ -54,9 +79,16 @@ def dequantized_reference(path, dtypes):
 def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind):
     dtypes = {p: kind for p in PARTS}
     model = load_model(checkpoints[family], device="cuda", dtype=torch.bfloat16, progress=False, gpu_dtypes=dtypes)
-    ref = logits(dequantized_reference(checkpoints[family], dtypes), PROMPT)
-    got = logits(model, PROMPT)
-    assert float((got - ref).abs().max()) <= 3e-2 * float(ref.abs().max()), family
+    ref, ref_routes = logits_and_routes(dequantized_reference(checkpoints[family], dtypes), PROMPT)
+    got, got_routes = logits_and_routes(model, PROMPT)
+    # Routing is discontinuous: where two experts' scores nearly tie, the bf16 rounding of another summation order
+    # can pick the other one, and that token's row (and, through attention, the later rows) then legitimately
+    # differ. Nearly every choice must agree, and every row before the first differing choice must match.
+    pairs = [(x, y) for la, lb in zip(ref_routes, got_routes) for x, y in zip(la, lb)]
+    assert sum(x == y for x, y in pairs) >= 0.9 * len(pairs), (family, "routing differs too often")
+    rows = first_routing_difference(ref_routes, got_routes)
+    err = float((got[:rows] - ref[:rows]).abs().max()) if rows else 0.0
+    assert err <= 3e-2 * float(ref.abs().max()), (family, rows, err)
     # decode rows go through the quantized GEMV: one token at a time, the same logits as the prefill's rows
     eng = Engine(model, max_batch=1, max_context=32, eager=True)
     eng.allocate_slot()
