@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -155,15 +156,30 @@ def main(argv=None) -> int:
     ref = run(a.model, a.device, {}, text_ids, prompts, a.new, a.window)
     rows = [dict(setting="ref", perplexity=ref["perplexity"], same_tokens=1.0, first_difference=None)]
     print(f"ref: perplexity {ref['perplexity']:.3f}")
+
+    def save() -> None:  # after every row: a run stopped by a time limit keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps(dict(model=a.model, device=a.device, text_tokens=len(text_ids),
+                                                   prompts=len(prompts), new=a.new, rows=rows), indent=1) + "\n")
+    save()
+    failed = 0
     for name, setting in zip(settings, parsed):
-        r = run(a.model, a.device, setting, text_ids, prompts, a.new, a.window)
+        try:
+            r = run(a.model, a.device, setting, text_ids, prompts, a.new, a.window)
+        except Exception as exc:  # one setting's failure is reported in its row; the others still run
+            failed += 1
+            rows.append(dict(setting=name, error=f"{type(exc).__name__}: {exc}"))
+            print(f"{name}: FAILED ({type(exc).__name__}: {exc})", file=sys.stderr)
+            save()
+            continue
         same, first = agreement(ref["tokens"], r["tokens"])
         rows.append(dict(setting=name, perplexity=r["perplexity"], same_tokens=same, first_difference=first))
         print(f"{name}: perplexity {r['perplexity']:.3f} ({100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}%), "
               f"{100 * same:.0f}% of greedy tokens unchanged (first difference per prompt: {first})")
-    if a.out:
-        Path(a.out).write_text(json.dumps(dict(model=a.model, device=a.device, text_tokens=len(text_ids),
-                                               prompts=len(prompts), new=a.new, rows=rows), indent=1) + "\n")
+        save()
+    if failed:
+        print(f"quality: {failed} of {len(settings)} settings failed (their rows say why)", file=sys.stderr)
+        return 1
     return 0
 
 

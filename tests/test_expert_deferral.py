@@ -102,3 +102,24 @@ def test_quality_bench_reports_tokens_and_perplexity(ckpt, tmp_path):
     assert rows[0]["same_tokens"] == 1.0 and all(0.0 <= r["same_tokens"] <= 1.0 for r in rows)
     assert all(r["perplexity"] > 1.0 for r in rows)
     assert rows[1]["perplexity"] != rows[0]["perplexity"]  # deferral changes the math
+
+
+def test_quality_bench_keeps_the_other_settings_when_one_fails(ckpt, tmp_path, monkeypatch):
+    import json
+
+    import bench.quality as quality
+
+    real = quality.run
+
+    def run(model, device, setting, *args):
+        if setting.get("defer"):
+            raise RuntimeError("boom")
+        return real(model, device, setting, *args)
+
+    monkeypatch.setattr(quality, "run", run)
+    out = tmp_path / "q.json"
+    assert quality.main(["--model", str(ckpt), "--settings", "defer:1,cpu:int8", "--new", "4", "--prompts", "2",
+                         "--device", "cpu", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["ref", "defer:1", "cpu:int8"]
+    assert rows[1]["error"] == "RuntimeError: boom" and rows[2]["perplexity"] > 1.0
