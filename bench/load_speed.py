@@ -7,8 +7,9 @@ For each CPU dtype, three fresh processes (`hybrid generate --model DIR --cpu-dt
     hit       the packed cache hit: the packed bytes copied back, no conversion
 
 Each row gives the load's seconds and GB/s of checkpoint (every safetensors or GGUF byte / the load's seconds, from
-the "loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), and the
-process's memory sampled from /proc every 10 ms: peak anonymous memory (RssAnon), the anonymous memory once the
+the "loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), the whole
+start a user waits for (generate's own "loaded in ... (warm-up ...)" line: the checkpoint's headers, the weights,
+the tokenizer, the placement and the warm-up), and the process's memory sampled from /proc every 10 ms: peak anonymous memory (RssAnon), the anonymous memory once the
 load is done (settled: when that line appears), their difference (the conversion's staging), and VmHWM (peak
 resident memory, page cache of the memory-mapped checkpoint included); and the process's CPU seconds (user + system,
 the whole run: a figure that other load on the machine does not inflate as it does the wall time).
@@ -39,6 +40,9 @@ from pathlib import Path
 
 RUNS = ("convert", "write", "hit")
 LOAD_LINE = re.compile(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+) s, upload ([\d.]+) s, cache .*")
+# generate's own line: the whole start a user waits for (the checkpoint's headers, the weights, the tokenizer, the
+# placement and the warm-up), where LOAD_LINE is the weights' part
+START_LINE = re.compile(r"loaded in ([\d.]+) s \(warm-up ([\d.]+) s.*")
 FIELDS = ("RssAnon", "VmRSS", "VmHWM")
 
 
@@ -86,7 +90,7 @@ def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
            "--prompt", "hello"] + (["--no-cache"] if no_cache else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = {k: 0 for k in FIELDS}
-    state = {"settled": None, "line": None, "tail": []}
+    state = {"settled": None, "line": None, "start": None, "tail": []}
 
     running = threading.Event()
     running.set()
@@ -108,6 +112,8 @@ def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
             state["tail"] = (state["tail"] + [text])[-5:]
             if state["line"] is None and LOAD_LINE.fullmatch(text):
                 state["line"], state["settled"] = text, memory_kib(proc.pid)
+            elif state["start"] is None and START_LINE.fullmatch(text):
+                state["start"] = float(START_LINE.fullmatch(text).group(1))
     _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds: contention-proof beside the wall time
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
     running.clear()
@@ -117,7 +123,8 @@ def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
     total, read, convert, upload = (float(v) for v in LOAD_LINE.fullmatch(state["line"]).groups())
     gib = 1 / 2**20
     settled = state["settled"] or {}
-    return dict(load_s=total, read_s=read, convert_s=convert, upload_s=upload, line=state["line"],
+    return dict(load_s=total, start_s=state["start"], read_s=read, convert_s=convert, upload_s=upload,
+                line=state["line"],
                 process_cpu_s=usage.ru_utime + usage.ru_stime,
                 peak_anon_gib=peak["RssAnon"] * gib, settled_anon_gib=settled.get("RssAnon", 0) * gib,
                 peak_hwm_gib=peak["VmHWM"] * gib, settled_rss_gib=settled.get("VmRSS", 0) * gib)
@@ -165,7 +172,9 @@ def main(argv=None) -> int:
                 r["gbps"] = total / 1e9 / max(r["load_s"], 1e-9)
                 rows.append(r)
                 extra = r["peak_anon_gib"] - r["settled_anon_gib"]
-                print(f"{dtype:5s} {run:8s} {r['load_s']:6.1f} s  {r['gbps']:5.2f} GB/s  (process cpu "
+                start = "-" if r["start_s"] is None else f"{r['start_s']:.1f}"
+                print(f"{dtype:5s} {run:8s} {r['load_s']:6.1f} s  {r['gbps']:5.2f} GB/s  (whole start {start} s; "
+                      f"process cpu "
                       f"{r['process_cpu_s']:5.1f} s)  anon peak "
                       f"{r['peak_anon_gib']:5.2f} GiB settled {r['settled_anon_gib']:5.2f} (+{extra:.2f})  "
                       f"VmHWM {r['peak_hwm_gib']:5.2f} GiB | {r['line']}", flush=True)

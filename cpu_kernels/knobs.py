@@ -69,8 +69,9 @@ KNOBS: tuple[Knob, ...] = (
          "unfused torch chain, a fallback), 1 (required: an error without Triton).",
          ("auto", "0", "1")),
     Knob("HYBRID_CACHE", "~/.cache/hybrid", "path",
-         "Folder of the generated demo checkpoint, the calibrated profile.json, the training corpus and the "
-         "packed-expert caches (packed/; `hybrid cache list`, `hybrid cache rm`)."),
+         "Folder of the calibrated profile.json, the training corpus and the caches: packed experts (packed/; "
+         "`hybrid cache list`, `hybrid cache rm`), GGUF tokenizers (gguf-tokenizers/) and GGUF headers "
+         "(gguf-headers/)."),
     Knob("HYBRID_NO_PROGRESS", "0", "bool", "1: no progress bars while loading and packing a model (logs, CI)."),
     Knob("HYBRID_API_KEY", "", "secret",
          "`hybrid serve`'s bearer key when --api-key is not given (a variable keeps it off the command line, "

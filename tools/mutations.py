@@ -839,4 +839,12 @@ MUTATIONS = [
     M("GGUF default: K-quant files stay bf16", '"Q4_K": ("int4", 32),', '"Q4_K": ("bf16", 0),', ["tests/test_gguf_repack.py"]),
     M("GGUF: a de-quantized layer staged whole in floats", "chunked = cpu_format is not None and not cached", "chunked = False and not cached", ["tests/test_gguf_repack.py"]),
     M("packer: ExpertChunks read whole", "step = self._PACK_CHUNK if isinstance(w, ExpertChunks) else self.E", "step = self.E", ["tests/test_gguf_repack.py"]),
+    M("GGUF header cache: a rewritten header's hash not checked",
+      'if doc["heads"] != [_head(p, n) for p, (n, _) in zip(parts, doc["heads"])]:',
+      'if doc["heads"] != doc["heads"]:',
+      ["tests/test_gguf_headers.py"]),
+    M("GGUF header cache: an offset past the file's end accepted",
+      "if not (0 <= offset and offset + nbytes <= sizes[k]) or name in tensors:",
+      "if not (0 <= offset) or name in tensors:",
+      ["tests/test_gguf_headers.py"]),
 ]

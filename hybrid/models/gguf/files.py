@@ -2,6 +2,14 @@
 (`NAME-00001-of-0000N.gguf`, metadata in the first, tensors spread over all), read with gguf.GGUFReader
 (memory-mapped: opening reads the headers, not the tensor data).
 
+GGUFReader parses every header field element by element: a 150K-token vocabulary's tokens, scores, types and
+merges take it several seconds, at every start. So what it read (the metadata and each tensor's type, shape, file
+offset and size) is kept as JSON under $HYBRID_CACHE/gguf-headers, keyed by every part's path, size and mtime and
+the gguf package's version; a later start checks that each part's header bytes (everything before its first
+tensor's data) still hash to what the entry recorded, maps the files itself at the recorded offsets and skips the
+parse. An entry that is unreadable, inconsistent with the files or of another format is parsed again and
+rewritten, never used.
+
 What this module returns is the files' contents as they are: the metadata as plain Python values and every
 tensor's ggml type, shape (torch order: GGUF lists dims fastest first, `ne[0]` is the last torch dim) and raw
 bytes (a read-only memory map). What the metadata means for a model is hparams.py's job.
@@ -9,7 +17,12 @@ bytes (a read-only memory map). What the metadata means for a model is hparams.p
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +126,19 @@ def _tensors(reader, path: Path) -> dict[str, GgufTensor]:
 
 def read_files(path: str | Path) -> tuple[list[Path], dict[str, Any], dict[str, GgufTensor]]:
     """(parts, metadata of the first part, every tensor of every part by name). The parts' split.no and
-    split.count must agree with their names; a tensor may appear in only one part."""
+    split.count must agree with their names; a tensor may appear in only one part. From the header cache when
+    it holds these files, else parsed by GGUFReader (and the cache written)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     parts = split_parts(path)
+    entry = header_cache_file(parts)
+    cached = _from_cache(entry, parts)
+    if cached is not None:
+        return cached
     metadata: dict[str, Any] = {}
     tensors: dict[str, GgufTensor] = {}
+    spans: list[list] = []
     for k, part in enumerate(parts):
         reader = _reader(part)
         meta = read_metadata(reader, part)
@@ -137,4 +156,90 @@ def read_files(path: str | Path) -> tuple[list[Path], dict[str, Any], dict[str, 
             if name in tensors:
                 raise ModelLoadError(f"tensor {name!r} appears in both {tensors[name].file.name} and {part.name}")
             tensors[name] = t
+        spans += [[t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], k, int(t.data_offset),
+                   int(t.n_bytes)] for t in reader.tensors]
+    _to_cache(entry, parts, metadata, spans)
     return parts, metadata, tensors
+
+
+# -- the header cache ------------------------------------------------------------------------------------------------
+HEADER_FORMAT = 1
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def header_cache_file(parts: list[Path]) -> Path | None:
+    """Where the header cache keeps these parts' headers (None: no cache folder is configured)."""
+    from cpu_kernels.knobs import knobs
+
+    ident = [HEADER_FORMAT, _gguf_version()]
+    for part in parts:
+        p = part.resolve()
+        st = p.stat()
+        ident.append([str(p), st.st_size, st.st_mtime_ns])
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
+    root = knobs().cache
+    return None if root is None else Path(root).expanduser() / "gguf-headers" / f"{key}.json"
+
+
+def _head(part: Path, n: int) -> list:
+    """[n, sha256 of the part's first n bytes]: its header, the bytes GGUFReader parsed."""
+    h = hashlib.sha256()
+    with open(part, "rb") as f:
+        left = n
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return [n, h.hexdigest()]
+
+
+def _from_cache(entry: Path | None, parts: list[Path]):
+    """The cached (parts, metadata, tensors), or None when there is no usable entry."""
+    if entry is None or not entry.is_file():
+        return None
+    try:
+        doc = json.loads(entry.read_text(encoding="utf-8"))
+        if doc.get("format") != HEADER_FORMAT or doc.get("parts") != [str(p.resolve()) for p in parts]:
+            return None
+        if doc["heads"] != [_head(p, n) for p, (n, _) in zip(parts, doc["heads"])]:
+            return None  # a header rewritten within the mtime's granularity
+        sizes = [p.stat().st_size for p in parts]
+        maps = [np.memmap(p, dtype=np.uint8, mode="r") for p in parts]
+        tensors = {}
+        for name, ggml_type, shape, k, offset, nbytes in doc["tensors"]:
+            if not (0 <= offset and offset + nbytes <= sizes[k]) or name in tensors:
+                return None
+            tensors[name] = GgufTensor(name, int(ggml_type), tuple(shape), maps[k][offset:offset + nbytes], parts[k])
+        return parts, doc["metadata"], tensors
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None  # unreadable, truncated or of another shape: parsed again and rewritten
+
+
+def _to_cache(entry: Path | None, parts: list[Path], metadata: dict, spans: list[list]) -> None:
+    """Writes the entry (a temporary file renamed into place); a cache that cannot be written is skipped."""
+    if entry is None:
+        return
+    starts = [min([off for *_, k, off, _ in spans if k == i], default=p.stat().st_size) for i, p in enumerate(parts)]
+    doc = {"format": HEADER_FORMAT, "parts": [str(p.resolve()) for p in parts],
+           "heads": [_head(p, n) for p, n in zip(parts, starts)], "metadata": metadata, "tensors": spans}
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{entry.stem}.", dir=entry.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, entry)
+    except (OSError, TypeError, ValueError):  # a read-only cache folder, a full disk: the next start parses again
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
