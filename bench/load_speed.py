@@ -9,10 +9,11 @@ For each CPU dtype, three fresh processes (`hybrid generate --model DIR --cpu-dt
 Each row gives the load's seconds and GB/s of checkpoint (every safetensors or GGUF byte / the load's seconds, from
 the "loaded in ..." line hybrid prints, whose read / convert / upload / cache split is shown as printed), the whole
 start a user waits for (generate's own "loaded in ... (warm-up ...)" line: the checkpoint's headers, the weights,
-the tokenizer, the placement and the warm-up), and the process's memory sampled from /proc every 10 ms: peak anonymous memory (RssAnon), the anonymous memory once the
-load is done (settled: when that line appears), their difference (the conversion's staging), and VmHWM (peak
-resident memory, page cache of the memory-mapped checkpoint included); and the process's CPU seconds (user + system,
-the whole run: a figure that other load on the machine does not inflate as it does the wall time).
+the tokenizer, the placement and the warm-up), and the process's memory sampled from /proc every 10 ms: peak
+anonymous memory (RssAnon), the anonymous memory once the load is done (settled: when that line appears), their
+difference (the conversion's staging), and VmHWM (peak resident memory, page cache of the memory-mapped checkpoint
+included); and the process's CPU seconds (user + system, the whole run: a figure that other load on the machine
+does not inflate as it does the wall time).
 
 The checkpoint is read once before the runs (its GB/s is printed: the disk's, or the page cache's when the
 files were already cached), so every run reads it from the page cache alike. The packed caches go to a fresh
@@ -174,8 +175,7 @@ def main(argv=None) -> int:
                 extra = r["peak_anon_gib"] - r["settled_anon_gib"]
                 start = "-" if r["start_s"] is None else f"{r['start_s']:.1f}"
                 print(f"{dtype:5s} {run:8s} {r['load_s']:6.1f} s  {r['gbps']:5.2f} GB/s  (whole start {start} s; "
-                      f"process cpu "
-                      f"{r['process_cpu_s']:5.1f} s)  anon peak "
+                      f"process cpu {r['process_cpu_s']:5.1f} s)  anon peak "
                       f"{r['peak_anon_gib']:5.2f} GiB settled {r['settled_anon_gib']:5.2f} (+{extra:.2f})  "
                       f"VmHWM {r['peak_hwm_gib']:5.2f} GiB | {r['line']}", flush=True)
     finally:
