@@ -11,6 +11,15 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
     defer:N                                               expert deferral of each token's N lowest experts
     gpu:int8 | gpu:int4 | gpu:fp8                         every non-expert part's GPU dtype (DESIGN.md, GPU weights)
     kv:fp8                                                the KV cache in float8 e4m3 (--kv-dtype fp8)
+    gguf:f32 | gguf:f16 | gguf:bf16 | gguf:q8_0 | gguf:q4_0
+                                                          the checkpoint converted to a GGUF file of that type
+                                                          (bench.hf_to_gguf: weight matrices in it, norms and
+                                                          routers F32) and loaded from it as `hybrid --model
+                                                          X.gguf` does: the CPU experts in the format nearest the
+                                                          file's (int8 for Q8_0, int4 groups of 32 for Q4_0,
+                                                          bf16 for float files). Converted once per type into a
+                                                          temporary folder; the setting fails unless the file's
+                                                          own tokenizer encodes the text to the checkpoint's ids
 Perplexity: teacher-forced over --tokens of the text in windows of the model's --window positions; greedy
 agreement: --prompts prompts of 32 tokens cut from the text, --new greedy tokens each, the share of positions
 equal to the reference's and each prompt's first differing position. On a model that has learned something
@@ -24,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,11 +49,12 @@ from hybrid.runtime.sampling import SamplingParams
 TEXT = ("The cost model decides, per batch and per layer, whether to ship an expert's activations to the CPU or "
         "its weights over PCIe to the GPU. A batch of tokens each choosing a few experts makes many assignments; "
         "compute is fixed by that number, weight traffic by how many distinct experts are touched.")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # bench.hf_to_gguf.TYPES, without importing gguf
 DEFAULT_SETTINGS = "cpu:int8,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,defer:1,defer:2,gpu:int8,gpu:int4,gpu:fp8,kv:fp8"
 
 
 def parse_setting(text: str) -> dict:
-    """'cpu:int4:64' -> {"cpu_dtype": "int4", "group": 64}; 'defer:1'; 'gpu:fp8'; 'kv:fp8'; 'ref'."""
+    """'cpu:int4:64' -> {"cpu_dtype": "int4", "group": 64}; 'defer:1'; 'gpu:fp8'; 'kv:fp8'; 'gguf:q8_0'; 'ref'."""
     parts = text.split(":")
     kind = parts[0]
     if kind == "ref" and len(parts) == 1:
@@ -61,15 +72,29 @@ def parse_setting(text: str) -> dict:
         return {"gpu_dtype": parts[1]}
     if kind == "kv" and len(parts) == 2 and parts[1] == "fp8":
         return {"kv_dtype": parts[1]}
+    if kind == "gguf" and len(parts) == 2 and parts[1] in GGUF_TYPES:
+        return {"gguf": parts[1]}
     raise UsageError(f"unknown setting {text!r} (see --help)")
+
+
+def cpu_format(model_dir: str, setting: dict) -> tuple[str, int]:
+    """(CPU expert dtype, int4 group): the setting's, else for a GGUF file the format its experts default to
+    under `hybrid --model X.gguf` (hybrid.loading.parse.gguf_cpu_format), else bf16."""
+    if "cpu_dtype" in setting:
+        return setting["cpu_dtype"], setting.get("group", 128)
+    from hybrid.loading.parse import gguf_cpu_format
+
+    fmt = gguf_cpu_format(model_dir)
+    return (fmt.dtype, fmt.group or 128) if fmt is not None else ("bf16", 128)
 
 
 def load(model_dir: str, device: str, setting: dict):
     from hybrid.models.gpu_weights import PARTS
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hcfg = HybridConfig(gpu_experts=0, schedule="cpu", cpu_dtype=setting.get("cpu_dtype", "bf16"),
-                        cpu_group=setting.get("group", 128), defer_experts=setting.get("defer", 0))
+    cpu_dtype, group = cpu_format(model_dir, setting)
+    hcfg = HybridConfig(gpu_experts=0, schedule="cpu", cpu_dtype=cpu_dtype, cpu_group=group,
+                        defer_experts=setting.get("defer", 0))
     gpu = setting.get("gpu_dtype")
     model, _ = load_hybrid(model_dir, device, dtype, hcfg, progress=False,
                            gpu_dtypes={p: gpu for p in PARTS} if gpu else None)
@@ -94,7 +119,9 @@ def nll(model, ids: list[int], window: int, kv_dtype: str = "bf16") -> tuple[flo
 
 
 def run(model_dir: str, device: str, setting: dict, text_ids, prompts, new: int, window: int) -> dict:
-    model = load(model_dir, device, setting)
+    """Perplexity and greedy tokens of the model at `model_dir` (a gguf:TYPE setting's converted file at
+    setting["path"]) under `setting`."""
+    model = load(setting.get("path", model_dir), device, setting)
     kv = setting.get("kv_dtype", "bf16")
     total, count = nll(model, text_ids, window, kv)
     eng = Engine(model, None, config=RuntimeConfig(max_batch=len(prompts), max_context=max(map(len, prompts)) + new + 1,
@@ -119,6 +146,31 @@ def encoder(model_dir: str):
     vocab = read_config(model_dir)[1].vocab_size
     print(f"# no tokenizer.json in {model_dir}: token ids are the text's bytes modulo the vocabulary ({vocab})")
     return lambda s: [b % vocab for b in s.encode()]
+
+
+def gguf_file(model_dir: str, qtype: str, folder: Path, text: str, ids: list[int]) -> str:
+    """The checkpoint as a GGUF file of `qtype` in `folder` (converted on first use), checked to carry a tokenizer
+    that encodes `text` to `ids`, the checkpoint tokenizer's: the file is then measured on the same tokens."""
+    from bench.hf_to_gguf import convert
+
+    path = folder / f"{qtype}.gguf"
+    if not path.is_file():
+        convert(model_dir, path, qtype)
+    got = gguf_encoder(path, folder / f"{qtype}-tokenizer")(text)
+    if got != ids:
+        at = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
+        raise ValueError(f"{path.name}: the GGUF file's tokenizer encodes the text to other ids than the "
+                         f"checkpoint's ({len(got)} vs {len(ids)} tokens, first difference at token {at})")
+    return str(path)
+
+
+def gguf_encoder(path: Path, tokenizer_dir: Path):
+    """The encode of the tokenizer a GGUF file carries, as `hybrid --model X.gguf` builds it (its metadata
+    written as tokenizer files, here into `tokenizer_dir` rather than the user's cache)."""
+    from hybrid.models.gguf import open_gguf, write_tokenizer_files
+    from hybrid.runtime.tokenizer import Tokenizer
+
+    return Tokenizer(str(write_tokenizer_files(open_gguf(path), tokenizer_dir))).encode
 
 
 def main(argv=None) -> int:
@@ -163,8 +215,11 @@ def main(argv=None) -> int:
                                                    prompts=len(prompts), new=a.new, rows=rows), indent=1) + "\n")
     save()
     failed = 0
+    folder = tempfile.TemporaryDirectory(prefix="quality-gguf-")
     for name, setting in zip(settings, parsed):
         try:
+            if "gguf" in setting:
+                setting = {**setting, "path": gguf_file(a.model, setting["gguf"], Path(folder.name), text, ids)}
             r = run(a.model, a.device, setting, text_ids, prompts, a.new, a.window)
         except Exception as exc:  # one setting's failure is reported in its row; the others still run
             failed += 1
@@ -177,6 +232,7 @@ def main(argv=None) -> int:
         print(f"{name}: perplexity {r['perplexity']:.3f} ({100 * (r['perplexity'] / ref['perplexity'] - 1):+.2f}%), "
               f"{100 * same:.0f}% of greedy tokens unchanged (first difference per prompt: {first})")
         save()
+    folder.cleanup()
     if failed:
         print(f"quality: {failed} of {len(settings)} settings failed (their rows say why)", file=sys.stderr)
         return 1

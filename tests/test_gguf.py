@@ -2,7 +2,7 @@
 
 Each tiny family of tiny_models.FAMILIES that llama.cpp has an architecture for is written to a GGUF file the
 way llama.cpp's convert_hf_to_gguf.py writes it (its metadata keys, tensor names, the llama q/k row permutation,
-the split MLA kv_b, stacked experts; `to_gguf` below), loaded with load_gguf and compared with transformers:
+the split MLA kv_b, stacked experts; bench.hf_to_gguf), loaded with load_gguf and compared with transformers:
 F32 files within 1e-4 (as test_model_equality), Q8_0 experts against transformers run on gguf-py's
 de-quantization of the same bytes. The de-quantizers are compared bit for bit with gguf.quants.dequantize; the
 tokenizer with a byte-level BPE trained here; refusals are one-line ModelLoadErrors.
@@ -23,12 +23,11 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from bench.hf_to_gguf import ARCH, gguf_tensors, set_expert_stacks, write_gguf  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.gguf import dequantize, load_gguf, open_gguf  # noqa: E402
 from tiny_models import FAMILIES, DEEPSEEK_VARIANTS, VOCAB, hf_logits, make_checkpoint, single_logits  # noqa: E402
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
-        "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
 # What GGUF cannot say, set to what it means: llama.cpp reads one YaRN mscale for DeepSeek (mscale_all_dim,
 # taking mscale equal, as the published configs have them) and has fixed gpt-oss SwiGLU constants.
 OVERRIDES = {
@@ -38,204 +37,6 @@ OVERRIDES = {
     "gpt_oss": dict(swiglu_limit=7.0, swiglu_alpha=1.702),
 }
 PROMPT = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(5)).tolist()
-ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
-        "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
-        "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm"}
-
-
-# -- a miniature convert_hf_to_gguf.py ------------------------------------------------------------------------
-def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """convert_hf_to_gguf.py LlamaModel.permute: half-split rope rows -> interleaved pairs, per head."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def expert_stacks(model_type: str, sd: dict, i: int) -> dict[str, torch.Tensor]:
-    """A layer's experts as the converter writes them: GGUF name -> [E, F, D] / [E, D, F] (+ gpt-oss biases)."""
-    p, out = f"model.layers.{i}.mlp.experts.", {}
-    gate_up, down = sd[p + "gate_up_proj"], sd[p + "down_proj"]
-    if model_type == "gpt_oss":  # [E, D, 2F] interleaved, down [E, F, D]
-        gu = gate_up.transpose(-1, -2)
-        out.update({"ffn_gate_exps.weight": gu[:, ::2], "ffn_up_exps.weight": gu[:, 1::2],
-                    "ffn_down_exps.weight": down.transpose(-1, -2)})
-        b = sd[p + "gate_up_proj_bias"]
-        out.update({"ffn_gate_exps.bias": b[:, ::2], "ffn_up_exps.bias": b[:, 1::2],
-                    "ffn_down_exps.bias": sd[p + "down_proj_bias"]})
-    else:  # [E, 2F, D]: gate rows, then up rows
-        F_ = gate_up.shape[1] // 2
-        out.update({"ffn_gate_exps.weight": gate_up[:, :F_], "ffn_up_exps.weight": gate_up[:, F_:],
-                    "ffn_down_exps.weight": down})
-    return {f"blk.{i}.{k}": v.contiguous() for k, v in out.items()}
-
-
-def set_expert_stacks(model_type: str, hf, i: int, stacks: dict[str, torch.Tensor]) -> None:
-    """The inverse of expert_stacks into the transformers model (for its run on de-quantized experts)."""
-    ex = hf.model.layers[i].mlp.experts
-    g, u, d = (stacks[f"blk.{i}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
-    with torch.no_grad():
-        if model_type == "gpt_oss":
-            gu = torch.empty(g.shape[0], 2 * g.shape[1], g.shape[2])
-            gu[:, ::2], gu[:, 1::2] = g, u
-            ex.gate_up_proj.copy_(gu.transpose(-1, -2))
-            ex.down_proj.copy_(d.transpose(-1, -2))
-        else:
-            ex.gate_up_proj.copy_(torch.cat([g, u], dim=1))
-            ex.down_proj.copy_(d)
-
-
-def gguf_tensors(model_type: str, hf, legacy_kv_b: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of the transformers model under its GGUF name, transformed as the converter does."""
-    cfg, sd = hf.config, hf.state_dict()
-    post = "post_attention_norm" if model_type in ("glm4_moe", "gpt_oss") else "ffn_norm"
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        out[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[b + post + ".weight"] = sd[p + "post_attention_layernorm.weight"]
-        for n, t in sd.items():
-            if not n.startswith(p + "self_attn."):
-                continue
-            mod, _, kind = n[len(p + "self_attn."):].partition(".")
-            if mod == "sinks":
-                out[b + "attn_sinks.weight"] = t
-            elif mod == "kv_b_proj":
-                if legacy_kv_b:
-                    out[b + "attn_kv_b.weight"] = t
-                else:  # the converter's split for absorbed MLA: k_b [H, rank, nope] (transposed), v_b [H, v, rank]
-                    H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-                    k_b, v_b = t.view(H, nope + v, t.shape[-1]).split([nope, v], dim=1)
-                    out[b + "attn_k_b.weight"], out[b + "attn_v_b.weight"] = k_b.transpose(1, 2), v_b
-            elif model_type == "mixtral" and mod in ("q_proj", "k_proj"):
-                heads = cfg.num_attention_heads if mod == "q_proj" else cfg.num_key_value_heads
-                out[f"{b}{ATTN[mod]}.{kind}"] = llama_permute(t, heads)
-            else:
-                out[f"{b}{ATTN[mod]}.{kind}"] = t
-        mlp = p + "mlp."
-        if mlp + "gate_proj.weight" in sd:  # a dense layer
-            for w in ("gate", "up", "down"):
-                out[f"{b}ffn_{w}.weight"] = sd[f"{mlp}{w}_proj.weight"]
-            continue
-        router = "router" if model_type == "gpt_oss" else "gate"
-        out[b + "ffn_gate_inp.weight"] = sd[f"{mlp}{router}.weight"]
-        if model_type == "gpt_oss":
-            out[b + "ffn_gate_inp.bias"] = sd[mlp + "router.bias"]
-        if mlp + "gate.e_score_correction_bias" in sd:
-            out[b + "exp_probs_b.bias"] = sd[mlp + "gate.e_score_correction_bias"]
-        for shared in ("shared_expert", "shared_experts"):
-            for w in ("gate", "up", "down"):
-                if f"{mlp}{shared}.{w}_proj.weight" in sd:
-                    out[f"{b}ffn_{w}_shexp.weight"] = sd[f"{mlp}{shared}.{w}_proj.weight"]
-        if mlp + "shared_expert_gate.weight" in sd:
-            out[b + "ffn_gate_inp_shexp.weight"] = sd[mlp + "shared_expert_gate.weight"]
-        out.update(expert_stacks(model_type, sd, i))
-    return {n: t.detach().float().contiguous() for n, t in out.items()}
-
-
-def add_metadata(w, model_type: str, cfg, extra_layers: int = 0, legacy_mla: bool = False) -> None:
-    """The converter's set_gguf_parameters for each architecture (extra_layers: multi-token-prediction layers
-    counted in block_count, as nextn_predict_layers; legacy_mla: DeepSeek as converted before llama.cpp's absorbed
-    MLA)."""
-    rope = cfg.rope_parameters
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers + extra_layers)
-    if extra_layers:
-        w.add_nextn_predict_layers(extra_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    mla = model_type == "deepseek_v3" and not legacy_mla
-    w.add_head_count_kv(1 if mla else cfg.num_key_value_heads)  # absorbed MLA: one latent "head"
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    if getattr(cfg, "intermediate_size", None):
-        w.add_feed_forward_length(cfg.intermediate_size)
-    if model_type != "deepseek_v3" and getattr(cfg, "head_dim", None):
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    if rope.get("rope_type") == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if model_type in ("qwen3_moe", "qwen2_moe"):
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        if model_type == "qwen2_moe":
-            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    elif model_type == "mixtral":
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_expert_count(cfg.num_local_experts)
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-        w.add_sliding_window(cfg.sliding_window)
-    elif model_type in ("deepseek_v3", "glm4_moe"):
-        w.add_expert_count(cfg.n_routed_experts)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        w.add_expert_shared_count(cfg.n_shared_experts)
-        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-        w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_weights_norm(cfg.norm_topk_prob)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_group_count(cfg.n_group)
-        w.add_expert_group_used_count(cfg.topk_group)
-        if model_type == "glm4_moe":
-            w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.5)))
-        else:
-            _deepseek_metadata(w, cfg, rope, legacy_mla)
-    else:  # gpt_oss
-        w.add_expert_count(cfg.num_local_experts)
-        w.add_expert_feed_forward_length(cfg.intermediate_size)
-        w.add_sliding_window(cfg.sliding_window)
-
-
-def _deepseek_metadata(w, cfg, rope, legacy: bool) -> None:
-    """DeepseekV2Model.set_gguf_parameters: MLA as MQA over the latent (head_count_kv 1, key/value lengths of the
-    latent), the per-head sizes as *_mla (legacy: the per-head sizes as key/value lengths), YaRN's mscale_all_dim
-    as 0.1 * it."""
-    w.add_vocab_size(cfg.vocab_size)
-    if cfg.q_lora_rank is not None:
-        w.add_q_lora_rank(cfg.q_lora_rank)
-    w.add_kv_lora_rank(cfg.kv_lora_rank)
-    if legacy:
-        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        w.add_value_length(cfg.v_head_dim)
-    else:
-        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        w.add_value_length(cfg.kv_lora_rank)
-        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        w.add_value_length_mla(cfg.v_head_dim)
-    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
-    if rope.get("rope_type") == "yarn":
-        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-
-
-def write_gguf(path, model_type: str, hf, expert_type=Q.F32, tensors=None, split_max_tensors: int = 0,
-               extra=None, legacy_kv_b: bool = False, extra_layers: int = 0, arch=None) -> dict[str, np.ndarray]:
-    """Writes the GGUF of `hf` at `path`; returns the bytes written for expert stacks (by name) when quantized.
-    tensors: name -> tensor replacements (None drops one); extra(writer): more metadata; arch: another
-    general.architecture."""
-    ts = gguf_tensors(model_type, hf, legacy_kv_b)
-    ts.update(tensors or {})
-    w = gguf.GGUFWriter(str(path), arch or ARCH[model_type], split_max_tensors=split_max_tensors)
-    add_metadata(w, model_type, hf.config, extra_layers, legacy_kv_b)
-    if extra is not None:
-        extra(w)
-    written = {}
-    for name, t in ts.items():
-        if t is None:
-            continue
-        arr = t.numpy()
-        if expert_type != Q.F32 and "_exps.weight" in name:
-            q = gguf.quants.quantize(arr, expert_type)
-            written[name] = q
-            w.add_tensor(name, q, raw_dtype=expert_type)
-        else:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return written
-
 
 _MODELS: dict = {}
 

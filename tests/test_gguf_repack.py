@@ -27,9 +27,10 @@ from cpu_kernels import CpuMoE, quant  # noqa: E402
 from cpu_kernels.moe import gguf_blocks  # noqa: E402
 from cpu_kernels.reference import moe_forward  # noqa: E402
 from cpu_kernels.topology import Topology  # noqa: E402
+from bench.hf_to_gguf import add_metadata, gguf_tensors  # noqa: E402
 from hybrid.models.errors import ModelLoadError  # noqa: E402
 from hybrid.models.gguf import load_gguf  # noqa: E402
-from test_gguf import FP16_AT, PROMPT, add_metadata, gguf_tensors, hf_model, valid_blocks  # noqa: E402
+from test_gguf import FP16_AT, PROMPT, hf_model, valid_blocks  # noqa: E402
 from tiny_models import single_logits  # noqa: E402
 
 COMPILED = [i for i in cpu_kernels.available_isas() if i != "ref"]

@@ -341,7 +341,8 @@ def test_a_mixtral_gguf_with_its_sentencepiece_vocabulary_runs_through_generate(
     import json as _json
 
     from hybrid.cli import main
-    from test_gguf import hf_model, write_gguf
+    from bench.hf_to_gguf import write_gguf
+    from test_gguf import hf_model
 
     monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "cache"))
     hf, _ = hf_model("mixtral", tmp_path_factory, vocab_size=len(spm_vocabulary()[0]))

@@ -1,0 +1,386 @@
+"""A miniature llama.cpp convert_hf_to_gguf.py: a transformers MoE model written as the GGUF file llama.cpp's
+converter writes (its metadata keys, tensor names, the llama q/k row permutation, the split MLA kv_b, stacked
+experts), for the tests that compare hybrid's GGUF loader with transformers and for bench.quality's gguf:TYPE
+settings, which measure what a GGUF type costs on a trained checkpoint.
+
+    python -m bench.hf_to_gguf DIR OUT.gguf [--type f32|f16|bf16|q8_0|q4_0]
+
+convert() writes a checkpoint folder (config.json, model.safetensors, tokenizer.json) as one GGUF file: its weight
+matrices in the chosen type, everything llama.cpp's quantizer leaves alone in F32 (module QUANTIZED), and the
+byte-level BPE tokenizer as the converter's GPT-2 vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
+        "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+
+ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
+        "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
+        "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm"}
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py LlamaModel.permute: half-split rope rows -> interleaved pairs, per head."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def expert_stacks(model_type: str, sd: dict, i: int) -> dict[str, torch.Tensor]:
+    """A layer's experts as the converter writes them: GGUF name -> [E, F, D] / [E, D, F] (+ gpt-oss biases)."""
+    p, out = f"model.layers.{i}.mlp.experts.", {}
+    gate_up, down = sd[p + "gate_up_proj"], sd[p + "down_proj"]
+    if model_type == "gpt_oss":  # [E, D, 2F] interleaved, down [E, F, D]
+        gu = gate_up.transpose(-1, -2)
+        out.update({"ffn_gate_exps.weight": gu[:, ::2], "ffn_up_exps.weight": gu[:, 1::2],
+                    "ffn_down_exps.weight": down.transpose(-1, -2)})
+        b = sd[p + "gate_up_proj_bias"]
+        out.update({"ffn_gate_exps.bias": b[:, ::2], "ffn_up_exps.bias": b[:, 1::2],
+                    "ffn_down_exps.bias": sd[p + "down_proj_bias"]})
+    else:  # [E, 2F, D]: gate rows, then up rows
+        F_ = gate_up.shape[1] // 2
+        out.update({"ffn_gate_exps.weight": gate_up[:, :F_], "ffn_up_exps.weight": gate_up[:, F_:],
+                    "ffn_down_exps.weight": down})
+    return {f"blk.{i}.{k}": v.contiguous() for k, v in out.items()}
+
+
+def set_expert_stacks(model_type: str, hf, i: int, stacks: dict[str, torch.Tensor]) -> None:
+    """The inverse of expert_stacks into the transformers model (for its run on de-quantized experts)."""
+    ex = hf.model.layers[i].mlp.experts
+    g, u, d = (stacks[f"blk.{i}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
+    with torch.no_grad():
+        if model_type == "gpt_oss":
+            gu = torch.empty(g.shape[0], 2 * g.shape[1], g.shape[2])
+            gu[:, ::2], gu[:, 1::2] = g, u
+            ex.gate_up_proj.copy_(gu.transpose(-1, -2))
+            ex.down_proj.copy_(d.transpose(-1, -2))
+        else:
+            ex.gate_up_proj.copy_(torch.cat([g, u], dim=1))
+            ex.down_proj.copy_(d)
+
+
+def gguf_tensors(model_type: str, hf, legacy_kv_b: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the transformers model under its GGUF name, transformed as the converter does."""
+    cfg, sd = hf.config, hf.state_dict()
+    post = "post_attention_norm" if model_type in ("glm4_moe", "gpt_oss") else "ffn_norm"
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[b + post + ".weight"] = sd[p + "post_attention_layernorm.weight"]
+        for n, t in sd.items():
+            if not n.startswith(p + "self_attn."):
+                continue
+            mod, _, kind = n[len(p + "self_attn."):].partition(".")
+            if mod == "sinks":
+                out[b + "attn_sinks.weight"] = t
+            elif mod == "kv_b_proj":
+                if legacy_kv_b:
+                    out[b + "attn_kv_b.weight"] = t
+                else:  # the converter's split for absorbed MLA: k_b [H, rank, nope] (transposed), v_b [H, v, rank]
+                    H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+                    k_b, v_b = t.view(H, nope + v, t.shape[-1]).split([nope, v], dim=1)
+                    out[b + "attn_k_b.weight"], out[b + "attn_v_b.weight"] = k_b.transpose(1, 2), v_b
+            elif model_type == "mixtral" and mod in ("q_proj", "k_proj"):
+                heads = cfg.num_attention_heads if mod == "q_proj" else cfg.num_key_value_heads
+                out[f"{b}{ATTN[mod]}.{kind}"] = llama_permute(t, heads)
+            else:
+                out[f"{b}{ATTN[mod]}.{kind}"] = t
+        mlp = p + "mlp."
+        if mlp + "gate_proj.weight" in sd:  # a dense layer
+            for w in ("gate", "up", "down"):
+                out[f"{b}ffn_{w}.weight"] = sd[f"{mlp}{w}_proj.weight"]
+            continue
+        router = "router" if model_type == "gpt_oss" else "gate"
+        out[b + "ffn_gate_inp.weight"] = sd[f"{mlp}{router}.weight"]
+        if model_type == "gpt_oss":
+            out[b + "ffn_gate_inp.bias"] = sd[mlp + "router.bias"]
+        if mlp + "gate.e_score_correction_bias" in sd:
+            out[b + "exp_probs_b.bias"] = sd[mlp + "gate.e_score_correction_bias"]
+        for shared in ("shared_expert", "shared_experts"):
+            for w in ("gate", "up", "down"):
+                if f"{mlp}{shared}.{w}_proj.weight" in sd:
+                    out[f"{b}ffn_{w}_shexp.weight"] = sd[f"{mlp}{shared}.{w}_proj.weight"]
+        if mlp + "shared_expert_gate.weight" in sd:
+            out[b + "ffn_gate_inp_shexp.weight"] = sd[mlp + "shared_expert_gate.weight"]
+        out.update(expert_stacks(model_type, sd, i))
+    return {n: t.detach().float().contiguous() for n, t in out.items()}
+
+
+def add_metadata(w, model_type: str, cfg, extra_layers: int = 0, legacy_mla: bool = False) -> None:
+    """The converter's set_gguf_parameters for each architecture (extra_layers: multi-token-prediction layers
+    counted in block_count, as nextn_predict_layers; legacy_mla: DeepSeek as converted before llama.cpp's absorbed
+    MLA)."""
+    rope = cfg.rope_parameters
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers + extra_layers)
+    if extra_layers:
+        w.add_nextn_predict_layers(extra_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    mla = model_type == "deepseek_v3" and not legacy_mla
+    w.add_head_count_kv(1 if mla else cfg.num_key_value_heads)  # absorbed MLA: one latent "head"
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "intermediate_size", None):
+        w.add_feed_forward_length(cfg.intermediate_size)
+    if model_type != "deepseek_v3" and getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if model_type == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    elif model_type == "mixtral":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        w.add_sliding_window(cfg.sliding_window)
+    elif model_type in ("deepseek_v3", "glm4_moe"):
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        if model_type == "glm4_moe":
+            w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.5)))
+        else:
+            _deepseek_metadata(w, cfg, rope, legacy_mla)
+    else:  # gpt_oss
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _deepseek_metadata(w, cfg, rope, legacy: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters: MLA as MQA over the latent (head_count_kv 1, key/value lengths of the
+    latent), the per-head sizes as *_mla (legacy: the per-head sizes as key/value lengths), YaRN's mscale_all_dim
+    as 0.1 * it."""
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if legacy:
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    else:
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def write_gguf(path, model_type: str, hf, expert_type=Q.F32, tensors=None, split_max_tensors: int = 0,
+               extra=None, legacy_kv_b: bool = False, extra_layers: int = 0, arch=None) -> dict[str, np.ndarray]:
+    """Writes the GGUF of `hf` at `path`; returns the bytes written for expert stacks (by name) when quantized.
+    tensors: name -> tensor replacements (None drops one); extra(writer): more metadata; arch: another
+    general.architecture."""
+    ts = gguf_tensors(model_type, hf, legacy_kv_b)
+    ts.update(tensors or {})
+    w = gguf.GGUFWriter(str(path), arch or ARCH[model_type], split_max_tensors=split_max_tensors)
+    add_metadata(w, model_type, hf.config, extra_layers, legacy_kv_b)
+    if extra is not None:
+        extra(w)
+    written = {}
+    for name, t in ts.items():
+        if t is None:
+            continue
+        arr = t.numpy()
+        if expert_type != Q.F32 and "_exps.weight" in name:
+            q = gguf.quants.quantize(arr, expert_type)
+            written[name] = q
+            w.add_tensor(name, q, raw_dtype=expert_type)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+# -- a checkpoint folder as a GGUF file of one type ------------------------------------------------------------
+TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # gguf-py quantizes these
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+# Tensors llama.cpp's quantizer keeps in F32 whatever the file type: norms, routers, score biases, sinks.
+KEEP_F32 = ("_norm.", "ffn_gate_inp", "exp_probs_b", "attn_sinks")
+NORMAL, CONTROL, USER_DEFINED, UNUSED = (int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL),
+                                         int(gguf.TokenType.USER_DEFINED), int(gguf.TokenType.UNUSED))
+
+
+def gguf_type(name: str) -> Q:
+    """'q8_0' -> Q.Q8_0; a ValueError naming the supported types for anything else."""
+    if name not in TYPES:
+        raise ValueError(f"GGUF type {name!r} is not supported (supported: {', '.join(TYPES)})")
+    return TYPES[name]
+
+
+def tensor_type(name: str, shape: tuple[int, ...], qtype: Q) -> Q:
+    """The type a tensor is written in: `qtype` for weight matrices (and expert stacks), F32 for 1-D tensors,
+    biases, norms and routers (as llama.cpp's quantizer leaves them) and for a matrix whose rows are not whole
+    blocks of `qtype`."""
+    if len(shape) < 2 or not name.endswith(".weight") or any(k in name for k in KEEP_F32):
+        return Q.F32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else Q.F32
+
+
+def add_tensor(w, name: str, arr: np.ndarray, qtype: Q) -> None:
+    """One tensor into the writer, quantized by gguf-py unless F32."""
+    if qtype == Q.F32:
+        w.add_tensor(name, arr)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _ids(value) -> list[int]:
+    """A config's token id entry (None, an int or a list) as a list."""
+    return [] if value is None else [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _named(vocab: dict, token) -> int | None:
+    """The id of a tokenizer_config token entry (a string or an AddedToken dict), or None."""
+    text = token.get("content") if isinstance(token, dict) else token
+    return vocab.get(text) if text else None
+
+
+def check_byte_level(spec: dict, origin: str) -> None:
+    """A ValueError unless tokenizer.json is a GPT-2 byte-level BPE (no normalizer, a ByteLevel pre-tokenizer
+    with its regex): the only tokenizer written here, as llama.cpp's pre-tokenizer "gpt-2"."""
+    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+    if (model.get("type") != "BPE" or spec.get("normalizer") or pre.get("type") != "ByteLevel"
+            or not pre.get("use_regex", True) or pre.get("add_prefix_space")):
+        raise ValueError(f"{origin}: only a GPT-2 byte-level BPE tokenizer (a ByteLevel pre-tokenizer with its "
+                         "regex, no normalizer) can be written as GGUF here")
+
+
+def special_ids(model_dir: Path, vocab: dict, tok_config: dict) -> dict:
+    """eos, eot, bos and pad ids as llama.cpp's SpecialVocab finds them (tokenizer_config's tokens first, then
+    config.json's ids). The end-of-sequence ids of generation_config / config.json that are not the eos become
+    the eot id, so a GGUF reader stops on the same ids as transformers."""
+    config, gen = _json(model_dir / "config.json"), _json(model_dir / "generation_config.json")
+    stops = list(dict.fromkeys(_ids(gen.get("eos_token_id")) + _ids(config.get("eos_token_id"))))
+    eos = _named(vocab, tok_config.get("eos_token"))
+    eos = eos if eos is not None else (stops[0] if stops else None)
+    others = [s for s in stops if s != eos]
+
+    def pick(which: str) -> int | None:
+        named = _named(vocab, tok_config.get(f"{which}_token"))
+        return named if named is not None else next(iter(_ids(config.get(f"{which}_token_id"))), None)
+    return {"eos": eos, "eot": others[0] if others else None, "bos": pick("bos"), "pad": pick("pad")}
+
+
+def tokenizer_metadata(model_dir: str | Path, vocab_size: int) -> dict:
+    """What the converter's _set_vocab_gpt2 writes for the folder's byte-level BPE: tokens in id order (padded
+    with [PADn] UNUSED tokens up to the model's rows), types (special added tokens CONTROL, other added tokens
+    USER_DEFINED, the rest NORMAL), merges as 'a b' strings, special ids, add_bos_token, the chat template."""
+    from tokenizers import Tokenizer
+
+    d = Path(model_dir)
+    spec = _json(d / "tokenizer.json")
+    check_byte_level(spec, str(d / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError(f"{d / 'tokenizer.json'}: token ids are not 0..{len(tokens) - 1}")
+    added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
+    types = [CONTROL if added.get(t) else USER_DEFINED if t in added else NORMAL for t in tokens]
+    pad = range(len(tokens), vocab_size)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    tok_config = _json(d / "tokenizer_config.json")
+    return {"tokens": tokens + [f"[PAD{i}]" for i in pad], "types": types + [UNUSED] * len(pad), "merges": merges,
+            "ids": special_ids(d, vocab, tok_config), "add_bos": bool(tok_config.get("add_bos_token", False)),
+            "chat_template": tok_config.get("chat_template")}
+
+
+def add_tokenizer(w, meta: dict) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template of tokenizer_metadata's dict."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["types"])
+    w.add_token_merges(meta["merges"])
+    adders = {"eos": w.add_eos_token_id, "eot": w.add_eot_token_id, "bos": w.add_bos_token_id,
+              "pad": w.add_pad_token_id}
+    for which, token_id in meta["ids"].items():
+        if token_id is not None:
+            adders[which](token_id)
+    w.add_add_bos_token(meta["add_bos"])
+    if meta["chat_template"]:
+        w.add_chat_template(meta["chat_template"])
+
+
+def load_hf(model_dir: str | Path):
+    """The folder's transformers model in float32 (the helpers above read its state dict and config)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32") -> Path:
+    """Writes the checkpoint folder `model_dir` as the GGUF file `out_path` with its weight matrices in `qtype`
+    (TYPES; see tensor_type for what stays F32) and its tokenizer; returns out_path."""
+    qt = gguf_type(qtype)
+    hf = load_hf(model_dir)
+    model_type = hf.config.model_type
+    if model_type not in ARCH:
+        raise ValueError(f"{model_dir}: model_type {model_type!r} has no GGUF architecture here (supported: "
+                         f"{', '.join(sorted(ARCH))})")
+    w = gguf.GGUFWriter(str(out_path), ARCH[model_type])
+    w.add_name(Path(model_dir).resolve().name)
+    w.add_file_type(FILE_TYPES[qtype])
+    add_metadata(w, model_type, hf.config)
+    add_tokenizer(w, tokenizer_metadata(model_dir, hf.config.vocab_size))
+    for name, t in gguf_tensors(model_type, hf).items():
+        arr = t.numpy()
+        add_tensor(w, name, arr, tensor_type(name, arr.shape, qt))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out_path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="checkpoint folder (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("out", help="the GGUF file to write")
+    p.add_argument("--type", default="f32", choices=sorted(TYPES), help="the weight matrices' type (default f32)")
+    a = p.parse_args(argv)
+    path = convert(a.model, a.out, a.type)
+    print(f"{path}: {a.type}, {path.stat().st_size / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
