@@ -19,6 +19,7 @@ routing is what decode would compute for it, since routing depends only on its o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -28,34 +29,37 @@ import torch
 from hybrid.errors import UsageError
 
 
+@contextlib.contextmanager
+def expert_choices(model):
+    """Within the block, every MoE layer's expert choices are recorded: yields {model layer index: [[T, K] int
+    tensors on the CPU], one per forward}. Every routing path (the fused router GEMV's at decode sizes too) hands
+    its choice to the layer's _experts_out, which is what is wrapped."""
+    seen: dict[int, list] = {}
+    moes = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
+    for i, moe in moes:
+        def recording(x, chosen, weights, into, _out=moe._experts_out, _i=i):
+            seen.setdefault(_i, []).append(chosen.detach().cpu())
+            return _out(x, chosen, weights, into)
+        moe._experts_out = recording
+    try:
+        yield seen
+    finally:
+        for _, moe in moes:
+            del moe._experts_out  # the instance attribute goes; the class's method is back
+
+
 def record_routing(model, ids: list[int], window: int) -> list[np.ndarray]:
     """[L][T, K] int expert ids each MoE layer chose for each token, in text order."""
     from hybrid.runtime.kv_cache import StaticKVCache
 
-    seen: dict[int, list] = {}
-    layers = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
-    originals = []
-    for i, moe in layers:
-        route = moe.route
-
-        def recording(x, _route=route, _i=i):
-            ids_, weights = _route(x)
-            seen.setdefault(_i, []).append(ids_.detach().cpu())
-            return ids_, weights
-        originals.append((moe, route))
-        moe.route = recording
-    try:
-        cache = StaticKVCache.for_model(model, 1, window + 1)
-        with torch.no_grad():
-            for start in range(0, len(ids), window):
-                chunk = ids[start:start + window]
-                x = torch.tensor([chunk], device=model.device)
-                model(x, torch.arange(len(chunk), device=model.device)[None], torch.tensor([0], device=model.device),
-                      cache)
-    finally:
-        for moe, route in originals:
-            moe.route = route
-    return [torch.cat(seen[i]).numpy() for i, _ in layers]
+    cache = StaticKVCache.for_model(model, 1, window + 1)
+    with expert_choices(model) as seen, torch.no_grad():
+        for start in range(0, len(ids), window):
+            chunk = ids[start:start + window]
+            x = torch.tensor([chunk], device=model.device)
+            model(x, torch.arange(len(chunk), device=model.device)[None], torch.tensor([0], device=model.device),
+                  cache)
+    return [torch.cat(seen[i]).numpy() for i in sorted(seen)]
 
 
 def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:

@@ -42,20 +42,12 @@ def logits(model, ids):
 
 def logits_and_routes(model, ids):
     """The logits and, per MoE layer, each token's set of chosen experts (in prompt order)."""
-    routes = []
-    moes = [layer.moe for layer in model.layers if layer.moe is not None]
-    for moe in moes:  # every routing path (the fused router GEMV's too) hands its choice to _experts_out
-        def recording(x, chosen, weights, into, _out=moe._experts_out):
-            routes.append([frozenset(row) for row in chosen.tolist()])
-            return _out(x, chosen, weights, into)
-        moe._experts_out = recording
-    try:
+    from bench.routing_realism import expert_choices
+
+    with expert_choices(model) as seen:
         out = logits(model, ids)
-    finally:
-        for moe in moes:
-            del moe._experts_out  # the instance attribute goes; the class's method is back
-    assert len(routes) == len(moes)
-    return out, routes
+    assert len(seen) == sum(layer.moe is not None for layer in model.layers)
+    return out, [[frozenset(row) for row in torch.cat(seen[i]).tolist()] for i in sorted(seen)]
 
 
 def first_routing_difference(a, b) -> int:

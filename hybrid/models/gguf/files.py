@@ -17,12 +17,9 @@ bytes (a read-only memory map). What the metadata means for a model is hparams.p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybrid.errors import UsageError
 from hybrid.models.errors import ModelLoadError
+from placement.json_file import write_json
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_COUNT, SPLIT_NO = "split.count", "split.no"
@@ -226,20 +225,14 @@ def _from_cache(entry: Path | None, parts: list[Path]):
 
 
 def _to_cache(entry: Path | None, parts: list[Path], metadata: dict, spans: list[list]) -> None:
-    """Writes the entry (a temporary file renamed into place); a cache that cannot be written is skipped."""
+    """Writes the entry (placement.json_file: a temporary file renamed into place); a cache that cannot be written
+    is skipped."""
     if entry is None:
         return
     starts = [min([off for *_, k, off, _ in spans if k == i], default=p.stat().st_size) for i, p in enumerate(parts)]
     doc = {"format": HEADER_FORMAT, "parts": [str(p.resolve()) for p in parts],
            "heads": [_head(p, n) for p, n in zip(parts, starts)], "metadata": metadata, "tensors": spans}
-    tmp = None
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{entry.stem}.", dir=entry.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmp, entry)
-    except (OSError, TypeError, ValueError):  # a read-only cache folder, a full disk: the next start parses again
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        write_json(entry, doc)
+    except (UsageError, TypeError, ValueError):  # a read-only cache folder, a full disk: the next start parses again
+        pass
