@@ -48,7 +48,8 @@ def status_kib(field: str) -> int:
 class AnonPeak:
     """The largest anonymous resident memory (RssAnon) seen while the block runs, sampled every 20 ms. The
     kernel's peak RSS also counts the checkpoint's memory-mapped file pages the loader touched (page cache,
-    given back under pressure), which overstate what a load needs; RssAnon is the memory the process owns."""
+    given back under pressure), which overstate what a load needs; RssAnon is the memory the process owns.
+    `end` is RssAnon when the block ended (also counted in `peak`)."""
 
     def __enter__(self):
         import threading
@@ -66,7 +67,8 @@ class AnonPeak:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, status_kib("RssAnon") * 1024)
+        self.end = status_kib("RssAnon") * 1024
+        self.peak = max(self.peak, self.end)
 
 
 def write_checkpoint(path: Path, raw: dict, quant: str = "fp8") -> None:
@@ -137,7 +139,7 @@ def run_box(args, preset: str, quant: str) -> dict:
             model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
         cur, peak = rss_bytes()
         load.update(load_s=time.perf_counter() - t0, rss_before=rss0, rss_after=cur, rss_peak=peak,
-                    anon_after=status_kib("RssAnon") * 1024, anon_peak=anon.peak,
+                    anon_after=anon.end, anon_peak=anon.peak,
                     dram_expert_bytes=off.memory()["dram_expert_bytes"])
         print(f"# loaded {ckpt} ({a.cpu_dtype}) in {load['load_s']:.0f} s; RSS {cur / 2**30:.1f} GiB (peak "
               f"{peak / 2**30:.1f} GiB, with mapped checkpoint pages); anonymous {load['anon_after'] / 2**30:.1f} "
