@@ -20,9 +20,10 @@ class CpuDtype:
     # packed bytes per weight, scales aside except where the format fixes them per block (mxfp4's exponent
     # byte per 32 values)
     value_bytes: float
-    scale_bytes: int = 0  # bytes of one fp32 scale: int8 has one per row, int4 one per group
+    scale_bytes: int = 0  # bytes of one scale: int8 has an fp32 one per row, int4 an fp32 one per group, q8_0 an fp16
+    # one per 32-value block
     scale_per_row: bool = False
-    group_sizes: tuple[int, ...] = ()  # values per scale (int4) or per shared exponent (mxfp4)
+    group_sizes: tuple[int, ...] = ()  # values per scale (int4, q8_0) or per shared exponent (mxfp4)
     default_group: int | None = None
     isas: tuple[str, ...] = ALL_ISAS  # ISAs with kernels for it ("amx": the AMX tiles)
     amx_min_group: int = 0  # int4 groups below this run the vector kernels even where AMX is chosen
@@ -41,7 +42,10 @@ CPU_DTYPES = {d.name: d for d in (
     CpuDtype("int8", 1, 1, scale_bytes=4, scale_per_row=True),
     CpuDtype("int4", 2, 0.5, scale_bytes=4, group_sizes=(32, 64, 128), default_group=128, amx_min_group=64),
     CpuDtype("mxfp4", 3, 0.53125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # int8 in blocks of 32 with an fp16 scale each: llama.cpp's Q8_0 values (8.5 bits a weight), so a GGUF file's
+    # Q8_0 experts are held exactly; finer scales than int8's per row for any other checkpoint
+    CpuDtype("q8_0", 4, 1, scale_bytes=2, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
 )}
-NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4"): the CLI's --cpu-dtype choices, in this order
+NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4", "q8_0"): the CLI's --cpu-dtype choices, in this order
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

@@ -38,7 +38,7 @@ _ROW_ALIGN = 32
 # int4's AMX path (groups of 64 or 128, kern_amx.h) was no faster than the vector path up to 64 tokens per
 # expert on the GPU box's host (BENCHMARKS.md, CPU kernels alone), so without a measured knee int4 stays on the
 # vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on where the
-# tiles win, and amx_min_tokens= asks for it. mxfp4 and int4 in groups of
+# tiles win, and amx_min_tokens= asks for it. mxfp4, q8_0 and int4 in groups of
 # 32 always run on the vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
@@ -49,7 +49,7 @@ PACK_FORMAT = 1
 
 
 def _say_vector_only(dtype: str, isa: str) -> None:
-    """The AMX build declines mxfp4 and int4 in groups of 32 (half a 64-value K tile): every call runs its
+    """The AMX build declines mxfp4, q8_0 and int4 in groups of 32 (half a 64-value K tile): every call runs its
     AVX-512 (amx_emu: AVX2) vector kernels, so prefill-sized batches run well below AMX speed. Said once per
     (dtype, ISA) and process."""
     if (dtype, isa) in _SAID_VECTOR_ONLY:
@@ -137,22 +137,49 @@ class _Q40:
         return quant.dequantize_q4_0(self.raw)
 
 
-_BLOCK_SOURCES = (_Mx4, _Q40)  # weights kept in a block format of their own, never staged in floats
+class _Q80:
+    """GGUF Q8_0 weights of E experts, raw blocks uint8 [E, R, K/32, 34] (fp16 d + 32 int8 values; any strides:
+    views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 32-value block
+    boundaries), without a copy. They are the q8_0 format exactly (cpu_kernels.quant, module doc): packing takes
+    their values and scales as they are, a chunk of experts at a time."""
+
+    def __init__(self, name, raw):
+        _check_tensor(f"{name} Q8_0 blocks", raw, 4, (torch.uint8,), contiguous=False)
+        if raw.shape[-1] != quant.Q8_0_BLOCK_BYTES:
+            raise ValueError(f"{name}: Q8_0 blocks must be [E, R, K/32, {quant.Q8_0_BLOCK_BYTES}], got "
+                             f"{tuple(raw.shape)}")
+        self.raw = raw
+        E, R, G, _ = raw.shape
+        self.shape = torch.Size((E, R, G * quant.Q8_0_BLOCK))
+
+    def __getitem__(self, key):
+        se, sr, g = _block_range(key, self.shape, "Q8_0")
+        return _Q80("", self.raw[se, sr, g])
+
+    def dequantized(self) -> torch.Tensor:
+        return quant.dequantize_q8_0(*quant.q8_0_parts(self.raw))
+
+
+_BLOCK_SOURCES = (_Mx4, _Q40, _Q80)  # weights kept in a block format of their own, never staged in floats
 
 
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
-    32) or "MXFP4" (dtype mxfp4). Sliceable like [E, R, K] (a fused gate_up's row halves are two views)."""
+    32), "Q8_0" (dtype q8_0) or "MXFP4" (dtype mxfp4). Sliceable like [E, R, K] (a fused gate_up's row halves are
+    two views)."""
     if ggml_type == "Q4_0":
         return _Q40(name, raw)
+    if ggml_type == "Q8_0":
+        return _Q80(name, raw)
     if ggml_type == "MXFP4":
         _check_tensor(f"{name} MXFP4 blocks", raw, 4, (torch.uint8,), contiguous=False)
         if raw.shape[-1] != quant.GGUF_MXFP4_BLOCK_BYTES:
             raise ValueError(f"{name}: GGUF MXFP4 blocks must be [E, R, K/32, {quant.GGUF_MXFP4_BLOCK_BYTES}], got "
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
-    raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, MXFP4)")
+    raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
+                     "MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -197,7 +224,8 @@ def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
 
 def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology) -> dict:
     kpad = _kpad_for(dtype, group_size)
-    return dict(format=PACK_FORMAT, isa=isa, dtype=dtype, group_size=group_size if dtype in ("int4", "mxfp4") else 0,
+    return dict(format=PACK_FORMAT, isa=isa, dtype=dtype,
+                group_size=group_size if dtype in ("int4", "mxfp4", "q8_0") else 0,
                 int4_order=int4_order if dtype == "int4" else "", kpad=kpad, row_align=_ROW_ALIGN,
                 slices=[[a, b] for a, b in _split_f(F, topology, kpad)])
 
@@ -211,7 +239,7 @@ def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = N
     packed under another."""
     isa = _native.resolve_isa(isa)
     topo = (topology if topology is not None else Topology.discover()).limit(threads)
-    group = quant.MXFP4_BLOCK if dtype == "mxfp4" else group_size
+    group = quant.MXFP4_BLOCK if dtype in ("mxfp4", "q8_0") else group_size
     return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo)
 
 
@@ -313,14 +341,15 @@ _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_D
 
 
 def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
-    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 blocks) -> (first expert, experts,
+    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 blocks) -> (first expert, experts,
     hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
     usually one run for all E."""
     E, rows, k = w.shape
-    if isinstance(w, _Q40):  # raw blocks [E, rows, k/32, 18]: one run, byte strides
+    if isinstance(w, (_Q40, _Q80)):  # raw blocks [E, rows, k/32, 18 or 34]: one run, byte strides
         src = _native.HyPackSrc()
         ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
-        src.w, src.wdtype, src.rs, src.cs = ptrs, _native.PACK_SRC_Q4_0, w.raw.stride(1), w.raw.stride(2)
+        code = _native.PACK_SRC_Q4_0 if isinstance(w, _Q40) else _native.PACK_SRC_Q8_0
+        src.w, src.wdtype, src.rs, src.cs = ptrs, code, w.raw.stride(1), w.raw.stride(2)
         src.rows, src.k = rows, k
         return [(0, E, src, [w, ptrs])]
     if isinstance(w, torch.Tensor):  # expert e at data_ptr + e * stride(0) elements
@@ -423,7 +452,8 @@ class CpuMoE:
     routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
     32/64/128) | "mxfp4" (quantize_mxfp4 of the weights; D and F multiples of 32; CpuMoE.from_mxfp4 packs
     published blocks as they are; CpuMoE.from_q4_0 GGUF Q4_0 blocks as int4 in groups of 32, and gguf_blocks makes
-    either from a GGUF file's bytes). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
+    either from a GGUF file's bytes) | "q8_0" (int8 in blocks of 32 with an fp16 scale each, quantize_q8_0;
+    CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
     from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
@@ -433,7 +463,7 @@ class CpuMoE:
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
     natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
-    read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8 and int4
+    read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4 and q8_0
     are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
     or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
     isa, nbytes (packed weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
@@ -446,7 +476,8 @@ class CpuMoE:
                  int4_order: str | None = None, packer: str = "native"):
         # float tensors, ExpertRows (a checkpoint's own per-expert matrices) or ExpertChunks (read a few experts
         # at a time); _Mx4 (from_mxfp4: the published
-        # blocks, never a float copy) or _Q40 (from_q4_0, gguf_blocks); _Packed (from_packed)
+        # blocks, never a float copy), _Q40 (from_q4_0, gguf_blocks) or _Q80 (from_q8_0, gguf_blocks); _Packed
+        # (from_packed)
         kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
                  for w in (w_gate, w_up, w_down)}
         floats = kinds <= {torch.Tensor, ExpertRows, ExpertChunks}  # these mix: each matrix packs on its own
@@ -464,6 +495,8 @@ class CpuMoE:
         if source is _Q40 and (dtype != "int4" or group_size != quant.MXFP4_BLOCK):
             raise ValueError(f"Q4_0 blocks pack as dtype 'int4' with group_size 32, not {dtype!r} "
                              f"(group_size {group_size})")
+        if source is _Q80 and dtype != "q8_0":
+            raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dtype!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -488,7 +521,7 @@ class CpuMoE:
         if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
             raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
                              f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
-        if dtype == "mxfp4":
+        if dtype in ("mxfp4", "q8_0"):
             group_size = quant.MXFP4_BLOCK  # the activations' group sums and the kernels' block
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -514,7 +547,7 @@ class CpuMoE:
         self.int4_order = _int4_order_for(self.isa, int4_order)
         spec = CPU_DTYPES[dtype]
         if self.isa in ("amx", "amx_emu") and ("amx" not in spec.isas or group_size < spec.amx_min_group):
-            _say_vector_only(dtype if dtype == "mxfp4" else f"int4 (group {group_size})", self.isa)
+            _say_vector_only(dtype if dtype != "int4" else f"int4 (group {group_size})", self.isa)
         topo = topology if topology is not None else Topology.discover()
         if not isinstance(topo, Topology):
             raise ValueError("topology must be a cpu_kernels.Topology")
@@ -587,6 +620,19 @@ class CpuMoE:
         kwargs.setdefault("group_size", quant.MXFP4_BLOCK)
         return cls(*mats, **kwargs)
 
+    @classmethod
+    def from_q8_0(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF Q8_0 experts, packed as q8_0 without de-quantizing them: the file's int8 values
+        and fp16 scales are q8_0's exactly (cpu_kernels.quant, module doc), so it computes with the file's values.
+
+        gate, up: raw blocks uint8 [E, F, D/32, 34]; down: [E, D, F/32, 34] (views of the file, any strides; a
+        fused gate_up's two row halves are two views). kwargs: CpuMoE's; dtype, if given, must be "q8_0".
+        """
+        mats = [w if isinstance(w, _Q80) else _Q80(name, w) for name, w in (("gate", gate), ("up", up),
+                                                                           ("down", down))]
+        kwargs.setdefault("dtype", "q8_0")
+        return cls(*mats, **kwargs)
+
     # ---- packing -------------------------------------------------------------------------------
     def _mx4_parts(self, w, rows_p: int, ldk: int):
         """A chunk of experts (float [c, rows, k] or _Mx4) -> (codes [c, rows_p, ldk/2], exponents [c, rows_p,
@@ -609,6 +655,18 @@ class CpuMoE:
         u = torch.nn.functional.pad(u, (0, ldk - K, 0, rows_p - rows), value=8)
         d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.MXFP4_BLOCK, 0, rows_p - rows))
         return quant.pack_int4(u, self.group_size, self._fold(ldk)), d.contiguous(), None
+
+    def _q80_parts(self, w, rows_p: int, ldk: int):
+        """A chunk of experts (float [c, rows, k] or _Q80) -> (values int8 [c, rows_p, ldk], fp16 scales [c, rows_p,
+        ldk/32], None); a float chunk is zero padded to whole blocks first; padding is value 0 with scale 0."""
+        if isinstance(w, _Q80):
+            q, d = quant.q8_0_parts(w.raw)
+        else:
+            q, d = quant.quantize_q8_0(torch.nn.functional.pad(w.float(), (0, _align(w.shape[-1], 32) - w.shape[-1])))
+        _, rows, K = q.shape
+        q = torch.nn.functional.pad(q, (0, ldk - K, 0, rows_p - rows))
+        d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q8_0_BLOCK, 0, rows_p - rows))
+        return q.contiguous(), d.contiguous(), None
 
     def _quantized(self, w: torch.Tensor):
         """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
@@ -638,6 +696,10 @@ class CpuMoE:
             return w.to(torch.bfloat16)
         if self.dtype == "int8":
             return quant.dequantize_int8(*quant.quantize_int8(w))
+        if self.dtype == "q8_0":
+            K = w.shape[-1]
+            wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q8_0_BLOCK) - K))
+            return quant.dequantize_q8_0(*quant.quantize_q8_0(wp))[..., :K]
         K = w.shape[-1]
         Kp = _align(K, self._kpad())
         wp = torch.nn.functional.pad(w.float(), (0, Kp - K))
@@ -661,21 +723,23 @@ class CpuMoE:
     def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
         """Bytes of one expert's packed matrix [rows_p, ldk] (int4, mxfp4: two values per byte)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2}[self.dtype]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n}[self.dtype]
 
     def _aux_strides(self, rows_p: int, ldk: int) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
-        scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block."""
+        scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block, q8_0
+        one fp16 scale per block."""
         return {"bf16": [None, None], "int8": [4 * rows_p, 4 * rows_p],
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
-                "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None]}[self.dtype]
+                "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None],
+                "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None]}[self.dtype]
 
     def _packs_natively(self, w) -> bool:
         """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
-        if isinstance(w, _Q40):  # (the blocks' own bytes in one run each: raw's last stride 1)
-            return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= quant.Q4_0_BLOCK_BYTES
+        if isinstance(w, (_Q40, _Q80)):  # (the blocks' own bytes in one run each: raw's last stride 1)
+            return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
-        return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4")
+        return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4", "q8_0")
                 and isinstance(w, (torch.Tensor, ExpertRows, ExpertChunks)) and _native.has_packer(self.isa))
 
     def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
@@ -715,6 +779,8 @@ class CpuMoE:
                 wc = wc.dense()
             if isinstance(wc, _Q40):
                 parts = list(self._q40_parts(wc, rows_p, ldk))
+            elif self.dtype == "q8_0":
+                parts = list(self._q80_parts(wc, rows_p, ldk))
             elif self.dtype == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
@@ -755,8 +821,9 @@ class CpuMoE:
         q_buf, q_off, q_stride = block
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
-        if aux[0] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes
-            m.scale, m.s_estride = aux[0].data_ptr(), strides[0] if self.dtype == "mxfp4" else strides[0] // 4
+        if aux[0] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes; q8_0: fp16, in halves
+            m.scale = aux[0].data_ptr()
+            m.s_estride = strides[0] // {"mxfp4": 1, "q8_0": 2}.get(self.dtype, 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
@@ -853,7 +920,8 @@ class CpuMoE:
         """The packed weights as tensor views (no copies), one dict per NUMA node slice:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
         bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group, fold}
-        (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]); bias
+        (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]; q8_0: q int8
+        [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]); bias
         fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
         b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
         into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
@@ -865,7 +933,8 @@ class CpuMoE:
                      for t, b in zip((g, u, d), self._bias)]
             return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
-        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8}[self.dtype]
+        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
+                  "q8_0": torch.int8}[self.dtype]
         out = []
         for n, (f0, f1) in enumerate(self._slices):
             node, mats, blk = self._layer.nodes[n], {}, self._blocks[n]
@@ -878,6 +947,8 @@ class CpuMoE:
                     s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // mm.group)
                 elif self.dtype == "int4":
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
+                elif self.dtype == "q8_0":  # fp16 scales, one per 32-value block
+                    s = by_ptr[mm.scale].view(torch.float16).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
                 b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None

@@ -27,12 +27,17 @@ mxfp4: the OCP microscaling format gpt-oss checkpoints are published in: blocks 
       published, one per block. 16 + 1 bytes per 32 weights = 0.53125 bytes a weight. Rows are zero padded
       to a multiple of 64 values (a zero code is 0.0 whatever the exponent), so the format asks K % 32 == 0
       (D and F of an expert, the reduction lengths of gate/up and down) and the executor refuses other shapes.
+q8_0: int8 in blocks of 32 values along K with an fp16 scale each, llama.cpp's Q8_0: per block d = fp16(max|w| / 127),
+      q = clamp(round(w / d), -127, 127) (0 where d is 0); w ~ q * d. Packed as values int8 [..., R, K] (rows as
+      int8's) and scales fp16 [..., R, K/32]: 1 + 2/32 bytes a weight. Rows are zero padded (scale 0) to a multiple
+      of 64 values; the kernels read any q in [-128, 127], so a GGUF file's blocks are held as they are.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
       exact in fp32; d may be negative), so q4_0_parts gives the nibbles in natural order and pack_int4 stores
       them. Re-quantizing the values instead is not lossless: Q4_0 maps a block's largest magnitude to -8,
       quantize_int4 to +-7.
+  Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -166,6 +171,41 @@ def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] -> fp32 [..., R, G * 32], as gguf.quants.dequantize."""
     u, d = q4_0_parts(raw)
     return (u.float() - 8.0) * d.repeat_interleave(32, dim=-1)
+
+
+Q8_0_BLOCK = 32  # values per q8_0 / GGUF Q8_0 block (one fp16 scale each)
+Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: fp16 d + 32 int8 values
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 32 == 0) -> (q int8 [..., R, K], d fp16 [..., R, K/32]) (module doc). The values are
+    rounded against the stored fp16 scale, so q * d is the nearest grid point the file holds; a block whose
+    max / 127 is beyond fp16's range saturates at its largest finite value."""
+    *lead, K = w.shape
+    if K % Q8_0_BLOCK:
+        raise ValueError(f"q8_0 needs rows of whole {Q8_0_BLOCK}-value blocks, got K={K}")
+    b = w.float().reshape(*lead, K // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = (b.abs().amax(-1) / 127.0).clamp(max=65504.0).to(torch.float16)
+    df = d.float()
+    q = torch.where(df[..., None] > 0, torch.round(b / df.clamp(min=1e-30)[..., None]), torch.zeros_like(b))
+    return q.clamp(-127, 127).to(torch.int8).reshape(*lead, K), d
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q int8 [..., R, K], d fp16 [..., R, K/32]) -> fp32 [..., R, K]."""
+    *lead, K = q.shape
+    return (q.float().reshape(*lead, K // Q8_0_BLOCK, Q8_0_BLOCK) * d.float()[..., None]).reshape(*lead, K)
+
+
+def q8_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks raw uint8 [..., R, G, 34] (any strides) -> (q int8 [..., R, G * 32], d fp16 [..., R, G]),
+    the q8_0 format's values and scales as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 blocks must be uint8 [..., K/32, {Q8_0_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(*lead, G * Q8_0_BLOCK), d
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

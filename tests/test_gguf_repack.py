@@ -63,6 +63,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
         m = node[name]
         if m["dtype"] == "int4":
             parts.append(quant.dequantize_int4(m["q"], m["scale"], m["group"], m["fold"]))
+        elif m["dtype"] == "q8_0":
+            parts.append(quant.dequantize_q8_0(m["q"], m["scale"]))
         else:
             parts.append(quant.dequantize_mxfp4_packed(m["q"], m["scale"]))
     return parts
@@ -185,8 +187,8 @@ def test_q4_0_sources_slice_and_refuse():
         CpuMoE.from_q4_0(raw, up[0], down[0], group_size=64)
     with pytest.raises(ValueError, match="int4"):
         CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
-    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q8_0"):
-        gguf_blocks("x", raw, "Q8_0")
+    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q6_K"):
+        gguf_blocks("x", raw, "Q6_K")
 
 
 # -- the executor over GGUF MXFP4 blocks ------------------------------------------------------------------------
@@ -273,8 +275,9 @@ def qwen3_ragged(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, dtype, fuse", [(Q.Q4_0, "int4", False), (Q.Q4_0, "int4", True),
+                                              (Q.Q8_0, "q8_0", False), (Q.Q8_0, "q8_0", True),
                                               (Q.MXFP4, "mxfp4", False), (Q.MXFP4, "mxfp4", True)],
-                         ids=["q4_0", "q4_0-fused", "mxfp4", "mxfp4-fused"])
+                         ids=["q4_0", "q4_0-fused", "q8_0", "q8_0-fused", "mxfp4", "mxfp4-fused"])
 def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, kind, dtype, fuse):
     """The hybrid runtime's logits equal those of the same file loaded de-quantized with fp32 experts (ref ISA:
     no activation rounding), while int4 in groups of 64 (re-quantized) differs; with the compiled kernels the
@@ -349,15 +352,15 @@ def qwen3_256(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, argv, want", [
-    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("int8", 128)),
+    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
     (Q.Q4_K, [], ("int4", 32)), (Q.Q6_K, [], ("int8", 128)), ("mixed", [], ("int4", 32)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
     ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
-    (all Q4_0: int4 in groups of 32 and all MXFP4: mxfp4, the file's values exactly; Q4_K: int4 groups of 32;
-    Q6_K and Q8_0: int8; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: int4), kept through the checks before
+    (all Q4_0: int4 in groups of 32, all Q8_0: q8_0 and all MXFP4: mxfp4, the file's values exactly; Q4_K: int4
+    groups of 32; Q6_K: int8; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: int4), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -376,8 +379,8 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     said = [r.getMessage() for r in caplog.records if "GGUF file whose experts are" in r.getMessage()]
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
-    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, MXFP4)
-        exact = kind == Q.MXFP4 or (kind == Q.Q4_0 and want[1] == 32)
+    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, MXFP4)
+        exact = kind in (Q.MXFP4, Q.Q8_0) or (kind == Q.Q4_0 and want[1] == 32)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"

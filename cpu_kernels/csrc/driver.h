@@ -250,8 +250,8 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   for (int e = 0; e < E; ++e) {
     int m = off[e + 1] - off[e];
     if (!m) continue;
-    // No AMX kernel for mxfp4, nor for int4 in groups of 32 (half a 64-value K tile): the vector path.
-    int amx = HY_HAS_AMX && dt != HY_MXFP4 && (dt != HY_INT4 || G0.group >= 64) && m >= L->knee;
+    // No AMX kernel for mxfp4 and q8_0, nor for int4 in groups of 32 (half a 64-value K tile): the vector path.
+    int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && (dt != HY_INT4 || G0.group >= 64) && m >= L->knee;
     act[na++] = {e, m, off[e], amx, 0};
     m_max = std::max(m_max, m);
   }

@@ -10,7 +10,7 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -21,7 +21,8 @@ enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  //
 typedef struct {
   const uint8_t* w;
   const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]; mxfp4: uint8
-                         // shared exponents [E, rows_p, ldk/32] (read through mx4_exps; s_estride in bytes)
+                         // shared exponents [E, rows_p, ldk/32] (read through mx4_exps; s_estride in bytes);
+                         // q8_0: fp16 [E, rows_p, ldk/32] (read through q8_scales; s_estride in fp16 values)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -186,6 +187,26 @@ inline void i4_for_each_word(int ldk, int group, int fold, Fn f) {
 inline bool i4_fold_ok(int ldk, int group, int fold) {
   return group > 0 && ldk % 64 == 0 && ldk % group == 0 && (fold == 1 || fold == 2 || fold == 4 || fold == 8 ||
          fold == 16) && (ldk / group) % fold == 0 && fold * group % 64 == 0;
+}
+
+// q8_0 (cpu_kernels/quant.py, module doc): int8 values row-major [rows_p, ldk] as int8's, and one fp16 scale per
+// 32-value block along K, [rows_p, ldk/32]: llama.cpp's Q8_0 values (w = q * d), their 8.5 bits a weight, apart.
+inline const uint16_t* q8_scales(const HyMat& M, int e, int r) {
+  return (const uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 32);
+}
+// IEEE fp16 -> fp32 in scalar code (the AVX2 build targets AVX2 + FMA, without F16C).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  uint32_t u;
+  if (e == 0x1F) u = sign | 0x7F800000u | (m << 13);
+  else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+  else {  // zero or subnormal: m * 2^-24, exact in fp32
+    const float f = (float)m * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }

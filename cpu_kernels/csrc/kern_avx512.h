@@ -8,6 +8,8 @@
 // group in int32 with the activation group sums. mxfp4: nibble unpacking, then VPSHUFB through the 16-entry
 // code table (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the
 // sum of its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
+// q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
+// block sums, each 32-value block scaled by its fp16 scale.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
 #pragma once
@@ -330,10 +332,52 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = _mm512_reduce_add_ps(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// q8_0 (hy.h q8_scales), 4 rows x MT tokens: per 64-value chunk (two 32-value blocks, lanes 0-7 and 8-15 of each
+// int32 vector) one 64-byte load and one XOR per row make the unsigned operand w + 128; each token's lanes 0 and 8
+// start at -128 x the activation sum of their block (the activation row's group sums, groups of 32), so VPDPBUSD
+// leaves each block's exact signed dot, converted and multiplied by its row's two block scales once per row, token
+// and chunk. The fp16 scales of 8 chunks (16 blocks) are converted at once per row (VCVTPH2PS) and each chunk's pair
+// picked by one VPERMPS, as mx4_block does. Prefetch as i8_block: rows pf_rows.. ahead into L2, and their scales.
+template <int MT>
+void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc,
+              int pf_lo, int pf_rows) {
+  const int G = k / 32, nc = k / 64;
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;  // the first block of a call: from row 4 on (see vec_gemm)
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int c0 = 0; c0 < nc; c0 += 8) {
+    const int nb = std::min(16, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
+    const __mmask16 bm = (__mmask16)((1u << nb) - 1);
+    __m512 s16[4];  // scales of blocks 2 c0 .. 2 c0 + 15 of each row
+    for (int j = 0; j < 4; ++j) s16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, sw + j * G + 2 * c0));
+    for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(sw + j * G + 2 * c0), _MM_HINT_T1);
+    __m512i idx = pair0;  // chunk c's lanes 0-7: block 2(c - c0), lanes 8-15: block 2(c - c0) + 1
+    for (int c = c0; c < std::min(nc, c0 + 8); ++c, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      __m512i wq[4];
+      for (int j = 0; j < 4; ++j) wq[j] = _mm512_xor_si512(_mm512_loadu_si512((const void*)(w + j * ldw + c * 64)), flip);
+      for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 64), _MM_HINT_T1);
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) sv[j] = _mm512_permutexvar_ps(idx, s16[j]);
+      for (int t = 0; t < MT; ++t) {
+        const int32_t* gs = act_gsum(rows[t], k);
+        __m512i off = _mm512_maskz_set1_epi32(1, -128 * gs[2 * c]);
+        off = _mm512_mask_set1_epi32(off, 0x100, -128 * gs[2 * c + 1]);
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale && M.dtype != HY_MXFP4 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc, pf_lo);
   } else if (M.dtype == HY_INT8) {
@@ -341,6 +385,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
                  M.rsum + e * M.r_estride + r, C, ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_MXFP4) {
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc, pf_lo);
+  } else if (M.dtype == HY_Q8_0) {
+    q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
+                 ldc, pf_lo, pf_rows);
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
                  pf_lo, pf_rows);

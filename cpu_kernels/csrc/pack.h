@@ -5,11 +5,14 @@
 //   int8: s = max|w| / 127, q = clamp(rne(w * ((1 / max|w|) * 127)), -127, 127), rsum = sum q
 //   int4: per group s = max|w| / 7, nibble = clamp(rne(w * ((1 / max|w|) * 7)), -8, 7) + 8, stored order + chunk
 //         nibble layout of quant.py (hy.h i4_for_each_word)
+//   q8_0: per 32-value block d = fp16(min(max|w| / 127, 65504)) (round to nearest even), q = clamp(rne(w / d),
+//         -127, 127) with d read back as fp32 (0 where d is 0)
 //   bf16: round to nearest even
 // (torch's `127.0 / amax` is amax.reciprocal() * 127: two roundings, kept so.) Padding rows and columns are zeros
 // going through the same steps (int4: nibble 8, scale 0). A GGUF Q4_0 source (18-byte blocks of 32 values: fp16 d,
 // then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; x = (q - 8) * d) is int4 in groups of 32
-// exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4).
+// exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4);
+// a GGUF Q8_0 source (34-byte blocks: fp16 d, then 32 int8 values) is q8_0 exactly, copied as it is.
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -17,7 +20,7 @@
 #include "hy.h"
 #include "pool.h"
 
-enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4 };
+enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -34,20 +37,6 @@ typedef struct {
 } HyPackSrc;
 
 namespace {
-
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  uint32_t u;
-  if (e == 0x1F) u = sign | 0x7F800000u | (m << 13);
-  else if (e) u = sign | ((e + 112) << 23) | (m << 13);
-  else {  // zero or subnormal: m * 2^-24, exact in fp32
-    const float f = (float)m * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
 struct Fp8Table {
@@ -173,6 +162,57 @@ bool pack_row_q4_0(const HyPackSrc& S, int i, const HyMat& M, int e, int r, uint
   return !bad;
 }
 
+// fp32 -> IEEE fp16, round to nearest even, as torch's .to(torch.float16) (finite inputs; callers clamp to 65504):
+// below 2^-14 the subnormal's units of 2^-24 are rne(|f| 2^24) (1024 units is the smallest normal's encoding);
+// above, the exponent is re-biased and the mantissa rounded from 23 bits to 10 (a carry steps the exponent).
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  u &= 0x7FFFFFFFu;
+  if (u < 0x38800000u) {
+    float a;
+    std::memcpy(&a, &u, 4);
+    return (uint16_t)(sign | (uint16_t)std::nearbyint(a * 16777216.0f));
+  }
+  u -= 0x38000000u;
+  u += 0xFFFu + ((u >> 13) & 1u);
+  return (uint16_t)(sign | (uint16_t)(u >> 13));
+}
+
+void pack_row_q8_0(const float* v, const HyMat& M, int e, int r) {
+  int8_t* q = (int8_t*)M.w + e * M.w_estride + (int64_t)r * M.ldk;
+  uint16_t* d = (uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 32);
+  for (int b = 0; b < M.ldk / 32; ++b) {
+    const float amax = abs_max(v + 32 * b, 32), m = amax / 127.f;
+    d[b] = f32_to_f16(m < 65504.f ? m : 65504.f);
+    const float df = f16_to_f32(d[b]);
+    for (int j = 0; j < 32; ++j) {
+      float t = df > 0.f ? std::nearbyint(v[32 * b + j] / df) : 0.f;
+      q[32 * b + j] = (int8_t)(t < -127.f ? -127.f : (t > 127.f ? 127.f : t));
+    }
+  }
+}
+
+// Row r of Q8_0 source expert i -> q8_0 row r of expert e: the blocks' values and d as they are; padding (columns
+// past k, rows past rows) value 0 with scale 0. False if a block's d is not finite.
+bool pack_row_q8_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 32 : 0;
+  int8_t* q = (int8_t*)M.w + e * M.w_estride + (int64_t)r * ldk;
+  uint16_t* d = (uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 32);
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    std::memcpy(d + b, blk, 2);
+    bad |= (d[b] & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    std::memcpy(q + 32 * b, blk + 2, 32);
+  }
+  std::memset(q + 32 * nb, 0, (size_t)(ldk - 32 * nb));
+  std::memset(d + nb, 0, 2 * (size_t)(ldk / 32 - nb));
+  return !bad;
+}
+
 void pack_row_bf16(const float* v, const HyMat& M, int e, int r) {
   uint16_t* out = (uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
   for (int i = 0; i < M.ldk; ++i) out[i] = f32_to_bf16(v[i]);
@@ -195,7 +235,9 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q4_0) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q8_0) return false;
+  if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
+    return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_INT4 && M->group == 32 && M->scale && S->k % 32 == 0 && S->cs >= 18 &&
            i4_fold_ok(M->ldk, M->group, M->fold);
@@ -204,6 +246,7 @@ bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
     return false;
   if (M->dtype == HY_INT8) return M->scale && M->rsum;
   if (M->dtype == HY_INT4) return M->scale && i4_fold_ok(M->ldk, M->group, M->fold);
+  if (M->dtype == HY_Q8_0) return M->scale && M->ldk % 32 == 0;
   return M->dtype == HY_BF16;
 }
 
@@ -230,9 +273,11 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
     for (int r = (task % blocks) * RB; r < std::min(M->rows_p, (task % blocks + 1) * RB); ++r) {
       if (copy) { ok &= copy_row_bf16(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
+      if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
+      else if (M->dtype == HY_Q8_0) pack_row_q8_0(v.data(), *M, e, r);
       else pack_row_bf16(v.data(), *M, e, r);
     }
     if (!ok) {
