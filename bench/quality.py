@@ -6,7 +6,8 @@ one checkpoint.
         [--tokens 4096] [--prompts 16] [--new 32] [--out FILE.json]
 
 Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU part in the compute dtype):
-    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4     the routed experts' dtype in DRAM (GROUP: int4 inputs
+    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4 | cpu:q8_0
+                                                          the routed experts' dtype in DRAM (GROUP: int4 inputs
                                                           per scale, default 128)
     defer:N                                               expert deferral of each token's N lowest experts
     gpu:int8 | gpu:int4 | gpu:fp8                         every non-expert part's GPU dtype (DESIGN.md, GPU weights)
@@ -16,7 +17,7 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
                                                           (bench.hf_to_gguf: weight matrices in it, norms and
                                                           routers F32) and loaded from it as `hybrid --model
                                                           X.gguf` does: the CPU experts in the format nearest the
-                                                          file's (int8 for Q8_0, int4 groups of 32 for Q4_0,
+                                                          file's (q8_0 for Q8_0, int4 groups of 32 for Q4_0,
                                                           bf16 for float files). Converted once per type into a
                                                           temporary folder; the setting fails unless the file's
                                                           own tokenizer encodes the text to the checkpoint's ids
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
 from hybrid.errors import UsageError
 from hybrid.offload.build import load_hybrid
 from hybrid.offload.config import HybridConfig
@@ -50,7 +52,8 @@ TEXT = ("The cost model decides, per batch and per layer, whether to ship an exp
         "its weights over PCIe to the GPU. A batch of tokens each choosing a few experts makes many assignments; "
         "compute is fixed by that number, weight traffic by how many distinct experts are touched.")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # bench.hf_to_gguf.TYPES, without importing gguf
-DEFAULT_SETTINGS = "cpu:int8,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,defer:1,defer:2,gpu:int8,gpu:int4,gpu:fp8,kv:fp8"
+DEFAULT_SETTINGS = ("cpu:int8,cpu:q8_0,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,defer:1,defer:2,gpu:int8,gpu:int4,"
+                    "gpu:fp8,kv:fp8")
 
 
 def parse_setting(text: str) -> dict:
@@ -59,7 +62,7 @@ def parse_setting(text: str) -> dict:
     kind = parts[0]
     if kind == "ref" and len(parts) == 1:
         return {}
-    if kind == "cpu" and len(parts) in (2, 3) and parts[1] in ("bf16", "int8", "int4", "mxfp4"):
+    if kind == "cpu" and len(parts) in (2, 3) and parts[1] in CPU_DTYPE_NAMES:
         out = {"cpu_dtype": parts[1]}
         if len(parts) == 3:
             if parts[1] != "int4" or not parts[2].isdigit():

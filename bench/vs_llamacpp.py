@@ -11,6 +11,8 @@ writes a table, JSON and a bar plot with the ratios. Cases (12-layer Qwen3-30B-A
     int4    every expert in DRAM, 4-bit           llama: each --gguf-q4 file (Q4_0, Q4_K_M, ...; the fastest is the
                                                   ratio's yardstick), -ot exps=CPU           hybrid: --cpu-dtype int4
     quarter-layers (not run by default) the quarter as whole layers on both sides: hybrid --resident-layers L/4
+    q8_0    (not run by default) int8 as the case above, ours in llama.cpp's own Q8_0 values (int8 in blocks of 32,
+            an fp16 scale each: what a Q8_0 file's experts load as)          hybrid: --cpu-dtype q8_0
 
 The expert VRAM matches in `quarter` (a quarter of all expert bytes) but not its layout: llama.cpp keeps whole
 layers resident, we keep the most-routed quarter of every layer; with random routers both choices see the
@@ -38,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 CASES = ("bf16", "int8", "quarter", "int4")  # the default run
-KNOWN_CASES = CASES + ("quarter-layers",)
+KNOWN_CASES = CASES + ("quarter-layers", "q8_0")
 
 
 # The targets against llama.cpp on these cases: (column, case, measured key, at least). Ratios are hybrid /
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
                    help="print the targets met or not for each earlier run's vs_llamacpp.json, and stop")
     p.add_argument("--llama-bench", help="path of a llama-bench binary (required unless --summarize)")
     p.add_argument("--gguf-bf16", help="bf16 GGUF of the shape (required unless --summarize)")
-    p.add_argument("--gguf-q8", help="Q8_0 GGUF of the same shape (the int8 case)")
+    p.add_argument("--gguf-q8", help="Q8_0 GGUF of the same shape (the int8 and q8_0 cases)")
     p.add_argument("--gguf-q4", nargs="+", default=[], metavar="GGUF",
                    help="4-bit GGUFs of the same shape for the int4 case (llama-quantize's Q4_0, Q4_K_M, ...); the "
                         "ratio is against the fastest of them")
@@ -193,9 +195,10 @@ def main(argv=None) -> int:
     llama_for = {"bf16": (args.gguf_bf16, ["-ot", "exps=CPU"]), "quarter": quarter_llama,
                  "quarter-layers": quarter_llama,
                  "int8": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None,
+                 "q8_0": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None,
                  "int4": [(g, ["-ot", "exps=CPU"]) for g in args.gguf_q4] or None}
     none = ["--resident", "0"]
-    ours_for = {"bf16": ("bf16", none), "int8": ("int8", none), "int4": ("int4", none),
+    ours_for = {"bf16": ("bf16", none), "int8": ("int8", none), "int4": ("int4", none), "q8_0": ("q8_0", none),
                 "quarter": ("bf16", ["--resident", str(args.experts // 4)]),
                 "quarter-layers": ("bf16", ["--resident-layers", str(args.layers // 4)])}
     if args.rounds < 1:
