@@ -45,7 +45,11 @@ CPU_DTYPES = {d.name: d for d in (
     # int8 in blocks of 32 with an fp16 scale each: llama.cpp's Q8_0 values (8.5 bits a weight), so a GGUF file's
     # Q8_0 experts are held exactly; finer scales than int8's per row for any other checkpoint
     CpuDtype("q8_0", 4, 1, scale_bytes=2, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's Q4_K: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 pair per 256 (4.5 bits a
+    # weight, the 16-byte head of each 256 values counted in value_bytes as mxfp4's exponents are), so a GGUF file's
+    # Q4_K experts are held exactly
+    CpuDtype("q4_k", 5, 0.5625, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
 )}
-NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4", "q8_0"): the CLI's --cpu-dtype choices, in this order
+NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4", "q8_0", "q4_k"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

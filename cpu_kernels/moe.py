@@ -70,12 +70,12 @@ def _ranges(key, shape, what: str) -> list[tuple[int, int]]:
     return [k.indices(n)[:2] for k, n in zip(key, shape)]
 
 
-def _block_range(key, shape, what: str):
-    """A block source's key (ranges over [E, R, K]) -> (experts, rows, blocks) slices; K on 32-value blocks."""
+def _block_range(key, shape, what: str, block: int = quant.MXFP4_BLOCK):
+    """A block source's key (ranges over [E, R, K]) -> (experts, rows, blocks) slices; K on `block`-value blocks."""
     (e0, e1), (r0, r1), (k0, k1) = _ranges(key, shape, f"{what} weights")
-    if k0 % quant.MXFP4_BLOCK or (k1 % quant.MXFP4_BLOCK and k1 != shape[2]):
-        raise ValueError(f"{what} weights slice K on {quant.MXFP4_BLOCK}-value blocks, got {k0}:{k1}")
-    return slice(e0, e1), slice(r0, r1), slice(k0 // quant.MXFP4_BLOCK, -(-k1 // quant.MXFP4_BLOCK))
+    if k0 % block or (k1 % block and k1 != shape[2]):
+        raise ValueError(f"{what} weights slice K on {block}-value blocks, got {k0}:{k1}")
+    return slice(e0, e1), slice(r0, r1), slice(k0 // block, -(-k1 // block))
 
 
 class _Mx4:
@@ -160,18 +160,43 @@ class _Q80:
         return quant.dequantize_q8_0(*quant.q8_0_parts(self.raw))
 
 
-_BLOCK_SOURCES = (_Mx4, _Q40, _Q80)  # weights kept in a block format of their own, never staged in floats
+class _Q4K:
+    """GGUF Q4_K weights of E experts, raw blocks uint8 [E, R, K/256, 144] (a 16-byte head + 128 bytes of nibbles;
+    any strides: views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 256-value
+    super-block boundaries), without a copy. They are the q4_k format exactly (cpu_kernels.quant, module doc):
+    packing takes their nibbles and heads as they are, a chunk of experts at a time."""
+
+    def __init__(self, name, raw):
+        _check_tensor(f"{name} Q4_K blocks", raw, 4, (torch.uint8,), contiguous=False)
+        if raw.shape[-1] != quant.Q4_K_BLOCK_BYTES:
+            raise ValueError(f"{name}: Q4_K blocks must be [E, R, K/256, {quant.Q4_K_BLOCK_BYTES}], got "
+                             f"{tuple(raw.shape)}")
+        self.raw = raw
+        E, R, G, _ = raw.shape
+        self.shape = torch.Size((E, R, G * quant.QK_K))
+
+    def __getitem__(self, key):
+        se, sr, g = _block_range(key, self.shape, "Q4_K", quant.QK_K)
+        return _Q4K("", self.raw[se, sr, g])
+
+    def dequantized(self) -> torch.Tensor:
+        return quant.dequantize_q4_k(*quant.q4_k_parts(self.raw))
+
+
+_BLOCK_SOURCES = (_Mx4, _Q40, _Q80, _Q4K)  # weights kept in a block format of their own, never staged in floats
 
 
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
-    32), "Q8_0" (dtype q8_0) or "MXFP4" (dtype mxfp4). Sliceable like [E, R, K] (a fused gate_up's row halves are
-    two views)."""
+    32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]) or "MXFP4" (dtype mxfp4). Sliceable like
+    [E, R, K] (a fused gate_up's row halves are two views)."""
     if ggml_type == "Q4_0":
         return _Q40(name, raw)
     if ggml_type == "Q8_0":
         return _Q80(name, raw)
+    if ggml_type == "Q4_K":
+        return _Q4K(name, raw)
     if ggml_type == "MXFP4":
         _check_tensor(f"{name} MXFP4 blocks", raw, 4, (torch.uint8,), contiguous=False)
         if raw.shape[-1] != quant.GGUF_MXFP4_BLOCK_BYTES:
@@ -179,7 +204,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "MXFP4)")
+                     "Q4_K, MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -200,8 +225,9 @@ def _check_tensor(name, t, ndim, dtypes, contiguous: bool = True):
 
 
 def _kpad_for(dtype: str, group_size: int) -> int:
-    """K padding of every packed row: int4 rows hold whole groups, every other dtype whole 64-value chunks."""
-    return max(64, group_size) if dtype == "int4" else 64
+    """K padding of every packed row: int4 rows hold whole groups, q4_k rows whole 256-value super-blocks, every
+    other dtype whole 64-value chunks."""
+    return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype == "q4_k" else 64
 
 
 def _int4_order_for(isa: str, asked: str | None) -> str:
@@ -225,7 +251,7 @@ def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
 def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology) -> dict:
     kpad = _kpad_for(dtype, group_size)
     return dict(format=PACK_FORMAT, isa=isa, dtype=dtype,
-                group_size=group_size if dtype in ("int4", "mxfp4", "q8_0") else 0,
+                group_size=group_size if dtype in ("int4", "mxfp4", "q8_0", "q4_k") else 0,
                 int4_order=int4_order if dtype == "int4" else "", kpad=kpad, row_align=_ROW_ALIGN,
                 slices=[[a, b] for a, b in _split_f(F, topology, kpad)])
 
@@ -239,7 +265,7 @@ def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = N
     packed under another."""
     isa = _native.resolve_isa(isa)
     topo = (topology if topology is not None else Topology.discover()).limit(threads)
-    group = quant.MXFP4_BLOCK if dtype in ("mxfp4", "q8_0") else group_size
+    group = quant.MXFP4_BLOCK if dtype in ("mxfp4", "q8_0", "q4_k") else group_size
     return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo)
 
 
@@ -453,7 +479,8 @@ class CpuMoE:
     32/64/128) | "mxfp4" (quantize_mxfp4 of the weights; D and F multiples of 32; CpuMoE.from_mxfp4 packs
     published blocks as they are; CpuMoE.from_q4_0 GGUF Q4_0 blocks as int4 in groups of 32, and gguf_blocks makes
     either from a GGUF file's bytes) | "q8_0" (int8 in blocks of 32 with an fp16 scale each, quantize_q8_0;
-    CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
+    CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are) | "q4_k" (llama.cpp's Q4_K, quantize_q4_k; rows padded to
+    256 values; CpuMoE.from_q4_k packs GGUF Q4_K blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
     from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
@@ -476,7 +503,7 @@ class CpuMoE:
                  int4_order: str | None = None, packer: str = "native"):
         # float tensors, ExpertRows (a checkpoint's own per-expert matrices) or ExpertChunks (read a few experts
         # at a time); _Mx4 (from_mxfp4: the published
-        # blocks, never a float copy), _Q40 (from_q4_0, gguf_blocks) or _Q80 (from_q8_0, gguf_blocks); _Packed
+        # blocks, never a float copy), _Q40 / _Q80 / _Q4K (from_q4_0 / from_q8_0 / from_q4_k, gguf_blocks); _Packed
         # (from_packed)
         kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
                  for w in (w_gate, w_up, w_down)}
@@ -497,6 +524,8 @@ class CpuMoE:
                              f"(group_size {group_size})")
         if source is _Q80 and dtype != "q8_0":
             raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dtype!r}")
+        if source is _Q4K and dtype != "q4_k":
+            raise ValueError(f"Q4_K blocks pack as dtype 'q4_k', not {dtype!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -521,8 +550,8 @@ class CpuMoE:
         if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
             raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
                              f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
-        if dtype in ("mxfp4", "q8_0"):
-            group_size = quant.MXFP4_BLOCK  # the activations' group sums and the kernels' block
+        if dtype in ("mxfp4", "q8_0", "q4_k"):
+            group_size = quant.MXFP4_BLOCK  # the activations' group sums and the kernels' block (sub-block)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if amx_min_tokens is None:
@@ -633,6 +662,19 @@ class CpuMoE:
         kwargs.setdefault("dtype", "q8_0")
         return cls(*mats, **kwargs)
 
+    @classmethod
+    def from_q4_k(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF Q4_K experts, packed as q4_k without de-quantizing them: the file's nibbles and
+        super-block heads are q4_k's exactly (cpu_kernels.quant, module doc), so it computes with the file's values.
+
+        gate, up: raw blocks uint8 [E, F, D/256, 144]; down: [E, D, F/256, 144] (views of the file, any strides).
+        kwargs: CpuMoE's; dtype, if given, must be "q4_k".
+        """
+        mats = [w if isinstance(w, _Q4K) else _Q4K(name, w) for name, w in (("gate", gate), ("up", up),
+                                                                           ("down", down))]
+        kwargs.setdefault("dtype", "q4_k")
+        return cls(*mats, **kwargs)
+
     # ---- packing -------------------------------------------------------------------------------
     def _mx4_parts(self, w, rows_p: int, ldk: int):
         """A chunk of experts (float [c, rows, k] or _Mx4) -> (codes [c, rows_p, ldk/2], exponents [c, rows_p,
@@ -668,6 +710,20 @@ class CpuMoE:
         d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q8_0_BLOCK, 0, rows_p - rows))
         return q.contiguous(), d.contiguous(), None
 
+    def _q4k_parts(self, w, rows_p: int, ldk: int):
+        """A chunk of experts (float [c, rows, k] or _Q4K) -> (nibbles uint8 [c, rows_p, ldk/2], heads uint8 [c,
+        rows_p, ldk/256, 16], None); a float chunk is zero padded to whole super-blocks first; padding is nibble 0
+        under an all-zero head (d = dmin = 0)."""
+        if isinstance(w, _Q4K):
+            p, h = quant.q4_k_parts(w.raw)
+        else:
+            K = w.shape[-1]
+            p, h = quant.quantize_q4_k(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
+        _, rows, H = p.shape
+        p = torch.nn.functional.pad(p, (0, ldk // 2 - H, 0, rows_p - rows))
+        h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
+        return p.contiguous(), h.contiguous(), None
+
     def _quantized(self, w: torch.Tensor):
         """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
         if self.dtype == "bf16":
@@ -700,6 +756,10 @@ class CpuMoE:
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q8_0_BLOCK) - K))
             return quant.dequantize_q8_0(*quant.quantize_q8_0(wp))[..., :K]
+        if self.dtype == "q4_k":
+            K = w.shape[-1]
+            wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K))
+            return quant.dequantize_q4_k(*quant.quantize_q4_k(wp))[..., :K]
         K = w.shape[-1]
         Kp = _align(K, self._kpad())
         wp = torch.nn.functional.pad(w.float(), (0, Kp - K))
@@ -723,16 +783,17 @@ class CpuMoE:
     def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
         """Bytes of one expert's packed matrix [rows_p, ldk] (int4, mxfp4: two values per byte)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n}[self.dtype]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_k": n // 2}[self.dtype]
 
     def _aux_strides(self, rows_p: int, ldk: int) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
         scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block, q8_0
-        one fp16 scale per block."""
+        one fp16 scale per block, q4_k one 16-byte head per 256 values."""
         return {"bf16": [None, None], "int8": [4 * rows_p, 4 * rows_p],
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
                 "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None],
-                "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None]}[self.dtype]
+                "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None],
+                "q4_k": [rows_p * (ldk // quant.QK_K) * quant.Q4_K_HEAD_BYTES, None]}[self.dtype]
 
     def _packs_natively(self, w) -> bool:
         """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
@@ -781,6 +842,8 @@ class CpuMoE:
                 parts = list(self._q40_parts(wc, rows_p, ldk))
             elif self.dtype == "q8_0":
                 parts = list(self._q80_parts(wc, rows_p, ldk))
+            elif self.dtype == "q4_k":
+                parts = list(self._q4k_parts(wc, rows_p, ldk))
             elif self.dtype == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
@@ -821,9 +884,9 @@ class CpuMoE:
         q_buf, q_off, q_stride = block
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
-        if aux[0] is not None:  # fp32 scales; mxfp4: uint8 exponents, s_estride in bytes; q8_0: fp16, in halves
-            m.scale = aux[0].data_ptr()
-            m.s_estride = strides[0] // {"mxfp4": 1, "q8_0": 2}.get(self.dtype, 4)
+        if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0:
+            m.scale = aux[0].data_ptr()  # fp16, in halves
+            m.s_estride = strides[0] // {"mxfp4": 1, "q4_k": 1, "q8_0": 2}.get(self.dtype, 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
@@ -921,7 +984,8 @@ class CpuMoE:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
         bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group, fold}
         (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]; q8_0: q int8
-        [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]); bias
+        [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]; q4_k: q uint8 nibbles [E, rows_p, ldk/2], scale uint8
+        heads [E, rows_p, ldk/256, 16]); bias
         fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
         b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
         into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
@@ -934,13 +998,13 @@ class CpuMoE:
             return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
         qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
-                  "q8_0": torch.int8}[self.dtype]
+                  "q8_0": torch.int8, "q4_k": torch.uint8}[self.dtype]
         out = []
         for n, (f0, f1) in enumerate(self._slices):
             node, mats, blk = self._layer.nodes[n], {}, self._blocks[n]
             for name in ("gate", "up", "down"):
                 mm = getattr(node, name)
-                cols = mm.ldk // 2 if self.dtype in ("int4", "mxfp4") else mm.ldk
+                cols = mm.ldk // 2 if self.dtype in ("int4", "mxfp4", "q4_k") else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1)].view(qdtype).view(self.E, mm.rows_p, cols)
                 if self.dtype == "mxfp4":  # uint8 exponents, one per 32-value block
@@ -949,6 +1013,8 @@ class CpuMoE:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 elif self.dtype == "q8_0":  # fp16 scales, one per 32-value block
                     s = by_ptr[mm.scale].view(torch.float16).view(self.E, mm.rows_p, mm.ldk // mm.group)
+                elif self.dtype == "q4_k":  # uint8 heads, 16 bytes per 256-value super-block
+                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q4_K_HEAD_BYTES)
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
                 b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None

@@ -31,6 +31,14 @@ q8_0: int8 in blocks of 32 values along K with an fp16 scale each, llama.cpp's Q
       q = clamp(round(w / d), -127, 127) (0 where d is 0); w ~ q * d. Packed as values int8 [..., R, K] (rows as
       int8's) and scales fp16 [..., R, K/32]: 1 + 2/32 bytes a weight. Rows are zero padded (scale 0) to a multiple
       of 64 values; the kernels read any q in [-128, 127], so a GGUF file's blocks are held as they are.
+q4_k: llama.cpp's Q4_K values: rows in super-blocks of 256 values, each 8 sub-blocks of 32 with a 6-bit scale sc
+      and a 6-bit minimum m, and per super-block an fp16 d and dmin: w = (d sc) q - (dmin m), q in 0..15. Packed as
+      nibbles [..., R, K/2] in int4's natural chunk layout (which is Q4_K's own: per 64 values 32 bytes, low nibbles
+      the first 32, high nibbles the next) and heads uint8 [..., R, K/256, 16]: a super-block's d, dmin (fp16) and
+      its 12 bytes of packed 6-bit scales and minimums (ggml's get_scale_min_k4 layout), 4.5 bits a weight as the
+      file's. Rows are zero padded to a multiple of 256 values (an all-zero head: d = dmin = 0). quantize_q4_k is a
+      round-to-nearest quantizer (per sub-block the range [min(w, 0), max(w)] over 15 steps, then the scales and
+      minimums to 6 bits against the super-block's largest), not llama.cpp's search for the best scales.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
@@ -38,6 +46,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       them. Re-quantizing the values instead is not lossless: Q4_0 maps a block's largest magnitude to -8,
       quantize_int4 to +-7.
   Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
+  Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -206,6 +215,71 @@ def q8_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, G, _ = raw.shape
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
     return raw[..., 2:].contiguous().view(torch.int8).reshape(*lead, G * Q8_0_BLOCK), d
+
+
+QK_K = 256  # values per q4_k / GGUF K-quant super-block
+Q4_K_HEAD_BYTES = 16  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums
+Q4_K_BLOCK_BYTES = 144  # GGUF Q4_K: the head, then 128 bytes of nibbles
+
+
+def q4_k_scales(heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """heads uint8 [..., 16] -> (d * sc, dmin * m) fp32 [..., 8]: each sub-block's scale and minimum (ggml's
+    get_scale_min_k4 on bytes 4..15), the products exact in fp32."""
+    d = heads[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    dmin = heads[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    q = heads[..., 4:16].int()
+    lo, mid, hi = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], -1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], -1)
+    return d[..., None] * sc.float(), dmin[..., None] * m.float()
+
+
+def dequantize_q4_k(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 16]) -> fp32 [..., R, K], as gguf.quants.dequantize
+    computes Q4_K: (d sc) q - (dmin m) per 32 values."""
+    *lead, H = packed.shape
+    S, M = q4_k_scales(heads)  # [..., R, K/256, 8]
+    q = unpack_nibbles(packed).float().reshape(*lead, H * 2 // 32, 32)
+    return (S.reshape(*lead, -1, 1) * q - M.reshape(*lead, -1, 1)).reshape(*lead, H * 2)
+
+
+def pack_q4_k_heads(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp16 d, dmin [...] and 6-bit sc, m [..., 8] (0..63) -> heads uint8 [..., 16] (the inverse of q4_k_scales)."""
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    lo = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    mid = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    hi = (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    dd = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], -1).contiguous().view(torch.uint8)
+    return torch.cat([dd, lo, mid, hi], -1)
+
+
+def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 16]) (module
+    doc: round to nearest throughout; each value rounded against the scale and minimum the heads hold)."""
+    *lead, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"q4_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
+    b = w.float().reshape(*lead, K // QK_K, 8, 32)
+    neg = 0.0 - b.amin(-1).clamp(max=0.0)  # minus a sub-block's minimum, >= 0 (+0.0 for a minimum of 0)
+    step = (b.amax(-1) + neg) / 15.0
+    d = (step.amax(-1) / 63.0).clamp(max=65504.0).half()
+    dmin = (neg.amax(-1) / 63.0).clamp(max=65504.0).half()
+    df, dmf = d.float()[..., None], dmin.float()[..., None]
+    sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
+    m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, 63)
+    S, M = (df * sc)[..., None], (dmf * m)[..., None]
+    q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, 15).to(torch.uint8)
+    return pack_nibbles(q.reshape(*lead, K)), pack_q4_k_heads(d, dmin, sc, m)
+
+
+def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_K blocks raw uint8 [..., R, G, 144] (any strides) -> (nibbles uint8 [..., R, G * 128], heads uint8
+    [..., R, G, 16]): q4_k's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q4_K_BLOCK_BYTES:
+        raise ValueError(f"Q4_K blocks must be uint8 [..., K/256, {Q4_K_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return raw[..., Q4_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(), raw[..., :Q4_K_HEAD_BYTES].contiguous()
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

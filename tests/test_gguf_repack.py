@@ -65,6 +65,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
             parts.append(quant.dequantize_int4(m["q"], m["scale"], m["group"], m["fold"]))
         elif m["dtype"] == "q8_0":
             parts.append(quant.dequantize_q8_0(m["q"], m["scale"]))
+        elif m["dtype"] == "q4_k":
+            parts.append(quant.dequantize_q4_k(m["q"], m["scale"]))
         else:
             parts.append(quant.dequantize_mxfp4_packed(m["q"], m["scale"]))
     return parts
@@ -282,8 +284,19 @@ def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, k
     """The hybrid runtime's logits equal those of the same file loaded de-quantized with fp32 experts (ref ISA:
     no activation rounding), while int4 in groups of 64 (re-quantized) differs; with the compiled kernels the
     packed bytes hold the file's values exactly."""
+    files_values_are_computed(tmp_path, qwen3_ragged, caplog, kind, dtype, fuse)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["q4_k", "q4_k-fused"])
+def test_hybrid_load_computes_the_files_q4_k_values(tmp_path, qwen3_256, caplog, fuse):
+    """As above for Q4_K blocks (valid random super-blocks: every nibble, scale and minimum), on experts 256 wide."""
+    files_values_are_computed(tmp_path, qwen3_256, caplog, Q.Q4_K, "q4_k", fuse)
+
+
+def files_values_are_computed(tmp_path, hf, caplog, kind, dtype, fuse):
+    F = hf.config.moe_intermediate_size
     path = tmp_path / "m.gguf"
-    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind, fused(qwen3_ragged) if fuse else None)
+    write_typed(path, "qwen3_moe", hf, lambda n: kind, fused(hf) if fuse else None)
     plain = single_logits(load_gguf(path, progress=False), PROMPT)
     got, off = hybrid_logits(path, caplog, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
     assert "layers 0-2 repacked losslessly" in caplog.text and "de-quantized" not in caplog.text
@@ -301,7 +314,7 @@ def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, k
                  if f"blk.{layer.layer}.ffn_{n}_exps.weight" in ckpt.tensors}
             v = {n: dequantize(x.raw(), x.ggml_type, x.shape) for n, x in t.items()}
             if fuse:
-                v["gate"], v["up"] = v["gate_up"][:, :96], v["gate_up"][:, 96:]
+                v["gate"], v["up"] = v["gate_up"][:, :F], v["gate_up"][:, F:]
             check_held(layer.cpu_moe, (v["gate"], v["up"], v["down"]))
 
 
@@ -353,14 +366,14 @@ def qwen3_256(tmp_path_factory):
 
 @pytest.mark.parametrize("kind, argv, want", [
     (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
-    (Q.Q4_K, [], ("int4", 32)), (Q.Q6_K, [], ("int8", 128)), ("mixed", [], ("int4", 32)), (Q.F32, [], ("bf16", 128)),
+    (Q.Q4_K, [], ("q4_k", 128)), (Q.Q6_K, [], ("int8", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
     ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
-    (all Q4_0: int4 in groups of 32, all Q8_0: q8_0 and all MXFP4: mxfp4, the file's values exactly; Q4_K: int4
-    groups of 32; Q6_K: int8; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: int4), kept through the checks before
+    (all Q4_0: int4 in groups of 32, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values
+    exactly; Q6_K: int8; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -379,8 +392,8 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     said = [r.getMessage() for r in caplog.records if "GGUF file whose experts are" in r.getMessage()]
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
-    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, MXFP4)
-        exact = kind in (Q.MXFP4, Q.Q8_0) or (kind == Q.Q4_0 and want[1] == 32)
+    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, Q4_K, MXFP4)
+        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K) or (kind == Q.Q4_0 and want[1] == 32)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -504,3 +517,22 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
         whole = CpuMoE(*stack, dtype="int8", isa=layer.cpu_moe.isa, topology=layer.cpu_moe.topology)
         a, b = layer.cpu_moe.packed_state(), whole.packed_state()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "int4", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
+                                             (Q.Q4_K, "q4_k", 2), (Q.MXFP4, "mxfp4", 0)],
+                         ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "mxfp4-exponent"])
+def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
+    """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
+    dmin; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: kind)
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_up_exps.weight")
+    with open(path, "r+b") as f:
+        f.seek(int(t.data_offset) + 5 * GGML_QUANT_SIZES[kind][1] + at)  # block 5
+        f.write(bytes([0xFF]) if kind == Q.MXFP4 else bytes([0x00, 0x7E]))  # fp16 0x7E00: NaN
+    with pytest.raises(ModelLoadError, match=r"'blk.1.ffn_up_exps.weight' in m.gguf: 1 block\(s\) with a NaN/Inf") as exc:
+        hybrid_logits(path, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
+    assert "\n" not in str(exc.value)

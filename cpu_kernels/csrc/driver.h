@@ -207,6 +207,10 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     for (int n = 0; n < L->n_nodes; ++n)
       for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down})
         if (!i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
+  if (dt == HY_Q4_K)  // whole super-blocks, activation sums per sub-block
+    for (int n = 0; n < L->n_nodes; ++n)
+      for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down})
+        if (M->ldk % 256 || M->group != 32) return HY_EARG;
   const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
   std::lock_guard<std::mutex> lk(g_job_mu);
   const Knobs kn = g_knobs;  // this call's knobs: hy_tune waits for the lock, so none changes mid-call
@@ -250,8 +254,9 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   for (int e = 0; e < E; ++e) {
     int m = off[e + 1] - off[e];
     if (!m) continue;
-    // No AMX kernel for mxfp4 and q8_0, nor for int4 in groups of 32 (half a 64-value K tile): the vector path.
-    int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && (dt != HY_INT4 || G0.group >= 64) && m >= L->knee;
+    // No AMX kernel for mxfp4, q8_0 and q4_k, nor for int4 in groups of 32 (half a 64-value K tile): the vector path.
+    int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && dt != HY_Q4_K && (dt != HY_INT4 || G0.group >= 64) &&
+              m >= L->knee;
     act[na++] = {e, m, off[e], amx, 0};
     m_max = std::max(m_max, m);
   }

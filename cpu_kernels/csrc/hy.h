@@ -10,7 +10,7 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -22,7 +22,8 @@ typedef struct {
   const uint8_t* w;
   const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]; mxfp4: uint8
                          // shared exponents [E, rows_p, ldk/32] (read through mx4_exps; s_estride in bytes);
-                         // q8_0: fp16 [E, rows_p, ldk/32] (read through q8_scales; s_estride in fp16 values)
+                         // q8_0: fp16 [E, rows_p, ldk/32] (read through q8_scales; s_estride in fp16 values);
+                         // q4_k: uint8 heads [E, rows_p, ldk/256, 16] (read through q4k_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -207,6 +208,28 @@ inline float f16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// q4_k (cpu_kernels/quant.py, module doc): nibbles [rows_p, ldk/2] in int4's natural chunk layout (llama.cpp's Q4_K
+// layout too) and per 256-value super-block a 16-byte head [rows_p, ldk/256, 16]: fp16 d, fp16 dmin and 12 bytes of
+// 6-bit scales sc and minimums m of its 8 sub-blocks of 32; w = (d sc) q - (dmin m). ldk is a multiple of 256.
+inline const uint8_t* q4k_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 16;
+}
+// A head -> its sub-blocks' scales S = d sc and minimums Mn = dmin m (ggml's get_scale_min_k4; the products of an
+// fp16 and a 6-bit integer are exact in fp32).
+inline void q4k_unpack(const uint8_t* h, float* S, float* Mn) {
+  uint16_t dh, mh;
+  std::memcpy(&dh, h, 2);
+  std::memcpy(&mh, h + 2, 2);
+  const float d = f16_to_f32(dh), dm = f16_to_f32(mh);
+  const uint8_t* q = h + 4;
+  for (int j = 0; j < 4; ++j) {
+    S[j] = d * (float)(q[j] & 63);
+    Mn[j] = dm * (float)(q[j + 4] & 63);
+    S[j + 4] = d * (float)((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
+    Mn[j + 4] = dm * (float)((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+  }
 }
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }

@@ -265,10 +265,48 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// q4_k (hy.h q4k_heads): per 256-value super-block and row the head unpacked to the 8 sub-blocks' scales and minimums;
+// per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) each maddubs'd with their activations
+// (pair sums <= 2 x 15 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
+// row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
+template <int MT>
+void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 16;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    alignas(32) float S[4][8], Mn[4][8];
+    for (int j = 0; j < 4; ++j) q4k_unpack(hd + j * hst + sb * 16, S[j], Mn[j]);
+    for (int t = 0; t < MT; ++t) {
+      const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(_mm256_load_ps(Mn[j]), gs, acc[j][t]);
+    }
+    for (int c = sb * 4; c < sb * 4 + 4; ++c) {
+      if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
+      const int g = 2 * (c - sb * 4);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+        const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        const __m256 slo = _mm256_set1_ps(S[j][g]), shi = _mm256_set1_ps(S[j][g + 1]);
+        for (int t = 0; t < MT; ++t) {
+          const __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
+          const __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(lo, alo)), slo, acc[j][t]);
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(hi, ahi)), shi, acc[j][t]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 && M.dtype != HY_Q4_K ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     const uint16_t* w = (const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
     bf16_block<MT>(w, M.ldk, M.ldk, rows, C, ldc);
@@ -279,6 +317,8 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C, ldc);
+  } else if (M.dtype == HY_Q4_K) {
+    q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc);
   } else {
     const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
     i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc);

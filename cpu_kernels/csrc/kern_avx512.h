@@ -9,7 +9,8 @@
 // code table (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the
 // sum of its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
-// block sums, each 32-value block scaled by its fp16 scale.
+// block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
+// offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
 #pragma once
@@ -374,10 +375,72 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
+// q4_k (hy.h q4k_heads), 4 rows x MT tokens (MT <= 2; q4k_block runs 3-4 tokens as two pairs, as int4's natural
+// order does, for the registers): per 256-value super-block and row the head is unpacked to the 8 sub-blocks' scales
+// and minimums (q4k_unpack); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
+// 8-15 hold 16 x their sums, undone before the final reduction), VPDPBUSD with the activations gives each sub-block's
+// exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of
+// the super-block's scales per row and chunk). The minimums enter once per super-block, row and token, as
+// - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
+template <int MT>
+void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+              int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 16;  // head bytes a row
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    if (sb % 4 == 0) for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(hd + j * hst + sb * 16), _MM_HINT_T1);
+    __m512 sv16[4];
+    for (int j = 0; j < 4; ++j) {
+      alignas(64) float S[8], Mn[8];
+      q4k_unpack(hd + j * hst + sb * 16, S, Mn);
+      sv16[j] = _mm512_maskz_loadu_ps(0xFF, S);
+      const __m512 mv = _mm512_maskz_loadu_ps(0xFF, Mn);
+      for (int t = 0; t < MT; ++t)
+        acc[j][t] = _mm512_fnmadd_ps(mv, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(0xFF, act_gsum(rows[t], k) + sb * 8)),
+                                     acc[j][t]);
+    }
+    __m512i idx = pair0;  // chunk cc of the super-block: lanes 0-7 sub-block 2 cc, lanes 8-15 sub-block 2 cc + 1
+    for (int c = sb * 4; c < sb * 4 + 4; ++c, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      __m512i wq[4];
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
+        sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
+      }
+      if (c % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], a)), sv[j],
+                                      acc[j][t]);
+      }
+    }
+  }
+  const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+template <int MT>
+void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  if constexpr (MT <= 2) {
+    q4k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+  } else {
+    q4k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    q4k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+  }
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 && M.dtype != HY_Q4_K ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc, pf_lo);
   } else if (M.dtype == HY_INT8) {
@@ -388,6 +451,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
                  ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q4_K) {
+    q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc,
+                  pf_lo, pf_rows);
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
                  pf_lo, pf_rows);

@@ -1,7 +1,7 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
-Three GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
-by int4 in groups of 32, Q8_0 by q8_0 and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format) and
+Four GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
+by int4 in groups of 32, Q8_0 by q8_0, Q4_K by q4_k and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format) and
 all of a layer's expert weights (gate, up and down, or the fused gate_up and down) are of that type, the layer's
 blocks go to the experts factory as weight sources over the memory-mapped file (cpu_kernels.moe.gguf_blocks:
 views, no copy), and the executor computes with exactly the file's values. Every other layer is de-quantized and
@@ -17,16 +17,16 @@ import torch
 
 from hybrid.models.errors import ModelLoadError
 from hybrid.models.gguf.checkpoint import GgufCheckpoint
-from hybrid.models.gguf.dequant import type_name
+from hybrid.models.gguf.dequant import GGML_QUANT_SIZES, type_name
 from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly
-LOSSLESS = {"Q4_0": ("int4", 32), "Q8_0": ("q8_0", 32), "MXFP4": ("mxfp4", 32)}
+LOSSLESS = {"Q4_0": ("int4", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "MXFP4": ("mxfp4", 32)}
 # GGUF type -> the CPU executor's format a file of it defaults to: the exact one where there is one, else the
 # smallest with at least the type's bits per weight (int4 in groups of 32 is 5 bits a weight with its fp32 scales;
 # int8 8.03), so the experts' DRAM stays near the file's and no precision is given up below the file's own. Below
-# 4 bits there is nothing smaller than int4. (Q8_0's exact q8_0 is the file's 8.5 bits.)
-NEAREST = {**LOSSLESS, "Q2_K": ("int4", 32), "Q3_K": ("int4", 32), "IQ4_XS": ("int4", 32), "Q4_K": ("int4", 32),
+# 4 bits there is nothing smaller than int4. (Q8_0's and Q4_K's exact formats are the file's 8.5 and 4.5 bits.)
+NEAREST = {**LOSSLESS, "Q2_K": ("int4", 32), "Q3_K": ("int4", 32), "IQ4_XS": ("int4", 32),
            "Q5_K": ("int8", 0), "Q6_K": ("int8", 0), "BF16": ("bf16", 0), "F16": ("bf16", 0),
            "F32": ("bf16", 0)}
 WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
@@ -34,7 +34,7 @@ WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of exper
 
 def cpu_format(dtype: str, group: int) -> tuple[str, int]:
     """The CPU executor's format as LOSSLESS names them: (dtype, int4 group; mxfp4 always 32, others 0)."""
-    return dtype, group if dtype == "int4" else 32 if dtype in ("mxfp4", "q8_0") else 0
+    return dtype, group if dtype == "int4" else 32 if dtype in ("mxfp4", "q8_0", "q4_k") else 0
 
 
 def format_name(fmt: tuple[str, int]) -> str:
@@ -93,9 +93,12 @@ def describe(choice: dict[int, str | None], fmt: tuple[str, int]) -> str:
 
 def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor) -> None:
     """The de-quantizing load's NaN/Inf refusal, on the blocks: a Q4_0 or Q8_0 value is finite where its fp16 scale
-    is; an MXFP4 exponent of 255 is e8m0's NaN."""
-    bad = int((~torch.isfinite(raw[..., :2].view(torch.float16))).sum()) if kind in ("Q4_0", "Q8_0") else int(
-        (raw[..., 0] == 255).sum())
+    is, a Q4_K value where its d and dmin are; an MXFP4 exponent of 255 is e8m0's NaN."""
+    if kind == "MXFP4":
+        bad = int((raw[..., 0] == 255).sum())
+    else:
+        scales = raw[..., :4 if kind == "Q4_K" else 2].contiguous().view(torch.float16)
+        bad = int((~torch.isfinite(scales)).any(-1).sum())
     if bad:
         raise ModelLoadError(f"tensor {e.name!r} in {ckpt.tensors[e.name].file.name}: {bad} block(s) with a NaN/Inf "
                              "scale; the checkpoint is corrupt")
@@ -113,7 +116,7 @@ def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> tuple:
         t = ckpt.tensors[e.name]
         kind = type_name(t.ggml_type)
         E, R, K = e.shape
-        raw = t.raw().view(E, R, K // 32, -1)
+        raw = t.raw().view(E, R, K // GGML_QUANT_SIZES[t.ggml_type][0], -1)
         _checked(ckpt, e, kind, raw)
         if e.which == "gate_up":
             out["w_gate"], out["w_up"] = (gguf_blocks(e.name, raw[:, :F], kind), gguf_blocks(e.name, raw[:, F:], kind))

@@ -1,0 +1,381 @@
+"""The CPU executor's block formats of llama.cpp's types against the pure-torch reference, for every ISA here and the
+emulated AMX build, and GGUF blocks of those types packed as they are:
+  q8_0: int8 in blocks of 32 along K with an fp16 scale each (Q8_0);
+  q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K).
+
+The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
+kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
+before down), the one int8 and int4 make, so TOL["int8"] (test_cpu_moe.py) bounds it; a second, tight check
+emulates that rounding and leaves only fp32 summation order.
+
+Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k D = 512
+and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
+padded to whole blocks before quantizing). Ragged routing (experts with 0, 1, 7, 300 tokens), outputs NaN-filled.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cpu_kernels import CpuMoE, _native, moe as moe_mod, quant
+from cpu_kernels.reference import moe_forward
+from test_cpu_moe import COMPILED, EMU, TOL, ragged_routing, rel_err
+from test_cpu_moe_bias import fused_knob  # noqa: F401 (a fixture)
+from test_cpu_mxfp4 import biases, emulated, topology
+
+E = 6
+ISAS = [i for i in COMPILED if i != "amx"] + EMU
+if "amx" in COMPILED:  # declines both to its AVX-512 path at every knee: covered like the others
+    ISAS.append(pytest.param("amx", marks=pytest.mark.amx))
+
+
+@dataclass(frozen=True)
+class Fmt:
+    name: str
+    block: int  # values per GGUF block
+    block_bytes: int
+    F: int
+    D: int
+    bytes_per_weight: float
+    quantize: object  # float [..., K] -> the format's parts
+    dequantize: object  # parts -> fp32 [..., K]
+    parts: object  # GGUF blocks [..., G, block_bytes] -> parts
+    to_raw: object  # parts -> GGUF blocks
+    from_blocks: object  # CpuMoE.from_<format>
+    gguf_type: str
+
+
+def q8_raw(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q int8 [..., K], d fp16 [..., K/32]) -> GGUF Q8_0 blocks uint8 [..., K/32, 34] (d, then the 32 values)."""
+    *lead, K = q.shape
+    return torch.cat([d.reshape(*lead, K // 32, 1).view(torch.uint8),
+                      q.reshape(*lead, K // 32, 32).view(torch.uint8)], -1).contiguous()
+
+
+def q4k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(nibbles uint8 [..., K/2], heads [..., K/256, 16]) -> GGUF Q4_K blocks uint8 [..., K/256, 144]."""
+    return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
+
+
+FORMATS = {
+    "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
+                q8_raw, CpuMoE.from_q8_0, "Q8_0"),
+    "q4_k": Fmt("q4_k", 256, 144, 768, 512, 0.5625, quant.quantize_q4_k, quant.dequantize_q4_k, quant.q4_k_parts,
+                q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
+}
+FMTS = list(FORMATS)
+
+
+def both_paths(moe, x, ids, w, fused_knob):
+    """forward on the fused (decode) and the phased path, into NaN-prefilled outputs."""
+    outs = []
+    for fused in (1, 0):
+        fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype)
+        assert moe.forward(x, ids, w, out=out).data_ptr() == out.data_ptr()
+        assert torch.isfinite(out).all(), fused
+        outs.append(out)
+    return outs
+
+
+def floats(fmt, seed=0, e=E, f=None, d=None, scale=1.0):
+    f, d = f or fmt.F, d or fmt.D
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) * scale / s[2] ** 0.5 for s in ((e, f, d), (e, f, d), (e, d, f))]
+
+
+def plain(fmt, ws):
+    """What the dtype computes with: each matrix quantized (rows zero padded to whole blocks) and back."""
+    out = []
+    for w in ws:
+        K = w.shape[-1]
+        wp = torch.nn.functional.pad(w, (0, -K % fmt.block))
+        out.append(fmt.dequantize(*fmt.quantize(wp))[..., :K])
+    return out
+
+
+def random_blocks(fmt, seed, e=E, f=None, d=None):
+    """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
+    quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
+    scale and minimum, d and dmin over 2^-16 .. 2^-8."""
+    f, d = f or fmt.F, d or fmt.D
+    g = torch.Generator().manual_seed(seed)
+    raws = []
+    for shape in ((e, f, d), (e, f, d), (e, d, f)):
+        G = shape[2] // fmt.block
+        if fmt.name == "q8_0":
+            q = torch.randint(-128, 128, shape, dtype=torch.int8, generator=g)
+            dd = (2.0 ** torch.randint(-14, -4, (*shape[:2], G), generator=g) *
+                  (1 + torch.rand(*shape[:2], G, generator=g))).half()
+            raws.append(q8_raw(q, dd))
+        else:
+            p = torch.randint(0, 256, (*shape[:2], shape[2] // 2), dtype=torch.uint8, generator=g)
+            dd, dm = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G), generator=g) *
+                       (1 + torch.rand(*shape[:2], G, generator=g))).half() for _ in range(2))
+            sc, mn = (torch.randint(0, 64, (*shape[:2], G, 8), generator=g) for _ in range(2))
+            raws.append(q4k_raw(p, quant.pack_q4_k_heads(dd, dm, sc, mn)))
+    return raws
+
+
+def test_q8_0_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 5, 96, generator=g) * torch.logspace(-3, 1, 96)
+    q, d = quant.quantize_q8_0(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (3, 5, 3)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    back = quant.dequantize_q8_0(q, d)
+    step = d.float().repeat_interleave(32, -1)
+    assert ((back - w).abs() <= 0.5 * step * 1.01 + 1e-7).all()  # within half a step of its block's grid
+    zero = quant.quantize_q8_0(torch.zeros(1, 64))
+    assert not zero[0].any() and not zero[1].float().any()
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        quant.quantize_q8_0(torch.zeros(2, 40))
+
+
+def test_q4_k_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 5, 512, generator=g) * 0.05 + torch.linspace(-0.02, 0.06, 512)  # offsets: minimums matter
+    p, h = quant.quantize_q4_k(w)
+    assert p.dtype == torch.uint8 and p.shape == (3, 5, 256) and h.shape == (3, 5, 2, 16)
+    S, M = quant.q4_k_scales(h)
+    assert (S >= 0).all() and (M >= 0).all()
+    back = quant.dequantize_q4_k(p, h)
+    step = S.reshape(3, 5, 16).repeat_interleave(32, -1)
+    # within half a step of the grid, plus the 6-bit rounding of the sub-block's minimum (at most half a dmin)
+    dmin = h[..., 2:4].contiguous().view(torch.float16).float().repeat_interleave(256, -1).reshape(3, 5, 512)
+    assert ((back - w).abs() <= 0.5 * step + 0.5 * dmin + 1e-6).all()
+    assert float((back - w).abs().mean()) < float(step.mean()) / 3
+    zero = quant.quantize_q4_k(torch.zeros(1, 256))
+    assert not zero[0].any() and not zero[1].any()
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_q4_k(torch.zeros(2, 320))
+    sc, mn = torch.randint(0, 64, (2, 7, 8), generator=g), torch.randint(0, 64, (2, 7, 8), generator=g)
+    d, dm = torch.rand(2, 7, generator=g).half(), torch.rand(2, 7, generator=g).half()
+    S, M = quant.q4_k_scales(quant.pack_q4_k_heads(d, dm, sc, mn))  # the 6-bit packing round-trips
+    assert torch.equal(S, d.float()[..., None] * sc.float()) and torch.equal(M, dm.float()[..., None] * mn.float())
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gguf_bytes_and_gguf_py_dequantization(fmt):
+    """The parts of GGUF blocks are the file's bytes (back to the same blocks), and de-quantize as gguf-py does."""
+    gguf = pytest.importorskip("gguf")
+    fm = FORMATS[fmt]
+    raw = random_blocks(fm, 3, e=2, f=256, d=512)[0]  # gate: [2, 256, 512 / block, bytes]
+    parts = fm.parts(raw)
+    assert torch.equal(fm.to_raw(*parts), raw)
+    ref = gguf.quants.dequantize(raw.numpy().reshape(512, -1), getattr(gguf.GGMLQuantizationType, fm.gguf_type))
+    assert torch.equal(fm.dequantize(*parts).reshape(512, 512), torch.from_numpy(ref))
+    ours = fm.to_raw(*fm.quantize(torch.randn(4, 512)))  # our quantizer's blocks are valid blocks of the type
+    ref = gguf.quants.dequantize(ours.numpy().reshape(4, -1), getattr(gguf.GGMLQuantizationType, fm.gguf_type))
+    assert torch.equal(fm.dequantize(*fm.parts(ours)).reshape(4, 512), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("knee", [1, 10**9], ids=["knee1", "vector"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("nodes", [1, 2, "shared"])
+@pytest.mark.parametrize("T", [1, 5, 320])
+def test_matches_reference(fmt, isa, knee, with_bias, nodes, T, fused_knob):
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=3, scale=2.0)
+    bias = biases(e=E, f=fm.F, d=fm.D) if with_bias else {}
+    moe = CpuMoE(*ws, dtype=fmt, isa=isa, topology=topology(nodes), amx_min_tokens=knee, **bias)
+    assert moe.dtype == fmt and moe.group_size == 32 and len(moe.packed_weights()) == (1 if nodes == 1 else 2)
+    ids, w = ragged_routing(T, seed=4)
+    x = torch.randn(T, fm.D, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = moe_forward(x, *plain(fm, ws), ids, w, **bias)
+    fused, phased = both_paths(moe, x, ids, w, fused_knob)
+    assert rel_err(fused, ref) < TOL["int8"], rel_err(fused, ref)
+    assert rel_err(phased, ref) < TOL["int8"], rel_err(phased, ref)
+    assert rel_err(fused, phased) < 1e-2  # two summation orders of the same kernels (bf16 output)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 3, 320])
+def test_kernel_arithmetic_tight(fmt, isa, T, fused_knob):
+    """With the activation rounding emulated only fp32 summation order differs: a scale read for the wrong block,
+    sub-block or row, a lost last block, a wrong offset or minimum, a sign error on -128, a swapped nibble half
+    is far outside the bounds. The weights are GGUF blocks with every value, scales over many octaves."""
+    fm = FORMATS[fmt]
+    raws = random_blocks(fm, 6)
+    moe = fm.from_blocks(*raws, isa=isa, activation="silu")
+    ws = [fm.dequantize(*fm.parts(r)) for r in raws]
+    ids, w = ragged_routing(T, seed=7)
+    x = torch.randn(T, fm.D, generator=torch.Generator().manual_seed(8))
+    ref = emulated(x, ws, ids, w, "silu")
+    for y in both_paths(moe, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < 1e-2
+        assert float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_ragged_shapes_pad_to_whole_blocks(fmt, isa, fused_knob):
+    """D and F with no whole last block (131, 97): float weights are zero padded before quantizing."""
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=9, f=97, d=131)
+    moe = CpuMoE(*ws, dtype=fmt, isa=isa)
+    ids, w = ragged_routing(40, seed=10)
+    x = torch.randn(40, 131, generator=torch.Generator().manual_seed(11)).bfloat16()
+    ref = moe_forward(x, *plain(fm, ws), ids, w)
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w), ref) < 1e-2
+        return
+    for fused in (1, 0):
+        fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
+        for t in (1, 2, 3, 4, 40):
+            assert rel_err(moe.forward(x[:t], ids[:t], w[:t]), ref[:t]) < TOL["int8"], (fused, t)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_gguf_blocks_are_the_dtype_bit_for_bit(fmt, isa, nodes, fused_knob):
+    """GGUF blocks packed as they are == the floats they stand for quantized by the dtype (which gives back the same
+    blocks for values it quantized itself), and strided views of a fused gate_up == its halves."""
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=12)
+    parts = [fm.quantize(w) for w in ws]
+    raws = [fm.to_raw(*p) for p in parts]
+    vals = [fm.dequantize(*p) for p in parts]
+    for v, p in zip(vals, parts):
+        assert all(torch.equal(a, b) for a, b in zip(fm.quantize(v), p))
+    topo = topology(nodes)
+    a = fm.from_blocks(*raws, isa=isa, topology=topo)
+    b = CpuMoE(*vals, dtype=fmt, isa=isa, topology=topo)
+    assert a.nbytes == b.nbytes
+    gu = torch.stack([raws[0], raws[1]], 2).flatten(1, 2)  # gate/up rows interleaved, as a loader may see them
+    c = fm.from_blocks(gu[:, ::2], gu[:, 1::2], raws[2], isa=isa, topology=topo)
+    assert not gu[:, ::2].is_contiguous()
+    ids, w = ragged_routing(320, seed=13)
+    x = torch.randn(320, fm.D, generator=torch.Generator().manual_seed(14)).bfloat16()
+    if isa == "ref":
+        assert torch.equal(a.forward(x, ids, w), b.forward(x, ids, w))
+        assert torch.equal(a.forward(x, ids, w), c.forward(x, ids, w))
+        return
+    for ya, yb, yc in zip(*(both_paths(m, x, ids, w, fused_knob) for m in (a, b, c))):
+        assert torch.equal(ya, yb) and torch.equal(ya, yc)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_packed_weights_are_the_file_values(fmt, isa):
+    """What the executor holds (and the GPU lane ships, hybrid.offload.sources): the file's values and scales
+    verbatim, zero padded, at the format's bytes a padded weight."""
+    from hybrid.offload.sources import packed_sources
+
+    fm = FORMATS[fmt]
+    raws = random_blocks(fm, 15)
+    ws = [fm.dequantize(*fm.parts(r)) for r in raws]
+    moe = fm.from_blocks(*raws, isa=isa, topology=topology(2))
+    for node, src in zip(moe.packed_weights(), packed_sources(moe)):
+        f0, f1 = node["f0"], node["f1"]
+        for name, raw, full, pm in zip(("gate", "up", "down"), raws, ws, src.mats()):
+            p = node[name]
+            cut = (slice(None), slice(f0, f1)) if name != "down" else (slice(None), slice(None), slice(f0, f1))
+            want = full[cut]
+            for e in (0, E - 1):
+                s = p["scale"][e] if p["scale"] is not None else None
+                assert torch.equal(pm.decode(p["q"][e], s, torch.float32), want[e])
+            if isa == "ref":
+                assert p["dtype"] == "plain" and torch.equal(p["q"], want)
+                continue
+            rows, k = p["rows"], p["k"]
+            assert p["dtype"] == fmt
+            held = fm.dequantize(p["q"], p["scale"])
+            assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
+            blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
+            got = fm.to_raw(p["q"][:, :rows, :k // (2 if fmt == "q4_k" else 1)], p["scale"][:, :rows, :k // fm.block])
+            assert torch.equal(got, blocks)  # the file's bytes, regrouped
+        if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
+            assert src.whole_block()
+    if isa != "ref":
+        mats = [m for n in moe.packed_weights() for m in (n["gate"], n["up"], n["down"])]
+        held = sum(m["q"].numel() * m["q"].element_size() + m["scale"].numel() * m["scale"].element_size()
+                   for m in mats)
+        padded = sum(m["q"].shape[1] * m["scale"].shape[2] * fm.block for m in mats) * E
+        assert moe.nbytes == held == fm.bytes_per_weight * padded
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_expert_subset_and_mask(fmt, isa, fused_knob):
+    """A layer's cold experts only (expert_ids of num_experts), with resident ones masked off per call."""
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=16)
+    held = [0, 2, 5]
+    moe = CpuMoE(*(w[held].contiguous() for w in ws), dtype=fmt, isa=isa, expert_ids=held, num_experts=E)
+    ids, w = ragged_routing(320, seed=17)
+    x = torch.randn(320, fm.D, generator=torch.Generator().manual_seed(18))  # fp32: ref's sums, not a bf16 flip
+    mask = torch.tensor([True, True, True, True, True, False])
+    only = torch.zeros(E, dtype=torch.bool)
+    only[held] = True
+    ref = moe_forward(x, *plain(fm, ws), ids, w, expert_mask=only & mask)
+    assert rel_err(moe_forward(x, *plain(fm, ws), ids, w, expert_mask=only), ref) > 0.05
+    tol = 1e-5 if isa == "ref" else TOL["int8"]
+    for T in (1, 9, 320):
+        r = moe_forward(x[:T], *plain(fm, ws), ids[:T], w[:T], expert_mask=only & mask)
+        assert rel_err(moe.forward(x[:T], ids[:T], w[:T], expert_mask=mask), r) < tol, T
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])
+def test_refusals(fmt, isa):
+    fm = FORMATS[fmt]
+    raws = random_blocks(fm, 19, e=2)
+    with pytest.raises(ValueError, match=f"pack as dtype '{fmt}'"):
+        fm.from_blocks(*raws, dtype="int8", isa=isa)
+    with pytest.raises(ValueError, match=str(fm.block_bytes)):
+        fm.from_blocks(raws[0][..., :-1], raws[1], raws[2], isa=isa)
+    with pytest.raises(ValueError, match="uint8"):
+        fm.from_blocks(raws[0].view(torch.int8), raws[1], raws[2], isa=isa)
+    with pytest.raises(ValueError, match="expected w_gate"):  # down's shape disagrees with gate's
+        fm.from_blocks(raws[0], raws[1], raws[1], isa=isa)
+    src = moe_mod.gguf_blocks("gate", raws[0], fm.gguf_type)
+    with pytest.raises(ValueError, match="all be float tensors"):
+        CpuMoE(src, *floats(fm, e=2)[1:], dtype=fmt, isa=isa)
+    with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
+        src[:, :, fm.block // 2:]
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, MXFP4"):
+        moe_mod.gguf_blocks("w", raws[0], "Q6_K")
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", [i for i in ("amx", "amx_emu") if i in COMPILED + EMU])
+def test_amx_declines_loudly_once(fmt, isa, caplog, monkeypatch):
+    monkeypatch.setattr(moe_mod, "_SAID_VECTOR_ONLY", set())
+    ws = floats(FORMATS[fmt], seed=20, e=2)
+    with caplog.at_level(logging.WARNING, logger="cpu_kernels"):
+        CpuMoE(*ws, dtype=fmt, isa=isa, amx_min_tokens=1)
+        CpuMoE(*ws, dtype=fmt, isa=isa)
+    said = [r for r in caplog.records if f"{fmt} has no AMX kernel" in r.getMessage()]
+    assert len(said) == 1 and isa in said[0].getMessage()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_planner_prices_the_format_at_its_bytes(fmt):
+    """The memory model and the dtype table agree with what the executor holds."""
+    from cpu_kernels.dtypes import CPU_DTYPES
+    from placement.memory import packed_matrix_bytes
+
+    fm = FORMATS[fmt]
+    assert CPU_DTYPES[fmt].bytes_per_weight() == fm.bytes_per_weight
+    assert packed_matrix_bytes(64, 2048, fmt, 32) == 64 * 2048 * fm.bytes_per_weight
+    if COMPILED:
+        moe = CpuMoE(*floats(fm, seed=21, e=1, f=256, d=2048), dtype=fmt, isa=COMPILED[0], topology=topology(1))
+        assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+def test_compiled_packer_refuses_a_non_finite_q8_0_scale(isa):
+    """A GGUF Q8_0 block whose fp16 d is NaN or Inf stops the compiled packer as a non-finite weight of its expert."""
+    raws = random_blocks(FORMATS["q8_0"], 22, e=3)
+    for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
+        down = raws[2].clone()
+        down[1, 5, 2, :2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
+            CpuMoE.from_q8_0(raws[0], raws[1], down, isa=isa)
