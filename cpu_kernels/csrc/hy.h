@@ -216,22 +216,6 @@ inline float f16_to_f32(uint16_t h) {
 inline const uint8_t* q4k_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 16;
 }
-// A head -> its sub-blocks' scales S = d sc and minimums Mn = dmin m (ggml's get_scale_min_k4; the products of an
-// fp16 and a 6-bit integer are exact in fp32).
-inline void q4k_unpack(const uint8_t* h, float* S, float* Mn) {
-  uint16_t dh, mh;
-  std::memcpy(&dh, h, 2);
-  std::memcpy(&mh, h + 2, 2);
-  const float d = f16_to_f32(dh), dm = f16_to_f32(mh);
-  const uint8_t* q = h + 4;
-  for (int j = 0; j < 4; ++j) {
-    S[j] = d * (float)(q[j] & 63);
-    Mn[j] = dm * (float)(q[j + 4] & 63);
-    S[j + 4] = d * (float)((q[j + 8] & 0x0F) | ((q[j] >> 6) << 4));
-    Mn[j + 4] = dm * (float)((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
-  }
-}
-
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }
 

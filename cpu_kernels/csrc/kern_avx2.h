@@ -269,6 +269,27 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 // per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) each maddubs'd with their activations
 // (pair sums <= 2 x 15 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
 // row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
+// A q4_k head (hy.h) -> its sub-blocks' scales d sc and minimums dmin m as two vectors of 8 lanes (scalar stores
+// read back as vectors would stall on store forwarding; ggml's get_scale_min_k4): the 6-bit fields gathered by byte shuffles (a
+// lane's low bits from byte P[l], its top two from byte Q[l]), widened, shifted, masked and converted; d and dmin
+// by the scalar fp16 conversion (this build has no F16C).
+inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)h);
+  const __m256i low = _mm256_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15);
+  const __m256i ps = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const __m256i pm = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const __m256i qs = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const __m256i qm = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const __m256i sc = _mm256_or_si256(_mm256_and_si256(ps, low), _mm256_slli_epi32(_mm256_srli_epi32(qs, 6), 4));
+  const __m256i m = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(pm, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low),
+                                    _mm256_slli_epi32(_mm256_srli_epi32(qm, 6), 4));
+  uint16_t dh, mh;
+  std::memcpy(&dh, h, 2);
+  std::memcpy(&mh, h + 2, 2);
+  S = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(f16_to_f32(dh)));
+  Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(f16_to_f32(mh)));
+}
+
 template <int MT>
 void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;
@@ -277,11 +298,11 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
-    alignas(32) float S[4][8], Mn[4][8];
-    for (int j = 0; j < 4; ++j) q4k_unpack(hd + j * hst + sb * 16, S[j], Mn[j]);
+    __m256 S[4], Mn[4];
+    for (int j = 0; j < 4; ++j) q4k_scales(hd + j * hst + sb * 16, S[j], Mn[j]);
     for (int t = 0; t < MT; ++t) {
       const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
-      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(_mm256_load_ps(Mn[j]), gs, acc[j][t]);
+      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(Mn[j], gs, acc[j][t]);
     }
     for (int c = sb * 4; c < sb * 4 + 4; ++c) {
       if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
@@ -289,7 +310,8 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
         const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-        const __m256 slo = _mm256_set1_ps(S[j][g]), shi = _mm256_set1_ps(S[j][g + 1]);
+        const __m256 slo = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g));
+        const __m256 shi = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g + 1));
         for (int t = 0; t < MT; ++t) {
           const __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
           const __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));

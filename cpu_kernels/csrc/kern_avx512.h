@@ -377,11 +377,30 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
 
 // q4_k (hy.h q4k_heads), 4 rows x MT tokens (MT <= 2; q4k_block runs 3-4 tokens as two pairs, as int4's natural
 // order does, for the registers): per 256-value super-block and row the head is unpacked to the 8 sub-blocks' scales
-// and minimums (q4k_unpack); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
+// and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
 // 8-15 hold 16 x their sums, undone before the final reduction), VPDPBUSD with the activations gives each sub-block's
 // exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of
 // the super-block's scales per row and chunk). The minimums enter once per super-block, row and token, as
 // - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
+// A q4_k head (hy.h) -> its 8 sub-blocks' scales d sc in lanes 0-7 and minimums dmin m in lanes 8-15, in vector
+// registers (scalar stores read back as vectors would stall on store forwarding): the 6-bit fields (ggml's
+// get_scale_min_k4)
+// gathered by two byte shuffles (lane l's low bits from byte P[l], its top two from byte Q[l]), widened, shifted and
+// masked per lane, converted and multiplied by d (lanes 0-7) or dmin (8-15). The products are exact in fp32.
+inline __m512 q4k_scales(const uint8_t* h) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)h);
+  const __m512i P = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+  const __m512i Q = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i low = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m512i v = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(P, shift), low),
+                                    _mm512_slli_epi32(_mm512_srli_epi32(Q, 6), 4));
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)h));  // d, dmin
+  const __m512 mul = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                           _mm512_castps128_ps512(dd));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(v), mul);
+}
+
 template <int MT>
 void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
               int pf_lo, int pf_rows) {
@@ -394,12 +413,11 @@ void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
     if (sb % 4 == 0) for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(hd + j * hst + sb * 16), _MM_HINT_T1);
-    __m512 sv16[4];
+    __m512 sv16[4];  // lanes 0-7: the row's sub-block scales (lanes 8-15: its minimums, unused by the VPERMPS below)
     for (int j = 0; j < 4; ++j) {
-      alignas(64) float S[8], Mn[8];
-      q4k_unpack(hd + j * hst + sb * 16, S, Mn);
-      sv16[j] = _mm512_maskz_loadu_ps(0xFF, S);
-      const __m512 mv = _mm512_maskz_loadu_ps(0xFF, Mn);
+      sv16[j] = q4k_scales(hd + j * hst + sb * 16);
+      const __m512 mv = _mm512_maskz_permutexvar_ps(0xFF, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0,
+                                                                            0, 0, 0), sv16[j]);  // the minimums
       for (int t = 0; t < MT; ++t)
         acc[j][t] = _mm512_fnmadd_ps(mv, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(0xFF, act_gsum(rows[t], k) + sb * 8)),
                                      acc[j][t]);
