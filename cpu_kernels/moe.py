@@ -505,17 +505,19 @@ class CpuMoE:
         # at a time); _Mx4 (from_mxfp4: the published
         # blocks, never a float copy), _Q40 / _Q80 / _Q4K (from_q4_0 / from_q8_0 / from_q4_k, gguf_blocks); _Packed
         # (from_packed)
+        # Each matrix packs on its own: float kinds mix, and one block kind mixes with them (a GGUF layer whose
+        # down is of a type the dtype does not hold: quantized from its values, the others kept as they are).
         kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
                  for w in (w_gate, w_up, w_down)}
-        floats = kinds <= {torch.Tensor, ExpertRows, ExpertChunks}  # these mix: each matrix packs on its own
-        if not floats and len(kinds) != 1:
-            raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows (from_mxfp4 takes "
-                             "blocks, from_packed packed bytes)")
-        source = torch.Tensor if floats else kinds.pop()
+        blocks = kinds - {torch.Tensor, ExpertRows, ExpertChunks}
+        if len(blocks) > 1 or (_Packed in blocks and len(kinds) > 1):
+            raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows, or one kind of blocks "
+                             "beside them (from_mxfp4 takes blocks, from_packed packed bytes)")
+        source = blocks.pop() if blocks else torch.Tensor
         if packer not in ("native", "torch"):
             raise ValueError(f"packer must be 'native' or 'torch', got {packer!r}")
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            if source is torch.Tensor and not isinstance(w, (ExpertRows, ExpertChunks)):
+            if isinstance(w, torch.Tensor):
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
         if source is _Mx4 and dtype != "mxfp4":
             raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")

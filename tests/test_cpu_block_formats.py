@@ -263,6 +263,29 @@ def test_gguf_blocks_are_the_dtype_bit_for_bit(fmt, isa, nodes, fused_knob):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_a_layer_of_blocks_and_floats(fmt, isa, fused_knob):
+    """A GGUF layer whose down is of a type the dtype does not hold: gate and up packed as the file's blocks, down
+    quantized from its values; the same bytes and outputs as the whole layer quantized from the values the blocks
+    stand for (which the dtype gives back exactly)."""
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=23)
+    parts = [fm.quantize(w) for w in ws]
+    vals = [fm.dequantize(*p) for p in parts]
+    raws = [fm.to_raw(*p) for p in parts]
+    down = moe_mod.ExpertChunks(lambda e0, e1: vals[2][e0:e1], vals[2].shape)
+    mixed = CpuMoE(moe_mod.gguf_blocks("gate", raws[0], fm.gguf_type), moe_mod.gguf_blocks("up", raws[1], fm.gguf_type),
+                   down, dtype=fmt, isa=isa, topology=topology(2))
+    whole = CpuMoE(*vals, dtype=fmt, isa=isa, topology=topology(2))
+    ids, w = ragged_routing(40, seed=24)
+    x = torch.randn(40, fm.D, generator=torch.Generator().manual_seed(25))
+    if isa != "ref":
+        a, b = mixed.packed_state(), whole.packed_state()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(mixed.forward(x, ids, w), whole.forward(x, ids, w))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_packed_weights_are_the_file_values(fmt, isa):
     """What the executor holds (and the GPU lane ships, hybrid.offload.sources): the file's values and scales
     verbatim, zero padded, at the format's bytes a padded weight."""
@@ -336,8 +359,10 @@ def test_refusals(fmt, isa):
     with pytest.raises(ValueError, match="expected w_gate"):  # down's shape disagrees with gate's
         fm.from_blocks(raws[0], raws[1], raws[1], isa=isa)
     src = moe_mod.gguf_blocks("gate", raws[0], fm.gguf_type)
-    with pytest.raises(ValueError, match="all be float tensors"):
-        CpuMoE(src, *floats(fm, e=2)[1:], dtype=fmt, isa=isa)
+    other = moe_mod._Mx4("up", torch.zeros(2, fm.F, fm.D // 32, 16, dtype=torch.uint8),
+                         torch.zeros(2, fm.F, fm.D // 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one kind of blocks"):  # two block kinds in one layer
+        CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
     with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, MXFP4"):

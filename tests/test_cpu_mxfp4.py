@@ -280,8 +280,9 @@ def test_layout_refusals(isa):
         CpuMoE.from_mxfp4(gb, up, down, isa=isa)
     with pytest.raises(ValueError, match="expected w_gate"):  # down's shape disagrees with gate's
         CpuMoE.from_mxfp4((gb, gs), up, up, isa=isa)
-    with pytest.raises(ValueError, match="all be float tensors"):
-        CpuMoE(moe_mod._Mx4("gate", gb, gs), ws[1], ws[2], dtype="mxfp4", isa=isa)
+    with pytest.raises(ValueError, match="one kind of blocks"):  # two block kinds in one layer
+        CpuMoE(moe_mod._Mx4("gate", gb, gs), moe_mod._Q40("up", torch.zeros(E, F, D // 32, 18, dtype=torch.uint8)),
+               ws[2], dtype="mxfp4", isa=isa)
 
 
 @pytest.mark.parametrize("isa", [i for i in ("amx", "amx_emu") if i in COMPILED + EMU])

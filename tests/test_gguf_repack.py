@@ -331,20 +331,39 @@ def test_gpt_oss_mxfp4_experts_with_biases(tmp_path, tmp_path_factory, caplog):
     assert (got - plain).abs().max().item() <= 1e-5
 
 
-def test_mixed_layers_are_de_quantized_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
-    """A layer whose down is Q8_0 (and a Q4_0 file under int8) is de-quantized and re-quantized; the one log
-    line names the layers each way and the reason; the repacked layers still hold the file's values."""
+def test_mixed_layers_keep_what_the_format_holds_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
+    """A layer whose down is Q8_0 among Q4_0 gates and ups (Q4_K_M files keep some downs in Q6_K): under int4 in
+    groups of 32 its gate and up are the file's blocks and only its down is de-quantized and re-quantized; under
+    int8 (which holds neither) the whole file is. The one log line names the layers and weights each way and why."""
     path = tmp_path / "mixed.gguf"
     write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q8_0 if n == "blk.1.ffn_down_exps.weight" else Q.Q4_0)
     _, off = hybrid_logits(path, caplog, cpu_dtype="int4", cpu_group=32, cpu_isa="ref")
     lines = [r.getMessage() for r in caplog.records if "GGUF experts" in r.getMessage()]
     assert lines == ["GGUF experts for the CPU executor (int4 group 32): layers 0, 2 repacked losslessly (the file's "
-                     "blocks as they are); layers 1 de-quantized and re-quantized (mixed block types: w_gate Q4_0, "
-                     "w_up Q4_0, w_down Q8_0)"]
+                     "blocks as they are); layers 1: w_gate, w_up repacked losslessly, w_down Q8_0 de-quantized and "
+                     "re-quantized (Q8_0 blocks are held exactly by --cpu-dtype q8_0 only)"]
+    if COMPILED:
+        from hybrid.models.gguf import open_gguf
+        from hybrid.models.gguf.dequant import dequantize
+
+        _, off = hybrid_logits(path, cpu_dtype="int4", cpu_group=32, cpu_isa=COMPILED[0])
+        ckpt = open_gguf(path)
+        values = {n: dequantize(t.raw(), t.ggml_type, t.shape) for n in ("gate", "up", "down")
+                  for t in [ckpt.tensors[f"blk.1.ffn_{n}_exps.weight"]]}
+        moe = off.layers[1].cpu_moe
+        for name in ("gate", "up"):
+            node = moe.packed_weights()[0][name]
+            assert torch.equal(held_values(moe, name)[0][:, :node["rows"], :node["k"]], values[name][:, :node["rows"]])
+        node = moe.packed_weights()[0]["down"]
+        down = held_values(moe, "down")[0][:, :node["rows"], :node["k"]]
+        assert not torch.equal(down, values["down"][:, :, :node["k"]])  # re-quantized: other values
+        assert (down - values["down"][:, :, :node["k"]]).abs().max() < 0.2 * values["down"].abs().max()
     caplog.clear()
     hybrid_logits(path, caplog, cpu_dtype="int8", cpu_isa="ref")
     assert "layers 0, 2 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 " \
            "only)" in caplog.text
+    assert "layers 1 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 only; " \
+           "Q8_0 blocks are held exactly by --cpu-dtype q8_0 only)" in caplog.text
 
 
 def test_mxfp4_cpu_dtype_is_refused_for_a_file_without_mxfp4_experts(tmp_path, qwen3_ragged):

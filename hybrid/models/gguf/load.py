@@ -3,11 +3,10 @@
 Every tensor is de-quantized (hybrid.models.gguf.dequant) to float32 and stored in the model's dtype, tensor by
 tensor, a layer's expert stacks a slice at a time, so neither the file nor a layer's experts are ever held twice
 in float32. The exception: with `cpu_format` (the CPU executor's dtype and int4 group the experts factory packs
-into), a layer whose expert blocks that format holds exactly (Q4_0 in int4 group 32, Q8_0 in q8_0, Q4_K in q4_k,
-MXFP4 in mxfp4) reaches the
-factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized; any other layer reaches it as
-ExpertChunks (expert_chunks), de-quantized a few experts at a time as the executor packs them, so no layer is
-staged whole in floats.
+into), a layer's expert weights whose blocks that format holds exactly (Q4_0 in int4 group 32, Q8_0 in q8_0, Q4_K in
+q4_k, MXFP4 in mxfp4) reach the factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized; any
+other reaches it as ExpertChunks (expert_chunks), de-quantized a few experts at a time as the executor packs them,
+so no layer is staged whole in floats.
 
 Before anything is allocated, every parameter of the model the config describes is matched to its GGUF
 tensors on a meta-device skeleton: a missing tensor, a shape that differs, a tensor type without a
@@ -159,10 +158,10 @@ def fill_experts(ckpt: GgufCheckpoint, stack: list[torch.Tensor], tensors: list[
             dequantize_into(dst, t.raw(), t.ggml_type, check)
 
 
-def expert_chunks(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> tuple:
-    """(gate, up, down) of one layer as cpu_kernels ExpertChunks over the file: a few experts' values de-quantized
-    (and checked) when the packer reaches them, so the layer is never held whole in floats; a fused gate_up's two
-    row halves read the same blocks."""
+def expert_chunks(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict:
+    """{"w_gate", "w_up", "w_down"} -> the expert weights among `tensors` (one layer's) as cpu_kernels ExpertChunks
+    over the file: a few experts' values de-quantized (and checked) when the packer reaches them, so the layer is
+    never held whole in floats; a fused gate_up's two row halves read the same blocks."""
     from cpu_kernels.moe import ExpertChunks
 
     F_ = ckpt.config.expert_intermediate_size
@@ -184,7 +183,7 @@ def expert_chunks(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> tuple:
             out["w_gate"], out["w_up"] = whole[:, :F_], whole[:, F_:]
         else:
             out[e.which] = ExpertChunks(read, (E, R, K))
-    return out["w_gate"], out["w_up"], out["w_down"]
+    return out
 
 
 def _opened(path: str | Path | GgufCheckpoint) -> GgufCheckpoint:
@@ -238,9 +237,12 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     def load_experts(layer: int) -> None:
         tensors = work.experts[layer]
         cached = experts_factory is not None and experts_cached is not None and experts_cached(layer)
-        kept = not cached and layer in choice and choice[layer] is None  # the file's blocks, as the format holds them
+        # the weights that reach the factory as the file's blocks, as the format holds them
+        keep = set() if cached or layer not in choice else set(choice[layer].kept)
+        weights = [e for e in tensors if e.which in repack.WEIGHTS]
+        kept = bool(keep) and all(e.which in keep for e in weights)
         # the CPU executor's factory (cpu_format given) packs from the file's blocks or from chunks of de-quantized
-        # experts; any other factory, or none, gets float stacks
+        # experts (or both: the kept weights and the others of a layer); any other factory, or none, gets float stacks
         chunked = cpu_format is not None and not cached and not kept
         no_stacks = cached or chunked or kept
         if experts_factory is None:
@@ -251,11 +253,11 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
         if cached:  # the executor comes from the packed cache: only the biases are read
             stack[:3] = [None] * 3
             fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
-        elif chunked:  # de-quantized a few experts at a time as they are packed; biases as usual
-            stack[:3] = expert_chunks(ckpt, tensors)
-            fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
-        elif kept:  # the weights as the file's blocks; biases (fp32 tensors) as usual
-            stack[:3] = repack.sources(ckpt, tensors, cfg.expert_intermediate_size)
+        elif chunked or kept:  # kept weights as the file's blocks, the others de-quantized a few experts at a time as
+            # they are packed; biases (fp32 tensors) as usual
+            mats = {**expert_chunks(ckpt, [e for e in weights if e.which not in keep]),
+                    **repack.sources(ckpt, [e for e in weights if e.which in keep], cfg.expert_intermediate_size)}
+            stack[:3] = [mats["w_gate"], mats["w_up"], mats["w_down"]]
             fill_experts(ckpt, stack, [e for e in tensors if e.which not in repack.WEIGHTS])
         else:
             fill_experts(ckpt, stack, tensors)

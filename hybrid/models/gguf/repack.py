@@ -1,12 +1,12 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
 Four GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
-by int4 in groups of 32, Q8_0 by q8_0, Q4_K by q4_k and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format) and
-all of a layer's expert weights (gate, up and down, or the fused gate_up and down) are of that type, the layer's
-blocks go to the experts factory as weight sources over the memory-mapped file (cpu_kernels.moe.gguf_blocks:
-views, no copy), and the executor computes with exactly the file's values. Every other layer is de-quantized and
-the executor re-quantizes it, which changes its values. One log line per load says which layers went which way
-and why.
+by int4 in groups of 32, Q8_0 by q8_0, Q4_K by q4_k and MXFP4 by mxfp4. When the executor packs into that format (the
+load's CPU format), each of a layer's expert weights (gate, up and down, or the fused gate_up and down) of that
+type goes to the experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks:
+views, no copy), and the executor computes with exactly the file's values; a weight of another type (a Q4_K_M
+file's Q6_K downs among Q4_K gates and ups) is de-quantized and the executor re-quantizes it, which changes its
+values. One log line per load says which layers' weights went which way and why.
 """
 
 from __future__ import annotations
@@ -46,22 +46,34 @@ def weight_types(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict[str,
     return {e.which: type_name(ckpt.tensors[e.name].ggml_type) for e in tensors if e.which in WEIGHTS}
 
 
-def why_not(types: dict[str, str], fmt: tuple[str, int]) -> str | None:
-    """None when `fmt` holds every one of a layer's expert weights exactly, else why not (a short clause)."""
-    kinds = sorted(set(types.values()))
-    if len(kinds) > 1:
-        return "mixed block types: " + ", ".join(f"{w} {t}" for w, t in types.items())
-    kind = kinds[0]
-    if LOSSLESS.get(kind) == fmt:
-        return None
+class LayerChoice(NamedTuple):
+    """How a layer's expert weights reach the CPU executor: `kept` (ExpertTensor.which) as the file's blocks, the
+    others (`redone`, which -> GGUF type) de-quantized and re-quantized, `why` (None when none is)."""
+
+    kept: tuple[str, ...]
+    redone: dict[str, str]
+    why: str | None
+
+
+def why_not(kind: str) -> str:
+    """Why a GGUF type's blocks are not held by the load's format (a short clause)."""
     if kind in LOSSLESS:
         return f"{kind} blocks are held exactly by --cpu-dtype {format_name(LOSSLESS[kind])} only"
     return f"no CPU format holds {kind} as stored"
 
 
-def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int]) -> dict[int, str | None]:
-    """MoE layer -> None where its expert blocks are repacked as they are, else why it is de-quantized."""
-    return {i: why_not(weight_types(ckpt, tensors), fmt) for i, tensors in sorted(experts.items())}
+def choose_layer(types: dict[str, str], fmt: tuple[str, int]) -> LayerChoice:
+    """A layer's expert weights (which -> GGUF type) under the load's format: each kept where `fmt` holds its type
+    exactly."""
+    kept = tuple(w for w, t in types.items() if LOSSLESS.get(t) == fmt)
+    redone = {w: t for w, t in types.items() if w not in kept}
+    why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
+    return LayerChoice(kept, redone, why)
+
+
+def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int]) -> dict[int, LayerChoice]:
+    """MoE layer -> which of its expert weights are repacked as they are, which are de-quantized and why."""
+    return {i: choose_layer(weight_types(ckpt, tensors), fmt) for i, tensors in sorted(experts.items())}
 
 
 def _ranges(layers: list[int]) -> str:
@@ -76,18 +88,23 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-def describe(choice: dict[int, str | None], fmt: tuple[str, int]) -> str:
-    """The load's one line: which layers were repacked losslessly, which de-quantized and re-quantized and why."""
+def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
+    """The load's one line: which layers were repacked losslessly, which de-quantized and re-quantized and why, and
+    in which only some weights were kept (named, with the types of the others)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in choice.items():
+        key = ("all",) if c.why is None else ("none", c.why) if not c.kept else (
+            "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why)
+        groups.setdefault(key, []).append(i)
     parts = []
-    kept = [i for i, why in choice.items() if why is None]
-    if kept:
-        parts.append(f"layers {_ranges(kept)} repacked losslessly (the file's blocks as they are)")
-    reasons: dict[str, list[int]] = {}
-    for i, why in choice.items():
-        if why is not None:
-            reasons.setdefault(why, []).append(i)
-    for why, layers in reasons.items():
-        parts.append(f"layers {_ranges(layers)} de-quantized and re-quantized ({why})")
+    for key, layers in groups.items():
+        if key[0] == "all":
+            parts.append(f"layers {_ranges(layers)} repacked losslessly (the file's blocks as they are)")
+        elif key[0] == "none":
+            parts.append(f"layers {_ranges(layers)} de-quantized and re-quantized ({key[1]})")
+        else:
+            parts.append(f"layers {_ranges(layers)}: {', '.join(key[1])} repacked losslessly, {', '.join(key[2])} "
+                         f"de-quantized and re-quantized ({key[3]})")
     return f"GGUF experts for the CPU executor ({format_name(fmt)}): " + "; ".join(parts)
 
 
@@ -104,9 +121,10 @@ def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor
                              "scale; the checkpoint is corrupt")
 
 
-def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> tuple:
-    """(gate, up, down) weight sources over a layer's blocks in the file (views, no copy), for an experts factory
-    that hands them to cpu_kernels.CpuMoE; a fused gate_up [E, 2F, D] is split into its two row halves."""
+def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> dict:
+    """{"w_gate", "w_up", "w_down"} -> a weight source over the blocks in the file (views, no copy) of each expert
+    weight among `tensors`, for an experts factory that hands them to cpu_kernels.CpuMoE; a fused gate_up [E, 2F, D]
+    is split into its two row halves."""
     from cpu_kernels.moe import gguf_blocks
 
     out = {}
@@ -122,7 +140,7 @@ def sources(ckpt: GgufCheckpoint, tensors: list[ExpertTensor], F: int) -> tuple:
             out["w_gate"], out["w_up"] = (gguf_blocks(e.name, raw[:, :F], kind), gguf_blocks(e.name, raw[:, F:], kind))
         else:
             out[e.which] = gguf_blocks(e.name, raw, kind)
-    return out["w_gate"], out["w_up"], out["w_down"]
+    return out
 
 
 def file_types(ckpt: GgufCheckpoint) -> set[str]:
