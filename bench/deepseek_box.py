@@ -124,16 +124,20 @@ def main(argv=None) -> int:
 
 
 def run_box(args, preset: str, quant: str) -> dict:
-    """Writes the checkpoint if missing (`preset` cut to --layers, `quant` as published), loads it with the hybrid
-    experts and runs bench.hybrid_e2e's measurements; returns its results with the checkpoint and load figures."""
-    ckpt = Path(args.ckpt)
-    written = ensure_checkpoint(ckpt, args.layers, args.config, preset, quant)
+    """Writes the checkpoint if missing (`preset` cut to --layers, `quant` as published; a GGUF file is taken as it
+    is, `preset` its label), loads it with the hybrid experts (args.cpu_group: int4's group, if set) and runs
+    bench.hybrid_e2e's measurements; returns its results with the checkpoint and load figures."""
+    from hybrid.models.gguf import is_gguf
+
+    ckpt = Path(args.ckpt)  # a GGUF file is loaded as it is (bench.gguf_box)
+    written = {"written": False} if is_gguf(ckpt) else ensure_checkpoint(ckpt, args.layers, args.config, preset, quant)
     load = {}
 
     def build(a, hw, device, dtype):  # bench.hybrid_e2e.run's model builder, from the checkpoint instead
         rss0 = rss_bytes()[0]
         t0 = time.perf_counter()
         hcfg = HybridConfig(gpu_experts=0, schedule="cost", cpu_dtype=a.cpu_dtype, cpu_isa=a.isa,
+                            cpu_group=getattr(a, "cpu_group", None) or HybridConfig.cpu_group,
                             cpu_threads=a.cpu_threads, profile=hw)  # hw: hybrid_e2e.run's pricing_profile
         with AnonPeak() as anon:
             model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)

@@ -87,10 +87,12 @@ def summarize(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_llama(binary: str, gguf: str, placement: list[str], threads: int, reps: int) -> dict:
-    """llama-bench decode of 32 tokens (batch 1) with the given expert placement; avg and stddev tok/s."""
-    cmd = [binary, "-m", gguf, "-ngl", "99", "-fa", "0", "-t", str(threads), *placement, "-p", "0", "-n", "32",
-           "-r", str(reps), "-o", "json"]
+def run_llama(binary: str, gguf: str, placement: list[str], threads: int, reps: int, prompt: int = 0,
+              gen: int = 32) -> dict:
+    """llama-bench with the given expert placement: decode of `gen` tokens (batch 1), or with gen 0 a prefill of
+    `prompt` tokens; avg and stddev tok/s."""
+    cmd = [binary, "-m", gguf, "-ngl", "99", "-fa", "0", "-t", str(threads), *placement, "-p", str(prompt), "-n",
+           str(gen), "-r", str(reps), "-o", "json"]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(res.stdout)
     r = rows[0]
