@@ -41,7 +41,9 @@ def cpu_name() -> str:
 KNEE_DTYPES = AMX_DTYPES  # the dtypes with an AMX path (int4 at its default group size)
 GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph decode floor
 LOAD_STEPS = 1  # the load speeds: packer per CPU dtype, packed copy, disk
-NATIVE_PACK_DTYPES = ("bf16", "int8", "int4")  # the CPU dtypes the compiled packer converts (csrc/pack.h)
+# the CPU dtypes whose packing the probe times over a safetensors file's expert views: what a load runs (the compiled
+# packer, csrc/pack.h, for all but q4_k, which cpu_kernels.quant quantizes a chunk of experts at a time)
+VIEW_PACK_DTYPES = ("bf16", "int8", "int4", "q8_0", "q4_k")
 PACK_BYTES = 64 << 20  # bf16 bytes of the random experts each CPU dtype's packing probe converts
 DISK_BYTES = {True: 256 << 20, False: 1 << 30}  # the disk probe's file, quick / --full
 QUICK_DISK_S = 3.0  # quick: the disk probe gives up when writing its file takes longer than this
@@ -162,8 +164,9 @@ def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_byte
                        reps: int = 3) -> tuple[dict, float | None]:
     """(pack rates, packed copy rate), bytes/s over `reps` runs each (their bytes over their seconds, as a load's rate
     is over its layers, slow and fast alike). Pack rates per CPU dtype: bytes of bf16
-    expert weights converted per second by what a load runs: the compiled packer (bf16, int8, int4) on the
-    executor's threads over a page-cached safetensors file's memory-mapped experts of this shape (as many as
+    expert weights converted per second by what a load runs (VIEW_PACK_DTYPES: the compiled packer on the
+    executor's threads, q4_k's torch quantizer) over a page-cached safetensors file's memory-mapped experts of this
+    shape (as many as
     source_bytes hold, at least 2), and for mxfp4 CpuMoE.from_mxfp4 over blocks in the published layout (it has no
     compiled packer: torch re-orders the codes). The packed copy rate: the bf16 executor's packed bytes, written
     to a file that stays in the page cache, memory-mapped and copied back by CpuMoE.from_packed as the packed
@@ -181,7 +184,7 @@ def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_byte
     weights = write_random_experts(path, E, D, F)
     cpu_kernels.CpuMoE(*(torch.zeros(1, 64, 64, dtype=torch.bfloat16) for _ in range(3)))  # the pool's start-up
     rates = {}
-    for dtype in NATIVE_PACK_DTYPES:
+    for dtype in VIEW_PACK_DTYPES:
         seconds = []
         for _ in range(reps):
             release_free_memory()

@@ -445,6 +445,26 @@ def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged,
                                                                        "int4", threads, group)
 
 
+@pytest.mark.parametrize("kind, dtype", [(Q.Q8_0, "q8_0"), (Q.Q4_K, "q4_k")])
+def test_plan_prices_a_files_exact_format(tmp_path, qwen3_256, capsys, kind, dtype):
+    """`hybrid plan --model X.gguf` of a Q8_0 or Q4_K file prices its experts in the format the runtime keeps them
+    in, at the file's 8.5 / 4.5 bits a weight, and predicts the load with that format's (default) pack rate."""
+    import json as _json
+
+    from hybrid.cli import main
+    from placement.memory import packed_expert_bytes
+
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: kind)
+    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+                 "ktransformers-paper-amx", "--json"]) == 0
+    plan = _json.loads(capsys.readouterr().out)
+    cfg, threads = qwen3_256.config, plan["settings"]["node_threads"]
+    assert plan["settings"]["cpu_dtype"] == dtype and "int4_group" not in plan["settings"]
+    per = packed_expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, dtype, threads)
+    assert plan["memory"]["cpu"]["per_expert"] == per == 3 * 256 * 256 * {"q8_0": 1.0625, "q4_k": 0.5625}[dtype]
+
+
 def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
     """A plan made with --int4-group 64 loads its int4 experts in groups of 64 under --plan; a different
     --int4-group beside it is refused (the plan priced the other one)."""

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from hybrid.cli import main
-from placement.hardware import HardwareProfile, load_profile
+from cpu_kernels.dtypes import NAMES as CPU_DTYPE_NAMES
+from placement.hardware import LOAD_DEFAULTS, HardwareProfile, load_profile
 from placement.load_time import CheckpointBytes, config_checkpoint_bytes, file_checkpoint_bytes, predict_load
 
 GPU = dict(gpu_flops=1e14, hbm_bw=1e12, link_bw=25e9, alpha=5e-6)
@@ -104,7 +105,7 @@ def test_calibrate_load_step_writes_positive_rates(tmp_path, monkeypatch):
     shape = ExpertShape("t", hidden=256, intermediate=128, num_experts=8, topk=2)
     prof, raw = cal.calibrate(shape, quick=True, backends=["torch"], progress=lines.append,
                               load_bytes=(4 << 20, 8 << 20))
-    assert set(prof.pack_rates) == {"bf16", "int8", "int4", "mxfp4"}
+    assert set(prof.pack_rates) == set(CPU_DTYPE_NAMES) == set(LOAD_DEFAULTS["pack_rates"])
     assert all(v > 1e7 for v in prof.pack_rates.values())  # bytes/s: any packer beats 10 MB/s
     assert prof.packed_copy_bw > 0 and prof.disk_read_bw > 0 and prof.disk_write_bw > 0
     assert raw["load"]["pack_rates"] == prof.pack_rates
