@@ -367,14 +367,14 @@ _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_D
 
 
 def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
-    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 blocks) -> (first expert, experts,
+    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 / _Q4K blocks) -> (first expert, experts,
     hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
     usually one run for all E."""
     E, rows, k = w.shape
-    if isinstance(w, (_Q40, _Q80)):  # raw blocks [E, rows, k/32, 18 or 34]: one run, byte strides
+    if isinstance(w, (_Q40, _Q80, _Q4K)):  # raw blocks [E, rows, k/block, bytes]: one run, byte strides
         src = _native.HyPackSrc()
         ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
-        code = _native.PACK_SRC_Q4_0 if isinstance(w, _Q40) else _native.PACK_SRC_Q8_0
+        code = {_Q40: _native.PACK_SRC_Q4_0, _Q80: _native.PACK_SRC_Q8_0, _Q4K: _native.PACK_SRC_Q4_K}[type(w)]
         src.w, src.wdtype, src.rs, src.cs = ptrs, code, w.raw.stride(1), w.raw.stride(2)
         src.rows, src.k = rows, k
         return [(0, E, src, [w, ptrs])]
@@ -799,7 +799,7 @@ class CpuMoE:
 
     def _packs_natively(self, w) -> bool:
         """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
-        if isinstance(w, (_Q40, _Q80)):  # (the blocks' own bytes in one run each: raw's last stride 1)
+        if isinstance(w, (_Q40, _Q80, _Q4K)):  # (the blocks' own bytes in one run each: raw's last stride 1)
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
         return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4", "q8_0")

@@ -395,12 +395,17 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
+@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2)], ids=["q8_0-d", "q4_k-d", "q4_k-dmin"])
 @pytest.mark.parametrize("isa", COMPILED)
-def test_compiled_packer_refuses_a_non_finite_q8_0_scale(isa):
-    """A GGUF Q8_0 block whose fp16 d is NaN or Inf stops the compiled packer as a non-finite weight of its expert."""
-    raws = random_blocks(FORMATS["q8_0"], 22, e=3)
+def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
+    """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
+    or dmin) is NaN or Inf stops it as a non-finite weight of its expert."""
+    fm = FORMATS[fmt]
+    raws = random_blocks(fm, 22, e=3)
+    moe = fm.from_blocks(*raws, isa=isa)
+    assert moe._packs_natively(moe_mod.gguf_blocks("g", raws[0], fm.gguf_type)) == _native.has_packer(isa)
     for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
         down = raws[2].clone()
-        down[1, 5, 2, :2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        down[1, 5, 0, at:at + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
         with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
-            CpuMoE.from_q8_0(raws[0], raws[1], down, isa=isa)
+            fm.from_blocks(raws[0], raws[1], down, isa=isa)

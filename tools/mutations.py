@@ -861,6 +861,7 @@ MUTATIONS = [
       "std::nearbyint(a * 8388608.0f)", ["tests/test_fast_pack.py"]),
     M("packer: a Q8_0 NaN scale packed", "bad |= (d[b] & 0x7C00u) == 0x7C00u;", "bad |= 0;",
       ["tests/test_cpu_block_formats.py"]),
+    M("packer: a Q4_K NaN dmin packed", "| ((dmin & 0x7C00u) == 0x7C00u);", "| 0;", ["tests/test_cpu_block_formats.py"]),
     M("GGUF: a de-quantized layer staged whole in floats", "chunked = cpu_format is not None and not cached", "chunked = False and not cached", ["tests/test_gguf_repack.py"]),
     M("packer: ExpertChunks read whole", "step = self._PACK_CHUNK if isinstance(w, ExpertChunks) else self.E", "step = self.E", ["tests/test_gguf_repack.py"]),
     M("GGUF header cache: a rewritten header's hash not checked",
