@@ -116,11 +116,13 @@ def pool_size(D, F, dtype, target_bytes=None) -> int:
     after the whole pool, and decode reads come from DRAM, not from a large last-level cache (~300 MiB
     on the box host)."""
     target = target_bytes or max(0.75e9, 4 * llc_bytes())
-    per = 3 * D * F * BYTES_PER_WEIGHT[dtype]
+    per = 3 * D * F * BYTES_PER_WEIGHT[dtype.partition(":")[0]]
     return max(64, -(-int(target / per) // 64) * 64)
 
 
 def build(D, F, pool_experts, dtype, isa, threads, knee):
+    """dtype: a CPU dtype, or int4:GROUP (int4 in groups of 32, 64 or 128; plain int4: 128)."""
+    dtype, _, group = dtype.partition(":")
     g = torch.Generator().manual_seed(0)
     uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
     reps = -(-pool_experts // uniq)  # exactly pool_experts experts: routing uses ids up to pool_experts - 1
@@ -130,7 +132,8 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
         return CpuMoE.from_mxfp4(*[tuple(t.repeat(reps, *[1] * (t.dim() - 1))[:pool_experts] for t in p) for p in pub],
                                  isa=isa, threads=threads, amx_min_tokens=knee)
     ws = [w.repeat(reps, 1, 1)[:pool_experts].bfloat16() for w in ws]
-    return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
+    return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee,
+                  **({"group_size": int(group)} if group else {}))
 
 
 def run_case(moe, D, n, m, pool_experts, isa):
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen3-235b-a22b,qwen3-30b-a3b")
     ap.add_argument("--isas", default="best2", help="comma list, or best2 = the two best compiled ISAs")
-    ap.add_argument("--dtypes", default="bf16,int8,int4")
+    ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma list of CPU dtypes; int4:GROUP for int4 in "
+                    "groups of 32, 64 or 128 (plain int4: 128)")
     ap.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list")
     ap.add_argument("--decode", default="8x1,64x1,8x4,64x4", help="experts x tokens/expert")
     ap.add_argument("--prefill", default="8x16,8x64,8x256,8x1024", help="experts x tokens/expert")
