@@ -38,7 +38,7 @@ _ROW_ALIGN = 32
 # int4's AMX path (groups of 64 or 128, kern_amx.h) was no faster than the vector path up to 64 tokens per
 # expert on the GPU box's host (BENCHMARKS.md, CPU kernels alone), so without a measured knee int4 stays on the
 # vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on where the
-# tiles win, and amx_min_tokens= asks for it. mxfp4, q8_0 and int4 in groups of
+# tiles win, and amx_min_tokens= asks for it. mxfp4, q8_0, q4_k and int4 in groups of
 # 32 always run on the vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
@@ -49,7 +49,7 @@ PACK_FORMAT = 1
 
 
 def _say_vector_only(dtype: str, isa: str) -> None:
-    """The AMX build declines mxfp4, q8_0 and int4 in groups of 32 (half a 64-value K tile): every call runs its
+    """The AMX build declines mxfp4, q8_0, q4_k and int4 in groups of 32 (half a 64-value K tile): every call runs its
     AVX-512 (amx_emu: AVX2) vector kernels, so prefill-sized batches run well below AMX speed. Said once per
     (dtype, ISA) and process."""
     if (dtype, isa) in _SAID_VECTOR_ONLY:
@@ -367,8 +367,8 @@ _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_D
 
 
 def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
-    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 / _Q4K blocks) -> (first expert, experts,
-    hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
+    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 / _Q4K blocks) -> (first expert,
+    experts, hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
     usually one run for all E."""
     E, rows, k = w.shape
     if isinstance(w, (_Q40, _Q80, _Q4K)):  # raw blocks [E, rows, k/block, bytes]: one run, byte strides
@@ -480,8 +480,9 @@ class CpuMoE:
     published blocks as they are; CpuMoE.from_q4_0 GGUF Q4_0 blocks as int4 in groups of 32, and gguf_blocks makes
     either from a GGUF file's bytes) | "q8_0" (int8 in blocks of 32 with an fp16 scale each, quantize_q8_0;
     CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are) | "q4_k" (llama.cpp's Q4_K, quantize_q4_k; rows padded to
-    256 values; CpuMoE.from_q4_k packs GGUF Q4_K blocks as they are). threads / topology: the cpus used (default: every allowed cpu, NUMA nodes
-    from sysfs).
+    256 values; CpuMoE.from_q4_k packs GGUF Q4_K blocks as they are). One kind of blocks may stand beside float
+    matrices (a GGUF layer whose down is of another type: its values quantized, the blocks kept). threads /
+    topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
     activation: "silu" | "gelu" | "swiglu_oai" (alpha, limit). b_gate, b_up [E, F] and b_down [E, D]: optional
     per-expert biases (gpt-oss), kept in fp32 whatever dtype: expert(x) = down(act(gate x + b_gate,
@@ -490,8 +491,8 @@ class CpuMoE:
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
     natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
-    read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4 and q8_0
-    are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
+    read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4,
+    q8_0 and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
     or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
     isa, nbytes (packed weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """

@@ -458,7 +458,8 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
-  const float* sw = M.scale && M.dtype != HY_MXFP4 && M.dtype != HY_Q8_0 && M.dtype != HY_Q4_K ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
+  const bool fp32_scales = M.dtype == HY_INT8 || M.dtype == HY_INT4;  // the others read theirs through hy.h
+  const float* sw = M.scale && fp32_scales ? M.scale + e * M.s_estride + (int64_t)r * G : nullptr;
   if (M.dtype == HY_BF16) {
     bf16_block<MT>((const uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, C, ldc, pf_lo);
   } else if (M.dtype == HY_INT8) {
