@@ -114,70 +114,50 @@ class _Mx4:
         return quant.dequantize_mxfp4(*self.published())
 
 
-class _Q40:
-    """GGUF Q4_0 weights of E experts, raw blocks uint8 [E, R, K/32, 18] (fp16 d + 16 bytes of nibbles; any
-    strides: views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 32-value
-    block boundaries), without a copy. They are int4 in groups of 32 exactly (cpu_kernels.quant, module doc):
-    packing takes their nibbles and scales as they are, a chunk of experts at a time."""
+class _GgufBlocks:
+    """A GGUF tensor's expert blocks of one type, raw uint8 [E, R, K / VALUES, BYTES] (any strides: views of the
+    file), sliced like the float matrices [E, R, K] they stand for (K slices on block boundaries), without a copy.
+    The subclasses' types are a CPU format exactly (cpu_kernels.quant, module doc): packing takes their bytes as they
+    are, a chunk of experts at a time."""
+
+    TYPE, VALUES, BYTES = "", 32, 0
 
     def __init__(self, name, raw):
-        _check_tensor(f"{name} Q4_0 blocks", raw, 4, (torch.uint8,), contiguous=False)
-        if raw.shape[-1] != quant.Q4_0_BLOCK_BYTES:
-            raise ValueError(f"{name}: Q4_0 blocks must be [E, R, K/32, {quant.Q4_0_BLOCK_BYTES}], got "
+        _check_tensor(f"{name} {self.TYPE} blocks", raw, 4, (torch.uint8,), contiguous=False)
+        if raw.shape[-1] != self.BYTES:
+            raise ValueError(f"{name}: {self.TYPE} blocks must be [E, R, K/{self.VALUES}, {self.BYTES}], got "
                              f"{tuple(raw.shape)}")
         self.raw = raw
         E, R, G, _ = raw.shape
-        self.shape = torch.Size((E, R, G * quant.MXFP4_BLOCK))
+        self.shape = torch.Size((E, R, G * self.VALUES))
 
     def __getitem__(self, key):
-        se, sr, g = _block_range(key, self.shape, "Q4_0")
-        return _Q40("", self.raw[se, sr, g])
+        se, sr, g = _block_range(key, self.shape, self.TYPE, self.VALUES)
+        return type(self)("", self.raw[se, sr, g])
+
+
+class _Q40(_GgufBlocks):
+    """Q4_0: fp16 d + 16 bytes of nibbles per 32 values; int4 in groups of 32 exactly."""
+
+    TYPE, BYTES = "Q4_0", quant.Q4_0_BLOCK_BYTES
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_q4_0(self.raw)
 
 
-class _Q80:
-    """GGUF Q8_0 weights of E experts, raw blocks uint8 [E, R, K/32, 34] (fp16 d + 32 int8 values; any strides:
-    views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 32-value block
-    boundaries), without a copy. They are the q8_0 format exactly (cpu_kernels.quant, module doc): packing takes
-    their values and scales as they are, a chunk of experts at a time."""
+class _Q80(_GgufBlocks):
+    """Q8_0: fp16 d + 32 int8 values per 32 values; q8_0 exactly."""
 
-    def __init__(self, name, raw):
-        _check_tensor(f"{name} Q8_0 blocks", raw, 4, (torch.uint8,), contiguous=False)
-        if raw.shape[-1] != quant.Q8_0_BLOCK_BYTES:
-            raise ValueError(f"{name}: Q8_0 blocks must be [E, R, K/32, {quant.Q8_0_BLOCK_BYTES}], got "
-                             f"{tuple(raw.shape)}")
-        self.raw = raw
-        E, R, G, _ = raw.shape
-        self.shape = torch.Size((E, R, G * quant.Q8_0_BLOCK))
-
-    def __getitem__(self, key):
-        se, sr, g = _block_range(key, self.shape, "Q8_0")
-        return _Q80("", self.raw[se, sr, g])
+    TYPE, BYTES = "Q8_0", quant.Q8_0_BLOCK_BYTES
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_q8_0(*quant.q8_0_parts(self.raw))
 
 
-class _Q4K:
-    """GGUF Q4_K weights of E experts, raw blocks uint8 [E, R, K/256, 144] (a 16-byte head + 128 bytes of nibbles;
-    any strides: views of the file), sliced like the float matrices [E, R, K] they stand for (K slices on 256-value
-    super-block boundaries), without a copy. They are the q4_k format exactly (cpu_kernels.quant, module doc):
-    packing takes their nibbles and heads as they are, a chunk of experts at a time."""
+class _Q4K(_GgufBlocks):
+    """Q4_K: a 16-byte head + 128 bytes of nibbles per 256 values; q4_k exactly."""
 
-    def __init__(self, name, raw):
-        _check_tensor(f"{name} Q4_K blocks", raw, 4, (torch.uint8,), contiguous=False)
-        if raw.shape[-1] != quant.Q4_K_BLOCK_BYTES:
-            raise ValueError(f"{name}: Q4_K blocks must be [E, R, K/256, {quant.Q4_K_BLOCK_BYTES}], got "
-                             f"{tuple(raw.shape)}")
-        self.raw = raw
-        E, R, G, _ = raw.shape
-        self.shape = torch.Size((E, R, G * quant.QK_K))
-
-    def __getitem__(self, key):
-        se, sr, g = _block_range(key, self.shape, "Q4_K", quant.QK_K)
-        return _Q4K("", self.raw[se, sr, g])
+    TYPE, VALUES, BYTES = "Q4_K", quant.QK_K, quant.Q4_K_BLOCK_BYTES
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_q4_k(*quant.q4_k_parts(self.raw))
@@ -191,12 +171,9 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
     32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]) or "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
-    if ggml_type == "Q4_0":
-        return _Q40(name, raw)
-    if ggml_type == "Q8_0":
-        return _Q80(name, raw)
-    if ggml_type == "Q4_K":
-        return _Q4K(name, raw)
+    kind = next((k for k in (_Q40, _Q80, _Q4K) if k.TYPE == ggml_type), None)
+    if kind is not None:
+        return kind(name, raw)
     if ggml_type == "MXFP4":
         _check_tensor(f"{name} MXFP4 blocks", raw, 4, (torch.uint8,), contiguous=False)
         if raw.shape[-1] != quant.GGUF_MXFP4_BLOCK_BYTES:
@@ -371,7 +348,7 @@ def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
     experts, hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
     usually one run for all E."""
     E, rows, k = w.shape
-    if isinstance(w, (_Q40, _Q80, _Q4K)):  # raw blocks [E, rows, k/block, bytes]: one run, byte strides
+    if isinstance(w, _GgufBlocks):  # raw blocks [E, rows, k/block, bytes]: one run, byte strides
         src = _native.HyPackSrc()
         ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
         code = {_Q40: _native.PACK_SRC_Q4_0, _Q80: _native.PACK_SRC_Q8_0, _Q4K: _native.PACK_SRC_Q4_K}[type(w)]
@@ -646,11 +623,7 @@ class CpuMoE:
         fused gate_up's two row halves are two views). The nibbles are re-ordered into the kernels' layout a
         chunk of experts at a time. kwargs: CpuMoE's; dtype and group_size, if given, must be "int4" and 32.
         """
-        mats = [w if isinstance(w, _Q40) else _Q40(name, w) for name, w in (("gate", gate), ("up", up),
-                                                                           ("down", down))]
-        kwargs.setdefault("dtype", "int4")
-        kwargs.setdefault("group_size", quant.MXFP4_BLOCK)
-        return cls(*mats, **kwargs)
+        return cls._from_gguf(_Q40, (gate, up, down), {"dtype": "int4", "group_size": quant.MXFP4_BLOCK}, kwargs)
 
     @classmethod
     def from_q8_0(cls, gate, up, down, **kwargs) -> "CpuMoE":
@@ -660,10 +633,7 @@ class CpuMoE:
         gate, up: raw blocks uint8 [E, F, D/32, 34]; down: [E, D, F/32, 34] (views of the file, any strides; a
         fused gate_up's two row halves are two views). kwargs: CpuMoE's; dtype, if given, must be "q8_0".
         """
-        mats = [w if isinstance(w, _Q80) else _Q80(name, w) for name, w in (("gate", gate), ("up", up),
-                                                                           ("down", down))]
-        kwargs.setdefault("dtype", "q8_0")
-        return cls(*mats, **kwargs)
+        return cls._from_gguf(_Q80, (gate, up, down), {"dtype": "q8_0"}, kwargs)
 
     @classmethod
     def from_q4_k(cls, gate, up, down, **kwargs) -> "CpuMoE":
@@ -673,10 +643,14 @@ class CpuMoE:
         gate, up: raw blocks uint8 [E, F, D/256, 144]; down: [E, D, F/256, 144] (views of the file, any strides).
         kwargs: CpuMoE's; dtype, if given, must be "q4_k".
         """
-        mats = [w if isinstance(w, _Q4K) else _Q4K(name, w) for name, w in (("gate", gate), ("up", up),
-                                                                           ("down", down))]
-        kwargs.setdefault("dtype", "q4_k")
-        return cls(*mats, **kwargs)
+        return cls._from_gguf(_Q4K, (gate, up, down), {"dtype": "q4_k"}, kwargs)
+
+    @classmethod
+    def _from_gguf(cls, kind: type, mats: tuple, defaults: dict, kwargs: dict) -> "CpuMoE":
+        """The executor over (gate, up, down) raw GGUF blocks of `kind` (or its slices), with `defaults` for the
+        kwargs the caller left out."""
+        blocks = [w if isinstance(w, kind) else kind(name, w) for name, w in zip(("gate", "up", "down"), mats)]
+        return cls(*blocks, **{**defaults, **kwargs})
 
     # ---- packing -------------------------------------------------------------------------------
     def _mx4_parts(self, w, rows_p: int, ldk: int):
@@ -800,7 +774,7 @@ class CpuMoE:
 
     def _packs_natively(self, w) -> bool:
         """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
-        if isinstance(w, (_Q40, _Q80, _Q4K)):  # (the blocks' own bytes in one run each: raw's last stride 1)
+        if isinstance(w, _GgufBlocks):  # (the blocks' own bytes in one run each: raw's last stride 1)
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
         return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4", "q8_0")
