@@ -485,9 +485,12 @@ def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
 
 
 # -- the packed-expert cache ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, cpu_dtype, group", [(Q.Q4_0, "int4", 32), (Q.Q8_0, "int8", 128)],
-                         ids=["q4_0-kept", "q8_0-dequantized"])
-def test_a_gguf_restart_copies_the_packed_cache(tmp_path, qwen3_ragged, monkeypatch, kind, cpu_dtype, group):
+@pytest.mark.parametrize("kind, cpu_dtype, group, model", [(Q.Q4_0, "int4", 32, "qwen3_ragged"),
+                                                            (Q.Q8_0, "q8_0", 128, "qwen3_ragged"),
+                                                            (Q.Q4_K, "q4_k", 128, "qwen3_256"),
+                                                            (Q.Q8_0, "int8", 128, "qwen3_ragged")],
+                         ids=["q4_0-kept", "q8_0-kept", "q4_k-kept", "q8_0-dequantized"])
+def test_a_gguf_restart_copies_the_packed_cache(tmp_path, request, monkeypatch, kind, cpu_dtype, group, model):
     """A GGUF file's packed experts are cached like a folder's (keyed by its parts' names, sizes and mtimes): the
     second load converts nothing and holds the first's bytes; a file changed in place is another key."""
     from test_packed_cache import folders, load, no_conversion, outputs, same_bytes
@@ -498,7 +501,7 @@ def test_a_gguf_restart_copies_the_packed_cache(tmp_path, qwen3_ragged, monkeypa
     cpu_kernels.knobs.reset()
     cache = tmp_path / "hycache" / "packed"
     path = tmp_path / "m.gguf"
-    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: kind)
+    write_typed(path, "qwen3_moe", request.getfixturevalue(model), lambda n: kind)
     first = load(path, cpu_dtype, cpu_group=group)
     (key,) = folders(cache)
     assert first.load_times.convert_s > 0 and pc.read_manifest(cache / key)["dtype"] == cpu_dtype
