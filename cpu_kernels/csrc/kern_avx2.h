@@ -265,14 +265,10 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
-// q4_k (hy.h q4k_heads): per 256-value super-block and row the head unpacked to the 8 sub-blocks' scales and minimums;
-// per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) each maddubs'd with their activations
-// (pair sums <= 2 x 15 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
-// row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
 // A q4_k head (hy.h) -> its sub-blocks' scales d sc and minimums dmin m as two vectors of 8 lanes (scalar stores
-// read back as vectors would stall on store forwarding; ggml's get_scale_min_k4): the 6-bit fields gathered by byte shuffles (a
-// lane's low bits from byte P[l], its top two from byte Q[l]), widened, shifted, masked and converted; d and dmin
-// by the scalar fp16 conversion (this build has no F16C).
+// read back as vectors would stall on store forwarding; ggml's get_scale_min_k4): the 6-bit fields gathered by byte
+// shuffles (a lane's low bits from byte P[l], its top two from byte Q[l]), widened, shifted, masked and converted;
+// d and dmin by the scalar fp16 conversion (this build has no F16C).
 inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
   const __m128i b = _mm_loadu_si128((const __m128i*)h);
   const __m256i low = _mm256_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15);
@@ -290,6 +286,10 @@ inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
   Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(f16_to_f32(mh)));
 }
 
+// q4_k (hy.h q4k_heads): per 256-value super-block and row the head unpacked to the 8 sub-blocks' scales and minimums;
+// per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) each maddubs'd with their activations
+// (pair sums <= 2 x 15 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
+// row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
 template <int MT>
 void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;

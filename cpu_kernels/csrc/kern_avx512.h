@@ -375,18 +375,11 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-// q4_k (hy.h q4k_heads), 4 rows x MT tokens (MT <= 2; q4k_block runs 3-4 tokens as two pairs, as int4's natural
-// order does, for the registers): per 256-value super-block and row the head is unpacked to the 8 sub-blocks' scales
-// and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
-// 8-15 hold 16 x their sums, undone before the final reduction), VPDPBUSD with the activations gives each sub-block's
-// exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of
-// the super-block's scales per row and chunk). The minimums enter once per super-block, row and token, as
-// - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
 // A q4_k head (hy.h) -> its 8 sub-blocks' scales d sc in lanes 0-7 and minimums dmin m in lanes 8-15, in vector
 // registers (scalar stores read back as vectors would stall on store forwarding): the 6-bit fields (ggml's
-// get_scale_min_k4)
-// gathered by two byte shuffles (lane l's low bits from byte P[l], its top two from byte Q[l]), widened, shifted and
-// masked per lane, converted and multiplied by d (lanes 0-7) or dmin (8-15). The products are exact in fp32.
+// get_scale_min_k4) gathered by two byte shuffles (lane l's low bits from byte P[l], its top two from byte Q[l]),
+// widened, shifted and masked per lane, converted and multiplied by d (lanes 0-7) or dmin (8-15). The products are
+// exact in fp32.
 inline __m512 q4k_scales(const uint8_t* h) {
   const __m128i b = _mm_loadu_si128((const __m128i*)h);
   const __m512i P = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
@@ -401,6 +394,13 @@ inline __m512 q4k_scales(const uint8_t* h) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(v), mul);
 }
 
+// q4_k (hy.h q4k_heads), 4 rows x MT tokens (MT <= 2; q4k_block runs 3-4 tokens as two pairs, as int4's natural
+// order does, for the registers): per 256-value super-block and row the head is unpacked to the 8 sub-blocks' scales
+// and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
+// 8-15 hold 16 x their sums, undone before the final reduction), VPDPBUSD with the activations gives each sub-block's
+// exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of
+// the super-block's scales per row and chunk). The minimums enter once per super-block, row and token, as
+// - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
 template <int MT>
 void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
               int pf_lo, int pf_rows) {
