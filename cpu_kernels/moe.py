@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from . import _native, knee, quant
-from .dtypes import CPU_DTYPES
+from .dtypes import CPU_DTYPES, DOWN_DTYPES
 from .memory import weight_buffer
 from .reference import ACTIVATIONS, moe_forward
 from .topology import Topology
@@ -225,16 +225,20 @@ def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology) -> dict:
-    kpad = _kpad_for(dtype, group_size)
+def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology,
+            down_dtype: str | None = None) -> dict:
+    down_dtype = down_dtype or dtype
+    kpad = max(_kpad_for(dtype, group_size), _kpad_for(down_dtype, quant.MXFP4_BLOCK))
     return dict(format=PACK_FORMAT, isa=isa, dtype=dtype,
                 group_size=group_size if dtype in ("int4", "mxfp4", "q8_0", "q4_k") else 0,
                 int4_order=int4_order if dtype == "int4" else "", kpad=kpad, row_align=_ROW_ALIGN,
-                slices=[[a, b] for a, b in _split_f(F, topology, kpad)])
+                slices=[[a, b] for a, b in _split_f(F, topology, kpad)],
+                **({"down_dtype": down_dtype} if down_dtype != dtype else {}))
 
 
 def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = None,
-                  topology: Topology | None = None, threads=None, int4_order: str | None = None) -> dict:
+                  topology: Topology | None = None, threads=None, int4_order: str | None = None,
+                  down_dtype: str | None = None) -> dict:
     """What the packed bytes of a layer of expert width F depend on besides its weights, as plain data: the
     format version, ISA, int4 order, K padding, row alignment and the F slice of every NUMA node (from the
     threads per node). The same weights pack to the same bytes under equal layouts, so a packed cache keys on
@@ -243,7 +247,7 @@ def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = N
     isa = _native.resolve_isa(isa)
     topo = (topology if topology is not None else Topology.discover()).limit(threads)
     group = quant.MXFP4_BLOCK if dtype in ("mxfp4", "q8_0", "q4_k") else group_size
-    return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo)
+    return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo, down_dtype)
 
 
 class _Packed:
@@ -478,34 +482,42 @@ class CpuMoE:
                  topology: Topology | None = None, expert_ids=None, activation: str = "silu",
                  isa: str | None = None, num_experts: int | None = None, amx_min_tokens: int | None = None,
                  alpha: float = 1.702, limit: float = 7.0, b_gate=None, b_up=None, b_down=None,
-                 int4_order: str | None = None, packer: str = "native"):
+                 int4_order: str | None = None, packer: str = "native", down_dtype: str | None = None):
         # float tensors, ExpertRows (a checkpoint's own per-expert matrices) or ExpertChunks (read a few experts
         # at a time); _Mx4 (from_mxfp4: the published
         # blocks, never a float copy), _Q40 / _Q80 / _Q4K (from_q4_0 / from_q8_0 / from_q4_k, gguf_blocks); _Packed
         # (from_packed)
-        # Each matrix packs on its own: float kinds mix, and one block kind mixes with them (a GGUF layer whose
-        # down is of a type the dtype does not hold: quantized from its values, the others kept as they are).
-        kinds = {type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
-                 for w in (w_gate, w_up, w_down)}
-        blocks = kinds - {torch.Tensor, ExpertRows, ExpertChunks}
-        if len(blocks) > 1 or (_Packed in blocks and len(kinds) > 1):
+        # Each matrix packs on its own: float kinds mix with each other and with blocks (a GGUF layer whose down is
+        # of a type the dtype does not hold: quantized from its values, the others kept as they are); gate and up
+        # are of one kind, the down may be of another where down_dtype holds it.
+        down_dtype = dtype if down_dtype is None else down_dtype
+        kind = [type(w) if isinstance(w, (*_BLOCK_SOURCES, _Packed, ExpertRows, ExpertChunks)) else torch.Tensor
+                for w in (w_gate, w_up, w_down)]
+        floats = {torch.Tensor, ExpertRows, ExpertChunks}
+        blocks = {k for k in kind[:2] if k not in floats}
+        if len(blocks) > 1 or (_Packed in kind and set(kind) != {_Packed}):
             raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows, or one kind of blocks "
                              "beside them (from_mxfp4 takes blocks, from_packed packed bytes)")
         source = blocks.pop() if blocks else torch.Tensor
+        down_source = kind[2] if kind[2] not in floats else torch.Tensor
+        if down_dtype == dtype and down_source is not torch.Tensor and source not in (torch.Tensor, down_source):
+            raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows, or one kind of blocks "
+                             "beside them (from_mxfp4 takes blocks, from_packed packed bytes)")
         if packer not in ("native", "torch"):
             raise ValueError(f"packer must be 'native' or 'torch', got {packer!r}")
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             if isinstance(w, torch.Tensor):
                 _check_tensor(name, w, 3, _WEIGHT_DTYPES)
-        if source is _Mx4 and dtype != "mxfp4":
-            raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dtype!r}")
-        if source is _Q40 and (dtype != "int4" or group_size != quant.MXFP4_BLOCK):
-            raise ValueError(f"Q4_0 blocks pack as dtype 'int4' with group_size 32, not {dtype!r} "
-                             f"(group_size {group_size})")
-        if source is _Q80 and dtype != "q8_0":
-            raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dtype!r}")
-        if source is _Q4K and dtype != "q4_k":
-            raise ValueError(f"Q4_K blocks pack as dtype 'q4_k', not {dtype!r}")
+        for src, dt in ((source, dtype), (down_source, down_dtype)):
+            if src is _Mx4 and dt != "mxfp4":
+                raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dt!r}")
+            if src is _Q40 and (dt != "int4" or group_size != quant.MXFP4_BLOCK):
+                raise ValueError(f"Q4_0 blocks pack as dtype 'int4' with group_size 32, not {dt!r} "
+                                 f"(group_size {group_size})")
+            if src is _Q80 and dt != "q8_0":
+                raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dt!r}")
+            if src is _Q4K and dt != "q4_k":
+                raise ValueError(f"Q4_K blocks pack as dtype 'q4_k', not {dt!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -523,11 +535,14 @@ class CpuMoE:
             raise ValueError("empty weights")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        if down_dtype != dtype and (down_dtype not in DOWN_DTYPES or dtype == "bf16"):
+            raise ValueError(f"down_dtype {down_dtype!r} beside dtype {dtype!r}: a down of its own dtype is one of "
+                             f"{DOWN_DTYPES} beside a quantized dtype (their activation rows are alike)")
         if dtype == "int4" and group_size not in quant.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {quant.GROUP_SIZES}, got {group_size}")
         if int4_order not in (None, "interleaved", "natural"):
             raise ValueError(f"int4_order must be 'interleaved' or 'natural', got {int4_order!r}")
-        if dtype == "mxfp4" and (D % quant.MXFP4_BLOCK or F % quant.MXFP4_BLOCK):
+        if (dtype == "mxfp4" and D % quant.MXFP4_BLOCK) or ("mxfp4" in (dtype, down_dtype) and F % quant.MXFP4_BLOCK):
             raise ValueError(f"mxfp4 needs D and F (the reduction lengths of gate/up and down) to be multiples of "
                              f"{quant.MXFP4_BLOCK} (one shared exponent per {quant.MXFP4_BLOCK} values); got D={D}, F={F}")
         if dtype in ("mxfp4", "q8_0", "q4_k"):
@@ -548,6 +563,7 @@ class CpuMoE:
             raise ValueError(f"expert_ids exceed num_experts={n_global}")
         self.E, self.F, self.D, self.num_experts = E, F, D, n_global
         self.dtype, self.group_size, self.activation, self.packer = dtype, group_size, activation, packer
+        self.down_dtype = down_dtype
         self.alpha, self.limit, self.amx_min_tokens = float(alpha), float(limit), int(amx_min_tokens)
         self.expert_ids = expert_ids
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
@@ -557,6 +573,8 @@ class CpuMoE:
         spec = CPU_DTYPES[dtype]
         if self.isa in ("amx", "amx_emu") and ("amx" not in spec.isas or group_size < spec.amx_min_group):
             _say_vector_only(dtype if dtype != "int4" else f"int4 (group {group_size})", self.isa)
+        elif self.isa in ("amx", "amx_emu") and down_dtype != dtype:
+            _say_vector_only(f"a down in {down_dtype} beside {dtype}", self.isa)
         topo = topology if topology is not None else Topology.discover()
         if not isinstance(topo, Topology):
             raise ValueError("topology must be a cpu_kernels.Topology")
@@ -593,7 +611,8 @@ class CpuMoE:
     @property
     def layout(self) -> dict:
         """packed_layout() of this executor: what its packed bytes depend on besides the weights."""
-        return _layout(self.isa, self.dtype, self.group_size, self.int4_order, self.F, self.topology)
+        return _layout(self.isa, self.dtype, self.group_size, self.int4_order, self.F, self.topology,
+                       self.down_dtype)
 
     @classmethod
     def from_mxfp4(cls, gate, up, down, **kwargs) -> "CpuMoE":
@@ -701,15 +720,24 @@ class CpuMoE:
         h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
         return p.contiguous(), h.contiguous(), None
 
-    def _quantized(self, w: torch.Tensor):
-        """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None)."""
-        if self.dtype == "bf16":
+    def _quantized(self, w: torch.Tensor, dt: str):
+        """w [E, R, K] padded -> (bytes tensor, scale or None, rsum or None) in dtype dt (bf16, int8, int4)."""
+        if dt == "bf16":
             return w.to(torch.bfloat16).contiguous(), None, None
-        if self.dtype == "int8":
+        if dt == "int8":
             q, s = quant.quantize_int8(w)
             return q, s.contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
         p, s = quant.quantize_int4(w, self.group_size, self._fold(w.shape[-1]))
         return p, s.contiguous(), None
+
+    def _group(self, dt: str) -> int:
+        """Values per scale (and per activation block sum) of a matrix in dtype dt: the block formats' 32, else the
+        layer's group_size (int4's; int8 and bf16 ignore it)."""
+        return quant.MXFP4_BLOCK if dt in ("mxfp4", "q8_0", "q4_k") else self.group_size
+
+    def _dt(self, name: str) -> str:
+        """The dtype of matrix `name` ("gate", "up", "down")."""
+        return self.down_dtype if name == "down" else self.dtype
 
     def _fold(self, ldk: int) -> int:
         """int4: groups per fold block of a row of ldk values (quant.py; the natural order when int4_order says)."""
@@ -717,23 +745,23 @@ class CpuMoE:
             return quant.int4_natural_fold(self.group_size)
         return quant.int4_fold_groups(ldk, self.group_size)
 
-    def _dequantized(self, w: torch.Tensor) -> torch.Tensor:
-        """What the kernels compute with: w [E, R, K] after quantize/dequantize (fp32), or bf16."""
+    def _dequantized(self, w: torch.Tensor, dt: str) -> torch.Tensor:
+        """What the kernels compute with: w [E, R, K] after quantize/dequantize in dtype dt (fp32), or bf16."""
         if isinstance(w, _BLOCK_SOURCES):
             return w.dequantized()
         if isinstance(w, (ExpertRows, ExpertChunks)):
             w = w.dense()
-        if self.dtype == "mxfp4":
+        if dt == "mxfp4":
             return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w))
-        if self.dtype == "bf16":
+        if dt == "bf16":
             return w.to(torch.bfloat16)
-        if self.dtype == "int8":
+        if dt == "int8":
             return quant.dequantize_int8(*quant.quantize_int8(w))
-        if self.dtype == "q8_0":
+        if dt == "q8_0":
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q8_0_BLOCK) - K))
             return quant.dequantize_q8_0(*quant.quantize_q8_0(wp))[..., :K]
-        if self.dtype == "q4_k":
+        if dt == "q4_k":
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K))
             return quant.dequantize_q4_k(*quant.quantize_q4_k(wp))[..., :K]
@@ -744,25 +772,26 @@ class CpuMoE:
         return quant.dequantize_int4(*quant.quantize_int4(wp, self.group_size, fold), self.group_size, fold)[..., :K]
 
     def _pack_ref(self, w_gate, w_up, w_down):
-        self._ref = tuple(self._dequantized(w) for w in (w_gate, w_up, w_down))
+        self._ref = tuple(self._dequantized(w, self._dt(n)) for w, n in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")))
         self.nbytes = sum(t.numel() * t.element_size() for t in self._ref)
 
     def _f_slices(self) -> list[tuple[int, int]]:
         return _split_f(self.F, self.topology, self._kpad())
 
     def _kpad(self) -> int:
-        return _kpad_for(self.dtype, self.group_size)
+        """K padding of every row of the layer (the larger of its dtypes' when the down has its own)."""
+        return max(_kpad_for(dt, self._group(dt)) for dt in (self.dtype, self.down_dtype))
 
     # The PyTorch reference quantizes experts per chunk, so packing a layer needs fp32 staging for 8 experts, not
     # for all E (the compiled packer stages one row per thread).
     _PACK_CHUNK = 8
 
-    def _q_bytes(self, rows: int, k: int, row_align: int) -> int:
-        """Bytes of one expert's packed matrix [rows_p, ldk] (int4, mxfp4: two values per byte)."""
+    def _q_bytes(self, rows: int, k: int, row_align: int, dt: str) -> int:
+        """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_k: two values a byte)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_k": n // 2}[self.dtype]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_k": n // 2}[dt]
 
-    def _aux_strides(self, rows_p: int, ldk: int) -> list[int | None]:
+    def _aux_strides(self, rows_p: int, ldk: int, dt: str) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
         scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block, q8_0
         one fp16 scale per block, q4_k one 16-byte head per 256 values."""
@@ -770,22 +799,24 @@ class CpuMoE:
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
                 "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None],
                 "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None],
-                "q4_k": [rows_p * (ldk // quant.QK_K) * quant.Q4_K_HEAD_BYTES, None]}[self.dtype]
+                "q4_k": [rows_p * (ldk // quant.QK_K) * quant.Q4_K_HEAD_BYTES, None]}[dt]
 
-    def _packs_natively(self, w) -> bool:
-        """Whether w is packed by the compiled packer (csrc/pack.h) rather than the PyTorch reference."""
+    def _packs_natively(self, w, dt: str | None = None) -> bool:
+        """Whether w (of a matrix in dtype dt, default the layer's) is packed by the compiled packer (csrc/pack.h)
+        rather than the PyTorch reference."""
+        dt = self.dtype if dt is None else dt
         if isinstance(w, _GgufBlocks):  # (the blocks' own bytes in one run each: raw's last stride 1)
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
-        return (self.packer == "native" and self.dtype in ("bf16", "int8", "int4", "q8_0")
+        return (self.packer == "native" and dt in ("bf16", "int8", "int4", "q8_0")
                 and isinstance(w, (torch.Tensor, ExpertRows, ExpertChunks)) and _native.has_packer(self.isa))
 
     def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
         """_mat by the compiled packer: every expert's rows straight from w (a float tensor or ExpertRows) into
         the node-local block and scale / row-sum buffers, on the node's pool (which touches the pages first)."""
-        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
-        aux = [None if s is None else weight_buffer(self.E * s) for s in self._aux_strides(rows_p, ldk)]
-        m = self._hymat(block, aux, rows, k, row_align)
+        rows_p, ldk, dt = _align(rows, row_align), _align(k, self._kpad()), self._dt(name)
+        aux = [None if s is None else weight_buffer(self.E * s) for s in self._aux_strides(rows_p, ldk, dt)]
+        m = self._hymat(block, aux, rows, k, row_align, dt)
         lib, bad = _native.load(self.isa), ctypes.c_int32(-1)
         step = self._PACK_CHUNK if isinstance(w, ExpertChunks) else self.E  # read a chunk of experts at a time
         for c0 in range(0, self.E, step):
@@ -799,17 +830,19 @@ class CpuMoE:
                     raise RuntimeError(f"cpu_kernels: hy_pack_mat failed with code {rc}")
         return m, aux
 
-    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple, name: str = ""):
+    def _mat(self, pool: int, w: torch.Tensor, rows: int, k: int, row_align: int, block: tuple, name: str):
         """w [E, rows, k] float -> (node-local packed matrix padded to [E, rows_p, ldk], its [scale, rsum]
         buffers or None), its bytes for expert e at block = (buffer, offset, stride): buffer + offset + e *
-        stride. The compiled packer where it can (_mat_native); else (the PyTorch reference) each chunk of experts
-        is quantized, then copied into untouched pages by the node's pinned threads (first touch = local)."""
-        if self._packs_natively(w):
+        stride; name ("gate", "up", "down") picks the matrix's dtype. The compiled packer where it can
+        (_mat_native); else (the PyTorch reference) each chunk of experts is quantized, then copied into untouched
+        pages by the node's pinned threads (first touch = local)."""
+        dt = self._dt(name)
+        if self._packs_natively(w, dt):
             return self._mat_native(pool, w, rows, k, row_align, block, name)
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
         lib = _native.load(self.isa)
         q_buf, q_off, q_stride = block
-        q_bytes = self._q_bytes(rows, k, row_align)
+        q_bytes = self._q_bytes(rows, k, row_align, dt)
         bufs, strides = None, None
         for e0 in range(0, self.E, self._PACK_CHUNK):
             wc = w[e0:e0 + self._PACK_CHUNK]
@@ -817,59 +850,60 @@ class CpuMoE:
                 wc = wc.dense()
             if isinstance(wc, _Q40):
                 parts = list(self._q40_parts(wc, rows_p, ldk))
-            elif self.dtype == "q8_0":
+            elif dt == "q8_0":
                 parts = list(self._q80_parts(wc, rows_p, ldk))
-            elif self.dtype == "q4_k":
+            elif dt == "q4_k":
                 parts = list(self._q4k_parts(wc, rows_p, ldk))
-            elif self.dtype == "mxfp4":
+            elif dt == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
-            elif self.dtype == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
+            elif dt == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
                 parts = [wc.to(torch.bfloat16).contiguous(), None, None]
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
-                parts = list(self._quantized(wp))  # q, scale or None, rsum or None
+                parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
             if bufs is None:
                 strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
-                if strides[0] != q_bytes or strides[1:] != self._aux_strides(rows_p, ldk):
+                if strides[0] != q_bytes or strides[1:] != self._aux_strides(rows_p, ldk, dt):
                     raise AssertionError(f"packed expert is {strides} bytes, its slots {q_bytes} and "
-                                         f"{self._aux_strides(rows_p, ldk)}")
+                                         f"{self._aux_strides(rows_p, ldk, dt)}")
                 bufs = [None] + [None if s is None else weight_buffer(self.E * s) for s in strides[1:]]
             for j in range(parts[0].shape[0]):  # q: one expert at a time into its block
                 lib.hy_pool_copy(pool, q_buf.data_ptr() + q_off + (e0 + j) * q_stride, parts[0][j].data_ptr(), q_bytes)
             for t, buf, s in zip(parts[1:], bufs[1:], strides[1:]):
                 if t is not None:
                     lib.hy_pool_copy(pool, buf.data_ptr() + e0 * s, t.data_ptr(), t.numel() * t.element_size())
-        return self._hymat(block, bufs[1:], rows, k, row_align), bufs[1:]
+        return self._hymat(block, bufs[1:], rows, k, row_align, dt), bufs[1:]
 
-    def _mat_packed(self, pool: int, packed: Mapping, key: str, rows: int, k: int, row_align: int, block: tuple):
+    def _mat_packed(self, pool: int, packed: Mapping, key: str, rows: int, k: int, row_align: int, block: tuple,
+                    name: str):
         """_mat from packed bytes (from_packed): its q bytes are already in the block; its scales and row sums
         are copied from packed[key + '.scale' / '.rsum'] as they are."""
-        rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
+        rows_p, ldk, dt = _align(rows, row_align), _align(k, self._kpad()), self._dt(name)
         aux = []
-        for part, stride in zip(("scale", "rsum"), self._aux_strides(rows_p, ldk)):
+        for part, stride in zip(("scale", "rsum"), self._aux_strides(rows_p, ldk, dt)):
             buf = None if stride is None else weight_buffer(self.E * stride)
             if buf is not None:
                 self._copy_in(pool, buf, packed, f"{key}.{part}")
             aux.append(buf)
-        return self._hymat(block, aux, rows, k, row_align), aux
+        return self._hymat(block, aux, rows, k, row_align, dt), aux
 
-    def _hymat(self, block: tuple, aux: list, rows: int, k: int, row_align: int) -> _native.HyMat:
-        """The kernels' view of one packed matrix: q bytes at block = (buffer, offset, stride), aux = its
-        [scale, rsum] buffers or None."""
+    def _hymat(self, block: tuple, aux: list, rows: int, k: int, row_align: int, dt: str) -> _native.HyMat:
+        """The kernels' view of one packed matrix in dtype dt: q bytes at block = (buffer, offset, stride), aux =
+        its [scale, rsum] buffers or None."""
         rows_p, ldk = _align(rows, row_align), _align(k, self._kpad())
-        strides = self._aux_strides(rows_p, ldk)
+        strides = self._aux_strides(rows_p, ldk, dt)
         q_buf, q_off, q_stride = block
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
         if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0:
             m.scale = aux[0].data_ptr()  # fp16, in halves
-            m.s_estride = strides[0] // {"mxfp4": 1, "q4_k": 1, "q8_0": 2}.get(self.dtype, 4)
+            m.s_estride = strides[0] // {"mxfp4": 1, "q4_k": 1, "q8_0": 2}.get(dt, 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
-        m.group, m.dtype = self.group_size, DTYPES[self.dtype]
-        m.fold = self._fold(ldk) if self.dtype == "int4" else 1
-        self.nbytes += self.E * self._q_bytes(rows, k, row_align) + sum(b.numel() for b in aux if b is not None)
+        m.group, m.dtype = self._group(dt), DTYPES[dt]
+        m.fold = self._fold(ldk) if dt == "int4" else 1
+        self.nbytes += self.E * self._q_bytes(rows, k, row_align, dt) + sum(b.numel() for b in aux if b is not None)
         return m
 
     def _copy_in(self, pool: int, dst: torch.Tensor, packed: Mapping, key: str) -> None:
@@ -916,7 +950,7 @@ class CpuMoE:
             # gate/up rows padded like down's reduction length, so h [m, F_n] rows need no tail fix-up.
             Fn, kp = f1 - f0, self._kpad()
             mats = (("gate", Fn, self.D, kp), ("up", Fn, self.D, kp), ("down", self.D, Fn, _ROW_ALIGN))
-            sizes = [self._q_bytes(rows, k, a) for _, rows, k, a in mats]
+            sizes = [self._q_bytes(rows, k, a, self._dt(name)) for name, rows, k, a in mats]
             stride = sum(sizes)  # every size is a multiple of 64 bytes: each matrix starts cache-line aligned
             block = weight_buffer(self.E * stride)  # 2 MiB pages where the OS allows (memory.py)
             self._blocks.append(block.view(self.E, stride))  # holds the memory the kernels read
@@ -932,7 +966,7 @@ class CpuMoE:
             for j, (name, rows, k, align) in enumerate(mats):
                 where = (block, sum(sizes[:j]), stride)
                 if packed is not None:
-                    m, aux = self._mat_packed(node.pool, packed, f"n{n}.{name}", rows, k, align, where)
+                    m, aux = self._mat_packed(node.pool, packed, f"n{n}.{name}", rows, k, align, where, name)
                 else:
                     m, aux = self._mat(node.pool, weights[j], rows, k, align, where, name)
                 setattr(node, name, m)
@@ -974,29 +1008,28 @@ class CpuMoE:
                      for t, b in zip((g, u, d), self._bias)]
             return [dict(f0=0, f1=self.F, block=None, gate=plain[0], up=plain[1], down=plain[2])]
         by_ptr = {t.data_ptr(): t for t in self._keep}
-        qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
-                  "q8_0": torch.int8, "q4_k": torch.uint8}[self.dtype]
         out = []
         for n, (f0, f1) in enumerate(self._slices):
             node, mats, blk = self._layer.nodes[n], {}, self._blocks[n]
             for name in ("gate", "up", "down"):
-                mm = getattr(node, name)
-                cols = mm.ldk // 2 if self.dtype in ("int4", "mxfp4", "q4_k") else mm.ldk
+                mm, dt = getattr(node, name), self._dt(name)
+                qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
+                          "q8_0": torch.int8, "q4_k": torch.uint8}[dt]
+                cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_k") else mm.ldk
                 off = mm.w - blk.data_ptr()
-                q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1)].view(qdtype).view(self.E, mm.rows_p, cols)
-                if self.dtype == "mxfp4":  # uint8 exponents, one per 32-value block
+                q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
+                if dt == "mxfp4":  # uint8 exponents, one per 32-value block
                     s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // mm.group)
-                elif self.dtype == "int4":
+                elif dt == "int4":
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
-                elif self.dtype == "q8_0":  # fp16 scales, one per 32-value block
+                elif dt == "q8_0":  # fp16 scales, one per 32-value block
                     s = by_ptr[mm.scale].view(torch.float16).view(self.E, mm.rows_p, mm.ldk // mm.group)
-                elif self.dtype == "q4_k":  # uint8 heads, 16 bytes per 256-value super-block
+                elif dt == "q4_k":  # uint8 heads, 16 bytes per 256-value super-block
                     s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q4_K_HEAD_BYTES)
                 else:
-                    s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if self.dtype == "int8" else None
+                    s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if dt == "int8" else None
                 b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None
-                mats[name] = dict(q=q, scale=s, bias=b, rows=mm.rows, k=mm.k, dtype=self.dtype, group=mm.group,
-                                  fold=mm.fold)
+                mats[name] = dict(q=q, scale=s, bias=b, rows=mm.rows, k=mm.k, dtype=dt, group=mm.group, fold=mm.fold)
             out.append(dict(f0=f0, f1=f1, block=blk, **mats))
         return out
 

@@ -132,6 +132,12 @@ def packed_expert_bytes(D: int, F: int, cpu_dtype: str, node_threads: list[int] 
                for a, b in f_slices(F, node_threads or [1], cpu_dtype, group))
 
 
+def down_bytes(D: int, F: int, cpu_dtype: str, node_threads, group: int = INT4_GROUP) -> int:
+    """Packed bytes of one expert's down projection [D, F] in cpu_dtype, over the NUMA nodes' F slices."""
+    return sum(packed_matrix_bytes(D, b - a, cpu_dtype, ROW_ALIGN, group)
+               for a, b in f_slices(F, list(node_threads), cpu_dtype, group))
+
+
 def dense_layout(D: int, F: int, cpu_dtype: str, nodes: int) -> bool:
     """ShipLane.direct: the packed bytes are the dense bf16 weights (no staging of raw bytes needed)."""
     return cpu_dtype == "bf16" and nodes == 1 and D % 64 == 0 and F % 64 == 0 and D % ROW_ALIGN == 0
@@ -152,6 +158,9 @@ class MemorySettings:
     group: int = INT4_GROUP
     gpu_dtypes: dict = field(default_factory=dict)  # part (GPU_PARTS) -> GPU_KINDS; missing parts: bf16
     kv_dtype: str = "bf16"  # KV_DTYPES: the KV cache's values
+    # the CPU dtype of each MoE layer's down that has one of its own (a GGUF file's mixed types:
+    # hybrid.models.gguf.repack.down_format), one entry per such layer; the others' downs are in cpu_dtype
+    down_dtypes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_context < 2:
@@ -173,6 +182,9 @@ class MemorySettings:
         if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
             raise UsageError(f"every NUMA node needs >= 1 thread, got {self.node_threads}")
         object.__setattr__(self, "node_threads", tuple(int(t) for t in self.node_threads))
+        if any(d not in CPU_DTYPES for d in self.down_dtypes):
+            raise UsageError(f"a down's CPU dtype must be one of {', '.join(CPU_DTYPES)}, got {self.down_dtypes}")
+        object.__setattr__(self, "down_dtypes", tuple(self.down_dtypes))
         for part, kind in self.gpu_dtypes.items():
             if part not in GPU_PARTS or kind not in GPU_KINDS:
                 raise UsageError(f"GPU dtype {part}={kind!r}: parts are {', '.join(GPU_PARTS)}, dtypes "
@@ -250,8 +262,11 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
         graph += max(DEQUANT_CHUNK_VALUES, kv_b) * gb
     pinned = lane_rows * (2 * D * gb + K * 8)
     n_experts = cfg.num_moe_layers * cfg.num_experts
+    # layers whose down has a dtype of its own hold that many more (or fewer) bytes per expert
+    own_downs = sum(down_bytes(D, F, d, s.node_threads, s.group) - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group)
+                    for d in s.down_dtypes) * cfg.num_experts
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
-                           resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed,
+                           resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed + own_downs,
                            pinned_buffers=pinned, parts=parts)
 
 

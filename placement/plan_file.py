@@ -2,7 +2,8 @@
 
     {"schema_version": 1, "kind": "hybrid-plan",
      "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
-     "settings": {"max_context", "max_batch", "cpu_dtype", "int4_group" (int4 only), "gpu_dtype_bytes",
+     "settings": {"max_context", "max_batch", "cpu_dtype", "int4_group" (int4 only), "down_dtypes" (a GGUF file's
+                  layers whose down has a CPU dtype of its own, one entry each; priced, informational), "gpu_dtype_bytes",
                   "staging_slots", "ship_chunk", "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens",
                   "profile", "stats": {..}},
      "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes
@@ -70,7 +71,8 @@ def _check_types(plan) -> None:
         if name in plan.settings and not (_is_int(plan.settings[name]) and plan.settings[name] >= 1):
             raise UsageError(f"plan: settings.{name} must be a positive integer, got {plan.settings[name]!r}")
     if "cpu_dtype" in plan.settings and plan.settings["cpu_dtype"] not in CPU_DTYPE_NAMES:
-        raise UsageError(f"plan: settings.cpu_dtype must be bf16, int8, int4 or mxfp4, got {plan.settings['cpu_dtype']!r}")
+        raise UsageError(f"plan: settings.cpu_dtype must be one of {', '.join(CPU_DTYPE_NAMES)}, got "
+                         f"{plan.settings['cpu_dtype']!r}")
     if "int4_group" in plan.settings and plan.settings["int4_group"] not in (32, 64, 128):
         raise UsageError(f"plan: settings.int4_group must be 32, 64 or 128, got {plan.settings['int4_group']!r}")
     if "kv_dtype" in plan.settings and plan.settings["kv_dtype"] not in KV_DTYPES:

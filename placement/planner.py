@@ -338,6 +338,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
                "kv_bytes_per_token": cfg.kv_values_per_token * kv_value_bytes(s.kv_dtype, gb)},
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
                   **({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype": s.kv_dtype,
+                  **({"down_dtypes": list(s.down_dtypes)} if s.down_dtypes else {}),
                   "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in GPU_PARTS},
                   "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,

@@ -409,3 +409,76 @@ def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, i
         down[1, 5, 0, at:at + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
         with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
             fm.from_blocks(raws[0], raws[1], down, isa=isa)
+
+
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_a_down_of_its_own_dtype(isa, fused_knob):
+    """A layer whose down has a dtype of its own (down_dtype): Q4_K gate and up kept as q4_k beside a Q8_0 down kept
+    as q8_0, every matrix the file's values; the kernels (tight, activation rounding emulated) and the packed views
+    (per-matrix dtypes, bytes) follow each matrix's format; from_packed gives the same executor back."""
+    q4k, q8 = FORMATS["q4_k"], FORMATS["q8_0"]
+    g, u, _ = random_blocks(q4k, 26)
+    _, _, d = random_blocks(q8, 27, f=q4k.F, d=q4k.D)  # down [E, D, F] in Q8_0 blocks
+    mats = (moe_mod.gguf_blocks("g", g, "Q4_K"), moe_mod.gguf_blocks("u", u, "Q4_K"), moe_mod.gguf_blocks("d", d, "Q8_0"))
+    one = CpuMoE(*mats, dtype="q4_k", down_dtype="q8_0", isa=isa, topology=topology(1))
+    moe = CpuMoE(*mats, dtype="q4_k", down_dtype="q8_0", isa=isa, topology=topology(2))
+    ws = [q4k.dequantize(*q4k.parts(g)), q4k.dequantize(*q4k.parts(u)), q8.dequantize(*q8.parts(d))]
+    ids, w = ragged_routing(320, seed=28)
+    x = torch.randn(320, q4k.D, generator=torch.Generator().manual_seed(29))
+    if isa == "ref":
+        assert rel_err(one.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
+        return
+    ref = emulated(x, ws, ids, w, "silu")  # (one node: the activations rounded per whole row, as emulated)
+    for y in both_paths(one, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+    assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < TOL["int8"]  # two nodes' slices
+    nodes = moe.packed_weights()
+    assert [n[m]["dtype"] for n in nodes for m in ("gate", "up", "down")] == ["q4_k", "q4_k", "q8_0"] * 2
+    held = sum(n[m]["q"].numel() * n[m]["q"].element_size() + n[m]["scale"].numel() * n[m]["scale"].element_size()
+               for n in nodes for m in ("gate", "up", "down"))
+    assert moe.nbytes == held and moe.layout["down_dtype"] == "q8_0" and moe.layout["kpad"] == 256
+    back = CpuMoE.from_packed(moe.packed_state(), (E, q4k.F, q4k.D), moe.layout, dtype="q4_k", down_dtype="q8_0",
+                              isa=isa, topology=topology(2))
+    assert torch.equal(back.forward(x, ids, w), moe.forward(x, ids, w))
+
+
+@pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])
+def test_a_float_down_in_int8_beside_q4_k(isa):
+    """A GGUF layer's down of a type no format holds (Q6_K in Q4_K_M files) quantized to int8 beside the kept q4_k
+    gate and up: the reference on the q4_k values and the down's int8 values."""
+    q4k = FORMATS["q4_k"]
+    g, u, _ = random_blocks(q4k, 30)
+    down = floats(q4k, seed=31)[2]
+    moe = CpuMoE(moe_mod.gguf_blocks("g", g, "Q4_K"), moe_mod.gguf_blocks("u", u, "Q4_K"), down, dtype="q4_k",
+                 down_dtype="int8", isa=isa)
+    ws = [q4k.dequantize(*q4k.parts(g)), q4k.dequantize(*q4k.parts(u)), quant.dequantize_int8(*quant.quantize_int8(down))]
+    ids, w = ragged_routing(40, seed=32)
+    x = torch.randn(40, q4k.D, generator=torch.Generator().manual_seed(33))
+    assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < (1e-5 if isa == "ref" else TOL["int8"])
+
+
+def test_down_dtype_refusals():
+    q4k, q8 = FORMATS["q4_k"], FORMATS["q8_0"]
+    ws = floats(q4k, seed=34, e=2)
+    for dtype, down in (("q4_k", "bf16"), ("q4_k", "int4"), ("bf16", "q8_0")):
+        with pytest.raises(ValueError, match="a down of its own dtype"):
+            CpuMoE(*ws, dtype=dtype, down_dtype=down)
+    _, _, d = random_blocks(q8, 35, e=2, f=q4k.F, d=q4k.D)
+    with pytest.raises(ValueError, match="Q8_0 blocks pack as dtype 'q8_0', not 'q4_k'"):
+        CpuMoE(*ws[:2], moe_mod.gguf_blocks("d", d, "Q8_0"), dtype="q4_k")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_amx_dtype_with_a_down_of_its_own_runs_the_vector_path(isa, fused_knob):
+    """int8 gate and up (AMX tiles above the knee) beside a q8_0 down (none): with every expert above the knee the
+    layer still computes the reference (the tiles would read the down's bytes as int8's), on both paths."""
+    fm = FORMATS["q8_0"]
+    ws = floats(fm, seed=36)
+    moe = CpuMoE(*ws, dtype="int8", down_dtype="q8_0", isa=isa, amx_min_tokens=1)
+    plain_ws = [quant.dequantize_int8(*quant.quantize_int8(ws[0])), quant.dequantize_int8(*quant.quantize_int8(ws[1])),
+                plain(fm, ws[2:])[0]]
+    ids, w = ragged_routing(320, seed=37)
+    x = torch.randn(320, fm.D, generator=torch.Generator().manual_seed(38)).bfloat16()
+    ref = moe_forward(x, *plain_ws, ids, w)
+    for y in both_paths(moe, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < TOL["int8"]

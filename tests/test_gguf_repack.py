@@ -67,6 +67,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
             parts.append(quant.dequantize_q8_0(m["q"], m["scale"]))
         elif m["dtype"] == "q4_k":
             parts.append(quant.dequantize_q4_k(m["q"], m["scale"]))
+        elif m["dtype"] == "int8":
+            parts.append(quant.dequantize_int8(m["q"], m["scale"]))
         else:
             parts.append(quant.dequantize_mxfp4_packed(m["q"], m["scale"]))
     return parts
@@ -331,39 +333,65 @@ def test_gpt_oss_mxfp4_experts_with_biases(tmp_path, tmp_path_factory, caplog):
     assert (got - plain).abs().max().item() <= 1e-5
 
 
-def test_mixed_layers_keep_what_the_format_holds_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
-    """A layer whose down is Q8_0 among Q4_0 gates and ups (Q4_K_M files keep some downs in Q6_K): under int4 in
-    groups of 32 its gate and up are the file's blocks and only its down is de-quantized and re-quantized; under
-    int8 (which holds neither) the whole file is. The one log line names the layers and weights each way and why."""
+def file_values(path, layer: int) -> dict:
+    """name ("gate", "up", "down") -> the file's de-quantized values of one layer's expert tensors."""
+    from hybrid.models.gguf import open_gguf
+    from hybrid.models.gguf.dequant import dequantize
+
+    ckpt = open_gguf(path)
+    return {n: dequantize(t.raw(), t.ggml_type, t.shape) for n in ("gate", "up", "down")
+            for t in [ckpt.tensors[f"blk.{layer}.ffn_{n}_exps.weight"]]}
+
+
+def held(moe, name: str) -> torch.Tensor:
+    """What a one-node executor holds for matrix `name`, cut to the plain matrix."""
+    node = moe.packed_weights()[0][name]
+    return held_values(moe, name)[0][:, :node["rows"], :node["k"]]
+
+
+def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
+    """A layer whose down is Q8_0 among Q4_0 gates and ups: under int4 in groups of 32 its gate and up are the
+    file's blocks and its down too, in q8_0 (a down may have a dtype of its own); under int8, which holds neither
+    type, the gates and ups are re-quantized and the Q8_0 down still kept as q8_0. The one log line names the
+    layers and weights each way and why."""
     path = tmp_path / "mixed.gguf"
     write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q8_0 if n == "blk.1.ffn_down_exps.weight" else Q.Q4_0)
     _, off = hybrid_logits(path, caplog, cpu_dtype="int4", cpu_group=32, cpu_isa="ref")
     lines = [r.getMessage() for r in caplog.records if "GGUF experts" in r.getMessage()]
     assert lines == ["GGUF experts for the CPU executor (int4 group 32): layers 0, 2 repacked losslessly (the file's "
-                     "blocks as they are); layers 1: w_gate, w_up repacked losslessly, w_down Q8_0 de-quantized and "
-                     "re-quantized (Q8_0 blocks are held exactly by --cpu-dtype q8_0 only)"]
+                     "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in "
+                     "q8_0)"]
+    assert [layer.cpu_moe.down_dtype for layer in off.layers] == ["int4", "q8_0", "int4"]
     if COMPILED:
-        from hybrid.models.gguf import open_gguf
-        from hybrid.models.gguf.dequant import dequantize
-
         _, off = hybrid_logits(path, cpu_dtype="int4", cpu_group=32, cpu_isa=COMPILED[0])
-        ckpt = open_gguf(path)
-        values = {n: dequantize(t.raw(), t.ggml_type, t.shape) for n in ("gate", "up", "down")
-                  for t in [ckpt.tensors[f"blk.1.ffn_{n}_exps.weight"]]}
-        moe = off.layers[1].cpu_moe
-        for name in ("gate", "up"):
-            node = moe.packed_weights()[0][name]
-            assert torch.equal(held_values(moe, name)[0][:, :node["rows"], :node["k"]], values[name][:, :node["rows"]])
-        node = moe.packed_weights()[0]["down"]
-        down = held_values(moe, "down")[0][:, :node["rows"], :node["k"]]
-        assert not torch.equal(down, values["down"][:, :, :node["k"]])  # re-quantized: other values
-        assert (down - values["down"][:, :, :node["k"]]).abs().max() < 0.2 * values["down"].abs().max()
+        values = file_values(path, 1)
+        for name in ("gate", "up", "down"):
+            assert torch.equal(held(off.layers[1].cpu_moe, name), values[name])
     caplog.clear()
     hybrid_logits(path, caplog, cpu_dtype="int8", cpu_isa="ref")
     assert "layers 0, 2 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 " \
            "only)" in caplog.text
-    assert "layers 1 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 only; " \
-           "Q8_0 blocks are held exactly by --cpu-dtype q8_0 only)" in caplog.text
+    assert "layers 1: w_down repacked losslessly, w_gate Q4_0, w_up Q4_0 de-quantized and re-quantized (Q4_0 blocks " \
+           "are held exactly by --cpu-dtype int4 group 32 only; w_down in q8_0)" in caplog.text
+
+
+def test_a_q4_k_m_like_file_keeps_its_q4_k_and_puts_its_q6_k_downs_in_int8(tmp_path, qwen3_256, caplog):
+    """Q4_K gates, ups and downs with one layer's down in Q6_K (as Q4_K_M files keep some): by default the Q4_K
+    weights are q4_k as they are and that Q6_K down is re-quantized to int8, not into the layer's 4.5 bits (its
+    6.56 bits are kept within int8's rounding); the load's line says so."""
+    path = tmp_path / "q4km.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
+    _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
+    assert ("layers 1: w_gate, w_up repacked losslessly, w_down Q6_K de-quantized and re-quantized (no CPU format "
+            "holds Q6_K as stored; w_down in int8)") in caplog.text
+    moe = off.layers[1].cpu_moe
+    assert (moe.dtype, moe.down_dtype) == ("q4_k", "int8")
+    if COMPILED:
+        values = file_values(path, 1)
+        assert torch.equal(held(moe, "gate"), values["gate"]) and torch.equal(held(moe, "up"), values["up"])
+        down, want = held(moe, "down"), values["down"]
+        step = want.abs().amax(-1, keepdim=True) / 127  # int8's per-row grid
+        assert ((down - want).abs() <= 0.5 * step * 1.001).all()
 
 
 def test_mxfp4_cpu_dtype_is_refused_for_a_file_without_mxfp4_experts(tmp_path, qwen3_ragged):
@@ -465,6 +493,27 @@ def test_plan_prices_a_files_exact_format(tmp_path, qwen3_256, capsys, kind, dty
     assert plan["memory"]["cpu"]["per_expert"] == per == 3 * 256 * 256 * {"q8_0": 1.0625, "q4_k": 0.5625}[dtype]
 
 
+def test_plan_prices_the_downs_of_their_own_dtype(tmp_path, qwen3_256, capsys):
+    """A Q4_K_M-like file (one layer's down in Q6_K): the plan prices that down in int8, as the load packs it, and
+    records it; its expert DRAM is that much above the all-q4_k figure."""
+    import json as _json
+
+    from hybrid.cli import main
+    from placement.memory import down_bytes, packed_expert_bytes
+
+    path = tmp_path / "m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
+    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+                 "ktransformers-paper-amx", "--json"]) == 0
+    plan = _json.loads(capsys.readouterr().out)
+    cfg, threads = qwen3_256.config, plan["settings"]["node_threads"]
+    assert plan["settings"]["cpu_dtype"] == "q4_k" and plan["settings"]["down_dtypes"] == ["int8"]
+    D, F, E, L = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_hidden_layers
+    extra = E * (down_bytes(D, F, "int8", threads) - down_bytes(D, F, "q4_k", threads))
+    assert extra > 0
+    assert plan["memory"]["cpu"]["experts"] == L * E * packed_expert_bytes(D, F, "q4_k", threads) + extra
+
+
 def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
     """A plan made with --int4-group 64 loads its int4 experts in groups of 64 under --plan; a different
     --int4-group beside it is refused (the plan priced the other one)."""
@@ -528,15 +577,15 @@ def test_a_gguf_restart_copies_the_packed_cache(tmp_path, request, monkeypatch, 
 
 
 def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path, tmp_path_factory, monkeypatch):
-    """A layer whose blocks the CPU format does not hold (Q8_0 into int8) is de-quantized a chunk of experts at a
-    time as it is packed (never the whole layer in floats), into the bytes that packing the whole de-quantized
-    layer gives."""
+    """A layer whose blocks the CPU format does not hold (Q4_0 into int8, which no down format holds either) is
+    de-quantized a chunk of experts at a time as it is packed (never the whole layer in floats), into the bytes
+    that packing the whole de-quantized layer gives."""
     from hybrid.models.gguf import load as gguf_load, open_gguf
     from hybrid.models.gguf.names import expert_tensors
 
     hf = hf_model("qwen3_moe", tmp_path_factory, moe_intermediate_size=96, num_experts=12)[0]
     path = tmp_path / "m.gguf"
-    write_typed(path, "qwen3_moe", hf, lambda n: Q.Q8_0)
+    write_typed(path, "qwen3_moe", hf, lambda n: Q.Q4_0)
     real, reads = gguf_load.dequantize, []
 
     def spy(raw, t, shape):

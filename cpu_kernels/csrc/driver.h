@@ -203,14 +203,16 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   if (T == 0) return HY_OK;
   const int dt = L->dtype, D = L->D, E = L->n_local;
   const HyMat& G0 = L->nodes[0].gate;
-  if (dt == HY_INT4)  // the stored order the packer chose must be one the kernels read (hy.h)
-    for (int n = 0; n < L->n_nodes; ++n)
-      for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down})
-        if (!i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
-  if (dt == HY_Q4_K)  // whole super-blocks, activation sums per sub-block
-    for (int n = 0; n < L->n_nodes; ++n)
-      for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down})
-        if (M->ldk % 256 || M->group != 32) return HY_EARG;
+  for (int n = 0; n < L->n_nodes; ++n) {
+    // a down of its own dtype only beside a quantized one (their activation rows are alike)
+    if (L->nodes[n].down.dtype != dt && (dt == HY_BF16 || L->nodes[n].down.dtype == HY_BF16)) return HY_EARG;
+    for (const HyMat* M : {&L->nodes[n].gate, &L->nodes[n].up, &L->nodes[n].down}) {
+      // int4: the stored order the packer chose must be one the kernels read (hy.h)
+      if (M->dtype == HY_INT4 && !i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
+      // q4_k: whole super-blocks, activation sums per sub-block
+      if (M->dtype == HY_Q4_K && (M->ldk % 256 || M->group != 32)) return HY_EARG;
+    }
+  }
   const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
   std::lock_guard<std::mutex> lk(g_job_mu);
   const Knobs kn = g_knobs;  // this call's knobs: hy_tune waits for the lock, so none changes mid-call
@@ -254,9 +256,10 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
   for (int e = 0; e < E; ++e) {
     int m = off[e + 1] - off[e];
     if (!m) continue;
-    // No AMX kernel for mxfp4, q8_0 and q4_k, nor for int4 in groups of 32 (half a 64-value K tile): the vector path.
+    // No AMX kernel for mxfp4, q8_0 and q4_k, nor for int4 in groups of 32 (half a 64-value K tile), nor for a layer
+    // whose down has a dtype of its own: the vector path.
     int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && dt != HY_Q4_K && (dt != HY_INT4 || G0.group >= 64) &&
-              m >= L->knee;
+              L->nodes[0].down.dtype == dt && m >= L->knee;
     act[na++] = {e, m, off[e], amx, 0};
     m_max = std::max(m_max, m);
   }

@@ -94,8 +94,9 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     bar = tqdm(total=sum(cfg.moe_layers), unit="layer", desc=f"packing experts ({hcfg.cpu_dtype}) for the CPU",
                disable=not progress or knobs().no_progress)
 
-    def make(i, g, u, d, biases=None):
-        layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases, cache=cache, times=times)
+    def make(i, g, u, d, biases=None, down_dtype=None):
+        layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases, cache=cache, times=times,
+                              down_dtype=down_dtype)
         bar.update(1)
         return layer
 

@@ -210,7 +210,8 @@ class PackedCache:
         self._written: dict[str, dict] = {}  # layer -> its manifest entry
         self._loaded: dict[int, object] = {}  # layer -> executor read from the cache (a rebuild writes them)
         self._off = False  # writing gave up (no space, an error) or is over: nothing more is stored
-        self._pending: list[tuple] = []  # (layer, packed state, parts, shape) for the writer, in load order
+        # (layer, packed state, parts, shape, the layer's own layout or None) for the writer, in load order
+        self._pending: list[tuple] = []
         self._need = 0  # bytes the whole cache takes (the free-space check)
         self._writer: threading.Thread | None = None  # the background write, started by commit
         self._cancel = threading.Event()  # Ctrl-C at exit: the writer stops and removes its folder
@@ -314,7 +315,7 @@ class PackedCache:
             try:
                 data = torch.frombuffer(mm, dtype=torch.uint8)
                 state = {name: data[off:off + n] for name, (off, n) in entry["parts"].items()}
-                return CpuMoE.from_packed(state, entry["shape"], self.layout, **kwargs)
+                return CpuMoE.from_packed(state, entry["shape"], entry.get("layout", self.layout), **kwargs)
             finally:
                 state = data = None
                 mm.close()
@@ -341,7 +342,9 @@ class PackedCache:
         self._need = self._need or off * len(self.layers)
         size = max(o + n for o, n in parts.values())
         self._queued += size
-        self._pending.append((layer, state, parts, [moe.E, moe.F, moe.D]))
+        # a layer whose down has a dtype of its own (a GGUF file's mixed types) records its layout
+        own = moe.layout if moe.layout != self.layout else None
+        self._pending.append((layer, state, parts, [moe.E, moe.F, moe.D], own))
         self.times.cache_writing += size
         self.times.cache_s += time.perf_counter() - t0
 
@@ -354,10 +357,10 @@ class PackedCache:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _WRITER_NICE))
         try:
             self._start(self._need)
-            for layer, state, parts, shape in self._pending:
+            for layer, state, parts, shape, own in self._pending:
                 if self._tmp is None or self._cancel.is_set():
                     break
-                self._write_layer(layer, state, parts, shape)
+                self._write_layer(layer, state, parts, shape, own)
             state = None  # the executors' buffers are let go here, not while the interpreter exits
             if self._tmp is not None and not self._cancel.is_set():
                 self._publish()
@@ -387,7 +390,7 @@ class PackedCache:
         tmp.mkdir()
         self._tmp = tmp
 
-    def _write_layer(self, layer: int, state: dict, parts: dict, shape: list) -> None:
+    def _write_layer(self, layer: int, state: dict, parts: dict, shape: list, own: dict | None = None) -> None:
         """One layer's file: its parts at their offsets, written in pieces (stop() is seen between two), fsynced;
         its pages stay in the page cache for the next start."""
         name = f"layer-{layer}.bin"
@@ -405,7 +408,8 @@ class PackedCache:
             f.flush()
             os.fsync(f.fileno())
         size, digest = _file_hash(path)
-        self._written[str(layer)] = dict(file=name, size=size, hash=digest, parts=parts, shape=shape)
+        self._written[str(layer)] = dict(file=name, size=size, hash=digest, parts=parts, shape=shape,
+                                         **({"layout": own} if own is not None else {}))
 
     def _give_up(self, why: str) -> None:
         log.warning("packed cache %s: %s; %s", self.key, why, _NOT_WRITTEN)

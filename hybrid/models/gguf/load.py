@@ -203,7 +203,8 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     same), wrapped in StackedExperts or handed to `experts_factory(layer, w_gate, w_up, w_down[, biases=])` one
     layer at a time, as hybrid.models.loader.load_model does. cpu_format: (dtype, int4 group) of the CPU executor
     the factory packs for; a layer whose expert blocks it holds exactly gets weight sources over the file's blocks
-    (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged. experts_cached(layer) True (a
+    (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged; a layer whose down is better
+    held in a format of its own (repack.down_format) gets the factory's down_dtype= too. experts_cached(layer) True (a
     packed cache holds that layer's executor, hybrid.offload.packed_cache): its expert weights are not read, the
     factory gets None for them (and the biases, which the GPU lanes keep). See the module docstring."""
     from tqdm import tqdm
@@ -263,6 +264,8 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
             fill_experts(ckpt, stack, tensors)
         if experts_factory is not None:
             extra = {"biases": tuple(stack[3:])} if cfg.expert_fn.bias else {}
+            if layer in choice and choice[layer].down is not None:  # the down in a dtype of its own
+                extra["down_dtype"] = choice[layer].down[0]
             model.layers[layer].moe.experts = experts_factory(layer, *stack[:3], **extra)
         bar.update(size(e.name for e in tensors))
 

@@ -48,11 +48,13 @@ def weight_types(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict[str,
 
 class LayerChoice(NamedTuple):
     """How a layer's expert weights reach the CPU executor: `kept` (ExpertTensor.which) as the file's blocks, the
-    others (`redone`, which -> GGUF type) de-quantized and re-quantized, `why` (None when none is)."""
+    others (`redone`, which -> GGUF type) de-quantized and re-quantized, `why` (None when none is); `down`: the
+    down's own format (dtype, group) where it is not the layer's (down_format), else None."""
 
     kept: tuple[str, ...]
     redone: dict[str, str]
     why: str | None
+    down: tuple[str, int] | None = None
 
 
 def why_not(kind: str) -> str:
@@ -62,13 +64,38 @@ def why_not(kind: str) -> str:
     return f"no CPU format holds {kind} as stored"
 
 
+def bytes_per_weight(fmt: tuple[str, int]) -> float:
+    from cpu_kernels.dtypes import CPU_DTYPES
+
+    return CPU_DTYPES[fmt[0]].bytes_per_weight(4096, fmt[1] or None)
+
+
+def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
+    """The format a layer's down of GGUF type `kind` is packed in beside the layer's format `fmt` (a down may have
+    a dtype of its own, cpu_kernels.dtypes.DOWN_DTYPES, beside any quantized one): the exact one of its type where
+    there is one, else the nearest from above where it has more bytes a weight than `fmt` (a Q4_K_M file's Q6_K
+    down in int8, not in the layer's 4.5 bits), else the layer's."""
+    from cpu_kernels.dtypes import DOWN_DTYPES
+
+    if fmt[0] == "bf16" or LOSSLESS.get(kind) == fmt:
+        return fmt
+    exact, near = LOSSLESS.get(kind), NEAREST.get(kind)
+    if exact is not None and exact[0] in DOWN_DTYPES:
+        return exact
+    if near is not None and near[0] in DOWN_DTYPES and bytes_per_weight(near) > bytes_per_weight(fmt):
+        return near
+    return fmt
+
+
 def choose_layer(types: dict[str, str], fmt: tuple[str, int]) -> LayerChoice:
-    """A layer's expert weights (which -> GGUF type) under the load's format: each kept where `fmt` holds its type
-    exactly."""
-    kept = tuple(w for w, t in types.items() if LOSSLESS.get(t) == fmt)
+    """A layer's expert weights (which -> GGUF type) under the load's format: the down in down_format's, each
+    weight kept where its format holds its type exactly."""
+    down = down_format(types["w_down"], fmt) if "w_down" in types else fmt
+    own = {w: (down if w == "w_down" else fmt) for w in types}
+    kept = tuple(w for w, t in types.items() if LOSSLESS.get(t) == own[w])
     redone = {w: t for w, t in types.items() if w not in kept}
     why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
-    return LayerChoice(kept, redone, why)
+    return LayerChoice(kept, redone, why, down if down != fmt else None)
 
 
 def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int]) -> dict[int, LayerChoice]:
@@ -93,18 +120,19 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
     in which only some weights were kept (named, with the types of the others)."""
     groups: dict[tuple, list[int]] = {}
     for i, c in choice.items():
-        key = ("all",) if c.why is None else ("none", c.why) if not c.kept else (
-            "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why)
+        own = "" if c.down is None else f"; w_down in {format_name(c.down)}"
+        key = ("all", own) if c.why is None else ("none", c.why, own) if not c.kept else (
+            "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why, own)
         groups.setdefault(key, []).append(i)
     parts = []
     for key, layers in groups.items():
         if key[0] == "all":
-            parts.append(f"layers {_ranges(layers)} repacked losslessly (the file's blocks as they are)")
+            parts.append(f"layers {_ranges(layers)} repacked losslessly (the file's blocks as they are{key[1]})")
         elif key[0] == "none":
-            parts.append(f"layers {_ranges(layers)} de-quantized and re-quantized ({key[1]})")
+            parts.append(f"layers {_ranges(layers)} de-quantized and re-quantized ({key[1]}{key[2]})")
         else:
             parts.append(f"layers {_ranges(layers)}: {', '.join(key[1])} repacked losslessly, {', '.join(key[2])} "
-                         f"de-quantized and re-quantized ({key[3]})")
+                         f"de-quantized and re-quantized ({key[3]}{key[4]})")
     return f"GGUF experts for the CPU executor ({format_name(fmt)}): " + "; ".join(parts)
 
 
@@ -161,6 +189,16 @@ def expert_bytes_by_type(ckpt: GgufCheckpoint) -> dict[str, int]:
                 t = ckpt.tensors[e.name]
                 out[type_name(t.ggml_type)] = out.get(type_name(t.ggml_type), 0) + nbytes(t.ggml_type, t.shape)
     return out
+
+
+def down_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int]) -> tuple[str, ...]:
+    """The CPU dtype of each MoE layer's down that gets one of its own under the load's format (down_format), one
+    entry per such layer: what `hybrid plan` prices beside the layers' format."""
+    from hybrid.models.gguf.names import expert_tensors
+
+    cfg, have = ckpt.config, ckpt.tensors.__contains__
+    experts = {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}
+    return tuple(c.down[0] for c in choose(ckpt, experts, fmt).values() if c.down is not None)
 
 
 class DefaultFormat(NamedTuple):
