@@ -65,6 +65,7 @@ def why_not(kind: str) -> str:
 
 
 def bytes_per_weight(fmt: tuple[str, int]) -> float:
+    """Bytes a weight of a CPU format (dtype, group), its scales counted (int8's per-row scale on a 4096-wide row)."""
     from cpu_kernels.dtypes import CPU_DTYPES
 
     return CPU_DTYPES[fmt[0]].bytes_per_weight(4096, fmt[1] or None)
