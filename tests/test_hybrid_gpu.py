@@ -69,8 +69,10 @@ def test_packed_weights_are_pinned_once():
     assert 0 < layer.offload.memory()["vram_staging_bytes"] <= lane.n_slots * lane.chunk * 3 * D * F_ * 2
 
 
-@pytest.mark.parametrize("cpu_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q4_k"])
 def test_quantized_ship_lane_on_gpu(cpu_dtype):
+    """The ship lane de-quantizes the CPU executor's packed bytes on the GPU (hybrid.offload.sources): the same
+    layer's output as on the CPU lane, for each quantized dtype's layout."""
     outs = []
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, D, generator=g).to(torch.bfloat16).cuda()
