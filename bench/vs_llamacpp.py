@@ -13,6 +13,8 @@ writes a table, JSON and a bar plot with the ratios. Cases (12-layer Qwen3-30B-A
     quarter-layers (not run by default) the quarter as whole layers on both sides: hybrid --resident-layers L/4
     q8_0    (not run by default) int8 as the case above, ours in llama.cpp's own Q8_0 values (int8 in blocks of 32,
             an fp16 scale each: what a Q8_0 file's experts load as)          hybrid: --cpu-dtype q8_0
+    q4_k    (not run by default) int4 as the case above, ours in llama.cpp's own Q4_K values (what a Q4_K file's
+            experts load as)                                                  hybrid: --cpu-dtype q4_k
 
 The expert VRAM matches in `quarter` (a quarter of all expert bytes) but not its layout: llama.cpp keeps whole
 layers resident, we keep the most-routed quarter of every layer; with random routers both choices see the
@@ -40,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 CASES = ("bf16", "int8", "quarter", "int4")  # the default run
-KNOWN_CASES = CASES + ("quarter-layers", "q8_0")
+KNOWN_CASES = CASES + ("quarter-layers", "q8_0", "q4_k")
 
 
 # The targets against llama.cpp on these cases: (column, case, measured key, at least). Ratios are hybrid /
@@ -198,9 +200,11 @@ def main(argv=None) -> int:
                  "quarter-layers": quarter_llama,
                  "int8": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None,
                  "q8_0": (args.gguf_q8, ["-ot", "exps=CPU"]) if args.gguf_q8 else None,
-                 "int4": [(g, ["-ot", "exps=CPU"]) for g in args.gguf_q4] or None}
+                 "int4": [(g, ["-ot", "exps=CPU"]) for g in args.gguf_q4] or None,
+                 "q4_k": [(g, ["-ot", "exps=CPU"]) for g in args.gguf_q4] or None}
     none = ["--resident", "0"]
     ours_for = {"bf16": ("bf16", none), "int8": ("int8", none), "int4": ("int4", none), "q8_0": ("q8_0", none),
+                "q4_k": ("q4_k", none),
                 "quarter": ("bf16", ["--resident", str(args.experts // 4)]),
                 "quarter-layers": ("bf16", ["--resident-layers", str(args.layers // 4)])}
     if args.rounds < 1:

@@ -336,3 +336,11 @@ def test_decode_steps_ahead_feeds_each_step_the_tokens_of_the_one_before(tmp_pat
         assert fed[0] == first and fed[1:] == nxt[:-1]
         got[ahead] = nxt
     assert got[True] == got[False]
+
+
+def test_vs_llamacpp_block_format_cases_run_ours_in_llama_cpps_own_values(tmp_path, monkeypatch):
+    """q8_0 and q4_k: ours with --cpu-dtype q8_0 / q4_k against the same Q8_0 / 4-bit files as int8 and int4."""
+    calls, _ = _vs_main(tmp_path, monkeypatch, "q8_0,q4_k", extra=["--gguf-q8", "q8.gguf", "--gguf-q4",
+                                                                    "q4_k_m.gguf"])
+    assert calls == [("llama", "q8.gguf", ["-ot", "exps=CPU"]), ("hybrid", "q8_0", ["--resident", "0"]),
+                     ("llama", "q4_k_m.gguf", ["-ot", "exps=CPU"]), ("hybrid", "q4_k", ["--resident", "0"])]
