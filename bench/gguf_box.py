@@ -50,17 +50,14 @@ def file_format(path: str, args) -> tuple[str, int, dict, str]:
     it keeps as the file's blocks) of the load."""
     from hybrid.loading.parse import gguf_cpu_format
     from hybrid.models.gguf import open_gguf, repack
-    from hybrid.models.gguf.names import expert_tensors
 
     ckpt = open_gguf(path)
     by_type = repack.expert_bytes_by_type(ckpt)
     fmt = gguf_cpu_format(path)
     dtype = args.cpu_dtype or (fmt.dtype if fmt is not None else "bf16")
     group = args.int4_group or (fmt.group if fmt is not None and fmt.group else 128)
-    cfg, have = ckpt.config, ckpt.tensors.__contains__
-    experts = {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}
     fmt = repack.cpu_format(dtype, group)
-    return dtype, group, by_type, repack.describe(repack.choose(ckpt, experts, fmt), fmt)
+    return dtype, group, by_type, repack.describe(repack.choose_file(ckpt, fmt), fmt)
 
 
 def run_hybrid(path: str, args) -> dict:

@@ -207,6 +207,12 @@ def _kpad_for(dtype: str, group_size: int) -> int:
     return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype == "q4_k" else 64
 
 
+def _layer_kpad(dtype: str, group_size: int, down_dtype: str) -> int:
+    """K padding of every row of a layer: the larger of its dtypes' (a down of its own dtype is never int4, so
+    group_size is the gate's and up's)."""
+    return max(_kpad_for(dtype, group_size), _kpad_for(down_dtype, quant.MXFP4_BLOCK))
+
+
 def _int4_order_for(isa: str, asked: str | None) -> str:
     """The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (one convert and scale
     per fold block instead of per group); the AVX2 ones gain nothing from it and lose in groups of 32, so AVX2
@@ -228,7 +234,7 @@ def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
 def _layout(isa: str, dtype: str, group_size: int, int4_order: str, F: int, topology: Topology,
             down_dtype: str | None = None) -> dict:
     down_dtype = down_dtype or dtype
-    kpad = max(_kpad_for(dtype, group_size), _kpad_for(down_dtype, quant.MXFP4_BLOCK))
+    kpad = _layer_kpad(dtype, group_size, down_dtype)
     return dict(format=PACK_FORMAT, isa=isa, dtype=dtype,
                 group_size=group_size if dtype in ("int4", "mxfp4", "q8_0", "q4_k") else 0,
                 int4_order=int4_order if dtype == "int4" else "", kpad=kpad, row_align=_ROW_ALIGN,
@@ -499,10 +505,7 @@ class CpuMoE:
             raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows, or one kind of blocks "
                              "beside them (from_mxfp4 takes blocks, from_packed packed bytes)")
         source = blocks.pop() if blocks else torch.Tensor
-        down_source = kind[2] if kind[2] not in floats else torch.Tensor
-        if down_dtype == dtype and down_source is not torch.Tensor and source not in (torch.Tensor, down_source):
-            raise ValueError("w_gate, w_up and w_down must all be float tensors or ExpertRows, or one kind of blocks "
-                             "beside them (from_mxfp4 takes blocks, from_packed packed bytes)")
+        down_source = kind[2] if kind[2] not in floats else torch.Tensor  # checked against down_dtype below
         if packer not in ("native", "torch"):
             raise ValueError(f"packer must be 'native' or 'torch', got {packer!r}")
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -780,7 +783,7 @@ class CpuMoE:
 
     def _kpad(self) -> int:
         """K padding of every row of the layer (the larger of its dtypes' when the down has its own)."""
-        return max(_kpad_for(dt, self._group(dt)) for dt in (self.dtype, self.down_dtype))
+        return _layer_kpad(self.dtype, self.group_size, self.down_dtype)
 
     # The PyTorch reference quantizes experts per chunk, so packing a layer needs fp32 staging for 8 experts, not
     # for all E (the compiled packer stages one row per thread).

@@ -23,7 +23,7 @@ from cpu_kernels import CpuMoE, _native, moe as moe_mod, quant
 from cpu_kernels.reference import moe_forward
 from test_cpu_moe import COMPILED, EMU, TOL, ragged_routing, rel_err
 from test_cpu_moe_bias import fused_knob  # noqa: F401 (a fixture)
-from test_cpu_mxfp4 import biases, emulated, topology
+from test_cpu_mxfp4 import biases, both_paths, emulated, topology
 
 E = 6
 ISAS = [i for i in COMPILED if i != "amx"] + EMU
@@ -66,18 +66,6 @@ FORMATS = {
                 q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
 }
 FMTS = list(FORMATS)
-
-
-def both_paths(moe, x, ids, w, fused_knob):
-    """forward on the fused (decode) and the phased path, into NaN-prefilled outputs."""
-    outs = []
-    for fused in (1, 0):
-        fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
-        out = torch.full(x.shape, float("nan"), dtype=x.dtype)
-        assert moe.forward(x, ids, w, out=out).data_ptr() == out.data_ptr()
-        assert torch.isfinite(out).all(), fused
-        outs.append(out)
-    return outs
 
 
 def floats(fmt, seed=0, e=E, f=None, d=None, scale=1.0):

@@ -60,7 +60,7 @@ def both_paths(moe, x, ids, w, fused_knob):
     outs = []
     for fused in (1, 0):
         fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
-        out = torch.full((x.shape[0], D), float("nan"), dtype=x.dtype)
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype)
         assert moe.forward(x, ids, w, out=out).data_ptr() == out.data_ptr()
         assert torch.isfinite(out).all(), fused
         outs.append(out)

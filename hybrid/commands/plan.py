@@ -138,13 +138,10 @@ def build_plan(args):
         else:
             mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
         settings = replace(settings, memory=mem)
-    from hybrid.models.gguf import is_gguf
+    if not args.preset:  # a GGUF file's layers whose down the load puts in a dtype of its own
+        from hybrid.loading.check import gguf_down_dtypes
 
-    if not args.preset and is_gguf(model_dir):  # layers whose down the load puts in a dtype of its own
-        from hybrid.models.checkpoints import open_cached
-        from hybrid.models.gguf.repack import cpu_format, down_dtypes
-
-        mem = replace(mem, down_dtypes=down_dtypes(open_cached(model_dir), cpu_format(mem.cpu_dtype, mem.group)))
+        mem = replace(mem, down_dtypes=gguf_down_dtypes(model_dir, mem.cpu_dtype, mem.group))
     from placement.gpu_dtypes import checkpoint_kind, choose
 
     mem = replace(mem, gpu_dtypes=choose(cfg, mem, settings.gpu_budget, args.gpu_dtype, checkpoint_kind(raw)))

@@ -192,14 +192,16 @@ def expert_bytes_by_type(ckpt: GgufCheckpoint) -> dict[str, int]:
     return out
 
 
+def choose_file(ckpt: GgufCheckpoint, fmt: tuple[str, int]) -> dict[int, LayerChoice]:
+    """choose over every MoE layer of the file (the expert tensors it has)."""
+    cfg, have = ckpt.config, ckpt.tensors.__contains__
+    return choose(ckpt, {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}, fmt)
+
+
 def down_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int]) -> tuple[str, ...]:
     """The CPU dtype of each MoE layer's down that gets one of its own under the load's format (down_format), one
-    entry per such layer: what `hybrid plan` prices beside the layers' format."""
-    from hybrid.models.gguf.names import expert_tensors
-
-    cfg, have = ckpt.config, ckpt.tensors.__contains__
-    experts = {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}
-    return tuple(c.down[0] for c in choose(ckpt, experts, fmt).values() if c.down is not None)
+    entry per such layer: what `hybrid plan` and the DRAM check price beside the layers' format."""
+    return tuple(c.down[0] for c in choose_file(ckpt, fmt).values() if c.down is not None)
 
 
 class DefaultFormat(NamedTuple):
