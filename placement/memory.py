@@ -241,7 +241,10 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * kv_value_bytes(s.kv_dtype, gb)
     dense = 3 * D * F * gb
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
-    raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else packed
+    # raw staging holds the largest layout of any layer (a layer whose down has a dtype of its own differs)
+    own_down = max((down_bytes(D, F, d, s.node_threads, s.group) for d in s.down_dtypes), default=0)
+    raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else \
+        max(packed, packed - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group) + own_down)
     staging = s.staging_slots * s.ship_chunk * (dense + raw)
     # Decode graphs: one private pool sized by the largest bucket B; within a captured step a layer's
     # temporaries are freed before the next layer's, so the peak is about one layer's worth: q/k/v and

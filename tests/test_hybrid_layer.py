@@ -14,6 +14,7 @@ from hybrid.offload.experts import add_resident_captured
 from placement.cost_model import ExpertShape
 from placement.hardware import BUILTIN_PROFILES
 from placement.measure import torch_expert
+from placement.memory import down_bytes, packed_expert_bytes
 from placement.schedule import LayerScheduler
 
 E, D, F_, K = 8, 96, 80, 2  # D, F not multiples of the kernels' tiles
@@ -103,6 +104,41 @@ def test_quantized_cpu_dtype_same_function_on_every_lane(cpu_dtype):
     g, u, d = layer.expert_weights(3)
     assert g.shape == (F_, D) and d.shape == (D, F_)
     assert (g - wg[3]).abs().max() <= wg[3].abs().max() / (7 if cpu_dtype == "int4" else 127) * 0.51 + 1e-6
+
+
+@pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])  # ref holds plain floats
+def test_ship_lane_serves_layers_of_different_layouts(isa):
+    """Layers whose experts sit in different packed layouts (a GGUF file's layer whose down keeps a dtype of its
+    own) share one ship lane: chunks of one layer are staged and de-quantized in that layer's layout, chunks of the
+    next in its own, the raw staging grows to the larger layout once, and every layer's shipped result is its CPU
+    lane's."""
+    ids, w = routing(40, seed=3)
+    x = torch.randn(40, D).to(torch.bfloat16).float()
+    downs = (None, "int8", None)  # the int8 down is the larger layout, met second
+    outs = {}
+    for strategy in ("cpu", "ship"):
+        shape = ExpertShape("test", hidden=4096, intermediate=1536, num_experts=E, topk=K)
+        off = Offload("cpu", torch.float32, LayerScheduler(shape, AMX_BOX, strategy), cpu_dtype="int4",
+                      cpu_isa=isa, staging_slots=2, ship_chunk=3, group_size=32)
+        wg, wu, wd = bf16_weights()
+        layers = [HybridExperts(i, wg, wu, wd, off, down_dtype=d) for i, d in enumerate(downs)]
+        outs[strategy] = [layer(x, ids, w) for layer in layers] + [layers[0](x, ids, w)]
+        if strategy == "ship":
+            assert all(layer.stats.shipped_experts > 0 for layer in layers)
+            lane = off.ship_lane
+            assert len(lane._layouts) == 2
+            big = max(layout.nbytes for layout in lane._layouts.values())
+            dense = 3 * F_ * D * 4
+            assert lane._raw_cap == big and lane.vram_bytes == 2 * 3 * (dense + big)
+            # ...which the planner's price of a staged expert's raw bytes covers (placement.memory.breakdown: the
+            # executor's bytes, a few per-row extras more than the lane stages)
+            priced = packed_expert_bytes(D, F_, "int4", [1], 32) - down_bytes(D, F_, "int4", [1], 32) \
+                + down_bytes(D, F_, "int8", [1], 32)
+            assert big <= priced < 1.05 * big
+    for layer_i, (a, b) in enumerate(zip(outs["ship"], outs["cpu"])):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 2e-2, (layer_i, rel)  # the CPU kernels quantize activations on the fly
+    assert not torch.equal(outs["ship"][0], outs["ship"][1])  # the int8 down is another function than int4's
 
 
 @pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])

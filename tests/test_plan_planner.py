@@ -420,3 +420,23 @@ def test_expert_biases_counted_in_vram_by_plan_and_runtime(tmp_path):
     staging = lane.n_slots * lane.chunk * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
     assert fixed_vram(model, 0, off) == params + held + staging
     assert expert_bias_bytes(model_cfg(experts=8, topk=2, layers=2)) == 0  # no biases, nothing added
+
+
+def test_staging_is_priced_at_the_largest_layer_layout():
+    """A layer whose down keeps a wider dtype of its own (a Q4_K_M file's Q6_K downs held as int8) widens every
+    staging sub-slot of the shared ship lane to its layout: the planner prices the staging there; a narrower
+    down of its own changes nothing."""
+    from placement.memory import down_bytes
+
+    raw = hf_config("qwen3-30b-a3b", layers=2)  # F 768: no K padding for q4_k's 256-value super-blocks
+    cfg = family_for(raw).parse_config(raw)
+    D, F = cfg.hidden_size, cfg.expert_intermediate_size
+    mem = MemorySettings(max_context=64, reserve=0, cpu_dtype="q4_k", staging_slots=2, ship_chunk=3)
+    base = breakdown(cfg, mem).staging
+    wider = breakdown(cfg, replace(mem, down_dtypes=("int8",))).staging
+    grow = down_bytes(D, F, "int8", (1,)) - down_bytes(D, F, "q4_k", (1,))
+    assert grow > 0 and wider - base == 2 * 3 * grow
+    assert breakdown(cfg, replace(mem, down_dtypes=("int8", "q8_0"))).staging == base + 2 * 3 * max(
+        grow, down_bytes(D, F, "q8_0", (1,)) - down_bytes(D, F, "q4_k", (1,)))
+    narrow = replace(mem, cpu_dtype="int8", down_dtypes=("q4_k",))
+    assert breakdown(cfg, narrow).staging == breakdown(cfg, replace(narrow, down_dtypes=())).staging

@@ -99,14 +99,49 @@ class CpuLane:
         return future.result().to(self.device, non_blocking=True)
 
 
+_ALIGN = 64  # byte offset of each matrix's bytes within a sub-slot's raw buffer
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one layer's packed experts sit in a staging sub-slot. Layers may differ (a GGUF file's layers keep
+    their own formats, e.g. Q4_K_M's Q6_K downs go to int8 in some layers only): each layout is carved out of
+    the same raw byte buffers, sized to the largest layout seen."""
+
+    direct: bool  # the packed bytes are the dense weights: copied straight into the dense chunk, no raw bytes
+    one_copy: bool  # ...and the executor keeps an expert's three matrices back to back (one copy per expert)
+    parts: tuple  # per node, per matrix: ((offset, shape, dtype) of q, (offset, shape, dtype) of scale | None)
+    nbytes: int  # raw bytes one expert takes (0 when direct)
+
+
 @dataclass
 class _Slot:
-    raw: list  # per sub-slot (expert), per node, per matrix: (q buffer, scale buffer | None) on the device
+    raw: list  # per sub-slot (expert): a uint8 buffer on the device holding one expert's packed bytes
     dense: list  # (gate [c, F, D], up [c, F, D], down [c, D, F]) in the compute dtype, filled by decode
     ready: object  # torch.cuda.Event | None
     free: object
     experts: list  # experts held, in sub-slot order
     block: torch.Tensor | None = None  # one-copy layout: [c, 3 F D], dense are views of it
+    layout: _Layout | None = None  # the layout of the experts held (set by fetch)
+    views: dict | None = None  # layout -> per sub-slot, per node, per matrix: (q view, scale view | None)
+
+
+def _layout(sources: list[NodeSlice], dtype: torch.dtype) -> _Layout:
+    direct = (len(sources) == 1 and all(m.kind in ("bf16", "plain") and m.q.dtype == dtype
+                                        and tuple(m.q.shape[1:]) == (m.rows, m.k) for m in sources[0].mats()))
+    if direct:
+        return _Layout(True, sources[0].whole_block(), (), 0)
+    off, parts = 0, []
+
+    def place(t: torch.Tensor):
+        nonlocal off
+        at = off
+        off += -(-t[0].numel() * t.element_size() // _ALIGN) * _ALIGN
+        return at, tuple(t.shape[1:]), t.dtype
+
+    for ns in sources:
+        parts.append(tuple((place(m.q), None if m.scale is None else place(m.scale)) for m in ns.mats()))
+    return _Layout(False, False, tuple(parts), off)
 
 
 class ShipLane:
@@ -125,58 +160,90 @@ class ShipLane:
         self.n_slots, self.chunk = n_slots, chunk
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._slots: list[_Slot] | None = None
-        self._layout = None
+        self._layouts: dict = {}  # a layer's layout key -> _Layout
+        self._dense = None  # (dims, dtype) the dense chunks were made for
+        self._raw_cap = 0  # bytes of each sub-slot's raw buffer
         self._next = 0
         self.vram_bytes = 0
+        self.direct = self.one_copy = False  # those of the layout fetched last
 
     def _alloc(self, shape, dtype):
         t = torch.empty(shape, dtype=dtype, device=self.device)
         self.vram_bytes += t.numel() * t.element_size()
         return t
 
-    def _ensure(self, sources: list[NodeSlice], dims, dtype) -> None:
-        layout = ([tuple((tuple(m.q.shape[1:]), m.q.dtype, None if m.scale is None else
-                          (tuple(m.scale.shape[1:]), m.scale.dtype)) for m in ns.mats()) for ns in sources], dims, dtype)
-        if layout == self._layout:
-            return
-        if self._layout is not None:
-            raise ValueError("all hybrid layers of a model must share one packed expert layout")
-        self._layout = layout
+    def _ensure(self, sources: list[NodeSlice], dims, dtype) -> _Layout:
+        key = tuple(tuple((tuple(m.q.shape[1:]), m.q.dtype, m.kind, None if m.scale is None else
+                           (tuple(m.scale.shape[1:]), m.scale.dtype)) for m in ns.mats()) for ns in sources)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _layout(sources, dtype)
+        if self._slots is None:
+            self._make_slots(layout, dims, dtype)
+        elif self._dense != (tuple(dims), dtype):
+            raise ValueError(f"the ship lane's experts are {self._dense[0]} in {self._dense[1]}; a layer with "
+                             f"{tuple(dims)} in {dtype} cannot share it")
+        if layout.nbytes > self._raw_cap:
+            self._grow_raw(layout.nbytes)
+        self.direct = layout.direct
+        self.one_copy = layout.one_copy and self._slots[0].block is not None
+        return layout
+
+    def _make_slots(self, layout: _Layout, dims, dtype) -> None:
         F_, D = dims
-        # bf16 packed weights without padding on one node are the dense weights: decode is a view.
-        self.direct = (len(sources) == 1 and all(m.kind in ("bf16", "plain") and m.q.dtype == dtype
-                                                 and tuple(m.q.shape[1:]) == (m.rows, m.k) for m in sources[0].mats()))
-        # ...and when the executor keeps an expert's three matrices back to back, one copy moves the expert
-        # into a staging block whose slices are the dense chunk (the grouped GEMM reads strided views)
-        self.one_copy = self.direct and sources[0].whole_block()
+        self._dense = (tuple(dims), dtype)
         slots = []
         for _ in range(self.n_slots):
             block = None
-            if self.one_copy:
+            if layout.one_copy:
                 block = self._alloc((self.chunk, 3 * F_ * D), dtype)  # [c, gate | up | down]
                 dense = [block[:, :F_ * D].view(self.chunk, F_, D), block[:, F_ * D:2 * F_ * D].view(self.chunk, F_, D),
                          block[:, 2 * F_ * D:].view(self.chunk, D, F_)]
             else:
                 dense = [self._alloc((self.chunk, F_, D), dtype), self._alloc((self.chunk, F_, D), dtype),
                          self._alloc((self.chunk, D, F_), dtype)]
-            raw = []
-            if not self.direct:
-                for _ in range(self.chunk):
-                    raw.append([[(self._alloc(m.q.shape[1:], m.q.dtype),
-                                  None if m.scale is None else self._alloc(m.scale.shape[1:], m.scale.dtype))
-                                 for m in ns.mats()] for ns in sources])
             ev = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else (None, None)
-            slots.append(_Slot(raw, dense, *ev, [], block))
+            slots.append(_Slot([], dense, *ev, [], block, views={}))
         self._slots = slots
+
+    def _grow_raw(self, nbytes: int) -> None:
+        """Raw buffers of `nbytes` per sub-slot. Growing after use waits for every copy and compute that may
+        still read the old buffers (a model whose layers differ in layout grows once per larger layout)."""
+        if self._raw_cap and self.cuda:
+            torch.cuda.synchronize(self.device)
+        for slot in self._slots:
+            self.vram_bytes -= sum(b.numel() for b in slot.raw)
+            slot.raw = [self._alloc((nbytes,), torch.uint8) for _ in range(self.chunk)]
+            slot.views = {}
+        self._raw_cap = nbytes
+
+    def _views(self, slot: _Slot, layout: _Layout) -> list:
+        """Per sub-slot, per node, per matrix: (q, scale | None) views of the slot's raw buffers in `layout`."""
+        v = slot.views.get(layout)
+        if v is None:
+            def view(buf, part):
+                if part is None:
+                    return None
+                off, shape, dt = part
+                n = dt.itemsize
+                for d in shape:
+                    n *= d
+                return buf[off:off + n].view(dt).view(shape)
+
+            v = slot.views[layout] = [[[(view(buf, q), view(buf, sc)) for q, sc in node] for node in layout.parts]
+                                      for buf in slot.raw]
+        return v
 
     def fetch(self, sources: list[NodeSlice], experts: list[int], dims, dtype):
         """Start copying up to `chunk` experts' packed weights into the next slot; returns the slot."""
         if len(experts) > self.chunk:
             raise ValueError(f"at most {self.chunk} experts per chunk")
-        self._ensure(sources, dims, dtype)
+        layout = self._ensure(sources, dims, dtype)
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.n_slots
-        slot.experts = list(experts)
+        slot.experts, slot.layout = list(experts), layout
+        raw = None if layout.direct else self._views(slot, layout)
+        one_copy = layout.one_copy and slot.block is not None
         if self.cuda:
             self.copy_stream.wait_event(slot.free)  # the compute that last read this slot is done
             ctx = torch.cuda.stream(self.copy_stream)
@@ -184,14 +251,14 @@ class ShipLane:
             ctx = contextlib.nullcontext()
         with ctx:
             for j, e in enumerate(experts):
-                if self.one_copy:
+                if one_copy:
                     slot.block[j].copy_(sources[0].block[e].view(slot.block.dtype), non_blocking=self.cuda)
                     continue
-                if self.direct:
+                if layout.direct:
                     for m, dst in zip(sources[0].mats(), slot.dense):
                         dst[j].copy_(m.q[e], non_blocking=self.cuda)
                     continue
-                for ns, mats in zip(sources, slot.raw[j]):
+                for ns, mats in zip(sources, raw[j]):
                     for m, (q, s) in zip(ns.mats(), mats):
                         q.copy_(m.q[e], non_blocking=self.cuda)
                         if s is not None:
@@ -205,9 +272,10 @@ class ShipLane:
         if self.cuda:
             torch.cuda.current_stream().wait_event(slot.ready)
         c = len(slot.experts)
-        if not self.direct:  # de-quantize / un-pad each node's slice into the dense chunk
+        if not slot.layout.direct:  # de-quantize / un-pad each node's slice into the dense chunk
+            raw = self._views(slot, slot.layout)
             for j in range(c):
-                for ns, mats in zip(sources, slot.raw[j]):
+                for ns, mats in zip(sources, raw[j]):
                     f = slice(ns.f0, ns.f1)
                     for i, (m, (q, s)) in enumerate(zip(ns.mats(), mats)):
                         w = m.decode(q, s, dtype)
