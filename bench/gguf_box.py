@@ -6,8 +6,9 @@
 For each file:
   hybrid     `hybrid --model X.gguf` as a user runs it: the CPU experts in the format the file's expert blocks
              default to (the exact one where there is one: q8_0 for Q8_0, q4_k for Q4_K, int4 in groups of 32 for
-             Q4_0; --cpu-dtype overrides), every expert in DRAM (no resident expert), then bench.hybrid_e2e's
-             measurements on the loaded model: prefill and decode tok/s against the roofline of the bytes the
+             Q4_0; --cpu-dtype overrides), every expert in DRAM (no resident expert), the default scheduler
+             (the cost model ships a large prefill's experts to the GPU), then bench.hybrid_e2e's measurements
+             on the loaded model: prefill and decode tok/s against the roofline of the bytes the
              executor holds (bench.deepseek_box.run_box, which also reports the load's time and memory);
   llama.cpp  llama-bench on the same file with every expert on the CPU (-ot exps=CPU, -ngl 99): decode of 32
              tokens, and a prefill of each --prefill length (without --llama-bench: hybrid only).
@@ -67,12 +68,12 @@ def run_hybrid(path: str, args) -> dict:
     box = argparse.Namespace(ckpt=path, layers=None, config=None, cpu_dtype=dtype, cpu_group=group,
                              profile=args.profile, isa=args.isa, cpu_threads=args.cpu_threads, resident=0,
                              graphs=torch.cuda.is_available(), prefill=args.prefill, decode_batch=args.decode_batch,
-                             steps=args.steps, strategies=["cpu"], out=args.out)
+                             steps=args.steps, strategies=["cost"], out=args.out)
     res = run_box(box, Path(path).name, "")
     r = res["results"][0]
     keep = {k: v for k, v in r.items() if k.startswith(("decode_b", "prefill_")) and not isinstance(v, dict)}
     return dict(cpu_dtype=dtype, int4_group=group if dtype == "int4" else None, expert_bytes_by_type=by_type,
-                experts_kept=kept, load=res["load"], header=res.get("header"), **keep)
+                experts_kept=kept, load=res["load"], header=res.get("header"), strategy=r["strategy"], **keep)
 
 
 def run_llama(path: str, args) -> dict:

@@ -27,6 +27,7 @@ def test_each_file_loads_in_its_own_format_and_is_measured(tmp_path):
     for row, kind in ((q8, "Q8_0"), (q4, "Q4_0")):
         h = row["hybrid"]
         assert set(h["expert_bytes_by_type"]) == {kind} and "llama" not in row
+        assert h["strategy"] == "cost"  # the scheduler a user's run gets
         assert "repacked losslessly" in h["experts_kept"] and "de-quantized" not in h["experts_kept"]
         assert h["decode_b1_tok_s"] > 0 and h["prefill_32_tok_s"] > 0 and h["load"]["dram_expert_bytes"] > 0
     # the executor holds the file's bytes: q8_0 8.5 bits a weight, int4 in groups of 32 5 bits (fp32 scales)
