@@ -39,6 +39,15 @@ q4_k: llama.cpp's Q4_K values: rows in super-blocks of 256 values, each 8 sub-bl
       file's. Rows are zero padded to a multiple of 256 values (an all-zero head: d = dmin = 0). quantize_q4_k is a
       round-to-nearest quantizer (per sub-block the range [min(w, 0), max(w)] over 15 steps, then the scales and
       minimums to 6 bits against the super-block's largest), not llama.cpp's search for the best scales.
+q6_k: llama.cpp's Q6_K values: rows in super-blocks of 256 values, each 16 groups of 16 with an int8 scale sc, and
+      per super-block an fp16 d: w = d sc (q - 32), q in 0..63. Packed as the file holds a super-block: values uint8
+      [..., R, K/256 * 192] (per super-block 128 bytes ql of low nibbles, then 64 bytes qh of high bit pairs; in each
+      half of 128 values, value l < 32 is ql[l]'s low nibble under qh[l]'s bits 0-1, l + 32 ql[l + 32]'s low nibble
+      under bits 2-3, l + 64 ql[l]'s high nibble under bits 4-5, l + 96 ql[l + 32]'s high nibble under bits 6-7) and
+      heads uint8 [..., R, K/256, 18]: the 16 scales, then d; 6.5625 bits a weight as the file's. Rows are zero padded
+      to a multiple of 256 values (an all-zero head). quantize_q6_k rounds to nearest (per group the scale
+      max|w| / 31, rounded up to an int8 multiple of the super-block's d = the largest / 127, so no value clips), not
+      llama.cpp's search for the best scales.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
@@ -47,6 +56,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       quantize_int4 to +-7.
   Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
   Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
+  Q6_K: 210 bytes per 256 values, ql, qh, the scales, then d: q6_k above exactly (q6_k_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -280,6 +290,76 @@ def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                          f"{tuple(raw.shape)}")
     *lead, G, _ = raw.shape
     return raw[..., Q4_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(), raw[..., :Q4_K_HEAD_BYTES].contiguous()
+
+
+Q6_K_HEAD_BYTES = 18  # 16 int8 scales, then fp16 d
+Q6_K_VALUE_BYTES = 192  # ql (128) and qh (64) of a super-block
+Q6_K_BLOCK_BYTES = 210  # GGUF Q6_K: ql, qh, scales, d
+
+
+def q6_k_codes(values: torch.Tensor) -> torch.Tensor:
+    """values uint8 [..., R, K/256 * 192] -> the 6-bit codes q uint8 [..., R, K] (0..63), in value order."""
+    *lead, B = values.shape
+    v = values.reshape(*lead, B // Q6_K_VALUE_BYTES, Q6_K_VALUE_BYTES)
+    ql = v[..., :128].reshape(*v.shape[:-1], 2, 64)  # super-block, half: 64 bytes of ql, 32 of qh
+    qh = v[..., 128:].reshape(*v.shape[:-1], 2, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], -1)  # [.., 2, 128]: values l, l + 32 (low nibbles), l + 64, l + 96 (high)
+    pairs = torch.stack([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], -2)  # [.., 2, 4, 32]
+    return (low | (pairs.reshape(*low.shape) << 4)).reshape(*lead, B // 3 * 4)
+
+
+def _q6_k_bytes(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of q6_k_codes: codes uint8 [..., R, K] (0..63) -> values uint8 [..., R, K/256 * 192]."""
+    *lead, K = q.shape
+    h = q.reshape(*lead, K // QK_K, 2, 4, 32)  # super-block, half, quarter, l
+    ql = torch.cat([(h[..., 0, :] & 0x0F) | ((h[..., 2, :] & 0x0F) << 4),
+                    (h[..., 1, :] & 0x0F) | ((h[..., 3, :] & 0x0F) << 4)], -1)  # [.., 2, 64]
+    qh = (h[..., 0, :] >> 4) | ((h[..., 1, :] >> 4) << 2) | ((h[..., 2, :] >> 4) << 4) | ((h[..., 3, :] >> 4) << 6)
+    return torch.cat([ql.flatten(-2), qh.flatten(-2)], -1).reshape(*lead, K // QK_K * Q6_K_VALUE_BYTES)
+
+
+def q6_k_scales(heads: torch.Tensor) -> torch.Tensor:
+    """heads uint8 [..., 18] -> d * sc fp32 [..., 16], each 16-value group's scale (exact in fp32)."""
+    d = heads[..., 16:18].contiguous().view(torch.float16)[..., 0].float()
+    return d[..., None] * heads[..., :16].contiguous().view(torch.int8).float()
+
+
+def dequantize_q6_k(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 192], heads uint8 [..., R, K/256, 18]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes Q6_K: d sc (q - 32) per 16 values."""
+    q = q6_k_codes(values)
+    *lead, K = q.shape
+    S = q6_k_scales(heads).reshape(*lead, K // 16, 1)
+    return (S * (q.float().reshape(*lead, K // 16, 16) - 32.0)).reshape(*lead, K)
+
+
+def quantize_q6_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (values uint8 [..., R, K/256 * 192], heads uint8 [..., R, K/256, 18]) (module
+    doc: round to nearest; each value rounded against the scale the head holds)."""
+    *lead, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"q6_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
+    b = w.float().reshape(*lead, K // QK_K, 16, 16)
+    step = b.abs().amax(-1) / 31.0  # [.., G, 16]
+    d = (step.amax(-1) / 127.0).clamp(max=65504.0).half()
+    df = d.float()[..., None]
+    # scales rounded up: a group's largest magnitude stays within 31 steps (a scale rounded down would clip it)
+    sc = torch.where(df > 0, torch.ceil(step / df.clamp(min=1e-30)), 0.0).clamp(0, 127)
+    S = (df * sc)[..., None]
+    q = torch.where(S > 0, torch.round(b / S.clamp(min=1e-30)), 0.0).clamp(-32, 31) + 32
+    heads = torch.cat([sc.to(torch.int8).view(torch.uint8), d[..., None].contiguous().view(torch.uint8)], -1)
+    return _q6_k_bytes(q.to(torch.uint8).reshape(*lead, K)), heads
+
+
+def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q6_K blocks raw uint8 [..., R, G, 210] (any strides) -> (values uint8 [..., R, G * 192], heads uint8
+    [..., R, G, 18]): q6_k's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q6_K_BLOCK_BYTES:
+        raise ValueError(f"Q6_K blocks must be uint8 [..., K/256, {Q6_K_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., :Q6_K_VALUE_BYTES].reshape(*lead, G * Q6_K_VALUE_BYTES).contiguous(),
+            raw[..., Q6_K_VALUE_BYTES:].contiguous())
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

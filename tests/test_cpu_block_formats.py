@@ -1,15 +1,16 @@
 """The CPU executor's block formats of llama.cpp's types against the pure-torch reference, for every ISA here and the
 emulated AMX build, and GGUF blocks of those types packed as they are:
   q8_0: int8 in blocks of 32 along K with an fp16 scale each (Q8_0);
-  q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K).
+  q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K);
+  q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
 kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
 before down), the one int8 and int4 make, so TOL["int8"] (test_cpu_moe.py) bounds it; a second, tight check
 emulates that rounding and leaves only fp32 summation order.
 
-Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k D = 512
-and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
+Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k and
+q6_k D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
 padded to whole blocks before quantizing). Ragged routing (experts with 0, 1, 7, 300 tokens), outputs NaN-filled.
 """
 
@@ -59,11 +60,18 @@ def q4k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
 
 
+def q6k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/256 * 192], heads [..., K/256, 18]) -> GGUF Q6_K blocks uint8 [..., K/256, 210]."""
+    return torch.cat([v.reshape(*h.shape[:-1], 192), h], -1).contiguous()
+
+
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
     "q4_k": Fmt("q4_k", 256, 144, 768, 512, 0.5625, quant.quantize_q4_k, quant.dequantize_q4_k, quant.q4_k_parts,
                 q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
+    "q6_k": Fmt("q6_k", 256, 210, 768, 512, 0.8203125, quant.quantize_q6_k, quant.dequantize_q6_k, quant.q6_k_parts,
+                q6k_raw, CpuMoE.from_q6_k, "Q6_K"),
 }
 FMTS = list(FORMATS)
 
@@ -84,10 +92,25 @@ def plain(fmt, ws):
     return out
 
 
+def grid_parts(fmt, w, rounds=8):
+    """The format's parts of w, re-quantized from their own values until that gives them back: blocks whose values the
+    quantizer maps to themselves. q8_0's and q4_k's quantizers do so at once; q6_k's can lower a group's scale once
+    or twice first (its scales are rounded up from the group's largest magnitude, which its own values may not
+    reach)."""
+    parts = fmt.quantize(w)
+    for _ in range(rounds):
+        again = fmt.quantize(fmt.dequantize(*parts))
+        if all(torch.equal(a, b) for a, b in zip(again, parts)):
+            return parts
+        parts = again
+    raise AssertionError(f"{fmt.name}: no fixed point in {rounds} rounds")
+
+
 def random_blocks(fmt, seed, e=E, f=None, d=None):
     """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
     quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
-    scale and minimum, d and dmin over 2^-16 .. 2^-8."""
+    scale and minimum, d and dmin over 2^-16 .. 2^-8; q6_k every 6-bit value and every int8 scale (-128 included), d
+    over 2^-16 .. 2^-8."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -98,6 +121,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-14, -4, (*shape[:2], G), generator=g) *
                   (1 + torch.rand(*shape[:2], G, generator=g))).half()
             raws.append(q8_raw(q, dd))
+        elif fmt.name == "q6_k":
+            v = torch.randint(0, 256, (*shape[:2], G * 192), dtype=torch.uint8, generator=g)
+            sc = torch.randint(-128, 128, (*shape[:2], G, 16), dtype=torch.int8, generator=g)
+            dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                  (1 + torch.rand(*shape[:2], G, 1, generator=g))).half()
+            raws.append(q6k_raw(v, torch.cat([sc.view(torch.uint8), dd.view(torch.uint8)], -1)))
         else:
             p = torch.randint(0, 256, (*shape[:2], shape[2] // 2), dtype=torch.uint8, generator=g)
             dd, dm = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G), generator=g) *
@@ -143,6 +172,41 @@ def test_q4_k_quantize_roundtrip_and_format():
     d, dm = torch.rand(2, 7, generator=g).half(), torch.rand(2, 7, generator=g).half()
     S, M = quant.q4_k_scales(quant.pack_q4_k_heads(d, dm, sc, mn))  # the 6-bit packing round-trips
     assert torch.equal(S, d.float()[..., None] * sc.float()) and torch.equal(M, dm.float()[..., None] * mn.float())
+
+
+def test_q6_k_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 1, 512)
+    v, h = quant.quantize_q6_k(w)
+    assert v.dtype == h.dtype == torch.uint8 and v.shape == (3, 5, 384) and h.shape == (3, 5, 2, 18)
+    q = quant.q6_k_codes(v)
+    assert int(q.max()) <= 63 and torch.equal(quant._q6_k_bytes(q), v)  # the 6-bit codes pack back to the bytes
+    sc = h[..., :16].contiguous().view(torch.int8)
+    assert int(sc.min()) >= 0 and int(sc.amax(-1).min()) == 127  # each super-block's largest scale is 127
+    S = quant.q6_k_scales(h).repeat_interleave(16, -1).reshape(w.shape)
+    back = quant.dequantize_q6_k(v, h)
+    assert ((back - w).abs() <= 0.5 * S * 1.01 + 1e-7).all()  # within half a step of its group's grid
+    zero = quant.quantize_q6_k(torch.zeros(1, 256))
+    assert not quant.dequantize_q6_k(*zero).any() and not zero[1].any()
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_q6_k(torch.zeros(2, 320))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q6_k_blocks_refuse_a_non_finite_scale_on_the_torch_packer(isa):
+    """Q6_K blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested beside the other types): a
+    block whose fp16 d is NaN or Inf stops the packing as a non-finite weight of its expert, as the compiled packer
+    does."""
+    fm = FORMATS["q6_k"]
+    raws = random_blocks(fm, 23, e=3)
+    a, b = (fm.from_blocks(*raws, isa=isa, packer=p) for p in ("torch", "native"))
+    assert a.packed_state().keys() == b.packed_state().keys()
+    assert all(torch.equal(a.packed_state()[k], b.packed_state()[k]) for k in a.packed_state())  # the same bytes
+    for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
+        down = raws[2].clone()
+        down[1, 5, 0, 208:210] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
+            fm.from_blocks(raws[0], raws[1], down, isa=isa, packer="torch")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -227,7 +291,7 @@ def test_gguf_blocks_are_the_dtype_bit_for_bit(fmt, isa, nodes, fused_knob):
     blocks for values it quantized itself), and strided views of a fused gate_up == its halves."""
     fm = FORMATS[fmt]
     ws = floats(fm, seed=12)
-    parts = [fm.quantize(w) for w in ws]
+    parts = [grid_parts(fm, w) for w in ws]
     raws = [fm.to_raw(*p) for p in parts]
     vals = [fm.dequantize(*p) for p in parts]
     for v, p in zip(vals, parts):
@@ -257,7 +321,7 @@ def test_a_layer_of_blocks_and_floats(fmt, isa, fused_knob):
     stand for (which the dtype gives back exactly)."""
     fm = FORMATS[fmt]
     ws = floats(fm, seed=23)
-    parts = [fm.quantize(w) for w in ws]
+    parts = [grid_parts(fm, w) for w in ws]
     vals = [fm.dequantize(*p) for p in parts]
     raws = [fm.to_raw(*p) for p in parts]
     down = moe_mod.ExpertChunks(lambda e0, e1: vals[2][e0:e1], vals[2].shape)
@@ -300,7 +364,8 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            got = fm.to_raw(p["q"][:, :rows, :k // (2 if fmt == "q4_k" else 1)], p["scale"][:, :rows, :k // fm.block])
+            cols = {"q4_k": k // 2, "q6_k": k // 4 * 3}.get(fmt, k)  # the q bytes of k values
+            got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
             assert src.whole_block()
@@ -353,8 +418,8 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, MXFP4"):
-        moe_mod.gguf_blocks("w", raws[0], "Q6_K")
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, Q6_K, MXFP4"):
+        moe_mod.gguf_blocks("w", raws[0], "Q5_K")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -383,11 +448,12 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
-@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2)], ids=["q8_0-d", "q4_k-d", "q4_k-dmin"])
+@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q6_k", 208)],
+                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q6_k-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
-    or dmin) is NaN or Inf stops it as a non-finite weight of its expert."""
+    or dmin; q6_k: the head's last two bytes) is NaN or Inf stops it as a non-finite weight of its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)

@@ -10,7 +10,7 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -23,7 +23,8 @@ typedef struct {
   const float* scale;    // int8: [E, rows_p] per output channel; int4: [E, rows_p, ldk/group]; mxfp4: uint8
                          // shared exponents [E, rows_p, ldk/32] (read through mx4_exps; s_estride in bytes);
                          // q8_0: fp16 [E, rows_p, ldk/32] (read through q8_scales; s_estride in fp16 values);
-                         // q4_k: uint8 heads [E, rows_p, ldk/256, 16] (read through q4k_heads; s_estride in bytes)
+                         // q4_k: uint8 heads [E, rows_p, ldk/256, 16] (read through q4k_heads; s_estride in bytes);
+                         // q6_k: uint8 heads [E, rows_p, ldk/256, 18] (read through q6k_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -216,6 +217,16 @@ inline float f16_to_f32(uint16_t h) {
 inline const uint8_t* q4k_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 16;
 }
+// q6_k (cpu_kernels/quant.py, module doc): per 256-value super-block of a row 192 bytes of 6-bit values as llama.cpp's
+// Q6_K holds them (128 bytes of low nibbles ql, then 64 bytes of high bit pairs qh; w [rows_p, ldk * 3 / 4]) and an
+// 18-byte head [rows_p, ldk/256, 18]: 16 int8 scales sc, one per 16 values, then fp16 d; w = d sc (q - 32), q in
+// 0..63. In each half of 128 values (ql 64 bytes, qh 32), value l < 32 is ql[l]'s low nibble with qh[l]'s bits 0-1 on
+// top, l + 32 ql[l + 32]'s low nibble with bits 2-3, l + 64 ql[l]'s high nibble with bits 4-5, l + 96 ql[l + 32]'s
+// high nibble with bits 6-7. ldk is a multiple of 256.
+inline const uint8_t* q6k_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 18;
+}
+
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }
 

@@ -325,6 +325,67 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales times d as two vectors of 8; each
+// 32-value piece is one 32-byte ql load's low or high nibbles OR'ed with its bit pair of a 32-byte qh load
+// moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there), q in 0..63; maddubs with the activations
+// (pair sums <= 2 x 63 x 127) minus the same with 32s (once per token and piece, shared by the 4 rows) is the exact
+// dot of (q - 32) per lane of 4 values; lanes 0-3 belong to the piece's first 16-value group, 4-7 to its second.
+template <int MT>
+void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 18;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m256 S[4][2];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 18;
+      uint16_t dh;
+      std::memcpy(&dh, h + 16, 2);
+      const __m256 d = _mm256_set1_ps(f16_to_f32(dh));
+      const __m128i sc = _mm_loadu_si128((const __m128i*)h);
+      S[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+      S[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+    }
+    for (int j = 8; j < 12; ++j) {
+      const uint8_t* p = w + j * ldw + sb * 192;
+      _mm_prefetch((const char*)p, _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 128), _MM_HINT_T1);
+    }
+    for (int p = 0; p < 8; ++p) {  // 32-value pieces: half p / 4, its values 32 (p % 4) .. 32 (p % 4) + 31
+      const int half = p / 4, part = p % 4;
+      __m256i a[MT], off[MT];
+      for (int t = 0; t < MT; ++t) {
+        a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + p * 32));
+        off[t] = dot_u8s8_i32(c32, a[t]);
+      }
+      const __m256i idx = _mm256_setr_epi32(2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4) + 1,
+                                            2 * (p % 4) + 1, 2 * (p % 4) + 1, 2 * (p % 4) + 1);
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* base = w + j * ldw + sb * 192;
+        const __m256i ql = _mm256_loadu_si256((const __m256i*)(base + half * 64 + (part % 2) * 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(base + 128 + half * 32));
+        __m256i q;
+        switch (part) {  // the nibble and the qh bit pair (bits 0-1, 2-3, 4-5, 6-7) moved to bits 4-5
+          case 0: q = _mm256_or_si256(_mm256_and_si256(ql, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top)); break;
+          case 1: q = _mm256_or_si256(_mm256_and_si256(ql, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)); break;
+          case 2: q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), lo4), _mm256_and_si256(qh, top)); break;
+          default:
+            q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), lo4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+        }
+        const __m256 sv = _mm256_permutevar8x32_ps(S[j][half], idx);  // groups 2p, 2p + 1 of the super-block
+        for (int t = 0; t < MT; ++t)
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot_u8s8_i32(q, a[t]), off[t])), sv, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
@@ -342,6 +403,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q4_K) {
     q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc);
+  } else if (M.dtype == HY_Q6_K) {
+    q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
+                  ldc);
   } else {
     const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
     i4_block<MT>(w, M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc);

@@ -11,6 +11,8 @@
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
 // block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
 // offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
+// q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
+// 16-value group scaled by its int8 scale times d.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
 #pragma once
@@ -455,6 +457,81 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
   }
 }
 
+// q6_k (hy.h q6k_heads), 4 rows x MT tokens (MT <= 2; q6k_block runs 3-4 tokens as two pairs, for the registers):
+// per 256-value super-block and row the 16 int8 scales times d as one vector; per 64-value chunk one 64-byte load of
+// ql (a half's low nibbles for its first chunk, high nibbles for its second) and one 32-byte qh load broadcast to
+// both 256-bit halves, each half's bit pair moved to bits 4-5 by a 16-bit shift of its own count (no bit that
+// crosses a byte lands there) and OR'ed on: q in 0..63 as the unsigned operand. VPDPBUSD starts each lane at -32 x
+// the sum of its 4 activations (one VPDPBUSD of 32s per token and chunk, shared by the 4 rows), leaving the exact
+// dot of (q - 32); lane l holds 4 values of the 16-value group 4 cc + l / 4, scaled by a VPERMPS of the scales.
+template <int MT>
+void q6k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+              int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 18;  // head bytes a row
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
+  // 16-bit lanes 0-15 hold the chunk's first 32 values, 16-31 its next 32
+  const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // qh << 4, << 2
+  const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // qh >> 0, >> 2
+  const __m512i quad = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m512 sv16[4];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 18;
+      uint16_t dh;
+      std::memcpy(&dh, h + 16, 2);
+      sv16[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)h))),
+                              _mm512_set1_ps(f16_to_f32(dh)));
+    }
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      const uint8_t* p = w + j * ldw + sb * 192;
+      _mm_prefetch((const char*)p, _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 128), _MM_HINT_T1);
+      _mm_prefetch((const char*)(hd + j * hst + sb * 18), _MM_HINT_T1);
+    }
+    for (int cc = 0; cc < 4; ++cc) {
+      const int half = cc / 2;
+      __m512i wq[4];
+      __m512 sv[4];
+      const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * cc));
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* p = w + j * ldw + sb * 192;
+        const __m512i ql = _mm512_loadu_si512((const void*)(p + half * 64));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + half * 32)));
+        if (cc % 2 == 0)
+          wq[j] = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), top));
+        else
+          wq[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                                  _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), top));
+        sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, a));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+template <int MT>
+void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  if constexpr (MT <= 2) {
+    q6k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+  } else {
+    q6k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    q6k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+  }
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo, int pf_rows) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
@@ -473,6 +550,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q4_K) {
     q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc,
                   pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q6_K) {
+    q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r),
+                  C, ldc, pf_lo, pf_rows);
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
                  pf_lo, pf_rows);

@@ -14,7 +14,8 @@
 // exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4);
 // a GGUF Q8_0 source (34-byte blocks: fp16 d, then 32 int8 values) is q8_0 exactly, and a GGUF Q4_K source
 // (144-byte super-blocks: a 16-byte head, then 128 bytes of nibbles in int4's chunk layout) q4_k exactly: copied
-// as they are. (q4_k from float sources is cpu_kernels/quant.py's alone.)
+// as they are, as is a GGUF Q6_K source (210-byte super-blocks: 192 bytes of values, then an 18-byte head) into q6_k.
+// (q4_k and q6_k from float sources are cpu_kernels/quant.py's alone.)
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -23,7 +24,7 @@
 #include "pool.h"
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
-       HY_SRC_Q4_K = 6 };
+       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -238,6 +239,28 @@ bool pack_row_q4_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   return !bad;
 }
 
+// Row r of Q6_K source expert i -> q6_k row r of expert e: each super-block's 192 value bytes and 18-byte head as they
+// are; padding (columns past k, rows past rows) zero bytes (code 0 under an all-zero head: the value 0). False if a
+// head's d is not finite.
+bool pack_row_q6_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 256) * 192;
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 18;
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    std::memcpy(q + 192 * b, blk, 192);
+    std::memcpy(h + 18 * b, blk + 192, 18);
+    uint16_t d;
+    std::memcpy(&d, blk + 208, 2);
+    bad |= (d & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+  }
+  std::memset(q + 192 * nb, 0, 192 * (size_t)(ldk / 256 - nb));
+  std::memset(h + 18 * nb, 0, 18 * (size_t)(ldk / 256 - nb));
+  return !bad;
+}
+
 void pack_row_bf16(const float* v, const HyMat& M, int e, int r) {
   uint16_t* out = (uint16_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk;
   for (int i = 0; i < M.ldk; ++i) out[i] = f32_to_bf16(v[i]);
@@ -260,10 +283,12 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q4_K) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q6_K) return false;
   if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
     return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
-  if (M->dtype == HY_Q4_K) return false;  // from floats: cpu_kernels/quant.py quantize_q4_k
+  if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
+    return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
+  if (M->dtype == HY_Q4_K || M->dtype == HY_Q6_K) return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
@@ -303,6 +328,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
       if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_q4_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_q6_k_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
