@@ -159,9 +159,10 @@ def build_documents(source: str, sdist: Path | None = None) -> tuple[list[Docume
 
 
 def default_folder() -> Path:
-    from hybrid.runtime.demo import cache_root
+    """$HYBRID_CACHE/corpus (default ~/.cache/hybrid/corpus), beside the calibrated profile."""
+    from cpu_kernels.knobs import knobs
 
-    return cache_root() / "corpus"
+    return knobs().cache / "corpus"
 
 
 def _write_jsonl(path: Path, docs: list[Document]) -> None:

