@@ -49,6 +49,9 @@ CPU_DTYPES = {d.name: d for d in (
     # weight, the 16-byte head of each 256 values counted in value_bytes as mxfp4's exponents are), so a GGUF file's
     # Q4_K experts are held exactly
     CpuDtype("q4_k", 5, 0.5625, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's Q5_K: Q4_K with a fifth bit per value (5.5 bits a weight, the 48-byte head of each 256 values with
+    # its fifth bits counted in value_bytes), so a GGUF file's Q5_K experts are held exactly
+    CpuDtype("q5_k", 7, 0.6875, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
     # llama.cpp's Q6_K: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (6.5625 bits a weight, the
     # 18-byte head of each 256 values counted in value_bytes), so a GGUF file's Q6_K experts (Q4_K_M's and Q5_K_M's
     # downs among them) are held exactly
@@ -57,7 +60,7 @@ CPU_DTYPES = {d.name: d for d in (
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_k", "q6_k")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", "int8", "int4", "mxfp4", "q8_0", "q4_k", "q6_k"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

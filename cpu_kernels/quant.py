@@ -39,6 +39,10 @@ q4_k: llama.cpp's Q4_K values: rows in super-blocks of 256 values, each 8 sub-bl
       file's. Rows are zero padded to a multiple of 256 values (an all-zero head: d = dmin = 0). quantize_q4_k is a
       round-to-nearest quantizer (per sub-block the range [min(w, 0), max(w)] over 15 steps, then the scales and
       minimums to 6 bits against the super-block's largest), not llama.cpp's search for the best scales.
+q5_k: llama.cpp's Q5_K values: q4_k's with a fifth bit per value, q = nibble + 16 x bit in 0..31: nibbles as q4_k's
+      and heads uint8 [..., R, K/256, 48]: q4_k's 16-byte head, then the 32 bytes qh of fifth bits as the file holds
+      them (value 64 j + l, l < 32, takes bit 2 j of qh[l]; value 64 j + 32 + l bit 2 j + 1), 5.5 bits a weight as
+      the file's. quantize_q5_k rounds as quantize_q4_k does, over 31 steps.
 q6_k: llama.cpp's Q6_K values: rows in super-blocks of 256 values, each 16 groups of 16 with an int8 scale sc, and
       per super-block an fp16 d: w = d sc (q - 32), q in 0..63. Packed as the file holds a super-block: values uint8
       [..., R, K/256 * 192] (per super-block 128 bytes ql of low nibbles, then 64 bytes qh of high bit pairs; in each
@@ -56,6 +60,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       quantize_int4 to +-7.
   Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
   Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
+  Q5_K: 176 bytes per 256 values, q5_k's 48-byte head, then 128 bytes of nibbles: q5_k above exactly (q5_k_parts).
   Q6_K: 210 bytes per 256 values, ql, qh, the scales, then d: q6_k above exactly (q6_k_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
@@ -290,6 +295,59 @@ def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                          f"{tuple(raw.shape)}")
     *lead, G, _ = raw.shape
     return raw[..., Q4_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(), raw[..., :Q4_K_HEAD_BYTES].contiguous()
+
+
+Q5_K_HEAD_BYTES = 48  # q4_k's 16-byte head (fp16 d, dmin, 6-bit scales and minimums), then 32 bytes of fifth bits qh
+Q5_K_BLOCK_BYTES = 176  # GGUF Q5_K: the head as above, then 128 bytes of nibbles
+
+
+def q5_k_high(qh: torch.Tensor) -> torch.Tensor:
+    """qh uint8 [..., 32] -> each of its super-block's 256 values' fifth bit, uint8 [..., 256] (0 or 1): value
+    64 j + l (l < 32) takes bit 2 j of qh[l], value 64 j + 32 + l bit 2 j + 1."""
+    return torch.stack([(qh >> b) & 1 for b in range(8)], -2).reshape(*qh.shape[:-1], QK_K)
+
+
+def dequantize_q5_k(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 48]) -> fp32 [..., R, K], as gguf.quants.dequantize
+    computes Q5_K: (d sc) q - (dmin m) per 32 values, q = nibble + 16 x fifth bit."""
+    *lead, H = packed.shape
+    S, M = q4_k_scales(heads[..., :Q4_K_HEAD_BYTES])  # [..., R, K/256, 8]
+    q = unpack_nibbles(packed).reshape(*lead, H * 2 // QK_K, QK_K) + 16 * q5_k_high(heads[..., Q4_K_HEAD_BYTES:])
+    q = q.float().reshape(*lead, H * 2 // 32, 32)
+    return (S.reshape(*lead, -1, 1) * q - M.reshape(*lead, -1, 1)).reshape(*lead, H * 2)
+
+
+def quantize_q5_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 48]) (module doc:
+    quantize_q4_k's rounding over 31 steps)."""
+    *lead, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"q5_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
+    b = w.float().reshape(*lead, K // QK_K, 8, 32)
+    neg = 0.0 - b.amin(-1).clamp(max=0.0)
+    step = (b.amax(-1) + neg) / 31.0
+    d = (step.amax(-1) / 63.0).clamp(max=65504.0).half()
+    dmin = (neg.amax(-1) / 63.0).clamp(max=65504.0).half()
+    df, dmf = d.float()[..., None], dmin.float()[..., None]
+    sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
+    m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, 63)
+    S, M = (df * sc)[..., None], (dmf * m)[..., None]
+    q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, 31).to(torch.uint8)
+    q = q.reshape(*lead, K // QK_K, QK_K)
+    high = (q >> 4).reshape(*lead, K // QK_K, 8, 32)
+    qh = sum((high[..., bit, :] << bit) for bit in range(8)).to(torch.uint8)  # [..., G, 32]
+    return pack_nibbles((q & 0x0F).reshape(*lead, K)), torch.cat([pack_q4_k_heads(d, dmin, sc, m), qh], -1)
+
+
+def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q5_K blocks raw uint8 [..., R, G, 176] (any strides) -> (nibbles uint8 [..., R, G * 128], heads uint8
+    [..., R, G, 48]): q5_k's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q5_K_BLOCK_BYTES:
+        raise ValueError(f"Q5_K blocks must be uint8 [..., K/256, {Q5_K_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., Q5_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(),
+            raw[..., :Q5_K_HEAD_BYTES].contiguous())
 
 
 Q6_K_HEAD_BYTES = 18  # 16 int8 scales, then fp16 d

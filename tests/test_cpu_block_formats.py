@@ -2,6 +2,7 @@
 emulated AMX build, and GGUF blocks of those types packed as they are:
   q8_0: int8 in blocks of 32 along K with an fp16 scale each (Q8_0);
   q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K);
+  q5_k: q4_k with a fifth bit per value (Q5_K);
   q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
@@ -9,8 +10,8 @@ kernels hold: the only approximation left is the kernels' per-token int8 quantiz
 before down), the one int8 and int4 make, so TOL["int8"] (test_cpu_moe.py) bounds it; a second, tight check
 emulates that rounding and leaves only fp32 summation order.
 
-Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k and
-q6_k D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
+Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k, q5_k
+and q6_k D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
 padded to whole blocks before quantizing). Ragged routing (experts with 0, 1, 7, 300 tokens), outputs NaN-filled.
 """
 
@@ -60,6 +61,11 @@ def q4k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
 
 
+def q5k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(nibbles uint8 [..., K/2], heads [..., K/256, 48]) -> GGUF Q5_K blocks uint8 [..., K/256, 176]."""
+    return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
+
+
 def q6k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """(values uint8 [..., K/256 * 192], heads [..., K/256, 18]) -> GGUF Q6_K blocks uint8 [..., K/256, 210]."""
     return torch.cat([v.reshape(*h.shape[:-1], 192), h], -1).contiguous()
@@ -70,6 +76,8 @@ FORMATS = {
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
     "q4_k": Fmt("q4_k", 256, 144, 768, 512, 0.5625, quant.quantize_q4_k, quant.dequantize_q4_k, quant.q4_k_parts,
                 q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
+    "q5_k": Fmt("q5_k", 256, 176, 768, 512, 0.6875, quant.quantize_q5_k, quant.dequantize_q5_k, quant.q5_k_parts,
+                q5k_raw, CpuMoE.from_q5_k, "Q5_K"),
     "q6_k": Fmt("q6_k", 256, 210, 768, 512, 0.8203125, quant.quantize_q6_k, quant.dequantize_q6_k, quant.q6_k_parts,
                 q6k_raw, CpuMoE.from_q6_k, "Q6_K"),
 }
@@ -109,7 +117,7 @@ def grid_parts(fmt, w, rounds=8):
 def random_blocks(fmt, seed, e=E, f=None, d=None):
     """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
     quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
-    scale and minimum, d and dmin over 2^-16 .. 2^-8; q6_k every 6-bit value and every int8 scale (-128 included), d
+    scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
     over 2^-16 .. 2^-8."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
@@ -132,7 +140,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd, dm = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G), generator=g) *
                        (1 + torch.rand(*shape[:2], G, generator=g))).half() for _ in range(2))
             sc, mn = (torch.randint(0, 64, (*shape[:2], G, 8), generator=g) for _ in range(2))
-            raws.append(q4k_raw(p, quant.pack_q4_k_heads(dd, dm, sc, mn)))
+            head = quant.pack_q4_k_heads(dd, dm, sc, mn)
+            if fmt.name == "q5_k":
+                qh = torch.randint(0, 256, (*shape[:2], G, 32), dtype=torch.uint8, generator=g)
+                raws.append(q5k_raw(p, torch.cat([head, qh], -1)))
+            else:
+                raws.append(q4k_raw(p, head))
     return raws
 
 
@@ -172,6 +185,26 @@ def test_q4_k_quantize_roundtrip_and_format():
     d, dm = torch.rand(2, 7, generator=g).half(), torch.rand(2, 7, generator=g).half()
     S, M = quant.q4_k_scales(quant.pack_q4_k_heads(d, dm, sc, mn))  # the 6-bit packing round-trips
     assert torch.equal(S, d.float()[..., None] * sc.float()) and torch.equal(M, dm.float()[..., None] * mn.float())
+
+
+def test_q5_k_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 5, 512, generator=g) * 0.05 + torch.linspace(-0.02, 0.06, 512)  # offsets: minimums matter
+    p, h = quant.quantize_q5_k(w)
+    assert p.dtype == h.dtype == torch.uint8 and p.shape == (3, 5, 256) and h.shape == (3, 5, 2, 48)
+    high = quant.q5_k_high(h[..., 16:])
+    assert high.shape == (3, 5, 2, 256) and int(high.max()) == 1 and int(high.min()) == 0  # the fifth bit is used
+    S, _ = quant.q4_k_scales(h[..., :16])
+    back = quant.dequantize_q5_k(p, h)
+    step = S.reshape(3, 5, 16).repeat_interleave(32, -1)
+    # within half a step of the grid, plus the 6-bit rounding of the sub-block's minimum (at most half a dmin)
+    dmin = h[..., 2:4].contiguous().view(torch.float16).float().repeat_interleave(256, -1).reshape(3, 5, 512)
+    assert ((back - w).abs() <= 0.5 * step + 0.5 * dmin + 1e-6).all()
+    assert float((back - w).abs().mean()) < float(step.mean()) / 3
+    zero = quant.quantize_q5_k(torch.zeros(1, 256))
+    assert not zero[0].any() and not zero[1].any()
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_q5_k(torch.zeros(2, 320))
 
 
 def test_q6_k_quantize_roundtrip_and_format():
@@ -364,7 +397,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            cols = {"q4_k": k // 2, "q6_k": k // 4 * 3}.get(fmt, k)  # the q bytes of k values
+            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -418,8 +451,8 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, Q6_K, MXFP4"):
-        moe_mod.gguf_blocks("w", raws[0], "Q5_K")
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4"):
+        moe_mod.gguf_blocks("w", raws[0], "Q3_K")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -448,12 +481,12 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
-@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q6_k", 208)],
-                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q6_k-d"])
+@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208)],
+                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
-    or dmin; q6_k: the head's last two bytes) is NaN or Inf stops it as a non-finite weight of its expert."""
+    or dmin, q5_k likewise; q6_k: the block's last two bytes) is NaN or Inf stops it as a non-finite weight of its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)

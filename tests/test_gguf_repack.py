@@ -67,6 +67,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
             parts.append(quant.dequantize_q8_0(m["q"], m["scale"]))
         elif m["dtype"] == "q4_k":
             parts.append(quant.dequantize_q4_k(m["q"], m["scale"]))
+        elif m["dtype"] == "q5_k":
+            parts.append(quant.dequantize_q5_k(m["q"], m["scale"]))
         elif m["dtype"] == "q6_k":
             parts.append(quant.dequantize_q6_k(m["q"], m["scale"]))
         elif m["dtype"] == "int8":
@@ -193,8 +195,8 @@ def test_q4_0_sources_slice_and_refuse():
         CpuMoE.from_q4_0(raw, up[0], down[0], group_size=64)
     with pytest.raises(ValueError, match="int4"):
         CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
-    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q5_K"):
-        gguf_blocks("x", raw, "Q5_K")
+    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q3_K"):
+        gguf_blocks("x", raw, "Q3_K")
 
 
 # -- the executor over GGUF MXFP4 blocks ------------------------------------------------------------------------
@@ -393,19 +395,34 @@ def test_a_q4_k_m_like_file_keeps_its_q4_k_and_its_q6_k_downs(tmp_path, qwen3_25
             assert torch.equal(held(moe, name), values[name])
 
 
-def test_a_q5_k_down_is_re_quantized_into_q6_k(tmp_path, qwen3_256, caplog):
-    """A down of a type no format holds (Q5_K, as Q5_K_M files have) beside Q4_K gates and ups: re-quantized into
-    q6_k, the nearest format with at least its 5.5 bits, not into the layer's 4.5."""
-    path = tmp_path / "q5down.gguf"
-    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q5_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
-    _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
-    assert ("layers 1: w_gate, w_up repacked losslessly, w_down Q5_K de-quantized and re-quantized (no CPU format "
-            "holds Q5_K as stored; w_down in q6_k)") in caplog.text
+def test_a_q5_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog):
+    """Q5_K gates and ups with Q6_K downs (as Q5_K_M files keep many): by default q5_k with its downs in q6_k, every
+    weight the file's values."""
+    path = tmp_path / "q5km.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if "ffn_down" in n else Q.Q5_K)
+    _, off = hybrid_logits(path, caplog, cpu_dtype="q5_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
+    assert "repacked losslessly (the file's blocks as they are; w_down in q6_k)" in caplog.text
     moe = off.layers[1].cpu_moe
-    assert (moe.dtype, moe.down_dtype) == ("q4_k", "q6_k")
+    assert (moe.dtype, moe.down_dtype) == ("q5_k", "q6_k")
+    if COMPILED:
+        values = file_values(path, 1)
+        for name in ("gate", "up", "down"):
+            assert torch.equal(held(moe, name), values[name])
+
+
+def test_a_down_of_a_type_no_format_holds_is_re_quantized_into_the_layers(tmp_path, qwen3_256, caplog):
+    """A Q3_K down beside Q4_K gates and ups: no format holds Q3_K, so it is re-quantized into the layer's q4_k (more
+    bits than its own 3.4); the load's line says so."""
+    path = tmp_path / "q3down.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q3_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
+    _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
+    assert ("layers 1: w_gate, w_up repacked losslessly, w_down Q3_K de-quantized and re-quantized (no CPU format "
+            "holds Q3_K as stored)") in caplog.text
+    moe = off.layers[1].cpu_moe
+    assert (moe.dtype, moe.down_dtype) == ("q4_k", "q4_k")
     if COMPILED:
         want = file_values(path, 1)["down"]
-        assert torch.equal(held(moe, "down"), quant.dequantize_q6_k(*quant.quantize_q6_k(want)))
+        assert torch.equal(held(moe, "down"), quant.dequantize_q4_k(*quant.quantize_q4_k(want)))
 
 
 def test_mxfp4_cpu_dtype_is_refused_for_a_file_without_mxfp4_experts(tmp_path, qwen3_ragged):
@@ -427,14 +444,14 @@ def qwen3_256(tmp_path_factory):
 
 @pytest.mark.parametrize("kind, argv, want", [
     (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
-    (Q.Q4_K, [], ("q4_k", 128)), (Q.Q6_K, [], ("q6_k", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
+    (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
-    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
     (all Q4_0: int4 in groups of 32, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values
-    exactly; all Q6_K: q6_k, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
+    exactly; all Q5_K or Q6_K: q5_k or q6_k, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -454,7 +471,7 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
     else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, Q4_K, MXFP4)
-        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q6_K) or (kind == Q.Q4_0 and want[1] == 32)
+        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) or (kind == Q.Q4_0 and want[1] == 32)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -625,11 +642,12 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
 
 
 @pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "int4", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
-                                             (Q.Q4_K, "q4_k", 2), (Q.Q6_K, "q6_k", 208), (Q.MXFP4, "mxfp4", 0)],
-                         ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q6_k-d", "mxfp4-exponent"])
+                                             (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
+                                             (Q.MXFP4, "mxfp4", 0)],
+                         ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "mxfp4-exponent"])
 def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
     """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
-    dmin; Q6_K: its d, the block's last two bytes; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
+    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
     from gguf import GGML_QUANT_SIZES, GGUFReader
 
     path = tmp_path / "m.gguf"

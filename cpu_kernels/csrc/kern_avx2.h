@@ -286,20 +286,23 @@ inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
   Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(f16_to_f32(mh)));
 }
 
-// q4_k (hy.h q4k_heads): per 256-value super-block and row the head unpacked to the 8 sub-blocks' scales and minimums;
-// per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) each maddubs'd with their activations
-// (pair sums <= 2 x 15 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
+// q4_k (hy.h q4k_heads) and q5_k (FIFTH: hy.h q5k_heads): per 256-value super-block and row the head unpacked to the
+// 8 sub-blocks' scales and minimums; per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1; q5_k: each
+// value's fifth bit OR'ed on from the head's 32 qh bytes, bit 2 cc for the low nibbles and 2 cc + 1 for the high
+// ones, by a 16-bit shift whose crossing bits the mask drops, moved to bit 4) each maddubs'd with their activations
+// (pair sums <= 2 x 31 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
 // row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
-template <int MT>
-void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+template <int MT, bool FIFTH>
+void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;
-  const int64_t hst = (int64_t)nsb * 16;
-  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  constexpr int HB = FIFTH ? 48 : 16;  // head bytes a super-block
+  const int64_t hst = (int64_t)nsb * HB;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
     __m256 S[4], Mn[4];
-    for (int j = 0; j < 4; ++j) q4k_scales(hd + j * hst + sb * 16, S[j], Mn[j]);
+    for (int j = 0; j < 4; ++j) q4k_scales(hd + j * hst + sb * HB, S[j], Mn[j]);
     for (int t = 0; t < MT; ++t) {
       const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
       for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(Mn[j], gs, acc[j][t]);
@@ -307,9 +310,15 @@ void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int c = sb * 4; c < sb * 4 + 4; ++c) {
       if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
       const int g = 2 * (c - sb * 4);
+      const __m128i blo = _mm_cvtsi32_si128(g), bhi = _mm_cvtsi32_si128(g + 1);  // q5_k: the fifth bits' shifts
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
-        const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        if constexpr (FIFTH) {
+          const __m256i qh = _mm256_loadu_si256((const __m256i*)(hd + j * hst + sb * HB + 16));
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, blo), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, bhi), one), 4));
+        }
         const __m256 slo = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g));
         const __m256 shi = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g + 1));
         for (int t = 0; t < MT; ++t) {
@@ -402,7 +411,11 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q4_K) {
-    q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc);
+    kq_block<MT, false>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
+                        ldc);
+  } else if (M.dtype == HY_Q5_K) {
+    kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
+                       ldc);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
                   ldc);

@@ -11,7 +11,7 @@
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
 // block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
 // offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
-// q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
+// q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
 // 16-value group scaled by its int8 scale times d.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
@@ -396,28 +396,39 @@ inline __m512 q4k_scales(const uint8_t* h) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(v), mul);
 }
 
-// q4_k (hy.h q4k_heads), 4 rows x MT tokens (MT <= 2; q4k_block runs 3-4 tokens as two pairs, as int4's natural
-// order does, for the registers): per 256-value super-block and row the head is unpacked to the 8 sub-blocks' scales
-// and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (one broadcast load and one AND: lanes
-// 8-15 hold 16 x their sums, undone before the final reduction), VPDPBUSD with the activations gives each sub-block's
-// exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of
-// the super-block's scales per row and chunk). The minimums enter once per super-block, row and token, as
-// - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
-template <int MT>
-void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-              int pf_lo, int pf_rows) {
+// q4_k (hy.h q4k_heads) and q5_k (FIFTH: hy.h q5k_heads), 4 rows x MT tokens (MT <= 2; kq_block runs 3-4 tokens as
+// two pairs, as int4's natural order does, for the registers): per 256-value super-block and row the head is unpacked
+// to the 8 sub-blocks' scales and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (q4_k: one
+// broadcast load and one AND, lanes 8-15 holding 16 x their sums, undone before the final reduction; q5_k: the high
+// nibbles shifted down by a 16-bit shift of their own count, and each value's fifth bit from the head's 32 qh bytes
+// broadcast to both halves, shifted right by the chunk's bit, 2 cc for its first 32 values and 2 cc + 1 for the next,
+// masked and moved to bit 4), VPDPBUSD with the activations gives each sub-block's exact dot with q (lanes 0-7:
+// sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of the super-block's scales per row
+// and chunk). The minimums enter once per super-block, row and token, as - sum_j (dmin m_j) x (the token's activation
+// sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
+template <int MT, bool FIFTH>
+void kq_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+             int pf_lo, int pf_rows) {
   const int nsb = k / 256;
-  const int64_t hst = (int64_t)nsb * 16;  // head bytes a row
+  constexpr int HB = FIFTH ? 48 : 16;  // head bytes a super-block
+  const int64_t hst = (int64_t)nsb * HB;  // head bytes a row
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+  const __m512i nib_sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // q5_k: high nibbles >> 4
   const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
   const int pf0 = pf_lo == 8 ? pf_rows : 4;
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
-    if (sb % 4 == 0) for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(hd + j * hst + sb * 16), _MM_HINT_T1);
+    if (sb % 4 == 0)
+      for (int j = pf0; j < pf_rows + 4; ++j)
+        for (int b = 0; b < 4 * HB; b += 64) _mm_prefetch((const char*)(hd + j * hst + sb * HB + b), _MM_HINT_T1);
     __m512 sv16[4];  // lanes 0-7: the row's sub-block scales (lanes 8-15: its minimums, unused by the VPERMPS below)
+    __m512i qh[4];  // q5_k: the super-block's fifth bits, in both halves
     for (int j = 0; j < 4; ++j) {
-      sv16[j] = q4k_scales(hd + j * hst + sb * 16);
+      const uint8_t* h = hd + j * hst + sb * HB;
+      sv16[j] = q4k_scales(h);
+      if constexpr (FIFTH) qh[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(h + 16)));
       const __m512 mv = _mm512_maskz_permutexvar_ps(0xFF, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0,
                                                                             0, 0, 0), sv16[j]);  // the minimums
       for (int t = 0; t < MT; ++t)
@@ -425,14 +436,22 @@ void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
                                      acc[j][t]);
     }
     __m512i idx = pair0;  // chunk cc of the super-block: lanes 0-7 sub-block 2 cc, lanes 8-15 sub-block 2 cc + 1
-    for (int c = sb * 4; c < sb * 4 + 4; ++c, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+    for (int cc = 0; cc < 4; ++cc, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      const int c = sb * 4 + cc;
+      // q5_k: the fifth bits' shift, bit 2 cc of qh for the chunk's first 32 values, bit 2 cc + 1 for its next 32
+      const __m512i hb_sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * cc)), _mm256_set1_epi16((short)(2 * cc + 1)), 1);
       __m512i wq[4];
       __m512 sv[4];
       for (int j = 0; j < 4; ++j) {
-        wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
+        const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
+        if constexpr (FIFTH)
+          wq[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(raw, nib_sh), lo4),
+                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh[j], hb_sh), one), 4));
+        else
+          wq[j] = _mm512_and_si512(raw, nib);
         sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
       }
-      if (c % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
+      if (cc % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
       for (int t = 0; t < MT; ++t) {
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < 4; ++j)
@@ -441,19 +460,20 @@ void q4k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
       }
     }
   }
-  const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  // q4_k: lanes 8-15 / 16 (their nibbles stayed in the high half of the byte)
+  const __m512 unscale = FIFTH ? _mm512_set1_ps(1.f) : _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);
   const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-template <int MT>
-void q4k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-               int pf_lo, int pf_rows) {
+template <int MT, bool FIFTH>
+void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+              int pf_lo, int pf_rows) {
   if constexpr (MT <= 2) {
-    q4k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    kq_rows<MT, FIFTH>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
   } else {
-    q4k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    q4k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+    kq_rows<2, FIFTH>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    kq_rows<MT - 2, FIFTH>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
   }
 }
 
@@ -548,8 +568,11 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
                  ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q4_K) {
-    q4k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C, ldc,
-                  pf_lo, pf_rows);
+    kq_block<MT, false>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
+                        ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q5_K) {
+    kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
+                       ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r),
                   C, ldc, pf_lo, pf_rows);

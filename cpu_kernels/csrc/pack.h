@@ -14,8 +14,9 @@
 // exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4);
 // a GGUF Q8_0 source (34-byte blocks: fp16 d, then 32 int8 values) is q8_0 exactly, and a GGUF Q4_K source
 // (144-byte super-blocks: a 16-byte head, then 128 bytes of nibbles in int4's chunk layout) q4_k exactly: copied
-// as they are, as is a GGUF Q6_K source (210-byte super-blocks: 192 bytes of values, then an 18-byte head) into q6_k.
-// (q4_k and q6_k from float sources are cpu_kernels/quant.py's alone.)
+// as they are, as are a GGUF Q5_K source (176-byte super-blocks: q5_k's 48-byte head, then its 128 bytes of nibbles)
+// into q5_k and a GGUF Q6_K source (210-byte super-blocks: 192 bytes of values, then an 18-byte head) into q6_k.
+// (q4_k, q5_k and q6_k from float sources are cpu_kernels/quant.py's alone.)
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -24,7 +25,7 @@
 #include "pool.h"
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
-       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7 };
+       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -217,6 +218,14 @@ bool pack_row_q8_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   return !bad;
 }
 
+// A Q4_K or Q5_K block's fp16 d or dmin (its first four bytes) is Inf or NaN (exponent all ones).
+inline uint32_t kq_head_bad(const uint8_t* blk) {
+  uint16_t d, dmin;
+  std::memcpy(&d, blk, 2);
+  std::memcpy(&dmin, blk + 2, 2);
+  return ((d & 0x7C00u) == 0x7C00u) | ((dmin & 0x7C00u) == 0x7C00u);
+}
+
 // Row r of Q4_K source expert i -> q4_k row r of expert e: each super-block's nibbles and head as they are; padding
 // (columns past k, rows past rows) nibble 0 under an all-zero head. False if a head's d or dmin is not finite.
 bool pack_row_q4_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
@@ -228,14 +237,31 @@ bool pack_row_q4_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   for (int b = 0; b < nb; ++b) {
     const uint8_t* blk = row + (int64_t)b * S.cs;
     std::memcpy(h + 16 * b, blk, 16);
-    uint16_t d, dmin;
-    std::memcpy(&d, blk, 2);
-    std::memcpy(&dmin, blk + 2, 2);
-    bad |= ((d & 0x7C00u) == 0x7C00u) | ((dmin & 0x7C00u) == 0x7C00u);  // exponent all ones: Inf or NaN
+    bad |= kq_head_bad(blk);
     std::memcpy(q + 128 * b, blk + 16, 128);
   }
   std::memset(q + 128 * nb, 0, (size_t)(ldk / 2 - 128 * nb));
   std::memset(h + 16 * nb, 0, 16 * (size_t)(ldk / 256 - nb));
+  return !bad;
+}
+
+// Row r of Q5_K source expert i -> q5_k row r of expert e: each super-block's head (with its fifth bits) and nibbles
+// as they are; padding (columns past k, rows past rows) nibble 0 under an all-zero head. False if a head's d or dmin
+// is not finite.
+bool pack_row_q5_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 48;
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    std::memcpy(h + 48 * b, blk, 48);
+    bad |= kq_head_bad(blk);
+    std::memcpy(q + 128 * b, blk + 48, 128);
+  }
+  std::memset(q + 128 * nb, 0, (size_t)(ldk / 2 - 128 * nb));
+  std::memset(h + 48 * nb, 0, 48 * (size_t)(ldk / 256 - nb));
   return !bad;
 }
 
@@ -283,12 +309,14 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q6_K) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q5_K) return false;
   if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
     return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
+  if (S->wdtype == HY_SRC_Q5_K)  // q5_k only, likewise
+    return M->dtype == HY_Q5_K && M->scale && S->k % 256 == 0 && S->cs >= 176 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
     return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
-  if (M->dtype == HY_Q4_K || M->dtype == HY_Q6_K) return false;  // from floats: cpu_kernels/quant.py
+  if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K) return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
@@ -328,6 +356,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
       if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_q4_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_q5_k_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_q6_k_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
