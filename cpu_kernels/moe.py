@@ -757,29 +757,17 @@ class CpuMoE:
         d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q8_0_BLOCK, 0, rows_p - rows))
         return q.contiguous(), d.contiguous(), None
 
-    def _q4k_parts(self, w, rows_p: int, ldk: int):
-        """A chunk of experts (float [c, rows, k] or _Q4K) -> (nibbles uint8 [c, rows_p, ldk/2], heads uint8 [c,
-        rows_p, ldk/256, 16], None); a float chunk is zero padded to whole super-blocks first; padding is nibble 0
-        under an all-zero head (d = dmin = 0)."""
-        if isinstance(w, _Q4K):
-            p, h = quant.q4_k_parts(w.raw)
+    def _kq_parts(self, w, rows_p: int, ldk: int, dt: str):
+        """A chunk of experts (float [c, rows, k], or _Q4K / _Q5K blocks) -> (nibbles uint8 [c, rows_p, ldk/2], heads
+        uint8 [c, rows_p, ldk/256, 16 (q4_k) or 48 (q5_k)], None); a float chunk is zero padded to whole super-blocks
+        first; padding is nibble 0 under an all-zero head (d = dmin = 0)."""
+        parts, quantize = (quant.q4_k_parts, quant.quantize_q4_k) if dt == "q4_k" else (quant.q5_k_parts,
+                                                                                          quant.quantize_q5_k)
+        if isinstance(w, (_Q4K, _Q5K)):
+            p, h = parts(w.raw)
         else:
             K = w.shape[-1]
-            p, h = quant.quantize_q4_k(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
-        _, rows, H = p.shape
-        p = torch.nn.functional.pad(p, (0, ldk // 2 - H, 0, rows_p - rows))
-        h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
-        return p.contiguous(), h.contiguous(), None
-
-    def _q5k_parts(self, w, rows_p: int, ldk: int):
-        """A chunk of experts (float [c, rows, k] or _Q5K) -> (nibbles uint8 [c, rows_p, ldk/2], heads uint8 [c,
-        rows_p, ldk/256, 48], None); a float chunk is zero padded to whole super-blocks first; padding is nibble 0
-        under an all-zero head."""
-        if isinstance(w, _Q5K):
-            p, h = quant.q5_k_parts(w.raw)
-        else:
-            K = w.shape[-1]
-            p, h = quant.quantize_q5_k(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
+            p, h = quantize(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
         _, rows, H = p.shape
         p = torch.nn.functional.pad(p, (0, ldk // 2 - H, 0, rows_p - rows))
         h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
@@ -940,22 +928,10 @@ class CpuMoE:
                 parts = list(self._q40_parts(wc, rows_p, ldk))
             elif dt == "q8_0":
                 parts = list(self._q80_parts(wc, rows_p, ldk))
-            elif dt == "q4_k":
-                parts = list(self._q4k_parts(wc, rows_p, ldk))
-            elif dt == "q5_k":
-                parts = list(self._q5k_parts(wc, rows_p, ldk))
-                if isinstance(wc, _Q5K):  # the file's d and dmin as they are: refused as the compiled packer does
-                    dd = parts[1][..., :4].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
-                    bad = (~torch.isfinite(dd)).any(-1).nonzero()
-                    if bad.numel():
-                        raise NonFiniteWeights(name, e0 + int(bad[0]))
+            elif dt in ("q4_k", "q5_k"):
+                parts = list(self._kq_parts(wc, rows_p, ldk, dt))
             elif dt == "q6_k":
                 parts = list(self._q6k_parts(wc, rows_p, ldk))
-                if isinstance(wc, _Q6K):  # the file's d as it is: a NaN or Inf one refused as the compiled packer does
-                    d = parts[1][..., 16:18].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
-                    bad = (~torch.isfinite(d)).any(-1).nonzero()
-                    if bad.numel():
-                        raise NonFiniteWeights(name, e0 + int(bad[0]))
             elif dt == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif dt == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
@@ -963,6 +939,12 @@ class CpuMoE:
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
                 parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
+            if isinstance(wc, (_Q4K, _Q5K, _Q6K)):  # the file's d (and dmin) as they are: refused as the compiled
+                at = slice(16, 18) if dt == "q6_k" else slice(0, 4)  # packer does
+                d = parts[1][..., at].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
+                bad = (~torch.isfinite(d)).any(-1).nonzero()
+                if bad.numel():
+                    raise NonFiniteWeights(name, e0 + int(bad[0]))
             if bufs is None:
                 strides = [None if t is None else t[0].numel() * t.element_size() for t in parts]
                 if strides[0] != q_bytes or strides[1:] != self._aux_strides(rows_p, ldk, dt):

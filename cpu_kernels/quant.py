@@ -268,23 +268,30 @@ def pack_q4_k_heads(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: to
     return torch.cat([dd, lo, mid, hi], -1)
 
 
-def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 16]) (module
-    doc: round to nearest throughout; each value rounded against the scale and minimum the heads hold)."""
+def _quantize_k(w: torch.Tensor, name: str, top: int):
+    """quantize_q4_k's rounding over `top` steps (15: q4_k, 31: q5_k) -> (codes uint8 [..., R, K], d, dmin fp16
+    [..., R, K/256], sc, m [..., R, K/256, 8])."""
     *lead, K = w.shape
     if K % QK_K:
-        raise ValueError(f"q4_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
+        raise ValueError(f"{name} needs rows of whole {QK_K}-value super-blocks, got K={K}")
     b = w.float().reshape(*lead, K // QK_K, 8, 32)
     neg = 0.0 - b.amin(-1).clamp(max=0.0)  # minus a sub-block's minimum, >= 0 (+0.0 for a minimum of 0)
-    step = (b.amax(-1) + neg) / 15.0
+    step = (b.amax(-1) + neg) / float(top)
     d = (step.amax(-1) / 63.0).clamp(max=65504.0).half()
     dmin = (neg.amax(-1) / 63.0).clamp(max=65504.0).half()
     df, dmf = d.float()[..., None], dmin.float()[..., None]
     sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
     m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, 63)
     S, M = (df * sc)[..., None], (dmf * m)[..., None]
-    q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, 15).to(torch.uint8)
-    return pack_nibbles(q.reshape(*lead, K)), pack_q4_k_heads(d, dmin, sc, m)
+    q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, top).to(torch.uint8)
+    return q.reshape(*lead, K), d, dmin, sc, m
+
+
+def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 16]) (module
+    doc: round to nearest throughout; each value rounded against the scale and minimum the heads hold)."""
+    q, d, dmin, sc, m = _quantize_k(w, "q4_k", 15)
+    return pack_nibbles(q), pack_q4_k_heads(d, dmin, sc, m)
 
 
 def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,23 +327,11 @@ def dequantize_q5_k(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
 def quantize_q5_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 48]) (module doc:
     quantize_q4_k's rounding over 31 steps)."""
-    *lead, K = w.shape
-    if K % QK_K:
-        raise ValueError(f"q5_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
-    b = w.float().reshape(*lead, K // QK_K, 8, 32)
-    neg = 0.0 - b.amin(-1).clamp(max=0.0)
-    step = (b.amax(-1) + neg) / 31.0
-    d = (step.amax(-1) / 63.0).clamp(max=65504.0).half()
-    dmin = (neg.amax(-1) / 63.0).clamp(max=65504.0).half()
-    df, dmf = d.float()[..., None], dmin.float()[..., None]
-    sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
-    m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, 63)
-    S, M = (df * sc)[..., None], (dmf * m)[..., None]
-    q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, 31).to(torch.uint8)
-    q = q.reshape(*lead, K // QK_K, QK_K)
+    q, d, dmin, sc, m = _quantize_k(w, "q5_k", 31)
+    *lead, K = q.shape
     high = (q >> 4).reshape(*lead, K // QK_K, 8, 32)
-    qh = sum((high[..., bit, :] << bit) for bit in range(8)).to(torch.uint8)  # [..., G, 32]
-    return pack_nibbles((q & 0x0F).reshape(*lead, K)), torch.cat([pack_q4_k_heads(d, dmin, sc, m), qh], -1)
+    qh = sum((high[..., bit, :] << bit) for bit in range(8)).to(torch.uint8)  # [..., G, 32]: q5_k_high's inverse
+    return pack_nibbles(q & 0x0F), torch.cat([pack_q4_k_heads(d, dmin, sc, m), qh], -1)
 
 
 def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

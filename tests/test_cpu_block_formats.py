@@ -225,19 +225,19 @@ def test_q6_k_quantize_roundtrip_and_format():
         quant.quantize_q6_k(torch.zeros(2, 320))
 
 
+@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208)], ids=["q4_k-dmin", "q5_k-d", "q6_k-d"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_q6_k_blocks_refuse_a_non_finite_scale_on_the_torch_packer(isa):
-    """Q6_K blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested beside the other types): a
-    block whose fp16 d is NaN or Inf stops the packing as a non-finite weight of its expert, as the compiled packer
-    does."""
-    fm = FORMATS["q6_k"]
+def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
+    """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
+    as the compiled packer's, and a block whose fp16 d (or dmin) is NaN or Inf stops the packing as a non-finite
+    weight of its expert, as the compiled packer does."""
+    fm = FORMATS[fmt]
     raws = random_blocks(fm, 23, e=3)
-    a, b = (fm.from_blocks(*raws, isa=isa, packer=p) for p in ("torch", "native"))
-    assert a.packed_state().keys() == b.packed_state().keys()
-    assert all(torch.equal(a.packed_state()[k], b.packed_state()[k]) for k in a.packed_state())  # the same bytes
+    a, b = (fm.from_blocks(*raws, isa=isa, packer=p).packed_state() for p in ("torch", "native"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same bytes
     for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
         down = raws[2].clone()
-        down[1, 5, 0, 208:210] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        down[1, 5, 0, at:at + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
         with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
             fm.from_blocks(raws[0], raws[1], down, isa=isa, packer="torch")
 

@@ -379,31 +379,21 @@ def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, 
            "are held exactly by --cpu-dtype int4 group 32 only; w_down in q8_0)" in caplog.text
 
 
-def test_a_q4_k_m_like_file_keeps_its_q4_k_and_its_q6_k_downs(tmp_path, qwen3_256, caplog):
-    """Q4_K gates, ups and downs with one layer's down in Q6_K (as Q4_K_M files keep some): by default the Q4_K
-    weights are q4_k and that Q6_K down q6_k, both as they are (the file's values and bytes); the load's line says
-    so."""
-    path = tmp_path / "q4km.gguf"
-    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
-    _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
-    assert ("layers 1 repacked losslessly (the file's blocks as they are; w_down in q6_k)") in caplog.text
+@pytest.mark.parametrize("main, down, dtype, said", [
+    (Q.Q4_K, "blk.1.ffn_down_exps.weight", "q4_k", "layers 0, 2 repacked losslessly (the file's blocks as they are); "
+     "layers 1 repacked losslessly (the file's blocks as they are; w_down in q6_k)"),
+    (Q.Q5_K, "ffn_down", "q5_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q6_k)")],
+    ids=["q4_k_m", "q5_k_m"])
+def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog, main, down, dtype, said):
+    """Q4_K (Q5_K) gates and ups with downs in Q6_K, one layer's as Q4_K_M files keep some (every layer's, as Q5_K_M
+    files keep many): by default q4_k (q5_k) with those downs in q6_k, every weight the file's values and bytes; the
+    load's line says so."""
+    path = tmp_path / f"{dtype}m.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if down in n else main)
+    _, off = hybrid_logits(path, caplog, cpu_dtype=dtype, cpu_isa=COMPILED[0] if COMPILED else "ref")
+    assert f"GGUF experts for the CPU executor ({dtype}): {said}" in caplog.text
     moe = off.layers[1].cpu_moe
-    assert (moe.dtype, moe.down_dtype) == ("q4_k", "q6_k")
-    if COMPILED:
-        values = file_values(path, 1)
-        for name in ("gate", "up", "down"):
-            assert torch.equal(held(moe, name), values[name])
-
-
-def test_a_q5_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog):
-    """Q5_K gates and ups with Q6_K downs (as Q5_K_M files keep many): by default q5_k with its downs in q6_k, every
-    weight the file's values."""
-    path = tmp_path / "q5km.gguf"
-    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if "ffn_down" in n else Q.Q5_K)
-    _, off = hybrid_logits(path, caplog, cpu_dtype="q5_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
-    assert "repacked losslessly (the file's blocks as they are; w_down in q6_k)" in caplog.text
-    moe = off.layers[1].cpu_moe
-    assert (moe.dtype, moe.down_dtype) == ("q5_k", "q6_k")
+    assert (moe.dtype, moe.down_dtype) == (dtype, "q6_k")
     if COMPILED:
         values = file_values(path, 1)
         for name in ("gate", "up", "down"):

@@ -218,50 +218,27 @@ bool pack_row_q8_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   return !bad;
 }
 
-// A Q4_K or Q5_K block's fp16 d or dmin (its first four bytes) is Inf or NaN (exponent all ones).
-inline uint32_t kq_head_bad(const uint8_t* blk) {
-  uint16_t d, dmin;
-  std::memcpy(&d, blk, 2);
-  std::memcpy(&dmin, blk + 2, 2);
-  return ((d & 0x7C00u) == 0x7C00u) | ((dmin & 0x7C00u) == 0x7C00u);
-}
-
-// Row r of Q4_K source expert i -> q4_k row r of expert e: each super-block's nibbles and head as they are; padding
-// (columns past k, rows past rows) nibble 0 under an all-zero head. False if a head's d or dmin is not finite.
-bool pack_row_q4_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+// Row r of Q4_K (HB = 16) or Q5_K (HB = 48) source expert i -> q4_k / q5_k row r of expert e: each super-block's
+// first HB bytes (fp16 d and dmin, the 6-bit scales and minimums; Q5_K: then its 32 bytes of fifth bits) as the head
+// and its 128 bytes of nibbles, as they are; padding (columns past k, rows past rows) nibble 0 under an all-zero
+// head. False if a head's d or dmin is not finite.
+bool pack_row_kq_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int HB) {
   const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
   uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 16;
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * HB;
   uint32_t bad = 0;
   const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(h + 16 * b, blk, 16);
-    bad |= kq_head_bad(blk);
-    std::memcpy(q + 128 * b, blk + 16, 128);
+    std::memcpy(h + HB * b, blk, HB);
+    uint16_t d, dmin;
+    std::memcpy(&d, blk, 2);
+    std::memcpy(&dmin, blk + 2, 2);
+    bad |= ((d & 0x7C00u) == 0x7C00u) | ((dmin & 0x7C00u) == 0x7C00u);  // exponent all ones: Inf or NaN
+    std::memcpy(q + 128 * b, blk + HB, 128);
   }
   std::memset(q + 128 * nb, 0, (size_t)(ldk / 2 - 128 * nb));
-  std::memset(h + 16 * nb, 0, 16 * (size_t)(ldk / 256 - nb));
-  return !bad;
-}
-
-// Row r of Q5_K source expert i -> q5_k row r of expert e: each super-block's head (with its fifth bits) and nibbles
-// as they are; padding (columns past k, rows past rows) nibble 0 under an all-zero head. False if a head's d or dmin
-// is not finite.
-bool pack_row_q5_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
-  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
-  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 48;
-  uint32_t bad = 0;
-  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(h + 48 * b, blk, 48);
-    bad |= kq_head_bad(blk);
-    std::memcpy(q + 128 * b, blk + 48, 128);
-  }
-  std::memset(q + 128 * nb, 0, (size_t)(ldk / 2 - 128 * nb));
-  std::memset(h + 48 * nb, 0, 48 * (size_t)(ldk / 256 - nb));
+  std::memset(h + HB * nb, 0, HB * (size_t)(ldk / 256 - nb));
   return !bad;
 }
 
@@ -355,8 +332,8 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (copy) { ok &= copy_row_bf16(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
       if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
-      if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_q4_k_src(*S, i, *M, e, r); continue; }
-      if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_q5_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 16); continue; }
+      if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 48); continue; }
       if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_q6_k_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
