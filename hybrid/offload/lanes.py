@@ -105,8 +105,8 @@ _ALIGN = 64  # byte offset of each matrix's bytes within a sub-slot's raw buffer
 @dataclass(frozen=True)
 class _Layout:
     """How one layer's packed experts sit in a staging sub-slot. Layers may differ (a GGUF file's layers keep
-    their own formats, e.g. Q4_K_M's Q6_K downs go to int8 in some layers only): each layout is carved out of
-    the same raw byte buffers, sized to the largest layout seen."""
+    their own formats, e.g. a Q4_K_M file's q6_k downs in some layers beside q4_k downs in others): each layout
+    is carved out of the same raw byte buffers, sized to the largest layout seen."""
 
     direct: bool  # the packed bytes are the dense weights: copied straight into the dense chunk, no raw bytes
     one_copy: bool  # ...and the executor keeps an expert's three matrices back to back (one copy per expert)
