@@ -153,6 +153,8 @@ def refused(port) -> bool:
         return False
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:  # queued in the backlog as the listener closed: not refused yet, ask again
+        return False
 
 
 # --- shutdown, in process ---------------------------------------------------------------------------
