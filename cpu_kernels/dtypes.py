@@ -45,6 +45,10 @@ CPU_DTYPES = {d.name: d for d in (
     # int8 in blocks of 32 with an fp16 scale each: llama.cpp's Q8_0 values (8.5 bits a weight), so a GGUF file's
     # Q8_0 experts are held exactly; finer scales than int8's per row for any other checkpoint
     CpuDtype("q8_0", 4, 1, scale_bytes=2, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's Q2_K: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (2.625 bits a
+    # weight, the 20-byte head of each 256 values counted in value_bytes), so a GGUF file's Q2_K experts (the low-bit
+    # mixes that fit DeepSeek-V3 in 256 GB of DRAM) are held exactly
+    CpuDtype("q2_k", 8, 0.328125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
     # llama.cpp's Q4_K: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 pair per 256 (4.5 bits a
     # weight, the 16-byte head of each 256 values counted in value_bytes as mxfp4's exponents are), so a GGUF file's
     # Q4_K experts are held exactly
@@ -60,7 +64,7 @@ CPU_DTYPES = {d.name: d for d in (
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

@@ -43,6 +43,11 @@ q5_k: llama.cpp's Q5_K values: q4_k's with a fifth bit per value, q = nibble + 1
       and heads uint8 [..., R, K/256, 48]: q4_k's 16-byte head, then the 32 bytes qh of fifth bits as the file holds
       them (value 64 j + l, l < 32, takes bit 2 j of qh[l]; value 64 j + 32 + l bit 2 j + 1), 5.5 bits a weight as
       the file's. quantize_q5_k rounds as quantize_q4_k does, over 31 steps.
+q2_k: llama.cpp's Q2_K values: rows in super-blocks of 256 values, each 16 groups of 16 with a 4-bit scale sc and a
+      4-bit minimum m, and per super-block an fp16 d and dmin: w = (d sc) q - (dmin m), q in 0..3. Packed as values
+      uint8 [..., R, K/4] as the file holds them (in each half of 128 values, 32 bytes: value 32 j + l is bits 2 j,
+      2 j + 1 of byte l) and heads uint8 [..., R, K/256, 20]: the 16 scale bytes (sc low nibble, m high), then d
+      and dmin; 2.625 bits a weight as the file's. quantize_q2_k rounds as quantize_q4_k does, over 3 steps.
 q6_k: llama.cpp's Q6_K values: rows in super-blocks of 256 values, each 16 groups of 16 with an int8 scale sc, and
       per super-block an fp16 d: w = d sc (q - 32), q in 0..63. Packed as the file holds a super-block: values uint8
       [..., R, K/256 * 192] (per super-block 128 bytes ql of low nibbles, then 64 bytes qh of high bit pairs; in each
@@ -60,6 +65,8 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       quantize_int4 to +-7.
   Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
   Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
+  Q2_K: 84 bytes per 256 values, the 16 scale bytes, 64 bytes of values, then d and dmin: q2_k above exactly
+      (q2_k_parts moves d and dmin beside the scales).
   Q5_K: 176 bytes per 256 values, q5_k's 48-byte head, then 128 bytes of nibbles: q5_k above exactly (q5_k_parts).
   Q6_K: 210 bytes per 256 values, ql, qh, the scales, then d: q6_k above exactly (q6_k_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
@@ -268,20 +275,21 @@ def pack_q4_k_heads(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: to
     return torch.cat([dd, lo, mid, hi], -1)
 
 
-def _quantize_k(w: torch.Tensor, name: str, top: int):
-    """quantize_q4_k's rounding over `top` steps (15: q4_k, 31: q5_k) -> (codes uint8 [..., R, K], d, dmin fp16
-    [..., R, K/256], sc, m [..., R, K/256, 8])."""
+def _quantize_k(w: torch.Tensor, name: str, top: int, group: int = 32, smax: int = 63):
+    """quantize_q4_k's rounding over `top` steps (15: q4_k, 31: q5_k, 3: q2_k), with a scale and minimum per `group`
+    values of `smax` steps (63: 6 bits, 15: 4 bits) -> (codes uint8 [..., R, K], d, dmin fp16 [..., R, K/256], sc, m
+    [..., R, K/256, 256 / group])."""
     *lead, K = w.shape
     if K % QK_K:
         raise ValueError(f"{name} needs rows of whole {QK_K}-value super-blocks, got K={K}")
-    b = w.float().reshape(*lead, K // QK_K, 8, 32)
+    b = w.float().reshape(*lead, K // QK_K, QK_K // group, group)
     neg = 0.0 - b.amin(-1).clamp(max=0.0)  # minus a sub-block's minimum, >= 0 (+0.0 for a minimum of 0)
     step = (b.amax(-1) + neg) / float(top)
-    d = (step.amax(-1) / 63.0).clamp(max=65504.0).half()
-    dmin = (neg.amax(-1) / 63.0).clamp(max=65504.0).half()
+    d = (step.amax(-1) / float(smax)).clamp(max=65504.0).half()
+    dmin = (neg.amax(-1) / float(smax)).clamp(max=65504.0).half()
     df, dmf = d.float()[..., None], dmin.float()[..., None]
-    sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, 63)
-    m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, 63)
+    sc = torch.where(df > 0, torch.round(step / df.clamp(min=1e-30)), 0.0).clamp(0, smax)
+    m = torch.where(dmf > 0, torch.round(neg / dmf.clamp(min=1e-30)), 0.0).clamp(0, smax)
     S, M = (df * sc)[..., None], (dmf * m)[..., None]
     q = torch.where(S > 0, torch.round((b + M) / S.clamp(min=1e-30)), 0.0).clamp(0, top).to(torch.uint8)
     return q.reshape(*lead, K), d, dmin, sc, m
@@ -343,6 +351,60 @@ def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, G, _ = raw.shape
     return (raw[..., Q5_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(),
             raw[..., :Q5_K_HEAD_BYTES].contiguous())
+
+
+Q2_K_HEAD_BYTES = 20  # 16 bytes of 4-bit scales (low) and minimums (high), then fp16 d and dmin
+Q2_K_VALUE_BYTES = 64  # the 2-bit values of a super-block
+Q2_K_BLOCK_BYTES = 84  # GGUF Q2_K: scales, values, d, dmin
+
+
+def q2_k_codes(values: torch.Tensor) -> torch.Tensor:
+    """values uint8 [..., R, K/4] -> the 2-bit codes uint8 [..., R, K] (0..3) in value order: in each half of 128
+    values (32 bytes), value 32 j + l is bits 2 j, 2 j + 1 of byte l."""
+    *lead, B = values.shape
+    v = values.reshape(*lead, B // 32, 1, 32)
+    return ((v >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3).reshape(*lead, B * 4)
+
+
+def q2_k_scales(heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """heads uint8 [..., 20] -> (d * sc, dmin * m) fp32 [..., 16]: each 16-value group's scale and minimum."""
+    d = heads[..., 16:18].contiguous().view(torch.float16)[..., 0].float()
+    dmin = heads[..., 18:20].contiguous().view(torch.float16)[..., 0].float()
+    sc = heads[..., :16].int()
+    return d[..., None] * (sc & 15).float(), dmin[..., None] * (sc >> 4).float()
+
+
+def dequantize_q2_k(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/4], heads uint8 [..., R, K/256, 20]) -> fp32 [..., R, K], as gguf.quants.dequantize
+    computes Q2_K: (d sc) q - (dmin m) per 16 values."""
+    q = q2_k_codes(values)
+    *lead, K = q.shape
+    S, M = q2_k_scales(heads)
+    return (S.reshape(*lead, K // 16, 1) * q.float().reshape(*lead, K // 16, 16) - M.reshape(*lead, K // 16, 1)
+            ).reshape(*lead, K)
+
+
+def quantize_q2_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (values uint8 [..., R, K/4], heads uint8 [..., R, K/256, 20]) (module doc:
+    quantize_q4_k's rounding over 3 steps, a 4-bit scale and minimum per 16 values)."""
+    q, d, dmin, sc, m = _quantize_k(w, "q2_k", 3, group=16, smax=15)
+    *lead, K = q.shape
+    c = q.reshape(*lead, K // 128, 4, 32)  # half, j, l
+    values = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+    dd = torch.stack([d, dmin], -1).contiguous().view(torch.uint8)
+    heads = torch.cat([(sc.to(torch.uint8) | (m.to(torch.uint8) << 4)), dd], -1)
+    return values.reshape(*lead, K // 4), heads
+
+
+def q2_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q2_K blocks raw uint8 [..., R, G, 84] (any strides) -> (values uint8 [..., R, G * 64], heads uint8
+    [..., R, G, 20]): q2_k's bytes as the file holds them (module doc), the scales and d, dmin side by side."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q2_K_BLOCK_BYTES:
+        raise ValueError(f"Q2_K blocks must be uint8 [..., K/256, {Q2_K_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., 16:80].reshape(*lead, G * Q2_K_VALUE_BYTES).contiguous(),
+            torch.cat([raw[..., :16], raw[..., 80:84]], -1))
 
 
 Q6_K_HEAD_BYTES = 18  # 16 int8 scales, then fp16 d

@@ -3,6 +3,7 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
   q8_0: int8 in blocks of 32 along K with an fp16 scale each (Q8_0);
   q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K);
   q5_k: q4_k with a fifth bit per value (Q5_K);
+  q2_k: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (Q2_K);
   q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
@@ -10,8 +11,8 @@ kernels hold: the only approximation left is the kernels' per-token int8 quantiz
 before down), the one int8 and int4 make, so TOL["int8"] (test_cpu_moe.py) bounds it; a second, tight check
 emulates that rounding and leaves only fp32 summation order.
 
-Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); q4_k, q5_k
-and q6_k D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
+Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); the K-quants
+D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
 padded to whole blocks before quantizing). Ragged routing (experts with 0, 1, 7, 300 tokens), outputs NaN-filled.
 """
 
@@ -66,6 +67,12 @@ def q5k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
 
 
+def q2k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/4], heads [..., K/256, 20]) -> GGUF Q2_K blocks uint8 [..., K/256, 84] (scales, values,
+    d, dmin)."""
+    return torch.cat([h[..., :16], v.reshape(*h.shape[:-1], 64), h[..., 16:]], -1).contiguous()
+
+
 def q6k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """(values uint8 [..., K/256 * 192], heads [..., K/256, 18]) -> GGUF Q6_K blocks uint8 [..., K/256, 210]."""
     return torch.cat([v.reshape(*h.shape[:-1], 192), h], -1).contiguous()
@@ -78,6 +85,8 @@ FORMATS = {
                 q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
     "q5_k": Fmt("q5_k", 256, 176, 768, 512, 0.6875, quant.quantize_q5_k, quant.dequantize_q5_k, quant.q5_k_parts,
                 q5k_raw, CpuMoE.from_q5_k, "Q5_K"),
+    "q2_k": Fmt("q2_k", 256, 84, 768, 512, 0.328125, quant.quantize_q2_k, quant.dequantize_q2_k, quant.q2_k_parts,
+                q2k_raw, CpuMoE.from_q2_k, "Q2_K"),
     "q6_k": Fmt("q6_k", 256, 210, 768, 512, 0.8203125, quant.quantize_q6_k, quant.dequantize_q6_k, quant.q6_k_parts,
                 q6k_raw, CpuMoE.from_q6_k, "Q6_K"),
 }
@@ -118,7 +127,7 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
     quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
     scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
-    over 2^-16 .. 2^-8."""
+    over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -129,6 +138,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-14, -4, (*shape[:2], G), generator=g) *
                   (1 + torch.rand(*shape[:2], G, generator=g))).half()
             raws.append(q8_raw(q, dd))
+        elif fmt.name == "q2_k":
+            v = torch.randint(0, 256, (*shape[:2], G * 64), dtype=torch.uint8, generator=g)
+            sc = torch.randint(0, 256, (*shape[:2], G, 16), dtype=torch.uint8, generator=g)
+            dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 2), generator=g) *
+                  (1 + torch.rand(*shape[:2], G, 2, generator=g))).half()
+            raws.append(q2k_raw(v, torch.cat([sc, dd.view(torch.uint8)], -1)))
         elif fmt.name == "q6_k":
             v = torch.randint(0, 256, (*shape[:2], G * 192), dtype=torch.uint8, generator=g)
             sc = torch.randint(-128, 128, (*shape[:2], G, 16), dtype=torch.int8, generator=g)
@@ -207,6 +222,26 @@ def test_q5_k_quantize_roundtrip_and_format():
         quant.quantize_q5_k(torch.zeros(2, 320))
 
 
+def test_q2_k_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 5, 512, generator=g) * 0.05 + torch.linspace(-0.02, 0.06, 512)  # offsets: minimums matter
+    v, h = quant.quantize_q2_k(w)
+    assert v.dtype == h.dtype == torch.uint8 and v.shape == (3, 5, 128) and h.shape == (3, 5, 2, 20)
+    q = quant.q2_k_codes(v)
+    assert sorted(q.unique().tolist()) == [0, 1, 2, 3]  # every code used
+    S, M = quant.q2_k_scales(h)
+    assert (S >= 0).all() and (M >= 0).all() and int((h[..., :16] & 15).max()) == 15
+    back = quant.dequantize_q2_k(v, h)
+    step = S.reshape(3, 5, 32).repeat_interleave(16, -1)
+    # within half a step of the grid, plus the 4-bit rounding of the group's minimum (at most half a dmin)
+    dmin = h[..., 18:20].contiguous().view(torch.float16).float().repeat_interleave(256, -1).reshape(3, 5, 512)
+    assert ((back - w).abs() <= 0.5 * step + 0.5 * dmin + 1e-6).all()
+    zero = quant.quantize_q2_k(torch.zeros(1, 256))
+    assert not zero[0].any() and not zero[1].any()
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_q2_k(torch.zeros(2, 320))
+
+
 def test_q6_k_quantize_roundtrip_and_format():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 1, 512)
@@ -225,7 +260,8 @@ def test_q6_k_quantize_roundtrip_and_format():
         quant.quantize_q6_k(torch.zeros(2, 320))
 
 
-@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208)], ids=["q4_k-dmin", "q5_k-d", "q6_k-d"])
+@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82)],
+                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -397,7 +433,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3}.get(fmt, k)  # the q bytes of k values
+            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -451,7 +487,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q3_K")
 
 
@@ -481,12 +517,13 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
-@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208)],
-                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d"])
+@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208),
+                                     ("q2_k", 80), ("q2_k", 82)],
+                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
-    or dmin, q5_k likewise; q6_k: the block's last two bytes) is NaN or Inf stops it as a non-finite weight of its expert."""
+    or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four) is NaN or Inf stops it as a non-finite weight of its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)

@@ -69,6 +69,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
             parts.append(quant.dequantize_q4_k(m["q"], m["scale"]))
         elif m["dtype"] == "q5_k":
             parts.append(quant.dequantize_q5_k(m["q"], m["scale"]))
+        elif m["dtype"] == "q2_k":
+            parts.append(quant.dequantize_q2_k(m["q"], m["scale"]))
         elif m["dtype"] == "q6_k":
             parts.append(quant.dequantize_q6_k(m["q"], m["scale"]))
         elif m["dtype"] == "int8":
@@ -434,14 +436,15 @@ def qwen3_256(tmp_path_factory):
 
 @pytest.mark.parametrize("kind, argv, want", [
     (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
-    (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
+    (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)),
+    (Q.Q2_K, [], ("q2_k", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
-    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
     (all Q4_0: int4 in groups of 32, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values
-    exactly; all Q5_K or Q6_K: q5_k or q6_k, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
+    exactly; all Q5_K, Q6_K or Q2_K: q5_k, q6_k or q2_k, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -461,7 +464,7 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
     else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, Q4_K, MXFP4)
-        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) or (kind == Q.Q4_0 and want[1] == 32)
+        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K) or (kind == Q.Q4_0 and want[1] == 32)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -633,11 +636,12 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
 
 @pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "int4", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
                                              (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
-                                             (Q.MXFP4, "mxfp4", 0)],
-                         ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "mxfp4-exponent"])
+                                             (Q.Q2_K, "q2_k", 82), (Q.MXFP4, "mxfp4", 0)],
+                         ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "q2_k-dmin",
+                              "mxfp4-exponent"])
 def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
     """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
-    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
+    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
     from gguf import GGML_QUANT_SIZES, GGUFReader
 
     path = tmp_path / "m.gguf"

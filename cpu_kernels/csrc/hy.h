@@ -10,7 +10,7 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -25,7 +25,8 @@ typedef struct {
                          // q8_0: fp16 [E, rows_p, ldk/32] (read through q8_scales; s_estride in fp16 values);
                          // q4_k: uint8 heads [E, rows_p, ldk/256, 16] (read through q4k_heads; s_estride in bytes);
                          // q6_k: uint8 heads [E, rows_p, ldk/256, 18] (read through q6k_heads; s_estride in bytes);
-                         // q5_k: uint8 heads [E, rows_p, ldk/256, 48] (read through q5k_heads; s_estride in bytes)
+                         // q5_k: uint8 heads [E, rows_p, ldk/256, 48] (read through q5k_heads; s_estride in bytes);
+                         // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -233,6 +234,14 @@ inline const uint8_t* q6k_heads(const HyMat& M, int e, int r) {
 // 2 j of qh[l]; value 64 j + 32 + l bit 2 j + 1); w = (d sc) (nibble + 16 x bit) - (dmin m), llama.cpp's Q5_K.
 inline const uint8_t* q5k_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 48;
+}
+
+// q2_k (cpu_kernels/quant.py, module doc): 2-bit values [rows_p, ldk/4] as llama.cpp's Q2_K holds them (in each half
+// of 128 values, 32 bytes: value 32 j + l is bits 2 j, 2 j + 1 of byte l) and per 256-value super-block a 20-byte head
+// [rows_p, ldk/256, 20]: 16 bytes of a 4-bit scale sc (low nibble) and minimum m (high) per 16 values, then fp16 d
+// and dmin; w = (d sc) q - (dmin m), q in 0..3. ldk is a multiple of 256.
+inline const uint8_t* q2k_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 20;
 }
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }

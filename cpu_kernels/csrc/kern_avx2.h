@@ -334,6 +334,59 @@ void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// q2_k (hy.h q2k_heads): per 256-value super-block and row its 16 groups' scales d sc and minimums dmin m as two
+// vectors of 8 each; each 32-value piece is one 32-byte load of its half's values shifted by 2 j (a 16-bit shift; the
+// mask drops the crossing bits): q in 0..3, maddubs'd with its activations; lanes 0-3 belong to the piece's first
+// 16-value group, 4-7 to its second, scaled by their scales, and the same lanes' activation sums (maddubs with ones,
+// once per token and piece, shared by the 4 rows) times their minimums subtracted.
+template <int MT>
+void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 20;
+  const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1), lo4 = _mm256_set1_epi32(15);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m256 S[4][2], Mn[4][2];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 20;
+      uint16_t dh, mh;
+      std::memcpy(&dh, h + 16, 2);
+      std::memcpy(&mh, h + 18, 2);
+      const __m256 d = _mm256_set1_ps(f16_to_f32(dh)), dm = _mm256_set1_ps(f16_to_f32(mh));
+      for (int g = 0; g < 2; ++g) {
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(h + 8 * g)));
+        S[j][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(sc, lo4)), d);
+        Mn[j][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4)), dm);
+      }
+    }
+    for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + sb * 64), _MM_HINT_T1);
+    for (int p = 0; p < 8; ++p) {  // 32-value pieces: half p / 4, bits 2 (p % 4) of its 32 bytes
+      const int half = p / 4;
+      const __m128i sh = _mm_cvtsi32_si128(2 * (p % 4));
+      __m256i a[MT];
+      __m256 as[MT];
+      for (int t = 0; t < MT; ++t) {
+        a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + p * 32));
+        as[t] = _mm256_cvtepi32_ps(dot_u8s8_i32(ones, a[t]));
+      }
+      const __m256i idx = _mm256_setr_epi32(2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4) + 1,
+                                            2 * (p % 4) + 1, 2 * (p % 4) + 1, 2 * (p % 4) + 1);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i*)(w + j * ldw + sb * 64 + half * 32));
+        const __m256i q = _mm256_and_si256(_mm256_srl_epi16(qv, sh), three);
+        const __m256 sv = _mm256_permutevar8x32_ps(S[j][half], idx), mv = _mm256_permutevar8x32_ps(Mn[j][half], idx);
+        for (int t = 0; t < MT; ++t) {
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(q, a[t])), sv, acc[j][t]);
+          acc[j][t] = _mm256_fnmadd_ps(as[t], mv, acc[j][t]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 // q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales times d as two vectors of 8; each
 // 32-value piece is one 32-byte ql load's low or high nibbles OR'ed with its bit pair of a 32-byte qh load
 // moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there), q in 0..63; maddubs with the activations
@@ -416,6 +469,8 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q5_K) {
     kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
                        ldc);
+  } else if (M.dtype == HY_Q2_K) {
+    q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
                   ldc);

@@ -11,7 +11,8 @@
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
 // block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
 // offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
-// q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
+// q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. q2_k: 2-bit values by a shift and a mask,
+// the minimums per 16 values with the activations' sums per 4 lanes. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
 // 16-value group scaled by its int8 scale times d.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
@@ -477,6 +478,75 @@ void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
   }
 }
 
+// q2_k (hy.h q2k_heads), 4 rows x MT tokens (MT <= 2; q2k_block runs 3-4 tokens as two pairs, for the registers):
+// per 256-value super-block and row its 16 groups' scales d sc and minimums dmin m as two vectors; per 64-value chunk
+// one 32-byte load of its half's values broadcast to both 256-bit halves, shifted by a 16-bit shift of each half's
+// count (4 (cc % 2), + 2 for the upper half) and masked: q in 0..3 as the unsigned operand. Lane l of VPDPBUSD holds 4
+// values of the 16-value group 4 cc + l / 4, scaled by a VPERMPS of the scales; the minimums by the same lanes' sums
+// of 4 activations (one VPDPBUSD of ones per token and chunk, shared by the 4 rows) times a VPERMPS of the minimums.
+template <int MT>
+void q2k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+              int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 20;  // head bytes a row
+  const __m512i three = _mm512_set1_epi8(3), ones = _mm512_set1_epi8(1), lo4 = _mm512_set1_epi32(15);
+  const __m512i quad = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m512 S16[4], M16[4];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 20;
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)h));
+      const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t*)(h + 16)));  // d, dmin
+      S16[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sc, lo4)), _mm512_broadcastss_ps(dd));
+      M16[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)),
+                             _mm512_broadcastss_ps(_mm_movehdup_ps(dd)));
+    }
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      _mm_prefetch((const char*)(w + j * ldw + sb * 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(hd + j * hst + sb * 20), _MM_HINT_T1);
+    }
+    for (int cc = 0; cc < 4; ++cc) {
+      const int half = cc / 2;
+      const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * (cc % 2))),
+                                            _mm256_set1_epi16((short)(4 * (cc % 2) + 2)), 1);
+      const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * cc));
+      __m512i wq[4];
+      __m512 sv[4], mv[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + sb * 64 + half * 32)));
+        wq[j] = _mm512_and_si512(_mm512_srlv_epi16(q, sh), three);
+        sv[j] = _mm512_permutexvar_ps(idx, S16[j]);
+        mv[j] = _mm512_permutexvar_ps(idx, M16[j]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        const __m512 as = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a));
+        for (int j = 0; j < 4; ++j) {
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], a)), sv[j],
+                                      acc[j][t]);
+          acc[j][t] = _mm512_fnmadd_ps(as, mv[j], acc[j][t]);
+        }
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+template <int MT>
+void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  if constexpr (MT <= 2) {
+    q2k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+  } else {
+    q2k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    q2k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+  }
+}
+
 // q6_k (hy.h q6k_heads), 4 rows x MT tokens (MT <= 2; q6k_block runs 3-4 tokens as two pairs, for the registers):
 // per 256-value super-block and row the 16 int8 scales times d as one vector; per 64-value chunk one 64-byte load of
 // ql (a half's low nibbles for its first chunk, high nibbles for its second) and one 32-byte qh load broadcast to
@@ -573,6 +643,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q5_K) {
     kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
                        ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q2_K) {
+    q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc,
+                  pf_lo, pf_rows);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r),
                   C, ldc, pf_lo, pf_rows);

@@ -16,7 +16,8 @@
 // (144-byte super-blocks: a 16-byte head, then 128 bytes of nibbles in int4's chunk layout) q4_k exactly: copied
 // as they are, as are a GGUF Q5_K source (176-byte super-blocks: q5_k's 48-byte head, then its 128 bytes of nibbles)
 // into q5_k and a GGUF Q6_K source (210-byte super-blocks: 192 bytes of values, then an 18-byte head) into q6_k.
-// (q4_k, q5_k and q6_k from float sources are cpu_kernels/quant.py's alone.)
+// A GGUF Q2_K source (84-byte super-blocks: 16 scale bytes, 64 bytes of values, fp16 d, dmin) is q2_k exactly: its
+// values, and its scale bytes with d and dmin as the head. (The K-quants from float sources are cpu_kernels/quant.py's.)
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -25,7 +26,7 @@
 #include "pool.h"
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
-       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8 };
+       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -242,6 +243,30 @@ bool pack_row_kq_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, in
   return !bad;
 }
 
+// Row r of Q2_K source expert i -> q2_k row r of expert e: each super-block's 64 value bytes, and its 16 scale bytes
+// with d and dmin as the head, as they are; padding (columns past k, rows past rows) zero bytes. False if a head's d
+// or dmin is not finite.
+bool pack_row_q2_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 4);
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 20;
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    std::memcpy(q + 64 * b, blk + 16, 64);
+    std::memcpy(h + 20 * b, blk, 16);
+    std::memcpy(h + 20 * b + 16, blk + 80, 4);
+    uint16_t dd[2];  // d, dmin
+    std::memcpy(dd, blk + 80, 4);
+    bad |= (dd[0] & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    bad |= (dd[1] & 0x7C00u) == 0x7C00u;
+  }
+  std::memset(q + 64 * nb, 0, 64 * (size_t)(ldk / 256 - nb));
+  std::memset(h + 20 * nb, 0, 20 * (size_t)(ldk / 256 - nb));
+  return !bad;
+}
+
 // Row r of Q6_K source expert i -> q6_k row r of expert e: each super-block's 192 value bytes and 18-byte head as they
 // are; padding (columns past k, rows past rows) zero bytes (code 0 under an all-zero head: the value 0). False if a
 // head's d is not finite.
@@ -286,14 +311,16 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q5_K) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q2_K) return false;
   if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
     return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q5_K)  // q5_k only, likewise
     return M->dtype == HY_Q5_K && M->scale && S->k % 256 == 0 && S->cs >= 176 && M->ldk % 256 == 0;
+  if (S->wdtype == HY_SRC_Q2_K)  // q2_k only, likewise
+    return M->dtype == HY_Q2_K && M->scale && S->k % 256 == 0 && S->cs >= 84 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
     return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
-  if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K) return false;  // from floats: cpu_kernels/quant.py
+  if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K) return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
@@ -335,6 +362,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 16); continue; }
       if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 48); continue; }
       if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_q6_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q2_K) { ok &= pack_row_q2_k_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
