@@ -778,48 +778,26 @@ class CpuMoE:
         d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q8_0_BLOCK, 0, rows_p - rows))
         return q.contiguous(), d.contiguous(), None
 
-    def _kq_parts(self, w, rows_p: int, ldk: int, dt: str):
-        """A chunk of experts (float [c, rows, k], or _Q4K / _Q5K blocks) -> (nibbles uint8 [c, rows_p, ldk/2], heads
-        uint8 [c, rows_p, ldk/256, 16 (q4_k) or 48 (q5_k)], None); a float chunk is zero padded to whole super-blocks
-        first; padding is nibble 0 under an all-zero head (d = dmin = 0)."""
-        parts, quantize = (quant.q4_k_parts, quant.quantize_q4_k) if dt == "q4_k" else (quant.q5_k_parts,
-                                                                                          quant.quantize_q5_k)
-        if isinstance(w, (_Q4K, _Q5K)):
-            p, h = parts(w.raw)
-        else:
-            K = w.shape[-1]
-            p, h = quantize(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
-        _, rows, H = p.shape
-        p = torch.nn.functional.pad(p, (0, ldk // 2 - H, 0, rows_p - rows))
-        h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
-        return p.contiguous(), h.contiguous(), None
+    # the K-quants: dtype -> (GGUF blocks -> parts, floats -> parts, value bytes per 256-value super-block)
+    _KQUANTS = {"q2_k": (quant.q2_k_parts, quant.quantize_q2_k, quant.Q2_K_VALUE_BYTES),
+                "q4_k": (quant.q4_k_parts, quant.quantize_q4_k, 128),
+                "q5_k": (quant.q5_k_parts, quant.quantize_q5_k, 128),
+                "q6_k": (quant.q6_k_parts, quant.quantize_q6_k, quant.Q6_K_VALUE_BYTES)}
 
-    def _q2k_parts(self, w, rows_p: int, ldk: int):
-        """A chunk of experts (float [c, rows, k] or _Q2K) -> (values uint8 [c, rows_p, ldk/4], heads uint8 [c, rows_p,
-        ldk/256, 20], None); a float chunk is zero padded to whole super-blocks first; padding is code 0 under an
-        all-zero head."""
-        if isinstance(w, _Q2K):
-            v, h = quant.q2_k_parts(w.raw)
+    def _kquant_parts(self, w, rows_p: int, ldk: int, dt: str):
+        """A chunk of experts (float [c, rows, k], or GGUF blocks of dt's type) -> (values uint8 [c, rows_p, ldk/256 x
+        the value bytes of a super-block], heads uint8 [c, rows_p, ldk/256, head bytes], None) for K-quant dt; a float
+        chunk is zero padded to whole super-blocks first; padding is zero bytes (code 0 under an all-zero head: the
+        value 0)."""
+        parts, quantize, vbytes = self._KQUANTS[dt]
+        if isinstance(w, _GgufBlocks):
+            v, h = parts(w.raw)
         else:
             K = w.shape[-1]
-            v, h = quant.quantize_q2_k(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
-        _, rows, B = v.shape
-        v = torch.nn.functional.pad(v, (0, ldk // 4 - B, 0, rows_p - rows))
-        h = torch.nn.functional.pad(h, (0, 0, 0, ldk // quant.QK_K - h.shape[2], 0, rows_p - rows))
-        return v.contiguous(), h.contiguous(), None
-
-    def _q6k_parts(self, w, rows_p: int, ldk: int):
-        """A chunk of experts (float [c, rows, k] or _Q6K) -> (values uint8 [c, rows_p, ldk/256 * 192], heads uint8
-        [c, rows_p, ldk/256, 18], None); a float chunk is zero padded to whole super-blocks first; padding is code 32
-        (the value 0) under an all-zero head."""
-        if isinstance(w, _Q6K):
-            v, h = quant.q6_k_parts(w.raw)
-        else:
-            K = w.shape[-1]
-            v, h = quant.quantize_q6_k(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
+            v, h = quantize(torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K)))
         _, rows, B = v.shape
         G = ldk // quant.QK_K
-        v = torch.nn.functional.pad(v, (0, G * quant.Q6_K_VALUE_BYTES - B, 0, rows_p - rows))
+        v = torch.nn.functional.pad(v, (0, G * vbytes - B, 0, rows_p - rows))
         h = torch.nn.functional.pad(h, (0, 0, 0, G - h.shape[2], 0, rows_p - rows))
         return v.contiguous(), h.contiguous(), None
 
@@ -966,12 +944,8 @@ class CpuMoE:
                 parts = list(self._q40_parts(wc, rows_p, ldk))
             elif dt == "q8_0":
                 parts = list(self._q80_parts(wc, rows_p, ldk))
-            elif dt in ("q4_k", "q5_k"):
-                parts = list(self._kq_parts(wc, rows_p, ldk, dt))
-            elif dt == "q6_k":
-                parts = list(self._q6k_parts(wc, rows_p, ldk))
-            elif dt == "q2_k":
-                parts = list(self._q2k_parts(wc, rows_p, ldk))
+            elif dt in self._KQUANTS:
+                parts = list(self._kquant_parts(wc, rows_p, ldk, dt))
             elif dt == "mxfp4":
                 parts = list(self._mx4_parts(wc, rows_p, ldk))
             elif dt == "bf16" and rows_p == rows and ldk == k:  # already the packed layout
