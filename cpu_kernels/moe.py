@@ -842,16 +842,10 @@ class CpuMoE:
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q8_0_BLOCK) - K))
             return quant.dequantize_q8_0(*quant.quantize_q8_0(wp))[..., :K]
-        if dt in ("q2_k", "q4_k", "q5_k", "q6_k"):
+        if dt in self._KQUANTS:
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K))
-            if dt == "q2_k":
-                return quant.dequantize_q2_k(*quant.quantize_q2_k(wp))[..., :K]
-            if dt == "q4_k":
-                return quant.dequantize_q4_k(*quant.quantize_q4_k(wp))[..., :K]
-            if dt == "q5_k":
-                return quant.dequantize_q5_k(*quant.quantize_q5_k(wp))[..., :K]
-            return quant.dequantize_q6_k(*quant.quantize_q6_k(wp))[..., :K]
+            return quant.packed_dequantizers()[dt](*self._KQUANTS[dt][1](wp))[..., :K]
         K = w.shape[-1]
         Kp = _align(K, self._kpad())
         wp = torch.nn.functional.pad(w.float(), (0, Kp - K))

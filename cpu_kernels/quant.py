@@ -477,6 +477,13 @@ def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raw[..., Q6_K_VALUE_BYTES:].contiguous())
 
 
+def packed_dequantizers() -> dict:
+    """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
+    and stored order are arguments of their own)."""
+    return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0,
+            "q2_k": dequantize_q2_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
+
+
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:
     """The 16 code bytes of GGUF MXFP4 blocks [..., 16] (values j, j + 16 in byte j) -> the published pairing
     (values 2j, 2j + 1 in byte j), a new tensor."""

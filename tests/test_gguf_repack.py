@@ -63,20 +63,8 @@ def held_values(moe: CpuMoE, name: str) -> list[torch.Tensor]:
         m = node[name]
         if m["dtype"] == "int4":
             parts.append(quant.dequantize_int4(m["q"], m["scale"], m["group"], m["fold"]))
-        elif m["dtype"] == "q8_0":
-            parts.append(quant.dequantize_q8_0(m["q"], m["scale"]))
-        elif m["dtype"] == "q4_k":
-            parts.append(quant.dequantize_q4_k(m["q"], m["scale"]))
-        elif m["dtype"] == "q5_k":
-            parts.append(quant.dequantize_q5_k(m["q"], m["scale"]))
-        elif m["dtype"] == "q2_k":
-            parts.append(quant.dequantize_q2_k(m["q"], m["scale"]))
-        elif m["dtype"] == "q6_k":
-            parts.append(quant.dequantize_q6_k(m["q"], m["scale"]))
-        elif m["dtype"] == "int8":
-            parts.append(quant.dequantize_int8(m["q"], m["scale"]))
         else:
-            parts.append(quant.dequantize_mxfp4_packed(m["q"], m["scale"]))
+            parts.append(quant.packed_dequantizers()[m["dtype"]](m["q"], m["scale"]))
     return parts
 
 

@@ -165,7 +165,7 @@ class ShipLane:
         self._raw_cap = 0  # bytes of each sub-slot's raw buffer
         self._next = 0
         self.vram_bytes = 0
-        self.direct = self.one_copy = False  # those of the layout fetched last
+        self._last: _Slot | None = None  # the slot fetched last
 
     def _alloc(self, shape, dtype):
         t = torch.empty(shape, dtype=dtype, device=self.device)
@@ -185,9 +185,17 @@ class ShipLane:
                              f"{tuple(dims)} in {dtype} cannot share it")
         if layout.nbytes > self._raw_cap:
             self._grow_raw(layout.nbytes)
-        self.direct = layout.direct
-        self.one_copy = layout.one_copy and self._slots[0].block is not None
         return layout
+
+    @property
+    def direct(self) -> bool:
+        """The chunk fetched last was copied straight into the dense weights (no raw bytes)."""
+        return self._last is not None and self._last.layout.direct
+
+    @property
+    def one_copy(self) -> bool:
+        """The chunk fetched last moved each expert in one copy into the staging block."""
+        return self._last is not None and self._last.layout.one_copy and self._last.block is not None
 
     def _make_slots(self, layout: _Layout, dims, dtype) -> None:
         F_, D = dims
@@ -242,6 +250,7 @@ class ShipLane:
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.n_slots
         slot.experts, slot.layout = list(experts), layout
+        self._last = slot
         raw = None if layout.direct else self._views(slot, layout)
         one_copy = layout.one_copy and slot.block is not None
         if self.cuda:

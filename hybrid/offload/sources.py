@@ -41,22 +41,10 @@ class PackedMatrix:
 
         if self.kind in ("bf16", "plain"):
             w = q
-        elif self.kind == "int8":
-            w = quant.dequantize_int8(q, scale)
-        elif self.kind == "mxfp4":
-            w = quant.dequantize_mxfp4_packed(q, scale)
-        elif self.kind == "q8_0":
-            w = quant.dequantize_q8_0(q, scale)
-        elif self.kind == "q4_k":
-            w = quant.dequantize_q4_k(q, scale)
-        elif self.kind == "q5_k":
-            w = quant.dequantize_q5_k(q, scale)
-        elif self.kind == "q2_k":
-            w = quant.dequantize_q2_k(q, scale)
-        elif self.kind == "q6_k":
-            w = quant.dequantize_q6_k(q, scale)
-        else:
+        elif self.kind == "int4":
             w = quant.dequantize_int4(q, scale, self.group, self.fold or None)
+        else:
+            w = quant.packed_dequantizers()[self.kind](q, scale)
         return w[: self.rows, : self.k].to(dtype)
 
 

@@ -67,13 +67,6 @@ def why_not(kind: str) -> str:
     return f"no CPU format holds {kind} as stored"
 
 
-def bytes_per_weight(fmt: tuple[str, int]) -> float:
-    """Bytes a weight of a CPU format (dtype, group), its scales counted (int8's per-row scale on a 4096-wide row)."""
-    from cpu_kernels.dtypes import CPU_DTYPES
-
-    return CPU_DTYPES[fmt[0]].bytes_per_weight(4096, fmt[1] or None)
-
-
 def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
     """The format a layer's down of GGUF type `kind` is packed in beside the layer's format `fmt` (a down may have
     a dtype of its own, cpu_kernels.dtypes.DOWN_DTYPES, beside any quantized one): the exact one of its type where
