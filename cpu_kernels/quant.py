@@ -363,7 +363,7 @@ def q2_k_codes(values: torch.Tensor) -> torch.Tensor:
     values (32 bytes), value 32 j + l is bits 2 j, 2 j + 1 of byte l."""
     *lead, B = values.shape
     v = values.reshape(*lead, B // 32, 1, 32)
-    return ((v >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3).reshape(*lead, B * 4)
+    return ((v >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=values.device).reshape(4, 1)) & 3).reshape(*lead, B * 4)
 
 
 def q2_k_scales(heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -502,7 +502,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
         raise ValueError(f"mxfp4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[-1] != MXFP4_BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} must be scales' shape {tuple(scales.shape)} + (16,)")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*scales.shape, MXFP4_BLOCK)
     w = torch.ldexp(lut[codes.long()], (scales.to(torch.int32) - 127)[..., None].float())
     return w.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK).to(dtype)
@@ -525,7 +525,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = e.clamp(-127, 127)
     e = torch.where(amax > 6.0 * torch.exp2(e), e + 1, e).clamp(-127, 128)  # log2 rounding at the edge
     v = wb / torch.exp2(e)[..., None]
-    mags = torch.tensor(FP4_VALUES[:8])
+    mags = torch.tensor(FP4_VALUES[:8], device=w.device)
     idx = (v.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude; argmin takes the first (even) on ties
     codes = (idx | ((v < 0).long() << 3)).to(torch.uint8)
     codes = codes.reshape(*lead, R, K // MXFP4_BLOCK, MXFP4_BLOCK // 2, 2)
