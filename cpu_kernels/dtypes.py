@@ -49,6 +49,10 @@ CPU_DTYPES = {d.name: d for d in (
     # weight, the 20-byte head of each 256 values counted in value_bytes), so a GGUF file's Q2_K experts (the low-bit
     # mixes that fit DeepSeek-V3 in 256 GB of DRAM) are held exactly
     CpuDtype("q2_k", 8, 0.328125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's Q3_K: 3-bit values with a signed 6-bit scale per 16 and an fp16 d per 256 (3.4375 bits a weight, the
+    # 14-byte head of each 256 values counted in value_bytes), so a GGUF file's Q3_K experts (the downs of Q2_K mixes,
+    # the Q3_K_S/M files' gates and ups) are held exactly
+    CpuDtype("q3_k", 9, 0.4296875, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
     # llama.cpp's Q4_K: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 pair per 256 (4.5 bits a
     # weight, the 16-byte head of each 256 values counted in value_bytes as mxfp4's exponents are), so a GGUF file's
     # Q4_K experts are held exactly
@@ -64,7 +68,7 @@ CPU_DTYPES = {d.name: d for d in (
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

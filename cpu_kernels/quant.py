@@ -48,6 +48,16 @@ q2_k: llama.cpp's Q2_K values: rows in super-blocks of 256 values, each 16 group
       uint8 [..., R, K/4] as the file holds them (in each half of 128 values, 32 bytes: value 32 j + l is bits 2 j,
       2 j + 1 of byte l) and heads uint8 [..., R, K/256, 20]: the 16 scale bytes (sc low nibble, m high), then d
       and dmin; 2.625 bits a weight as the file's. quantize_q2_k rounds as quantize_q4_k does, over 3 steps.
+q3_k: llama.cpp's Q3_K values: rows in super-blocks of 256 values, each 16 groups of 16 with a signed 6-bit scale sc
+      (-32..31), and per super-block an fp16 d: w = d sc q, q in -4..3 (low2 - 4 where the value's high bit is clear).
+      Packed as the file holds a super-block: values uint8 [..., R, K/256 * 96] (per super-block 32 bytes hmask, value
+      32 b + l's high bit being bit b of hmask[l], then q2_k's 64 bytes of low bit pairs) and heads uint8 [..., R,
+      K/256, 14]: the 12 bytes of scales as ggml packs them (sc + 32: scale i < 8 the low nibble of byte i, i >= 8 the
+      high nibble of byte i - 8; scale 4 g + i's top two bits bits 2 g, 2 g + 1 of byte 8 + i), then d; 3.4375 bits a
+      weight as the file's. Rows are zero padded to a multiple of 256 values (zero bytes: d = 0). quantize_q3_k rounds
+      to nearest as llama.cpp's reference does without its search: per group the scale that maps the value of
+      largest magnitude to -4, per super-block d that maps the scale of largest magnitude to -32 (both may be
+      negative), each value rounded against the scale the head holds.
 q6_k: llama.cpp's Q6_K values: rows in super-blocks of 256 values, each 16 groups of 16 with an int8 scale sc, and
       per super-block an fp16 d: w = d sc (q - 32), q in 0..63. Packed as the file holds a super-block: values uint8
       [..., R, K/256 * 192] (per super-block 128 bytes ql of low nibbles, then 64 bytes qh of high bit pairs; in each
@@ -67,6 +77,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
   Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
   Q2_K: 84 bytes per 256 values, the 16 scale bytes, 64 bytes of values, then d and dmin: q2_k above exactly
       (q2_k_parts moves d and dmin beside the scales).
+  Q3_K: 110 bytes per 256 values, hmask, the 2-bit values, the scales, then d: q3_k above exactly (q3_k_parts).
   Q5_K: 176 bytes per 256 values, q5_k's 48-byte head, then 128 bytes of nibbles: q5_k above exactly (q5_k_parts).
   Q6_K: 210 bytes per 256 values, ql, qh, the scales, then d: q6_k above exactly (q6_k_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
@@ -317,9 +328,16 @@ Q5_K_BLOCK_BYTES = 176  # GGUF Q5_K: the head as above, then 128 bytes of nibble
 
 
 def q5_k_high(qh: torch.Tensor) -> torch.Tensor:
-    """qh uint8 [..., 32] -> each of its super-block's 256 values' fifth bit, uint8 [..., 256] (0 or 1): value
-    64 j + l (l < 32) takes bit 2 j of qh[l], value 64 j + 32 + l bit 2 j + 1."""
+    """qh uint8 [..., 32] -> each of its super-block's 256 values' high bit, uint8 [..., 256] (0 or 1): value
+    32 b + l takes bit b of qh[l] (Q5_K's fifth bits, Q3_K's hmask)."""
     return torch.stack([(qh >> b) & 1 for b in range(8)], -2).reshape(*qh.shape[:-1], QK_K)
+
+
+def _high_bit_bytes(high: torch.Tensor) -> torch.Tensor:
+    """The inverse of q5_k_high: bits uint8 [..., R, K] (0 or 1) -> qh uint8 [..., R, K/256, 32]."""
+    *lead, K = high.shape
+    h = high.reshape(*lead, K // QK_K, 8, 32)
+    return sum((h[..., bit, :] << bit) for bit in range(8)).to(torch.uint8)
 
 
 def dequantize_q5_k(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -336,10 +354,7 @@ def quantize_q5_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, K] (K % 256 == 0) -> (nibbles uint8 [..., R, K/2], heads uint8 [..., R, K/256, 48]) (module doc:
     quantize_q4_k's rounding over 31 steps)."""
     q, d, dmin, sc, m = _quantize_k(w, "q5_k", 31)
-    *lead, K = q.shape
-    high = (q >> 4).reshape(*lead, K // QK_K, 8, 32)
-    qh = sum((high[..., bit, :] << bit) for bit in range(8)).to(torch.uint8)  # [..., G, 32]: q5_k_high's inverse
-    return pack_nibbles(q & 0x0F), torch.cat([pack_q4_k_heads(d, dmin, sc, m), qh], -1)
+    return pack_nibbles(q & 0x0F), torch.cat([pack_q4_k_heads(d, dmin, sc, m), _high_bit_bytes(q >> 4)], -1)
 
 
 def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,12 +403,17 @@ def quantize_q2_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., R, K] (K % 256 == 0) -> (values uint8 [..., R, K/4], heads uint8 [..., R, K/256, 20]) (module doc:
     quantize_q4_k's rounding over 3 steps, a 4-bit scale and minimum per 16 values)."""
     q, d, dmin, sc, m = _quantize_k(w, "q2_k", 3, group=16, smax=15)
+    dd = torch.stack([d, dmin], -1).contiguous().view(torch.uint8)
+    heads = torch.cat([(sc.to(torch.uint8) | (m.to(torch.uint8) << 4)), dd], -1)
+    return _q2_k_bytes(q), heads
+
+
+def _q2_k_bytes(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of q2_k_codes: codes uint8 [..., R, K] (0..3) -> values uint8 [..., R, K/4]."""
     *lead, K = q.shape
     c = q.reshape(*lead, K // 128, 4, 32)  # half, j, l
     values = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
-    dd = torch.stack([d, dmin], -1).contiguous().view(torch.uint8)
-    heads = torch.cat([(sc.to(torch.uint8) | (m.to(torch.uint8) << 4)), dd], -1)
-    return values.reshape(*lead, K // 4), heads
+    return values.reshape(*lead, K // 4)
 
 
 def q2_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,6 +425,85 @@ def q2_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, G, _ = raw.shape
     return (raw[..., 16:80].reshape(*lead, G * Q2_K_VALUE_BYTES).contiguous(),
             torch.cat([raw[..., :16], raw[..., 80:84]], -1))
+
+
+Q3_K_HEAD_BYTES = 14  # 12 bytes of 16 six-bit scales (ggml's packing), then fp16 d
+Q3_K_VALUE_BYTES = 96  # hmask (32 bytes of high bits), then 64 bytes of low bit pairs (q2_k's arrangement)
+Q3_K_BLOCK_BYTES = 110  # GGUF Q3_K: hmask, low bit pairs, scales, d
+
+
+def q3_k_codes(values: torch.Tensor) -> torch.Tensor:
+    """values uint8 [..., R, K/256 * 96] -> the codes q int8 [..., R, K] (-4..3) in value order: the low bit pairs as
+    q2_k's, minus 4 where hmask's bit of the value is clear."""
+    *lead, B = values.shape
+    v = values.reshape(*lead, B // Q3_K_VALUE_BYTES, Q3_K_VALUE_BYTES)
+    low = q2_k_codes(v[..., 32:]).reshape(*lead, B // 96 * QK_K)
+    high = q5_k_high(v[..., :32]).reshape(*lead, B // 96 * QK_K)
+    return (low + 4 * high).view(torch.int8) - 4
+
+
+def q3_k_scales(heads: torch.Tensor) -> torch.Tensor:
+    """heads uint8 [..., 14] -> d * (sc - 32) fp32 [..., 16], each 16-value group's scale (exact in fp32)."""
+    s = heads[..., :12]
+    low = torch.cat([s[..., :8] & 0x0F, s[..., :8] >> 4], -1)
+    top = ((s[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3).flatten(-2)
+    d = heads[..., 12:14].contiguous().view(torch.float16)[..., 0].float()
+    return d[..., None] * ((low | (top << 4)).float() - 32.0)
+
+
+def _q3_k_scale_bytes(sc: torch.Tensor) -> torch.Tensor:
+    """The inverse of q3_k_scales' unpacking: sc + 32 uint8 [..., 16] (0..63) -> the 12 scale bytes [..., 12]."""
+    low = (sc[..., :8] & 0x0F) | ((sc[..., 8:] & 0x0F) << 4)
+    top = (sc >> 4).reshape(*sc.shape[:-1], 4, 4)  # [g, i]: scale 4 g + i's top two bits
+    return torch.cat([low, sum(top[..., g, :] << (2 * g) for g in range(4)).to(torch.uint8)], -1)
+
+
+def dequantize_q3_k(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 96], heads uint8 [..., R, K/256, 14]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes Q3_K: d (sc - 32) q per 16 values."""
+    q = q3_k_codes(values)
+    *lead, K = q.shape
+    S = q3_k_scales(heads).reshape(*lead, K // 16, 1)
+    return (S * q.float().reshape(*lead, K // 16, 16)).reshape(*lead, K)
+
+
+def quantize_q3_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (values uint8 [..., R, K/256 * 96], heads uint8 [..., R, K/256, 14]) (module
+    doc: round to nearest; each value rounded against the scale the head holds)."""
+    *lead, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"q3_k needs rows of whole {QK_K}-value super-blocks, got K={K}")
+    b = w.float().reshape(*lead, K // QK_K, 16, 16)
+    step = -_signed_absmax(b) / 4.0  # [.., G, 16]: the largest magnitude to -4
+    d = (-_signed_absmax(step) / 32.0).clamp(-65504.0, 65504.0).half()  # the largest scale to -32
+    df = d.float()[..., None]
+    sc = torch.where(df != 0, torch.round(step / torch.where(df != 0, df, 1.0)), 0.0).clamp(-32, 31)
+    S = (df * sc)[..., None]
+    q = (torch.where(S != 0, torch.round(b / torch.where(S != 0, S, 1.0)), 0.0).clamp(-4, 3) + 4).to(torch.uint8)
+    q = q.reshape(*lead, K)
+    values = torch.cat([_high_bit_bytes(q >> 2), _q2_k_bytes(q & 3).reshape(*lead, K // QK_K, 64)], -1)
+    heads = torch.cat([_q3_k_scale_bytes((sc + 32).to(torch.uint8)), d[..., None].contiguous().view(torch.uint8)], -1)
+    return values.reshape(*lead, K // QK_K * Q3_K_VALUE_BYTES), heads
+
+
+def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude along the last dim, with its sign (the first of equal magnitudes)."""
+    return x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def q3_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q3_K blocks raw uint8 [..., R, G, 110] (any strides) -> (values uint8 [..., R, G * 96], heads uint8
+    [..., R, G, 14]): q3_k's bytes as the file holds them (module doc)."""
+    return _values_head_parts(raw, "Q3_K", Q3_K_BLOCK_BYTES, Q3_K_VALUE_BYTES)
+
+
+def _values_head_parts(raw: torch.Tensor, kind: str, block: int, vbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks of `block` bytes whose first `vbytes` are values and the rest a head (Q3_K, Q6_K) -> (values
+    uint8 [..., R, G * vbytes], heads uint8 [..., R, G, block - vbytes])."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != block:
+        raise ValueError(f"{kind} blocks must be uint8 [..., K/256, {block}], got {raw.dtype} {tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return raw[..., :vbytes].reshape(*lead, G * vbytes).contiguous(), raw[..., vbytes:].contiguous()
 
 
 Q6_K_HEAD_BYTES = 18  # 16 int8 scales, then fp16 d
@@ -469,19 +568,14 @@ def quantize_q6_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q6_K blocks raw uint8 [..., R, G, 210] (any strides) -> (values uint8 [..., R, G * 192], heads uint8
     [..., R, G, 18]): q6_k's bytes as the file holds them (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q6_K_BLOCK_BYTES:
-        raise ValueError(f"Q6_K blocks must be uint8 [..., K/256, {Q6_K_BLOCK_BYTES}], got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
-    *lead, G, _ = raw.shape
-    return (raw[..., :Q6_K_VALUE_BYTES].reshape(*lead, G * Q6_K_VALUE_BYTES).contiguous(),
-            raw[..., Q6_K_VALUE_BYTES:].contiguous())
+    return _values_head_parts(raw, "Q6_K", Q6_K_BLOCK_BYTES, Q6_K_VALUE_BYTES)
 
 
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0,
-            "q2_k": dequantize_q2_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
+            "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

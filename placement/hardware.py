@@ -245,7 +245,7 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
 # 5 GB/s. Every CPU dtype of cpu_kernels.dtypes has one. placement/load_time.py says "defaults, not measured"
 # whenever it prices with them.
 LOAD_DEFAULTS = dict(pack_rates={"bf16": 2e9, "int8": 2e9, "int4": 1.5e9, "mxfp4": 0.3e9, "q8_0": 2e9, "q4_k": 0.3e9,
-                                 "q5_k": 0.3e9, "q6_k": 0.3e9, "q2_k": 0.3e9},
+                                 "q5_k": 0.3e9, "q6_k": 0.3e9, "q2_k": 0.3e9, "q3_k": 0.3e9},
                      packed_copy_bw=5e9, disk_read_bw=2e9, disk_write_bw=1e9)
 _PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6, **LOAD_DEFAULTS,
               machine={"cpu": "Xeon Platinum 8452Y (1 socket)", "gpu": "A100 40GB PCIe",

@@ -4,6 +4,7 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
   q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K);
   q5_k: q4_k with a fifth bit per value (Q5_K);
   q2_k: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (Q2_K);
+  q3_k: 3-bit values (-4..3) with a signed 6-bit scale per 16 and an fp16 d per 256 (Q3_K);
   q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
@@ -73,9 +74,10 @@ def q2k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h[..., :16], v.reshape(*h.shape[:-1], 64), h[..., 16:]], -1).contiguous()
 
 
-def q6k_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """(values uint8 [..., K/256 * 192], heads [..., K/256, 18]) -> GGUF Q6_K blocks uint8 [..., K/256, 210]."""
-    return torch.cat([v.reshape(*h.shape[:-1], 192), h], -1).contiguous()
+def values_head_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/256 * value bytes], heads [..., K/256, head bytes]) -> GGUF blocks whose values come
+    first and the head last: Q6_K's (192 + 18 bytes), Q3_K's (96 + 14)."""
+    return torch.cat([v.reshape(*h.shape[:-1], -1), h], -1).contiguous()
 
 
 FORMATS = {
@@ -87,8 +89,10 @@ FORMATS = {
                 q5k_raw, CpuMoE.from_q5_k, "Q5_K"),
     "q2_k": Fmt("q2_k", 256, 84, 768, 512, 0.328125, quant.quantize_q2_k, quant.dequantize_q2_k, quant.q2_k_parts,
                 q2k_raw, CpuMoE.from_q2_k, "Q2_K"),
+    "q3_k": Fmt("q3_k", 256, 110, 768, 512, 0.4296875, quant.quantize_q3_k, quant.dequantize_q3_k, quant.q3_k_parts,
+                values_head_raw, CpuMoE.from_q3_k, "Q3_K"),
     "q6_k": Fmt("q6_k", 256, 210, 768, 512, 0.8203125, quant.quantize_q6_k, quant.dequantize_q6_k, quant.q6_k_parts,
-                q6k_raw, CpuMoE.from_q6_k, "Q6_K"),
+                values_head_raw, CpuMoE.from_q6_k, "Q6_K"),
 }
 FMTS = list(FORMATS)
 
@@ -127,7 +131,8 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
     quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
     scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
-    over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise."""
+    over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
+    3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -149,7 +154,14 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             sc = torch.randint(-128, 128, (*shape[:2], G, 16), dtype=torch.int8, generator=g)
             dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
                   (1 + torch.rand(*shape[:2], G, 1, generator=g))).half()
-            raws.append(q6k_raw(v, torch.cat([sc.view(torch.uint8), dd.view(torch.uint8)], -1)))
+            raws.append(values_head_raw(v, torch.cat([sc.view(torch.uint8), dd.view(torch.uint8)], -1)))
+        elif fmt.name == "q3_k":
+            v = torch.randint(0, 256, (*shape[:2], G * 96), dtype=torch.uint8, generator=g)
+            sc = torch.randint(0, 256, (*shape[:2], G, 12), dtype=torch.uint8, generator=g)
+            dd = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                   (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
+                  (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
+            raws.append(values_head_raw(v, torch.cat([sc, dd.view(torch.uint8)], -1)))
         else:
             p = torch.randint(0, 256, (*shape[:2], shape[2] // 2), dtype=torch.uint8, generator=g)
             dd, dm = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G), generator=g) *
@@ -242,6 +254,33 @@ def test_q2_k_quantize_roundtrip_and_format():
         quant.quantize_q2_k(torch.zeros(2, 320))
 
 
+def test_q3_k_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 1, 512)
+    v, h = quant.quantize_q3_k(w)
+    assert v.dtype == h.dtype == torch.uint8 and v.shape == (3, 5, 192) and h.shape == (3, 5, 2, 14)
+    q = quant.q3_k_codes(v)
+    assert sorted(q.unique().tolist()) == list(range(-4, 4))  # every code used
+    S = quant.q3_k_scales(h)
+    # each super-block's largest scale is -32 steps of d (the largest magnitude maps to -4 of its group's scale)
+    assert torch.equal(S.abs().amax(-1), 32 * h[..., 12:14].contiguous().view(torch.float16).float().abs()[..., 0])
+    back = quant.dequantize_q3_k(v, h)
+    step = S.abs().reshape(3, 5, 32).repeat_interleave(16, -1)
+    # within half a step of the grid, plus the 6-bit rounding of the group's scale (half a d a step, up to 4 steps);
+    # a value beyond the grid's top (3 steps: the largest magnitude of its group was negative) within a whole step
+    d = h[..., 12:14].contiguous().view(torch.float16).float().abs().repeat_interleave(256, -1).reshape(3, 5, 512)
+    top = (q * S.sign().reshape(3, 5, 32).repeat_interleave(16, -1) * w.sign()).abs() == 3
+    assert ((back - w).abs() <= torch.where(top, 1.0, 0.5) * step + 2 * d + 1e-6).all()
+    assert float((back - w).abs().mean()) < float(step.mean()) / 2
+    zero = quant.quantize_q3_k(torch.zeros(1, 256))
+    assert not quant.dequantize_q3_k(*zero).any() and not zero[1][..., 12:].any()  # d = 0
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_q3_k(torch.zeros(2, 320))
+    sc = torch.randint(0, 64, (4, 16), generator=g, dtype=torch.uint8)  # the 6-bit packing round-trips
+    heads = torch.cat([quant._q3_k_scale_bytes(sc), torch.ones(4, 1).half().view(torch.uint8)], -1)
+    assert torch.equal(quant.q3_k_scales(heads), sc.float() - 32)
+
+
 def test_q6_k_quantize_roundtrip_and_format():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 1, 512)
@@ -260,8 +299,8 @@ def test_q6_k_quantize_roundtrip_and_format():
         quant.quantize_q6_k(torch.zeros(2, 320))
 
 
-@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82)],
-                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin"])
+@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108)],
+                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -433,7 +472,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4}.get(fmt, k)  # the q bytes of k values
+            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4, "q3_k": k // 256 * 96}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -487,8 +526,8 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, MXFP4"):
-        moe_mod.gguf_blocks("w", raws[0], "Q3_K")
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4"):
+        moe_mod.gguf_blocks("w", raws[0], "Q5_0")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -518,12 +557,13 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
 
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208),
-                                     ("q2_k", 80), ("q2_k", 82)],
-                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin"])
+                                     ("q2_k", 80), ("q2_k", 82), ("q3_k", 108)],
+                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
+                              "q3_k-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
-    or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four) is NaN or Inf stops it as a non-finite weight of its expert."""
+    or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four; q3_k: d its last two) is NaN or Inf stops it as a non-finite weight of its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)
@@ -564,6 +604,31 @@ def test_a_down_of_its_own_dtype(isa, fused_knob):
     back = CpuMoE.from_packed(moe.packed_state(), (E, q4k.F, q4k.D), moe.layout, dtype="q4_k", down_dtype="q8_0",
                               isa=isa, topology=topology(2))
     assert torch.equal(back.forward(x, ids, w), moe.forward(x, ids, w))
+
+
+@pytest.mark.parametrize("gate_up", ["q2_k", "q4_k"])
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_a_q3_k_down_beside_other_gates_and_ups(gate_up, isa, fused_knob):
+    """A Q2_K file's layer (Q2_K gate and up, a Q3_K down) and a Q4_K one with a Q3_K down: each matrix kept as its own
+    format, the kernels (tight, activation rounding emulated) on the file's values, the packed views per matrix."""
+    fm, q3k = FORMATS[gate_up], FORMATS["q3_k"]
+    g, u, _ = random_blocks(fm, 40)
+    _, _, d = random_blocks(q3k, 41, f=fm.F, d=fm.D)
+    mats = (moe_mod.gguf_blocks("g", g, fm.gguf_type), moe_mod.gguf_blocks("u", u, fm.gguf_type),
+            moe_mod.gguf_blocks("d", d, "Q3_K"))
+    moe = CpuMoE(*mats, dtype=gate_up, down_dtype="q3_k", isa=isa, topology=topology(1))
+    ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u)), q3k.dequantize(*q3k.parts(d))]
+    ids, w = ragged_routing(320, seed=42)
+    x = torch.randn(320, fm.D, generator=torch.Generator().manual_seed(43))
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
+        return
+    ref = emulated(x, ws, ids, w, "silu")
+    for y in both_paths(moe, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+    nodes = moe.packed_weights()
+    assert [nodes[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate_up, gate_up, "q3_k"]
+    assert torch.equal(q3k.dequantize(nodes[0]["down"]["q"], nodes[0]["down"]["scale"]), ws[2])
 
 
 @pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])

@@ -211,8 +211,8 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       if (M->dtype == HY_INT4 && !i4_fold_ok(M->ldk, M->group, M->fold)) return HY_EARG;
       // q4_k, q5_k: whole super-blocks, activation sums per sub-block
       if ((M->dtype == HY_Q4_K || M->dtype == HY_Q5_K) && (M->ldk % 256 || M->group != 32)) return HY_EARG;
-      // q6_k, q2_k: whole super-blocks
-      if ((M->dtype == HY_Q6_K || M->dtype == HY_Q2_K) && M->ldk % 256) return HY_EARG;
+      // q6_k, q2_k, q3_k: whole super-blocks
+      if ((M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K) && M->ldk % 256) return HY_EARG;
     }
   }
   const int Dk = G0.ldk;  // padded D, the reduction length of gate/up
@@ -261,6 +261,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     // No AMX kernel for mxfp4, q8_0 and the K-quants, nor for int4 in groups of 32 (half a 64-value K tile), nor for a layer
     // whose down has a dtype of its own: the vector path.
     int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && dt != HY_Q4_K && dt != HY_Q5_K && dt != HY_Q6_K && dt != HY_Q2_K &&
+              dt != HY_Q3_K &&
               (dt != HY_INT4 || G0.group >= 64) &&
               L->nodes[0].down.dtype == dt && m >= L->knee;
     act[na++] = {e, m, off[e], amx, 0};

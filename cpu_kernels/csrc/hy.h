@@ -10,7 +10,8 @@
 #define HY_API extern "C" __attribute__((visibility("default")))
 #define HY_MAX_NODES 8
 
-enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8 };
+enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
+       HY_Q3_K = 9 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -26,7 +27,8 @@ typedef struct {
                          // q4_k: uint8 heads [E, rows_p, ldk/256, 16] (read through q4k_heads; s_estride in bytes);
                          // q6_k: uint8 heads [E, rows_p, ldk/256, 18] (read through q6k_heads; s_estride in bytes);
                          // q5_k: uint8 heads [E, rows_p, ldk/256, 48] (read through q5k_heads; s_estride in bytes);
-                         // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes)
+                         // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes);
+                         // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -242,6 +244,32 @@ inline const uint8_t* q5k_heads(const HyMat& M, int e, int r) {
 // and dmin; w = (d sc) q - (dmin m), q in 0..3. ldk is a multiple of 256.
 inline const uint8_t* q2k_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 20;
+}
+
+// q3_k (cpu_kernels/quant.py, module doc): per 256-value super-block of a row 96 bytes of values as llama.cpp's Q3_K
+// holds them (32 bytes hmask of high bits, then q2_k's 64 bytes of 2-bit values; w [rows_p, ldk / 256 * 96]) and a
+// 14-byte head [rows_p, ldk/256, 14]: the file's 12 bytes of 16 six-bit scales (q3k_scales), then fp16 d; value
+// 32 b + l takes bit b of hmask[l]; w = d (sc - 32) (low2 - 4 (1 - high)), a value in -4..3. ldk is a multiple of 256.
+inline const uint8_t* q3k_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 14;
+}
+// A q3_k head's 16 scales sc - 32 as signed bytes (ggml's packing): scale i < 8 has the low nibble of byte i, scale
+// i >= 8 the high nibble of byte i - 8, and scale 4 g + i its top two bits from bits 2 g, 2 g + 1 of byte 8 + i. Byte
+// shuffles, then 32-bit shifts of each lane's own count (the masks drop the bits a shift pulls over a byte edge).
+// Reads the head's first 12 bytes only.
+inline __m128i q3k_scales(const uint8_t* h) {
+  uint32_t top;
+  std::memcpy(&top, h + 8, 4);
+  const __m128i b = _mm_insert_epi32(_mm_loadl_epi64((const __m128i*)h), (int)top, 2);
+  const __m128i lo = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7)),
+                     _mm_setr_epi32(0, 0, 4, 4)),
+      _mm_set1_epi8(15));
+  const __m128i hi = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11)),
+                     _mm_setr_epi32(0, 2, 4, 6)),
+      _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
 }
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }

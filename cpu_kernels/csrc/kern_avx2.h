@@ -387,6 +387,60 @@ void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// q3_k (hy.h q3k_heads): per 256-value super-block and row the 16 scales (hy.h q3k_scales) times d as two vectors of
+// 8; each 32-value piece p is q2_k's load of its half's 2-bit values shifted and masked, OR'ed with bit p of the 32
+// hmask bytes moved to bit 2 (16-bit shifts; the mask drops the crossing bits): q + 4 in 0..7; maddubs with the
+// activations minus the same with 4s (once per token and piece, shared by the 4 rows) is the exact dot of q per lane
+// of 4 values; lanes 0-3 belong to the piece's first 16-value group, 4-7 to its second.
+template <int MT>
+void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 14;
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m256 Sc[4][2];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 14;
+      uint16_t dh;
+      std::memcpy(&dh, h + 12, 2);
+      const __m256 d = _mm256_set1_ps(f16_to_f32(dh));
+      const __m128i sc = q3k_scales(h);
+      Sc[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+      Sc[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+    }
+    for (int j = 8; j < 12; ++j) {
+      const uint8_t* p = w + j * ldw + sb * 96;
+      _mm_prefetch((const char*)p, _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 64), _MM_HINT_T1);
+    }
+    for (int p = 0; p < 8; ++p) {  // 32-value pieces: half p / 4, bits 2 (p % 4) of its 32 value bytes, hmask bit p
+      const int half = p / 4, part = p % 4;
+      const __m128i lsh = _mm_cvtsi32_si128(2 * part), hsh = _mm_cvtsi32_si128(p);
+      __m256i a[MT], off[MT];
+      for (int t = 0; t < MT; ++t) {
+        a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + p * 32));
+        off[t] = dot_u8s8_i32(four, a[t]);
+      }
+      const __m256i idx = _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
+                                            2 * part + 1, 2 * part + 1);
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* base = w + j * ldw + sb * 96;
+        const __m256i hm = _mm256_loadu_si256((const __m256i*)base);
+        const __m256i qv = _mm256_loadu_si256((const __m256i*)(base + 32 + half * 32));
+        const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(qv, lsh), three),
+                                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hm, hsh), one), 2));
+        const __m256 sv = _mm256_permutevar8x32_ps(Sc[j][half], idx);  // groups 2p, 2p + 1 of the super-block
+        for (int t = 0; t < MT; ++t)
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot_u8s8_i32(q, a[t]), off[t])), sv, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 // q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales times d as two vectors of 8; each
 // 32-value piece is one 32-byte ql load's low or high nibbles OR'ed with its bit pair of a 32-byte qh load
 // moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there), q in 0..63; maddubs with the activations
@@ -471,6 +525,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
                        ldc);
   } else if (M.dtype == HY_Q2_K) {
     q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc);
+  } else if (M.dtype == HY_Q3_K) {
+    q3k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96), M.ldk / 256 * 96, M.ldk, rows,
+                  q3k_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
                   ldc);

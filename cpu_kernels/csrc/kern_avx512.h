@@ -12,7 +12,8 @@
 // block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
 // offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
 // q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. q2_k: 2-bit values by a shift and a mask,
-// the minimums per 16 values with the activations' sums per 4 lanes. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
+// the minimums per 16 values with the activations' sums per 4 lanes. q3_k: q2_k's 2-bit values with each value's high
+// bit added as 4 under a byte mask, VPDPBUSD from -4 x the activation sums as q6_k's. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
 // 16-value group scaled by its int8 scale times d.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
@@ -547,6 +548,77 @@ void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
   }
 }
 
+// q3_k (hy.h q3k_heads), 4 rows x MT tokens (MT <= 2; q3k_block runs 3-4 tokens as two pairs, for the registers):
+// per 256-value super-block and row the 16 scales (hy.h q3k_scales) times d as one vector; per 64-value chunk q2_k's
+// 32-byte load of its half's 2-bit values, shifted and masked (low2 in 0..3), plus 4 where the value's high bit is set
+// (a byte mask testing bit 2 cc of the 32 hmask bytes for the chunk's first 32 values, 2 cc + 1 for its next 32): q + 4
+// in 0..7 as the unsigned operand. VPDPBUSD starts each lane at -4 x the sum of its 4 activations (one VPDPBUSD of 4s
+// per token and chunk, shared by the 4 rows), leaving the exact dot of q; lane l holds 4 values of the 16-value group
+// 4 cc + l / 4, scaled by a VPERMPS of the scales.
+template <int MT>
+void q3k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+              int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 14;  // head bytes a row
+  const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  const __m512i quad = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    __m512 sc16[4];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 14;
+      uint16_t dh;
+      std::memcpy(&dh, h + 12, 2);
+      sc16[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3k_scales(h))), _mm512_set1_ps(f16_to_f32(dh)));
+    }
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      const uint8_t* p = w + j * ldw + sb * 96;
+      _mm_prefetch((const char*)p, _MM_HINT_T1);
+      _mm_prefetch((const char*)(p + 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(hd + j * hst + sb * 14), _MM_HINT_T1);
+    }
+    for (int cc = 0; cc < 4; ++cc) {
+      const int half = cc / 2;
+      const short s0 = (short)(4 * (cc % 2));  // the low bit pair of the chunk's first 32 values, then of its next 32
+      const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16(s0), _mm256_set1_epi16((short)(s0 + 2)), 1);
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * cc))),
+                                             _mm256_set1_epi8((char)(1 << (2 * cc + 1))), 1);
+      const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * cc));
+      __m512i wq[4];
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* p = w + j * ldw + sb * 96;
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 32 + half * 32)));
+        const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(q, sh), three);
+        wq[j] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four);
+        sv[j] = _mm512_permutexvar_ps(idx, sc16[j]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), four, a));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+template <int MT>
+void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  if constexpr (MT <= 2) {
+    q3k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+  } else {
+    q3k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    q3k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+  }
+}
+
 // q6_k (hy.h q6k_heads), 4 rows x MT tokens (MT <= 2; q6k_block runs 3-4 tokens as two pairs, for the registers):
 // per 256-value super-block and row the 16 int8 scales times d as one vector; per 64-value chunk one 64-byte load of
 // ql (a half's low nibbles for its first chunk, high nibbles for its second) and one 32-byte qh load broadcast to
@@ -646,6 +718,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q2_K) {
     q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc,
                   pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q3_K) {
+    q3k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96), M.ldk / 256 * 96, M.ldk, rows,
+                  q3k_heads(M, e, r), C, ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r),
                   C, ldc, pf_lo, pf_rows);

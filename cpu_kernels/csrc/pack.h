@@ -17,7 +17,9 @@
 // as they are, as are a GGUF Q5_K source (176-byte super-blocks: q5_k's 48-byte head, then its 128 bytes of nibbles)
 // into q5_k and a GGUF Q6_K source (210-byte super-blocks: 192 bytes of values, then an 18-byte head) into q6_k.
 // A GGUF Q2_K source (84-byte super-blocks: 16 scale bytes, 64 bytes of values, fp16 d, dmin) is q2_k exactly: its
-// values, and its scale bytes with d and dmin as the head. (The K-quants from float sources are cpu_kernels/quant.py's.)
+// values, and its scale bytes with d and dmin as the head. A GGUF Q3_K source (110-byte super-blocks: 96 bytes of
+// values, hmask then 2-bit values, then a 14-byte head of 12 scale bytes and fp16 d) is q3_k exactly, copied as
+// Q6_K's is. (The K-quants from float sources are cpu_kernels/quant.py's.)
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -26,7 +28,8 @@
 #include "pool.h"
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
-       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9 };
+       HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9,
+       HY_SRC_Q3_K = 10 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -267,25 +270,26 @@ bool pack_row_q2_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   return !bad;
 }
 
-// Row r of Q6_K source expert i -> q6_k row r of expert e: each super-block's 192 value bytes and 18-byte head as they
-// are; padding (columns past k, rows past rows) zero bytes (code 0 under an all-zero head: the value 0). False if a
-// head's d is not finite.
-bool pack_row_q6_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+// Row r of Q6_K (VB = 192, HB = 18) or Q3_K (VB = 96, HB = 14) source expert i -> q6_k / q3_k row r of expert e: each
+// super-block's first VB bytes of values and the HB-byte head after them (its last two bytes fp16 d) as they are;
+// padding (columns past k, rows past rows) zero bytes (the value 0 under an all-zero head). False if a head's d is not
+// finite.
+bool pack_row_values_head_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int VB, int HB) {
   const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
-  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 256) * 192;
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 18;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 256) * VB;
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * HB;
   uint32_t bad = 0;
   const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(q + 192 * b, blk, 192);
-    std::memcpy(h + 18 * b, blk + 192, 18);
+    std::memcpy(q + VB * b, blk, VB);
+    std::memcpy(h + HB * b, blk + VB, HB);
     uint16_t d;
-    std::memcpy(&d, blk + 208, 2);
+    std::memcpy(&d, blk + VB + HB - 2, 2);
     bad |= (d & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
   }
-  std::memset(q + 192 * nb, 0, 192 * (size_t)(ldk / 256 - nb));
-  std::memset(h + 18 * nb, 0, 18 * (size_t)(ldk / 256 - nb));
+  std::memset(q + VB * nb, 0, VB * (size_t)(ldk / 256 - nb));
+  std::memset(h + HB * nb, 0, HB * (size_t)(ldk / 256 - nb));
   return !bad;
 }
 
@@ -311,7 +315,7 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q2_K) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q3_K) return false;
   if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
     return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q5_K)  // q5_k only, likewise
@@ -320,7 +324,10 @@ bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
     return M->dtype == HY_Q2_K && M->scale && S->k % 256 == 0 && S->cs >= 84 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
     return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
-  if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K) return false;  // from floats: cpu_kernels/quant.py
+  if (S->wdtype == HY_SRC_Q3_K)  // q3_k only, likewise
+    return M->dtype == HY_Q3_K && M->scale && S->k % 256 == 0 && S->cs >= 110 && M->ldk % 256 == 0;
+  if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K)
+    return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
@@ -361,7 +368,8 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 16); continue; }
       if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 48); continue; }
-      if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_q6_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_values_head_src(*S, i, *M, e, r, 192, 18); continue; }
+      if (S->wdtype == HY_SRC_Q3_K) { ok &= pack_row_values_head_src(*S, i, *M, e, r, 96, 14); continue; }
       if (S->wdtype == HY_SRC_Q2_K) { ok &= pack_row_q2_k_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
