@@ -30,28 +30,16 @@ from hybrid.models.presets import PRESETS, hf_config
 from hybrid.models.writer import write_random_checkpoint
 
 
-def pad_tokenizer(src, dst, vocab_size: int) -> int:
-    """Copies tokenizer `src` to `dst` with placeholder tokens <idN> for ids N up to vocab_size; returns the size."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(src))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size > n:
-        tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
-    tok.save(str(dst))
-    return tok.get_vocab_size(with_added_tokens=True)
-
-
 def write_tokenizer(out, vocab_size: int) -> int:
     """Writes hybrid.runtime.demo's generic byte-level BPE (~1k tokens, ChatML template) into folder `out`, padded to
     vocab_size; returns its size. Not the packaged demo's own tokenizer: its 2048 tokens outnumber the demo
     preset's 1088 ids, where this one's fit every preset's vocabulary."""
     from pathlib import Path
 
-    from hybrid.runtime.demo import build_tokenizer
+    from hybrid.runtime.demo import build_tokenizer, pad_tokenizer
 
     build_tokenizer(Path(out))
-    return pad_tokenizer(Path(out) / "tokenizer.json", Path(out) / "tokenizer.json", vocab_size)
+    return pad_tokenizer(Path(out) / "tokenizer.json", vocab_size)
 
 
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")

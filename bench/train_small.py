@@ -378,8 +378,7 @@ def save_checkpoint(model, tok, out: Path, eos_ids: list[int]) -> Path:
     import shutil
     import tempfile
 
-    from bench.make_checkpoint import pad_tokenizer
-    from hybrid.runtime.demo import CHAT_TEMPLATE
+    from hybrid.runtime.demo import CHAT_TEMPLATE, pad_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     biases = {n: b.detach().float().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
@@ -393,7 +392,7 @@ def save_checkpoint(model, tok, out: Path, eos_ids: list[int]) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "tokenizer.json"
         tok.save(str(raw))
-        pad_tokenizer(raw, out / "tokenizer.json", model.config.vocab_size)
+        pad_tokenizer(raw, model.config.vocab_size, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,

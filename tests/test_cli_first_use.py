@@ -108,3 +108,25 @@ def test_an_install_without_the_demo_files_is_one_line(tmp_path, monkeypatch, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "Traceback" not in err[0], err
         assert "model.safetensors" in err[0] and "reinstall hybrid-moe or pass --model DIR" in err[0], err
+
+
+def test_placeholders_pad_the_bpe_vocabulary_not_the_added_tokens(tmp_path):
+    """pad_tokenizer's <idN> are entries of the BPE model's vocabulary: the added tokens stay the tokenizer's own
+    specials (llguidance's token table, built for constrained decoding, grows quadratically with added tokens),
+    each placeholder decodes to its name, and encoding text never yields one (no merge reaches them)."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from hybrid.runtime.demo import build_tokenizer, pad_tokenizer
+
+    build_tokenizer(tmp_path)
+    before = json.loads((tmp_path / "tokenizer.json").read_text())
+    n = HfTokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    assert pad_tokenizer(tmp_path / "tokenizer.json", n + 3000) == n + 3000
+    after = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert after["added_tokens"] == before["added_tokens"]
+    assert after["model"]["vocab"][f"<id{n + 2999}>"] == n + 2999
+    tok = HfTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.decode([n, n + 2999]) == f"<id{n}><id{n + 2999}>"
+    assert max(tok.encode(f"some text <id{n + 5}> and more").ids) < n
+    assert pad_tokenizer(tmp_path / "tokenizer.json", n + 3000, tmp_path / "copy.json") == n + 3000
+    assert json.loads((tmp_path / "copy.json").read_text()) == after

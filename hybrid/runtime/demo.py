@@ -113,14 +113,26 @@ def build_tokenizer(out: Path, vocab_size: int = 1024) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def pad_tokenizer(file: Path, vocab_size: int) -> int:
-    """Adds placeholder tokens <idN> to tokenizer `file` for the ids N it lacks below vocab_size (the
-    placeholders bench/make_checkpoint pads with); returns the size."""
+def pad_tokenizer(file: Path, vocab_size: int, out: Path | None = None) -> int:
+    """Adds placeholder tokens <idN> to tokenizer `file` (written to `out`, default the same file) for the ids N it
+    lacks below vocab_size, so every id a random or small model emits shows as text; returns the size.
+
+    A BPE model's placeholders are entries of its vocabulary (no merge reaches them, so encoding never yields
+    one), not added tokens: llguidance builds its token table (constrained decoding) in time quadratic in the
+    added tokens, over a minute for a 151,936-id vocabulary padded that way against about a second this way."""
+    import json
+
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(file))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size > n:
-        tok.add_tokens([f"<id{i}>" for i in range(n, vocab_size)])
-        tok.save(str(file))
+    spec = json.loads(Path(file).read_text(encoding="utf-8"))
+    n = Tokenizer.from_str(json.dumps(spec)).get_vocab_size(with_added_tokens=True)
+    names = {f"<id{i}>": i for i in range(n, vocab_size)}
+    if names and isinstance(spec.get("model", {}).get("vocab"), dict):
+        spec["model"]["vocab"].update(names)
+        tok = Tokenizer.from_str(json.dumps(spec))
+    else:
+        tok = Tokenizer.from_str(json.dumps(spec))
+        tok.add_tokens(list(names))
+    if names or out is not None:
+        tok.save(str(out or file))
     return tok.get_vocab_size(with_added_tokens=True)
