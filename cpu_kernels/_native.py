@@ -88,6 +88,7 @@ PACK_SRC_Q6_K = 7  # HY_SRC_Q6_K: GGUF Q6_K super-blocks, packed as q6_k as they
 PACK_SRC_Q5_K = 8  # HY_SRC_Q5_K: GGUF Q5_K super-blocks, packed as q5_k as they are
 PACK_SRC_Q2_K = 9  # HY_SRC_Q2_K: GGUF Q2_K super-blocks, packed as q2_k as they are
 PACK_SRC_Q3_K = 10  # HY_SRC_Q3_K: GGUF Q3_K super-blocks, packed as q3_k as they are
+PACK_SRC_IQ4_XS = 11  # HY_SRC_IQ4_XS: GGUF IQ4_XS super-blocks, packed as iq4_xs (their nibbles re-paired)
 PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
 
 

@@ -64,11 +64,15 @@ CPU_DTYPES = {d.name: d for d in (
     # 18-byte head of each 256 values counted in value_bytes), so a GGUF file's Q6_K experts (Q4_K_M's and Q5_K_M's
     # downs among them) are held exactly
     CpuDtype("q6_k", 6, 0.8203125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's IQ4_XS: 4-bit indices into a 16-value non-uniform codebook with a 6-bit scale per 32 and an fp16 d
+    # per 256 (4.25 bits a weight, the 8-byte head of each 256 values counted in value_bytes), so a GGUF file's
+    # IQ4_XS experts are held exactly
+    CpuDtype("iq4_xs", 10, 0.53125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
 )}
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

@@ -29,7 +29,10 @@ from .topology import Topology
 
 DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 # the block formats: one scale (or exponent, or head) per block, activation block sums per 32 values
-_BLOCK_DTYPES = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+_BLOCK_DTYPES = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+# the super-block formats' head bytes per 256 values
+_HEAD_BYTES = {"q2_k": quant.Q2_K_HEAD_BYTES, "q3_k": quant.Q3_K_HEAD_BYTES, "q4_k": quant.Q4_K_HEAD_BYTES,
+               "q5_k": quant.Q5_K_HEAD_BYTES, "q6_k": quant.Q6_K_HEAD_BYTES, "iq4_xs": quant.IQ4_XS_HEAD_BYTES}
 log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -193,6 +196,15 @@ class _Q5K(_GgufBlocks):
         return quant.dequantize_q5_k(*quant.q5_k_parts(self.raw))
 
 
+class _IQ4(_GgufBlocks):
+    """IQ4_XS: an 8-byte head + 128 bytes of codebook indices per 256 values; iq4_xs exactly (its nibbles re-paired)."""
+
+    TYPE, VALUES, BYTES = "IQ4_XS", quant.QK_K, quant.IQ4_XS_BLOCK_BYTES
+
+    def dequantized(self) -> torch.Tensor:
+        return quant.dequantize_iq4_xs(*quant.iq4_xs_parts(self.raw))
+
+
 class _Q6K(_GgufBlocks):
     """Q6_K: 192 bytes of 6-bit values + an 18-byte head per 256 values; q6_k exactly."""
 
@@ -202,16 +214,16 @@ class _Q6K(_GgufBlocks):
         return quant.dequantize_q6_k(*quant.q6_k_parts(self.raw))
 
 
-_BLOCK_SOURCES = (_Mx4, _Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K)  # weights kept in a block format of their own, never staged in floats
+_BLOCK_SOURCES = (_Mx4, _Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)  # weights kept in a block format of their own, never staged in floats
 
 
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
-    32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]) or
+    32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]) or
     "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
-    kind = next((k for k in (_Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K) if k.TYPE == ggml_type), None)
+    kind = next((k for k in (_Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4) if k.TYPE == ggml_type), None)
     if kind is not None:
         return kind(name, raw)
     if ggml_type == "MXFP4":
@@ -221,7 +233,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)")
+                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -244,7 +256,7 @@ def _check_tensor(name, t, ndim, dtypes, contiguous: bool = True):
 def _kpad_for(dtype: str, group_size: int) -> int:
     """K padding of every packed row: int4 rows hold whole groups, the K-quants' rows whole 256-value super-blocks,
     every other dtype whole 64-value chunks."""
-    return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k") else 64
+    return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") else 64
 
 
 def _layer_kpad(dtype: str, group_size: int, down_dtype: str) -> int:
@@ -394,7 +406,7 @@ _SRC_CODE = {getattr(torch, name): i for i, name in enumerate(_native.PACK_SRC_D
 
 
 def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
-    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 / _Q2K / _Q3K / _Q4K / _Q5K / _Q6K blocks) -> (first expert,
+    """w (a float tensor [E, rows, k], any strides, ExpertRows, or _Q40 / _Q80 / _Q2K / _Q3K / _Q4K / _Q5K / _Q6K / _IQ4 blocks) -> (first expert,
     experts, hy_pack_mat source, what it points into) for each run of experts stored alike (dtype, strides, scales):
     usually one run for all E."""
     E, rows, k = w.shape
@@ -403,7 +415,7 @@ def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
         ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
         code = {_Q40: _native.PACK_SRC_Q4_0, _Q80: _native.PACK_SRC_Q8_0, _Q4K: _native.PACK_SRC_Q4_K,
                 _Q5K: _native.PACK_SRC_Q5_K, _Q6K: _native.PACK_SRC_Q6_K, _Q2K: _native.PACK_SRC_Q2_K,
-                _Q3K: _native.PACK_SRC_Q3_K}[type(w)]
+                _Q3K: _native.PACK_SRC_Q3_K, _IQ4: _native.PACK_SRC_IQ4_XS}[type(w)]
         src.w, src.wdtype, src.rs, src.cs = ptrs, code, w.raw.stride(1), w.raw.stride(2)
         src.rows, src.k = rows, k
         return [(0, E, src, [w, ptrs])]
@@ -511,7 +523,8 @@ class CpuMoE:
     CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are) | "q4_k" (llama.cpp's Q4_K, quantize_q4_k; rows padded to
     256 values; CpuMoE.from_q4_k packs GGUF Q4_K blocks as they are) | "q5_k" (llama.cpp's Q5_K, quantize_q5_k;
     from_q5_k) | "q2_k" (llama.cpp's Q2_K, quantize_q2_k; from_q2_k) | "q3_k" (llama.cpp's Q3_K, quantize_q3_k; from_q3_k) | "q6_k" (llama.cpp's Q6_K, quantize_q6_k; rows
-    padded to 256 values; CpuMoE.from_q6_k packs GGUF Q6_K blocks as they are). One kind of blocks may stand beside float
+    padded to 256 values; CpuMoE.from_q6_k packs GGUF Q6_K blocks as they are) | "iq4_xs" (llama.cpp's IQ4_XS,
+    quantize_iq4_xs; rows padded to 256 values; from_iq4_xs). One kind of blocks may stand beside float
     matrices (a GGUF layer whose down is of another type: its values quantized, the blocks kept). threads /
     topology: the cpus used (default: every allowed cpu, NUMA nodes from sysfs).
     isa: force "amx" | "avx512_bf16" | "avx2" | "ref" (default: HYBRID_CPU_ISA or the best available).
@@ -523,7 +536,7 @@ class CpuMoE:
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
     natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
     read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4,
-    q8_0 and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
+    q8_0, iq4_xs and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
     or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
     isa, nbytes (packed weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
@@ -535,7 +548,8 @@ class CpuMoE:
                  int4_order: str | None = None, packer: str = "native", down_dtype: str | None = None):
         # float tensors, ExpertRows (a checkpoint's own per-expert matrices) or ExpertChunks (read a few experts
         # at a time); _Mx4 (from_mxfp4: the published
-        # blocks, never a float copy), _Q40 / _Q80 / _Q2K / _Q3K / _Q4K / _Q5K / _Q6K (from_q4_0 / ... / from_q6_k, gguf_blocks); _Packed
+        # blocks, never a float copy), _Q40 / _Q80 / _Q2K / _Q3K / _Q4K / _Q5K / _Q6K / _IQ4 (from_q4_0 / ... / from_iq4_xs,
+        # gguf_blocks); _Packed
         # (from_packed)
         # Each matrix packs on its own: float kinds mix with each other and with blocks (a GGUF layer whose down is
         # of a type the dtype does not hold: quantized from its values, the others kept as they are); gate and up
@@ -573,6 +587,8 @@ class CpuMoE:
                 raise ValueError(f"Q5_K blocks pack as dtype 'q5_k', not {dt!r}")
             if src is _Q6K and dt != "q6_k":
                 raise ValueError(f"Q6_K blocks pack as dtype 'q6_k', not {dt!r}")
+            if src is _IQ4 and dt != "iq4_xs":
+                raise ValueError(f"IQ4_XS blocks pack as dtype 'iq4_xs', not {dt!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -760,6 +776,16 @@ class CpuMoE:
         return cls._from_gguf(_Q6K, (gate, up, down), {"dtype": "q6_k"}, kwargs)
 
     @classmethod
+    def from_iq4_xs(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF IQ4_XS experts, packed as iq4_xs without de-quantizing them: the file's heads and
+        codebook indices (re-paired into int4's chunk layout) are iq4_xs's exactly (cpu_kernels.quant, module doc).
+
+        gate, up: raw blocks uint8 [E, F, D/256, 136]; down: [E, D, F/256, 136] (views of the file, any strides).
+        kwargs: CpuMoE's; dtype, if given, must be "iq4_xs".
+        """
+        return cls._from_gguf(_IQ4, (gate, up, down), {"dtype": "iq4_xs"}, kwargs)
+
+    @classmethod
     def _from_gguf(cls, kind: type, mats: tuple, defaults: dict, kwargs: dict) -> "CpuMoE":
         """The executor over (gate, up, down) raw GGUF blocks of `kind` (or its slices), with `defaults` for the
         kwargs the caller left out."""
@@ -801,9 +827,10 @@ class CpuMoE:
         d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q8_0_BLOCK, 0, rows_p - rows))
         return q.contiguous(), d.contiguous(), None
 
-    # the K-quants: dtype -> (GGUF blocks -> parts, floats -> parts, value bytes per 256-value super-block)
+    # the K-quants and iq4_xs: dtype -> (GGUF blocks -> parts, floats -> parts, value bytes per 256-value super-block)
     _KQUANTS = {"q2_k": (quant.q2_k_parts, quant.quantize_q2_k, quant.Q2_K_VALUE_BYTES),
                 "q3_k": (quant.q3_k_parts, quant.quantize_q3_k, quant.Q3_K_VALUE_BYTES),
+                "iq4_xs": (quant.iq4_xs_parts, quant.quantize_iq4_xs, 128),
                 "q4_k": (quant.q4_k_parts, quant.quantize_q4_k, 128),
                 "q5_k": (quant.q5_k_parts, quant.quantize_q5_k, 128),
                 "q6_k": (quant.q6_k_parts, quant.quantize_q6_k, quant.Q6_K_VALUE_BYTES)}
@@ -892,25 +919,22 @@ class CpuMoE:
     _PACK_CHUNK = 8
 
     def _q_bytes(self, rows: int, k: int, row_align: int, dt: str) -> int:
-        """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_k, q5_k: two values a byte; q2_k four; q6_k
+        """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_k, q5_k, iq4_xs: two values a byte; q2_k four; q6_k
         four values in three bytes; q3_k 96 bytes per 256 values)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
         return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_k": n // 2,
-                "q5_k": n // 2, "q6_k": n // 4 * 3, "q2_k": n // 4, "q3_k": n // 256 * 96}[dt]
+                "q5_k": n // 2, "q6_k": n // 4 * 3, "q2_k": n // 4, "q3_k": n // 256 * 96, "iq4_xs": n // 2}[dt]
 
     def _aux_strides(self, rows_p: int, ldk: int, dt: str) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
         scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block, q8_0
-        one fp16 scale per block, q4_k one 16-byte head per 256 values, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte one, q3_k a 14-byte one."""
+        one fp16 scale per block, q4_k one 16-byte head per 256 values, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte
+        one, q3_k a 14-byte one, iq4_xs an 8-byte one."""
         return {"bf16": [None, None], "int8": [4 * rows_p, 4 * rows_p],
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
                 "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None],
                 "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None],
-                "q4_k": [rows_p * (ldk // quant.QK_K) * quant.Q4_K_HEAD_BYTES, None],
-                "q5_k": [rows_p * (ldk // quant.QK_K) * quant.Q5_K_HEAD_BYTES, None],
-                "q6_k": [rows_p * (ldk // quant.QK_K) * quant.Q6_K_HEAD_BYTES, None],
-                "q2_k": [rows_p * (ldk // quant.QK_K) * quant.Q2_K_HEAD_BYTES, None],
-                "q3_k": [rows_p * (ldk // quant.QK_K) * quant.Q3_K_HEAD_BYTES, None]}[dt]
+                **{k: [rows_p * (ldk // quant.QK_K) * b, None] for k, b in _HEAD_BYTES.items()}}[dt]
 
     def _packs_natively(self, w, dt: str | None = None) -> bool:
         """Whether w (of a matrix in dtype dt, default the layer's) is packed by the compiled packer (csrc/pack.h)
@@ -919,7 +943,7 @@ class CpuMoE:
         if isinstance(w, _GgufBlocks):  # (the blocks' own bytes in one run each: raw's last stride 1)
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
-        return (self.packer == "native" and dt in ("bf16", "int8", "int4", "q8_0")
+        return (self.packer == "native" and dt in ("bf16", "int8", "int4", "q8_0", "iq4_xs")
                 and isinstance(w, (torch.Tensor, ExpertRows, ExpertChunks)) and _native.has_packer(self.isa))
 
     def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
@@ -972,8 +996,9 @@ class CpuMoE:
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
                 parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
-            if isinstance(wc, (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K)):  # the file's d (and dmin) as they are: refused as
-                at = {"q6_k": slice(16, 18), "q2_k": slice(16, 20), "q3_k": slice(12, 14)}.get(dt, slice(0, 4))  # the
+            if isinstance(wc, (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)):  # the file's d (and dmin) as they are: refused as
+                at = {"q6_k": slice(16, 18), "q2_k": slice(16, 20), "q3_k": slice(12, 14),
+                      "iq4_xs": slice(0, 2)}.get(dt, slice(0, 4))  # the
                 # compiled packer does
                 d = parts[1][..., at].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
                 bad = (~torch.isfinite(d)).any(-1).nonzero()
@@ -1015,7 +1040,7 @@ class CpuMoE:
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
         if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0:
             m.scale = aux[0].data_ptr()  # fp16, in halves
-            m.s_estride = strides[0] // {"mxfp4": 1, "q2_k": 1, "q3_k": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1,
+            m.s_estride = strides[0] // {"mxfp4": 1, "q2_k": 1, "q3_k": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1, "iq4_xs": 1,
                                           "q8_0": 2}.get(dt, 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
@@ -1117,7 +1142,7 @@ class CpuMoE:
         [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]; q4_k: q uint8 nibbles [E, rows_p, ldk/2], scale uint8
         heads [E, rows_p, ldk/256, 16]; q5_k: as q4_k with heads [E, rows_p, ldk/256, 48]; q2_k: q uint8 [E, rows_p, ldk/4], heads [E, rows_p,
         ldk/256, 20]; q3_k: q uint8 [E, rows_p, ldk/256 * 96], heads [E, rows_p, ldk/256, 14]; q6_k: q uint8 [E, rows_p, ldk/256 * 192], scale uint8 heads [E, rows_p,
-        ldk/256, 18]); bias
+        ldk/256, 18]; iq4_xs: as q4_k with heads [E, rows_p, ldk/256, 8]); bias
         fp32 [E, rows_p] (zero padded; [E, rows] with `ref`) or None: gate/up's hold the slice's rows of
         b_gate/b_up, down's b_down on the first slice only (None on the others); q a view
         into the block, [E, rows_p, ldk] (bf16, int8) or [E, rows_p, ldk/2] (uint8 int4 nibbles, layout in
@@ -1136,8 +1161,8 @@ class CpuMoE:
                 mm, dt = getattr(node, name), self._dt(name)
                 qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
                           "q8_0": torch.int8, "q4_k": torch.uint8, "q5_k": torch.uint8, "q6_k": torch.uint8, "q2_k": torch.uint8,
-                          "q3_k": torch.uint8}[dt]
-                cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_k", "q5_k") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt == "q2_k" \
+                          "q3_k": torch.uint8, "iq4_xs": torch.uint8}[dt]
+                cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt == "q2_k" \
                     else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
@@ -1147,16 +1172,8 @@ class CpuMoE:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 elif dt == "q8_0":  # fp16 scales, one per 32-value block
                     s = by_ptr[mm.scale].view(torch.float16).view(self.E, mm.rows_p, mm.ldk // mm.group)
-                elif dt == "q4_k":  # uint8 heads, 16 bytes per 256-value super-block
-                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q4_K_HEAD_BYTES)
-                elif dt == "q5_k":  # uint8 heads, 48 bytes per 256-value super-block
-                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q5_K_HEAD_BYTES)
-                elif dt == "q2_k":  # uint8 heads, 20 bytes per 256-value super-block
-                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q2_K_HEAD_BYTES)
-                elif dt == "q3_k":  # uint8 heads, 14 bytes per 256-value super-block
-                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q3_K_HEAD_BYTES)
-                elif dt == "q6_k":  # uint8 heads, 18 bytes per 256-value super-block
-                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, quant.Q6_K_HEAD_BYTES)
+                elif dt in _HEAD_BYTES:  # uint8 heads, one per 256-value super-block
+                    s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, _HEAD_BYTES[dt])
                 else:
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p) if dt == "int8" else None
                 b = by_ptr[mm.bias].view(self.E, mm.rows_p) if mm.bias else None

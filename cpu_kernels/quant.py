@@ -67,6 +67,17 @@ q6_k: llama.cpp's Q6_K values: rows in super-blocks of 256 values, each 16 group
       to a multiple of 256 values (an all-zero head). quantize_q6_k rounds to nearest (per group the scale
       max|w| / 31, rounded up to an int8 multiple of the super-block's d = the largest / 127, so no value clips), not
       llama.cpp's search for the best scales.
+iq4_xs: llama.cpp's IQ4_XS values: rows in super-blocks of 256 values, each 8 sub-blocks of 32 with a 6-bit scale
+      ls, and per super-block an fp16 d: w = d (ls - 32) IQ4_VALUES[q], q in 0..15 an index into the non-uniform
+      codebook IQ4_VALUES (llama.cpp's kvalues_iq4nl). Packed as indices [..., R, K/2] in int4's natural chunk layout
+      (per 64 values 32 bytes, values 0..31 in the low nibbles, 32..63 in the high ones) and heads uint8 [..., R,
+      K/256, 8], the file's own: fp16 d, uint16 scales_h (bits 2 i, 2 i + 1: sub-block i's top two scale bits), uint8
+      scales_l[4] (byte i / 2, nibble i % 2: its low four); 4.25 bits a weight as the file's. quantize_iq4_xs rounds
+      to nearest: per sub-block the value of largest magnitude m (the first one) sets s = m / -127 (so m is the
+      codebook's -127 entry times s), d = max|s| / 31 in fp16, ls = round(s / d) + 32 clamped to 0..63 (0 where d
+      is 0: zeros are all zero bytes, as the padding), and each value takes its nearest codebook entry on the grid
+      d (ls - 32) (index 0 where that is 0); not llama.cpp's search for the best scales. Rows are zero padded to a
+      multiple of 256 values.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
@@ -80,6 +91,9 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
   Q3_K: 110 bytes per 256 values, hmask, the 2-bit values, the scales, then d: q3_k above exactly (q3_k_parts).
   Q5_K: 176 bytes per 256 values, q5_k's 48-byte head, then 128 bytes of nibbles: q5_k above exactly (q5_k_parts).
   Q6_K: 210 bytes per 256 values, ql, qh, the scales, then d: q6_k above exactly (q6_k_parts).
+  IQ4_XS: 136 bytes per 256 values, the 8-byte head then 16 bytes of indices per 32 values, whose low nibbles are
+      values 0-15 and high nibbles 16-31: iq4_xs above exactly (iq4_xs_parts re-pairs the nibbles into int4's chunk
+      layout, values j and 32 + j of each 64 in byte j).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -571,11 +585,74 @@ def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _values_head_parts(raw, "Q6_K", Q6_K_BLOCK_BYTES, Q6_K_VALUE_BYTES)
 
 
+IQ4_XS_HEAD_BYTES = 8  # fp16 d, uint16 scales_h, uint8 scales_l[4]
+IQ4_XS_BLOCK_BYTES = 136  # GGUF IQ4_XS: the head, then 128 bytes of codebook indices
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+# the midpoints between neighbouring IQ4_VALUES: a value's nearest entry is the number of them below it
+_IQ4_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(IQ4_VALUES, IQ4_VALUES[1:]))
+
+
+def iq4_xs_scales(heads: torch.Tensor) -> torch.Tensor:
+    """heads uint8 [..., 8] -> d (ls - 32) fp32 [..., 8], each 32-value sub-block's scale (exact in fp32)."""
+    d = heads[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    high = heads[..., 2].int() | (heads[..., 3].int() << 8)
+    high = (high[..., None] >> torch.arange(0, 16, 2, device=heads.device)) & 3
+    low = (heads[..., 4:8, None].int() >> torch.tensor([0, 4], device=heads.device)).flatten(-2) & 15
+    return d[..., None] * ((low | (high << 4)) - 32).float()
+
+
+def dequantize_iq4_xs(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(indices uint8 [..., R, K/2], heads uint8 [..., R, K/256, 8]) -> fp32 [..., R, K], as gguf.quants.dequantize
+    computes IQ4_XS: d (ls - 32) IQ4_VALUES[q] per 32 values."""
+    *lead, H = packed.shape
+    S = iq4_xs_scales(heads).reshape(*lead, H * 2 // 32, 1)
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=packed.device)[unpack_nibbles(packed).long()]
+    return (S * values.reshape(*lead, H * 2 // 32, 32)).reshape(*lead, H * 2)
+
+
+def quantize_iq4_xs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (indices uint8 [..., R, K/2], heads uint8 [..., R, K/256, 8]) (module doc:
+    round to nearest; each value rounded against the sub-block scale the head holds)."""
+    *lead, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"iq4_xs needs rows of whole {QK_K}-value super-blocks, got K={K}")
+    b = w.float().reshape(*lead, K // QK_K, 8, 32)
+    s = b.gather(-1, b.abs().argmax(-1, keepdim=True))[..., 0] / -127.0  # [..., G, 8]
+    d = (s.abs().amax(-1) / 31.0).clamp(max=65504.0).half()
+    df = d.float()[..., None]
+    # ls - 32 in -32..31; -32 where d is 0, so an all-zero super-block is all zero bytes (as the padding)
+    ls = torch.where(df > 0, torch.round(s / df.clamp(min=1e-30)), -32.0).clamp(-32, 31)
+    dl = (df * ls)[..., None]
+    x = b / torch.where(dl != 0, dl, 1.0)
+    mids = torch.tensor(_IQ4_MIDPOINTS, dtype=torch.float32, device=w.device)
+    q = torch.where(dl != 0, (x[..., None] > mids).sum(-1), 0).to(torch.uint8)
+    u = (ls + 32).to(torch.int32)
+    high = ((u >> 4) << torch.arange(0, 16, 2, device=w.device, dtype=torch.int32)).sum(-1)  # scales_h
+    low = u & 15
+    heads = torch.cat([d[..., None].contiguous().view(torch.uint8),
+                       torch.stack([high & 0xFF, high >> 8], -1).to(torch.uint8),
+                       (low[..., 0::2] | (low[..., 1::2] << 4)).to(torch.uint8)], -1)
+    return pack_nibbles(q.reshape(*lead, K)), heads
+
+
+def iq4_xs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ4_XS blocks raw uint8 [..., R, G, 136] (any strides) -> (indices uint8 [..., R, G * 128] in int4's chunk
+    layout, heads uint8 [..., R, G, 8]): iq4_xs's bytes, the file's indices re-paired (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ4_XS_BLOCK_BYTES:
+        raise ValueError(f"IQ4_XS blocks must be uint8 [..., K/256, {IQ4_XS_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    qs = raw[..., IQ4_XS_HEAD_BYTES:].reshape(*lead, G, 8, 1, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], -2).reshape(*lead, G * QK_K)  # value order
+    return pack_nibbles(codes), raw[..., :IQ4_XS_HEAD_BYTES].contiguous()
+
+
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0,
-            "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
+            "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
+            "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

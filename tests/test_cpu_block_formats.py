@@ -5,7 +5,8 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
   q5_k: q4_k with a fifth bit per value (Q5_K);
   q2_k: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (Q2_K);
   q3_k: 3-bit values (-4..3) with a signed 6-bit scale per 16 and an fp16 d per 256 (Q3_K);
-  q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K).
+  q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K);
+  iq4_xs: 4-bit indices into a 16-value codebook with a 6-bit scale per 32 and an fp16 d per 256 (IQ4_XS).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
 kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
@@ -80,6 +81,13 @@ def values_head_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([v.reshape(*h.shape[:-1], -1), h], -1).contiguous()
 
 
+def iq4_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(indices uint8 [..., K/2] in int4's chunk layout, heads [..., K/256, 8]) -> GGUF IQ4_XS blocks uint8 [...,
+    K/256, 136] (the head, then per 32 values 16 bytes: values j and 16 + j in byte j)."""
+    codes = quant.unpack_nibbles(p).reshape(*h.shape[:-1], 8, 32)
+    return torch.cat([h, (codes[..., :16] | (codes[..., 16:] << 4)).flatten(-2)], -1).contiguous()
+
+
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
@@ -93,6 +101,8 @@ FORMATS = {
                 values_head_raw, CpuMoE.from_q3_k, "Q3_K"),
     "q6_k": Fmt("q6_k", 256, 210, 768, 512, 0.8203125, quant.quantize_q6_k, quant.dequantize_q6_k, quant.q6_k_parts,
                 values_head_raw, CpuMoE.from_q6_k, "Q6_K"),
+    "iq4_xs": Fmt("iq4_xs", 256, 136, 768, 512, 0.53125, quant.quantize_iq4_xs, quant.dequantize_iq4_xs,
+                  quant.iq4_xs_parts, iq4_raw, CpuMoE.from_iq4_xs, "IQ4_XS"),
 }
 FMTS = list(FORMATS)
 
@@ -132,7 +142,8 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
     scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
     over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
-    3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise."""
+    3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
+    scale (both signs of ls - 32), d likewise."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -149,6 +160,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 2), generator=g) *
                   (1 + torch.rand(*shape[:2], G, 2, generator=g))).half()
             raws.append(q2k_raw(v, torch.cat([sc, dd.view(torch.uint8)], -1)))
+        elif fmt.name == "iq4_xs":
+            qs = torch.randint(0, 256, (*shape[:2], G, 128), dtype=torch.uint8, generator=g)
+            scales = torch.randint(0, 256, (*shape[:2], G, 6), dtype=torch.uint8, generator=g)  # scales_h, scales_l
+            dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                  (1 + torch.rand(*shape[:2], G, 1, generator=g))).half()
+            raws.append(torch.cat([dd.view(torch.uint8), scales, qs], -1).contiguous())
         elif fmt.name == "q6_k":
             v = torch.randint(0, 256, (*shape[:2], G * 192), dtype=torch.uint8, generator=g)
             sc = torch.randint(-128, 128, (*shape[:2], G, 16), dtype=torch.int8, generator=g)
@@ -299,8 +316,31 @@ def test_q6_k_quantize_roundtrip_and_format():
         quant.quantize_q6_k(torch.zeros(2, 320))
 
 
-@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108)],
-                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d"])
+def test_iq4_xs_quantize_roundtrip_and_format():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 5, 512, generator=g) * torch.logspace(-3, 1, 512)  # sub-blocks of many scales
+    w[0, 0, :32] = -w[0, 0, :32].abs()  # a sub-block of negatives: its scale d (ls - 32) is positive
+    w[0, 1, :32] = w[0, 1, :32].abs()  # and of positives: negative
+    p, h = quant.quantize_iq4_xs(w)
+    assert p.dtype == h.dtype == torch.uint8 and p.shape == (3, 5, 256) and h.shape == (3, 5, 2, 8)
+    S = quant.iq4_xs_scales(h)
+    assert float(S[0, 0, 0, 0]) > 0 > float(S[0, 1, 0, 0])
+    ls = (S / h[..., 0:2].contiguous().view(torch.float16).float()).round()
+    assert int(ls.abs().amax(-1).min()) == 31  # each super-block's largest scale is 31 steps of d
+    back = quant.dequantize_iq4_xs(p, h)
+    b = w.reshape(3, 5, 16, 32)
+    values = torch.tensor(quant.IQ4_VALUES, dtype=torch.float32)
+    grid = S.reshape(3, 5, 16, 1, 1) * values  # every value the codebook offers its sub-block
+    best = (b[..., None] - grid).abs().amin(-1)
+    assert torch.allclose((back.reshape(3, 5, 16, 32) - b).abs(), best, rtol=1e-6, atol=1e-12)  # the nearest entry
+    zero = quant.quantize_iq4_xs(torch.zeros(1, 256))
+    assert not zero[0].any() and not zero[1].any()
+    with pytest.raises(ValueError, match="whole 256-value super-blocks"):
+        quant.quantize_iq4_xs(torch.zeros(2, 320))
+
+
+@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
+                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -472,7 +512,8 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            cols = {"q4_k": k // 2, "q5_k": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4, "q3_k": k // 256 * 96}.get(fmt, k)  # the q bytes of k values
+            cols = {"q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
+                    "q3_k": k // 256 * 96}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -526,7 +567,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q5_0")
 
 
@@ -557,13 +598,14 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
 
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208),
-                                     ("q2_k", 80), ("q2_k", 82), ("q3_k", 108)],
+                                     ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
                          ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
-                              "q3_k-d"])
+                              "q3_k-d", "iq4_xs-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
-    or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four; q3_k: d its last two) is NaN or Inf stops it as a non-finite weight of its expert."""
+    or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four; q3_k: d its last two;
+    iq4_xs: its first two) is NaN or Inf stops it as a non-finite weight of its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)
@@ -629,6 +671,35 @@ def test_a_q3_k_down_beside_other_gates_and_ups(gate_up, isa, fused_knob):
     nodes = moe.packed_weights()
     assert [nodes[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate_up, gate_up, "q3_k"]
     assert torch.equal(q3k.dequantize(nodes[0]["down"]["q"], nodes[0]["down"]["scale"]), ws[2])
+
+
+@pytest.mark.parametrize("gate", ["q4_k", "q8_0", "int8"])
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_an_iq4_xs_down_beside_other_dtypes(isa, gate, fused_knob):
+    """A layer whose down is GGUF IQ4_XS blocks kept as iq4_xs beside gate and up of another dtype (Q4_K or Q8_0
+    blocks kept as they are, or floats quantized to int8): the kernels (tight, activation rounding emulated) and the
+    packed views follow each matrix's format."""
+    iq4, fm = FORMATS["iq4_xs"], FORMATS.get(gate)
+    _, _, d = random_blocks(iq4, 40)
+    if fm is not None:
+        g, u, _ = random_blocks(fm, 41, f=iq4.F, d=iq4.D)
+        mats = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in (("g", g), ("u", u))]
+        ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u))]
+    else:
+        mats = floats(iq4, seed=41)[:2]
+        ws = [quant.dequantize_int8(*quant.quantize_int8(m)) for m in mats]
+    moe = CpuMoE(*mats, moe_mod.gguf_blocks("d", d, "IQ4_XS"), dtype=gate, down_dtype="iq4_xs", isa=isa,
+                 topology=topology(1))
+    ws.append(iq4.dequantize(*iq4.parts(d)))
+    ids, w = ragged_routing(320, seed=42)
+    x = torch.randn(320, iq4.D, generator=torch.Generator().manual_seed(43))
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
+        return
+    ref = emulated(x, ws, ids, w, "silu")
+    for y in both_paths(moe, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+    assert [moe.packed_weights()[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate, gate, "iq4_xs"]
 
 
 @pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])

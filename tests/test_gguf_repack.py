@@ -283,10 +283,12 @@ def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, k
     files_values_are_computed(tmp_path, qwen3_ragged, caplog, kind, dtype, fuse)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["q4_k", "q4_k-fused"])
-def test_hybrid_load_computes_the_files_q4_k_values(tmp_path, qwen3_256, caplog, fuse):
-    """As above for Q4_K blocks (valid random super-blocks: every nibble, scale and minimum), on experts 256 wide."""
-    files_values_are_computed(tmp_path, qwen3_256, caplog, Q.Q4_K, "q4_k", fuse)
+@pytest.mark.parametrize("kind, dtype", [(Q.Q4_K, "q4_k"), (Q.IQ4_XS, "iq4_xs")], ids=["q4_k", "iq4_xs"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
+def test_hybrid_load_computes_the_files_super_block_values(tmp_path, qwen3_256, caplog, kind, dtype, fuse):
+    """As above for Q4_K and IQ4_XS blocks (valid random super-blocks: every nibble, scale and minimum), on experts
+    256 wide."""
+    files_values_are_computed(tmp_path, qwen3_256, caplog, kind, dtype, fuse)
 
 
 def files_values_are_computed(tmp_path, hf, caplog, kind, dtype, fuse):
@@ -374,14 +376,16 @@ def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, 
      "they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in q6_k)"),
     (Q.Q5_K, Q.Q6_K, "ffn_down", "q5_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q6_k)"),
     (Q.Q2_K, Q.Q3_K, "ffn_down", "q2_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q3_k)"),
-    (Q.Q3_K, Q.Q4_K, "ffn_down", "q3_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q4_k)")],
-    ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m"])
+    (Q.Q3_K, Q.Q4_K, "ffn_down", "q3_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q4_k)"),
+    (Q.Q4_K, Q.IQ4_XS, "ffn_down", "q4_k",
+     "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq4_xs)")],
+    ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_xs-downs"])
 def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog, main, down_kind, down,
                                                                dtype, said):
     """Q4_K (Q5_K) gates and ups with downs in Q6_K, one layer's as Q4_K_M files keep some (every layer's, as Q5_K_M
     files keep many), Q2_K ones with downs in Q3_K as Q2_K files keep them, Q3_K ones with downs in Q4_K as Q3_K_M
-    files: by default the gates' and ups' format with those downs in theirs, every weight the file's values and bytes;
-    the load's line says so."""
+    files, Q4_K ones with downs in IQ4_XS: by default the gates' and ups' format with those downs in theirs, every
+    weight the file's values and bytes; the load's line says so."""
     path = tmp_path / f"{dtype}m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: down_kind if down in n else main)
     _, off = hybrid_logits(path, caplog, cpu_dtype=dtype, cpu_isa=COMPILED[0] if COMPILED else "ref")
@@ -429,14 +433,16 @@ def qwen3_256(tmp_path_factory):
 @pytest.mark.parametrize("kind, argv, want", [
     (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
     (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)),
-    (Q.Q2_K, [], ("q2_k", 128)), (Q.Q3_K, [], ("q3_k", 128)), ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
+    (Q.Q2_K, [], ("q2_k", 128)), (Q.Q3_K, [], ("q3_k", 128)), (Q.IQ4_XS, [], ("iq4_xs", 128)),
+    ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
-    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "mixed", "f32", "asked-int8", "asked-group", "asked-bf16"])
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "mixed", "f32", "asked-int8",
+         "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
     (all Q4_0: int4 in groups of 32, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values
-    exactly; all Q5_K, Q6_K, Q2_K or Q3_K: q5_k, q6_k, q2_k or q3_k, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
+    exactly; all Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS: q5_k, q6_k, q2_k, q3_k or iq4_xs, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -456,7 +462,7 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
     else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, Q4_K, MXFP4)
-        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K) or (kind == Q.Q4_0 and want[1] == 32)
+        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS) or (kind == Q.Q4_0 and want[1] == 32)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -628,12 +634,13 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
 
 @pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "int4", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
                                              (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
-                                             (Q.Q2_K, "q2_k", 82), (Q.Q3_K, "q3_k", 108), (Q.MXFP4, "mxfp4", 0)],
+                                             (Q.Q2_K, "q2_k", 82), (Q.Q3_K, "q3_k", 108), (Q.IQ4_XS, "iq4_xs", 0),
+                                             (Q.MXFP4, "mxfp4", 0)],
                          ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "q2_k-dmin", "q3_k-d",
-                              "mxfp4-exponent"])
+                              "iq4_xs-d", "mxfp4-exponent"])
 def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
     """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
-    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; Q3_K: its d, the last two; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
+    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; Q3_K: its d, the last two; IQ4_XS: its d, the first two; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
     from gguf import GGML_QUANT_SIZES, GGUFReader
 
     path = tmp_path / "m.gguf"

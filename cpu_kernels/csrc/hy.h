@@ -11,7 +11,7 @@
 #define HY_MAX_NODES 8
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
-       HY_Q3_K = 9 };
+       HY_Q3_K = 9, HY_IQ4_XS = 10 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -28,7 +28,8 @@ typedef struct {
                          // q6_k: uint8 heads [E, rows_p, ldk/256, 18] (read through q6k_heads; s_estride in bytes);
                          // q5_k: uint8 heads [E, rows_p, ldk/256, 48] (read through q5k_heads; s_estride in bytes);
                          // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes);
-                         // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes)
+                         // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes);
+                         // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -271,6 +272,40 @@ inline __m128i q3k_scales(const uint8_t* h) {
       _mm_set1_epi8(3));
   return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
 }
+// iq4_xs (cpu_kernels/quant.py, module doc): 4-bit codebook indices [rows_p, ldk/2] in int4's natural chunk layout
+// (per 64 values 32 bytes: values 0..31 in the low nibbles, 32..63 in the high ones; llama.cpp's IQ4_XS pairs values
+// j and 16 + j of each 32 in byte j instead, re-paired when packed) and per 256-value super-block the file's 8-byte
+// head [rows_p, ldk/256, 8]: fp16 d, uint16 scales_h, uint8 scales_l[4]. Sub-block i's 6-bit scale is
+// ls = ((scales_l >> 4 i) & 15) | (((scales_h >> 2 i) & 3) << 4) (scales_l read as one little-endian uint32);
+// w = d (ls - 32) HY_IQ4_VALUES[code]. ldk is a multiple of 256.
+inline const uint8_t* iq4_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 8;
+}
+// The 4-bit super-block formats the kernels' kq_block reads alike: q4_k, q5_k (q4_k's values with a fifth bit) and
+// iq4_xs (codebook indices, no minimums); and the head bytes of each per 256 values.
+enum KqKind { KQ_Q4 = 0, KQ_Q5 = 1, KQ_IQ4 = 2 };
+constexpr int kq_head_bytes(int kind) { return kind == KQ_Q5 ? 48 : kind == KQ_IQ4 ? 8 : 16; }
+
+// An iq4_xs head -> its 8 sub-blocks' scales d (ls - 32) as fp32 lanes 0-7 (exact in fp32): each lane's 4 low bits
+// from scales_l shifted by 4 i, its 2 high bits from scales_h shifted by 2 i (one variable shift each); d by the scalar
+// fp16 conversion (the AVX2 build has no F16C; once per super-block and row).
+inline __m256 iq4_scales8(const uint8_t* h) {
+  uint16_t dh, sh;
+  uint32_t sl;
+  std::memcpy(&dh, h, 2);
+  std::memcpy(&sh, h + 2, 2);
+  std::memcpy(&sl, h + 4, 4);
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                      _mm256_set1_epi32(3));
+  const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(f16_to_f32(dh)));
+}
+// llama.cpp's kvalues_iq4nl, the IQ4_XS codebook; and + 128 (unsigned bytes, the AVX-512 VNNI operand)
+#define HY_IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+#define HY_IQ4_VALUES_U8 1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181, \
+                         (char)197, (char)217, (char)241
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }

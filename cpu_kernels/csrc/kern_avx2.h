@@ -286,27 +286,44 @@ inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
   Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(f16_to_f32(mh)));
 }
 
-// q4_k (hy.h q4k_heads) and q5_k (FIFTH: hy.h q5k_heads): per 256-value super-block and row the head unpacked to the
-// 8 sub-blocks' scales and minimums; per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1; q5_k: each
-// value's fifth bit OR'ed on from the head's 32 qh bytes, bit 2 cc for the low nibbles and 2 cc + 1 for the high
-// ones, by a 16-bit shift whose crossing bits the mask drops, moved to bit 4) each maddubs'd with their activations
-// (pair sums <= 2 x 31 x 127), converted and multiplied by their scale; the minimums subtracted once per super-block,
-// row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
-template <int MT, bool FIFTH>
+// One sub-block piece's dot with its activations, 8 int32 lanes of 4 products: q4_k, q5_k: the values (0..31) as
+// maddubs' unsigned operand (pair sums <= 2 x 31 x 127); iq4_xs: the indices mapped by VPSHUFB to the signed codebook
+// values, whose magnitudes are the unsigned operand and whose signs go onto the activations (q8_0's sign trick: pair
+// sums <= 2 x 127 x 127, exact).
+template <int KIND>
+inline __m256i kq_dot(__m256i q, __m256i a) {
+  if constexpr (KIND == KQ_IQ4) {
+    const __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_setr_epi8(HY_IQ4_VALUES)), q);
+    return dot_u8s8_i32(_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
+  }
+  return dot_u8s8_i32(q, a);
+}
+
+// q4_k (hy.h q4k_heads), q5_k (hy.h q5k_heads) and iq4_xs (hy.h iq4_heads): per 256-value super-block and row the head
+// unpacked to the 8 sub-blocks' scales (q4_k, q5_k: and minimums; iq4_xs: iq4_scales8); per 64-value chunk the low and
+// high nibbles (sub-blocks 2c and 2c + 1; q5_k: each value's fifth bit OR'ed on from the head's 32 qh bytes, bit 2 cc
+// for the low nibbles and 2 cc + 1 for the high ones, by a 16-bit shift whose crossing bits the mask drops, moved to
+// bit 4) each dotted with their activations (kq_dot), converted and multiplied by their scale; q4_k's and q5_k's
+// minimums subtracted once per super-block, row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
+template <int MT, int KIND>
 void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;
-  constexpr int HB = FIFTH ? 48 : 16;  // head bytes a super-block
+  constexpr int HB = kq_head_bytes(KIND);  // head bytes a super-block
   const int64_t hst = (int64_t)nsb * HB;
   const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
     __m256 S[4], Mn[4];
-    for (int j = 0; j < 4; ++j) q4k_scales(hd + j * hst + sb * HB, S[j], Mn[j]);
-    for (int t = 0; t < MT; ++t) {
-      const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
-      for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(Mn[j], gs, acc[j][t]);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (KIND == KQ_IQ4) S[j] = iq4_scales8(hd + j * hst + sb * HB);
+      else q4k_scales(hd + j * hst + sb * HB, S[j], Mn[j]);
     }
+    if constexpr (KIND != KQ_IQ4)
+      for (int t = 0; t < MT; ++t) {
+        const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
+        for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(Mn[j], gs, acc[j][t]);
+      }
     for (int c = sb * 4; c < sb * 4 + 4; ++c) {
       if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
       const int g = 2 * (c - sb * 4);
@@ -314,7 +331,7 @@ void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
         __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-        if constexpr (FIFTH) {
+        if constexpr (KIND == KQ_Q5) {
           const __m256i qh = _mm256_loadu_si256((const __m256i*)(hd + j * hst + sb * HB + 16));
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, blo), one), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, bhi), one), 4));
@@ -324,8 +341,8 @@ void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
         for (int t = 0; t < MT; ++t) {
           const __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
           const __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
-          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(lo, alo)), slo, acc[j][t]);
-          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(hi, ahi)), shi, acc[j][t]);
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot<KIND>(lo, alo)), slo, acc[j][t]);
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot<KIND>(hi, ahi)), shi, acc[j][t]);
         }
       }
     }
@@ -518,11 +535,14 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q4_K) {
-    kq_block<MT, false>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
+    kq_block<MT, KQ_Q4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
                         ldc);
   } else if (M.dtype == HY_Q5_K) {
-    kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
-                       ldc);
+    kq_block<MT, KQ_Q5>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
+                        ldc);
+  } else if (M.dtype == HY_IQ4_XS) {
+    kq_block<MT, KQ_IQ4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, iq4_heads(M, e, r), C,
+                         ldc);
   } else if (M.dtype == HY_Q2_K) {
     q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q3_K) {

@@ -11,9 +11,11 @@
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
 // block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
 // offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
-// q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. q2_k: 2-bit values by a shift and a mask,
-// the minimums per 16 values with the activations' sums per 4 lanes. q3_k: q2_k's 2-bit values with each value's high
-// bit added as 4 under a byte mask, VPDPBUSD from -4 x the activation sums as q6_k's. q6_k: the 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
+// q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. iq4_xs: q4_k's kernel with each index
+// mapped through the codebook by VPSHUFB to value + 128, the +128 undone per sub-block as q8_0's. q2_k: 2-bit values
+// by a shift and a mask, the minimums per 16 values with the activations' sums per 4 lanes. q3_k: q2_k's 2-bit values
+// with each value's high bit added as 4 under a byte mask, VPDPBUSD from -4 x the activation sums as q6_k's. q6_k: the
+// 6-bit values assembled from their nibble and bit pair, VPDPBUSD from -32 x the activation sums, each
 // 16-value group scaled by its int8 scale times d.
 // Software prefetch into L2: the hardware prefetchers lose a block's 4 short interleaved row streams at each block's
 // start, so every kernel prefetches the rows ahead (bf16 and mxfp4 two blocks, int8 and int4 Knobs::pf_rows).
@@ -398,25 +400,29 @@ inline __m512 q4k_scales(const uint8_t* h) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(v), mul);
 }
 
-// q4_k (hy.h q4k_heads) and q5_k (FIFTH: hy.h q5k_heads), 4 rows x MT tokens (MT <= 2; kq_block runs 3-4 tokens as
-// two pairs, as int4's natural order does, for the registers): per 256-value super-block and row the head is unpacked
-// to the 8 sub-blocks' scales and minimums (q4k_scales); per 64-value chunk the nibbles unpack as int4's (q4_k: one
-// broadcast load and one AND, lanes 8-15 holding 16 x their sums, undone before the final reduction; q5_k: the high
-// nibbles shifted down by a 16-bit shift of their own count, and each value's fifth bit from the head's 32 qh bytes
-// broadcast to both halves, shifted right by the chunk's bit, 2 cc for its first 32 values and 2 cc + 1 for the next,
-// masked and moved to bit 4), VPDPBUSD with the activations gives each sub-block's exact dot with q (lanes 0-7:
-// sub-block 2c, 8-15: 2c + 1), converted and multiplied by its scale (one VPERMPS of the super-block's scales per row
-// and chunk). The minimums enter once per super-block, row and token, as - sum_j (dmin m_j) x (the token's activation
-// sum of sub-block j), in lanes 0-7 (which the final 1/16 leaves alone).
-template <int MT, bool FIFTH>
+// q4_k (hy.h q4k_heads), q5_k (hy.h q5k_heads) and iq4_xs (hy.h iq4_heads), 4 rows x MT tokens (MT <= 2; kq_block runs
+// 3-4 tokens as two pairs, as int4's natural order does, for the registers): per 256-value super-block and row the
+// head is unpacked to the 8 sub-blocks' scales (q4k_scales: and minimums; iq4_xs: iq4_scales8); per 64-value chunk
+// the nibbles unpack as int4's (q4_k: one broadcast load and one AND, lanes 8-15 holding 16 x their sums, undone
+// before the final reduction; q5_k and iq4_xs: the high nibbles shifted down by a 16-bit shift of their own count;
+// q5_k: each value's fifth bit from the head's 32 qh bytes broadcast to both halves, shifted right by the chunk's
+// bit, 2 cc for its first 32 values and 2 cc + 1 for the next, masked and moved to bit 4; iq4_xs: each index mapped
+// by one VPSHUFB to its codebook value + 128, HY_IQ4_VALUES_U8, as q8_0's w + 128), VPDPBUSD with the activations
+// gives each sub-block's exact dot with q (lanes 0-7: sub-block 2c, 8-15: 2c + 1; iq4_xs: lanes 0 and 8 start at
+// -128 x the token's activation sum of their sub-block, as q8_0's), converted and multiplied by its scale (one
+// VPERMPS of the super-block's scales per row and chunk). q4_k's and q5_k's minimums enter once per super-block, row
+// and token, as - sum_j (dmin m_j) x (the token's activation sum of sub-block j), in lanes 0-7 (which the final 1/16
+// leaves alone).
+template <int MT, int KIND>
 void kq_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
              int pf_lo, int pf_rows) {
   const int nsb = k / 256;
-  constexpr int HB = FIFTH ? 48 : 16;  // head bytes a super-block
+  constexpr int HB = kq_head_bytes(KIND);  // head bytes a super-block
   const int64_t hst = (int64_t)nsb * HB;  // head bytes a row
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
   const __m512i lo4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
-  const __m512i nib_sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // q5_k: high nibbles >> 4
+  const __m512i nib_sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // high nibbles >> 4
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(HY_IQ4_VALUES_U8));  // iq4_xs
   const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
   const int pf0 = pf_lo == 8 ? pf_rows : 4;
   __m512 acc[4][MT];
@@ -425,12 +431,16 @@ void kq_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     if (sb % 4 == 0)
       for (int j = pf0; j < pf_rows + 4; ++j)
         for (int b = 0; b < 4 * HB; b += 64) _mm_prefetch((const char*)(hd + j * hst + sb * HB + b), _MM_HINT_T1);
-    __m512 sv16[4];  // lanes 0-7: the row's sub-block scales (lanes 8-15: its minimums, unused by the VPERMPS below)
+    __m512 sv16[4];  // lanes 0-7: the row's sub-block scales (q4_k, q5_k: lanes 8-15 its minimums, unused below)
     __m512i qh[4];  // q5_k: the super-block's fifth bits, in both halves
     for (int j = 0; j < 4; ++j) {
       const uint8_t* h = hd + j * hst + sb * HB;
+      if constexpr (KIND == KQ_IQ4) {
+        sv16[j] = _mm512_zextps256_ps512(iq4_scales8(h));
+        continue;
+      }
       sv16[j] = q4k_scales(h);
-      if constexpr (FIFTH) qh[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(h + 16)));
+      if constexpr (KIND == KQ_Q5) qh[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(h + 16)));
       const __m512 mv = _mm512_maskz_permutexvar_ps(0xFF, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0,
                                                                             0, 0, 0), sv16[j]);  // the minimums
       for (int t = 0; t < MT; ++t)
@@ -446,36 +456,42 @@ void kq_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
       __m512 sv[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32)));
-        if constexpr (FIFTH)
+        if constexpr (KIND == KQ_Q5)
           wq[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(raw, nib_sh), lo4),
                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh[j], hb_sh), one), 4));
+        else if constexpr (KIND == KQ_IQ4)
+          wq[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(raw, nib_sh), lo4));
         else
           wq[j] = _mm512_and_si512(raw, nib);
         sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
       }
       if (cc % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
       for (int t = 0; t < MT; ++t) {
+        __m512i off = _mm512_setzero_si512();
+        if constexpr (KIND == KQ_IQ4) {  // the + 128 of the codebook bytes undone per sub-block
+          const int32_t* gs = act_gsum(rows[t], k) + 2 * c;  // sub-blocks 2c, 2c + 1
+          off = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(1, -128 * gs[0]), 0x100, -128 * gs[1]);
+        }
         const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
         for (int j = 0; j < 4; ++j)
-          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], a)), sv[j],
-                                      acc[j][t]);
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
       }
     }
   }
   // q4_k: lanes 8-15 / 16 (their nibbles stayed in the high half of the byte)
-  const __m512 unscale = FIFTH ? _mm512_set1_ps(1.f) : _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);
+  const __m512 unscale = KIND != KQ_Q4 ? _mm512_set1_ps(1.f) : _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);
   const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-template <int MT, bool FIFTH>
+template <int MT, int KIND>
 void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
               int pf_lo, int pf_rows) {
   if constexpr (MT <= 2) {
-    kq_rows<MT, FIFTH>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    kq_rows<MT, KIND>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
   } else {
-    kq_rows<2, FIFTH>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    kq_rows<MT - 2, FIFTH>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+    kq_rows<2, KIND>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
+    kq_rows<MT - 2, KIND>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
   }
 }
 
@@ -710,11 +726,14 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
                  ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q4_K) {
-    kq_block<MT, false>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
+    kq_block<MT, KQ_Q4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
                         ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q5_K) {
-    kq_block<MT, true>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
-                       ldc, pf_lo, pf_rows);
+    kq_block<MT, KQ_Q5>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
+                        ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_IQ4_XS) {
+    kq_block<MT, KQ_IQ4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, iq4_heads(M, e, r), C,
+                         ldc, pf_lo, pf_rows);
   } else if (M.dtype == HY_Q2_K) {
     q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc,
                   pf_lo, pf_rows);

@@ -20,6 +20,13 @@
 // values, and its scale bytes with d and dmin as the head. A GGUF Q3_K source (110-byte super-blocks: 96 bytes of
 // values, hmask then 2-bit values, then a 14-byte head of 12 scale bytes and fp16 d) is q3_k exactly, copied as
 // Q6_K's is. (The K-quants from float sources are cpu_kernels/quant.py's.)
+// A GGUF IQ4_XS source (136-byte super-blocks: fp16 d, scales_h, scales_l[4], then 16 bytes of codebook indices per
+// 32 values, values j and 16 + j in byte j) is iq4_xs exactly: its 8-byte head as it is, its indices re-paired into
+// int4's chunk layout. iq4_xs from floats, as quant.py quantize_iq4_xs: per 32-value sub-block the value of largest
+// magnitude m (the first one) gives s = m / -127, per super-block d = fp16(min(max|s| / 31, 65504)), each sub-block's
+// ls - 32 = clamp(rne(s / d), -32, 31) (-32 where d is 0: zeros are all zero bytes), and each value the index of the
+// nearest codebook entry to w / (d (ls - 32)), the number of midpoints between entries below it (index 0 where
+// d (ls - 32) is 0).
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -29,7 +36,7 @@
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
        HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9,
-       HY_SRC_Q3_K = 10 };
+       HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -222,75 +229,144 @@ bool pack_row_q8_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   return !bad;
 }
 
-// Row r of Q4_K (HB = 16) or Q5_K (HB = 48) source expert i -> q4_k / q5_k row r of expert e: each super-block's
-// first HB bytes (fp16 d and dmin, the 6-bit scales and minimums; Q5_K: then its 32 bytes of fifth bits) as the head
-// and its 128 bytes of nibbles, as they are; padding (columns past k, rows past rows) nibble 0 under an all-zero
-// head. False if a head's d or dmin is not finite.
-bool pack_row_kq_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int HB) {
-  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
-  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * HB;
+// The GGUF super-block copies' frame: row r of source expert i's super-blocks -> row r of expert e's values (qb bytes a
+// super-block) and heads (hb bytes); copy(blk, q, h) moves one super-block and returns 1 if its scales are not finite.
+// Padding (columns past k, rows past rows) is zero bytes (code 0 under an all-zero head: the value 0). False if any
+// super-block's scales are not finite.
+template <class Copy>
+bool pack_row_super_blocks(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int qb, int hb, Copy copy) {
+  const int nsb = M.ldk / 256, nb = r < S.rows ? S.k / 256 : 0;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * nsb * qb;
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * nsb * hb;
   uint32_t bad = 0;
   const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(h + HB * b, blk, HB);
+  for (int b = 0; b < nb; ++b) bad |= copy(row + (int64_t)b * S.cs, q + (int64_t)qb * b, h + (int64_t)hb * b);
+  std::memset(q + (int64_t)qb * nb, 0, (size_t)qb * (nsb - nb));
+  std::memset(h + (int64_t)hb * nb, 0, (size_t)hb * (nsb - nb));
+  return !bad;
+}
+
+// Row r of Q4_K (HB = 16) or Q5_K (HB = 48) source expert i -> q4_k / q5_k row r of expert e: each super-block's
+// first HB bytes (fp16 d and dmin, the 6-bit scales and minimums; Q5_K: then its 32 bytes of fifth bits) as the head
+// and its 128 bytes of nibbles, as they are. False if a head's d or dmin is not finite.
+bool pack_row_kq_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int HB) {
+  return pack_row_super_blocks(S, i, M, e, r, 128, HB, [HB](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(h, blk, HB);
+    std::memcpy(q, blk + HB, 128);
     uint16_t d, dmin;
     std::memcpy(&d, blk, 2);
     std::memcpy(&dmin, blk + 2, 2);
+    uint32_t bad = 0;
     bad |= ((d & 0x7C00u) == 0x7C00u) | ((dmin & 0x7C00u) == 0x7C00u);  // exponent all ones: Inf or NaN
-    std::memcpy(q + 128 * b, blk + HB, 128);
-  }
-  std::memset(q + 128 * nb, 0, (size_t)(ldk / 2 - 128 * nb));
-  std::memset(h + HB * nb, 0, HB * (size_t)(ldk / 256 - nb));
-  return !bad;
+    return bad;
+  });
 }
 
 // Row r of Q2_K source expert i -> q2_k row r of expert e: each super-block's 64 value bytes, and its 16 scale bytes
-// with d and dmin as the head, as they are; padding (columns past k, rows past rows) zero bytes. False if a head's d
-// or dmin is not finite.
+// with d and dmin as the head, as they are. False if a head's d or dmin is not finite.
 bool pack_row_q2_k_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
-  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
-  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 4);
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * 20;
-  uint32_t bad = 0;
-  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(q + 64 * b, blk + 16, 64);
-    std::memcpy(h + 20 * b, blk, 16);
-    std::memcpy(h + 20 * b + 16, blk + 80, 4);
+  return pack_row_super_blocks(S, i, M, e, r, 64, 20, [](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(q, blk + 16, 64);
+    std::memcpy(h, blk, 16);
+    std::memcpy(h + 16, blk + 80, 4);
     uint16_t dd[2];  // d, dmin
     std::memcpy(dd, blk + 80, 4);
+    uint32_t bad = 0;
     bad |= (dd[0] & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
     bad |= (dd[1] & 0x7C00u) == 0x7C00u;
-  }
-  std::memset(q + 64 * nb, 0, 64 * (size_t)(ldk / 256 - nb));
-  std::memset(h + 20 * nb, 0, 20 * (size_t)(ldk / 256 - nb));
-  return !bad;
+    return bad;
+  });
 }
 
 // Row r of Q6_K (VB = 192, HB = 18) or Q3_K (VB = 96, HB = 14) source expert i -> q6_k / q3_k row r of expert e: each
-// super-block's first VB bytes of values and the HB-byte head after them (its last two bytes fp16 d) as they are;
-// padding (columns past k, rows past rows) zero bytes (the value 0 under an all-zero head). False if a head's d is not
-// finite.
+// super-block's first VB bytes of values and the HB-byte head after them (its last two bytes fp16 d) as they are.
+// False if a head's d is not finite.
 bool pack_row_values_head_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int VB, int HB) {
-  const int ldk = M.ldk, nb = r < S.rows ? S.k / 256 : 0;
-  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 256) * VB;
-  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 256) * HB;
-  uint32_t bad = 0;
-  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + (int64_t)b * S.cs;
-    std::memcpy(q + VB * b, blk, VB);
-    std::memcpy(h + HB * b, blk + VB, HB);
+  return pack_row_super_blocks(S, i, M, e, r, VB, HB, [VB, HB](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(q, blk, VB);
+    std::memcpy(h, blk + VB, HB);
     uint16_t d;
     std::memcpy(&d, blk + VB + HB - 2, 2);
+    uint32_t bad = 0;
     bad |= (d & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    return bad;
+  });
+}
+
+// Row r of IQ4_XS source expert i -> iq4_xs row r of expert e: each super-block's 8-byte head as it is, and its
+// indices re-paired from the file's (values j and 16 + j of a sub-block in byte j) into int4's chunk layout (values
+// j and 32 + j of a 64-value chunk, its two sub-blocks). False if a head's d is not finite.
+bool pack_row_iq4_xs_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  return pack_row_super_blocks(S, i, M, e, r, 128, 8, [](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(h, blk, 8);
+    for (int cc = 0; cc < 4; ++cc) {  // chunk cc: sub-blocks 2 cc (low nibbles) and 2 cc + 1 (high nibbles)
+      const uint8_t* lo = blk + 8 + 32 * cc;
+      const uint8_t* hi = lo + 16;
+      uint8_t* out = q + 32 * cc;
+      for (int j = 0; j < 16; ++j) {
+        out[j] = (uint8_t)((lo[j] & 0x0F) | (hi[j] << 4));
+        out[16 + j] = (uint8_t)((lo[j] >> 4) | (hi[j] & 0xF0));
+      }
+    }
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    uint32_t bad = 0;
+    bad |= (dh & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    return bad;
+  });
+}
+
+// One 32-value sub-block's scale s = m / -127, m its value of largest magnitude (the first one): the codebook's
+// entry of largest magnitude, -127, times s is m.
+inline float iq4_sub_scale(const float* v) {
+  float amax = -1.f, m = 0.f;
+  for (int j = 0; j < 32; ++j)
+    if (std::fabs(v[j]) > amax) { amax = std::fabs(v[j]); m = v[j]; }
+  return m / -127.f;
+}
+
+// The index of w's nearest codebook entry on the grid of step dl (0 where dl is 0): how many of the 15 midpoints
+// between neighbouring entries lie below w / dl.
+inline uint8_t iq4_index(float w, float dl) {
+  static const float mid[15] = {-115.5f, -93.5f, -74.f, -57.f, -42.f, -28.5f, -16.f, -4.5f,
+                                7.f, 19.f, 31.5f, 45.5f, 61.f, 79.f, 101.f};
+  if (dl == 0.f) return 0;
+  const float x = w / dl;
+  uint8_t n = 0;
+  for (float b : mid) n += x > b;
+  return n;
+}
+
+// A row's values v[0, ldk) (zero padded) -> iq4_xs row r of expert e, as quant.py quantize_iq4_xs (pack.h's head
+// comment); nat: ldk bytes of scratch for the indices in natural order.
+void pack_row_iq4_xs(const float* v, const HyMat& M, int e, int r, uint8_t* nat) {
+  uint8_t* h = (uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 8;
+  for (int b = 0; b < M.ldk / 256; ++b) {
+    const float* w = v + 256 * b;
+    float s[8], smax = 0.f;
+    for (int ib = 0; ib < 8; ++ib) {
+      s[ib] = iq4_sub_scale(w + 32 * ib);
+      smax = std::max(smax, std::fabs(s[ib]));
+    }
+    const float dm = smax / 31.f;
+    const uint16_t d = f32_to_f16(dm < 65504.f ? dm : 65504.f);
+    const float df = f16_to_f32(d);
+    uint16_t sh = 0;
+    uint32_t sl = 0;
+    for (int ib = 0; ib < 8; ++ib) {
+      float t = df > 0.f ? std::nearbyint(s[ib] / df) : -32.f;  // d = 0: an all-zero head
+      t = t < -32.f ? -32.f : (t > 31.f ? 31.f : t);
+      const int ls = (int)t + 32;
+      sh |= (uint16_t)((ls >> 4) << (2 * ib));
+      sl |= (uint32_t)(ls & 15) << (4 * ib);
+      const float dl = df * t;
+      for (int j = 0; j < 32; ++j) nat[256 * b + 32 * ib + j] = iq4_index(w[32 * ib + j], dl);
+    }
+    std::memcpy(h + 8 * b, &d, 2);
+    std::memcpy(h + 8 * b + 2, &sh, 2);
+    std::memcpy(h + 8 * b + 4, &sl, 4);
   }
-  std::memset(q + VB * nb, 0, VB * (size_t)(ldk / 256 - nb));
-  std::memset(h + HB * nb, 0, HB * (size_t)(ldk / 256 - nb));
-  return !bad;
+  store_row_int4(nat, M, e, r, nullptr);  // int4's natural chunk layout (group 32, fold 1: no reordering)
 }
 
 void pack_row_bf16(const float* v, const HyMat& M, int e, int r) {
@@ -315,13 +391,15 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_Q3_K) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ4_XS) return false;
   if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
     return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q5_K)  // q5_k only, likewise
     return M->dtype == HY_Q5_K && M->scale && S->k % 256 == 0 && S->cs >= 176 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q2_K)  // q2_k only, likewise
     return M->dtype == HY_Q2_K && M->scale && S->k % 256 == 0 && S->cs >= 84 && M->ldk % 256 == 0;
+  if (S->wdtype == HY_SRC_IQ4_XS)  // iq4_xs only, likewise
+    return M->dtype == HY_IQ4_XS && M->scale && S->k % 256 == 0 && S->cs >= 136 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
     return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
   if (S->wdtype == HY_SRC_Q3_K)  // q3_k only, likewise
@@ -339,6 +417,7 @@ bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (M->dtype == HY_INT8) return M->scale && M->rsum;
   if (M->dtype == HY_INT4) return M->scale && i4_fold_ok(M->ldk, M->group, M->fold);
   if (M->dtype == HY_Q8_0) return M->scale && M->ldk % 32 == 0;
+  if (M->dtype == HY_IQ4_XS) return M->scale && M->ldk % 256 == 0;
   return M->dtype == HY_BF16;
 }
 
@@ -371,10 +450,12 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q6_K) { ok &= pack_row_values_head_src(*S, i, *M, e, r, 192, 18); continue; }
       if (S->wdtype == HY_SRC_Q3_K) { ok &= pack_row_values_head_src(*S, i, *M, e, r, 96, 14); continue; }
       if (S->wdtype == HY_SRC_Q2_K) { ok &= pack_row_q2_k_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_IQ4_XS) { ok &= pack_row_iq4_xs_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
       else if (M->dtype == HY_Q8_0) pack_row_q8_0(v.data(), *M, e, r);
+      else if (M->dtype == HY_IQ4_XS) pack_row_iq4_xs(v.data(), *M, e, r, tmp.data());
       else pack_row_bf16(v.data(), *M, e, r);
     }
     if (!ok) {

@@ -1,13 +1,15 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
-Eight GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
-by int4 in groups of 32, Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K by q5_k, Q6_K by q6_k and
-MXFP4 by mxfp4. When the executor packs into that format (the
-load's CPU format), each of a layer's expert weights (gate, up and down, or the fused gate_up and down) of that
-type goes to the experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks:
-views, no copy), and the executor computes with exactly the file's values; a layer's down may keep a format of its
-own (a Q4_K_M file's Q6_K downs as q6_k among Q4_K gates and ups kept as q4_k); a weight of a type no format holds
-(IQ4_XS) is de-quantized and the executor re-quantizes it, which changes its values. One log line per load says which layers' weights went which way and why.
+Nine GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
+by int4 in groups of 32, Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K by q5_k, Q6_K by q6_k, IQ4_XS
+by iq4_xs and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format), each of a layer's
+expert weights (gate, up and down, or the fused gate_up and down) of that type goes to the experts factory as a
+weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks: views, no copy), and the executor computes
+with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K downs as q6_k among
+Q4_K gates and ups kept as q4_k); a down whose exact format cannot stand beside another (Q4_0's int4), a weight of
+another block type than the layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor
+packs them into the load's format, which changes a block type's values. One log line per load says which layers'
+weights went which way and why.
 """
 
 from __future__ import annotations
@@ -23,22 +25,19 @@ from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly
 LOSSLESS = {"Q4_0": ("int4", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
-            "Q2_K": ("q2_k", 32),
-            "Q3_K": ("q3_k", 32),
+            "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32),
             "MXFP4": ("mxfp4", 32)}
-# GGUF type -> the CPU executor's format a file of it defaults to: the exact one where there is one, else the
-# smallest with at least the type's bits per weight (int4 in groups of 32 is 5 bits a weight with its fp32 scales;
-# q5_k 5.5, q6_k 6.56, int8 8.03), so the experts' DRAM stays near the file's and no precision is given up below the file's
-# own. Below 4 bits there is nothing smaller than int4. (Q8_0's, Q6_K's, Q5_K's, Q4_K's, Q3_K's and Q2_K's exact formats
-# are the file's 8.5, 6.56, 5.5, 4.5, 3.44 and 2.63 bits.)
-NEAREST = {**LOSSLESS, "IQ4_XS": ("int4", 32),
+# GGUF type -> the CPU executor's format a file of it defaults to: every block type's exact one (Q8_0's, Q6_K's, Q5_K's,
+# Q4_K's, IQ4_XS's, Q3_K's and Q2_K's are the file's 8.5, 6.56, 5.5, 4.5, 4.25, 3.44 and 2.63 bits), so the experts'
+# DRAM stays the file's size; float experts default to bf16.
+NEAREST = {**LOSSLESS,
            "BF16": ("bf16", 0), "F16": ("bf16", 0), "F32": ("bf16", 0)}
 WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
 
 
 def cpu_format(dtype: str, group: int) -> tuple[str, int]:
     """The CPU executor's format as LOSSLESS names them: (dtype, int4 group; mxfp4 always 32, others 0)."""
-    exact = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+    exact = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
     return dtype, group if dtype == "int4" else 32 if dtype in exact else 0
 
 
@@ -132,12 +131,12 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
 
 # where a kept block type's fp16 scales sit in its block: d, and dmin beside it for the K-quants with minimums
 _SCALE_BYTES = {"Q4_0": slice(0, 2), "Q8_0": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
-                "Q6_K": slice(208, 210), "Q2_K": slice(80, 84), "Q3_K": slice(108, 110)}
+                "Q6_K": slice(208, 210), "Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2)}
 
 
 def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor) -> None:
     """The de-quantizing load's NaN/Inf refusal, on the blocks: a value is finite where its block's fp16 scales are
-    (Q4_0, Q8_0, Q6_K, Q3_K: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255 is e8m0's NaN."""
+    (Q4_0, Q8_0, Q6_K, Q3_K, IQ4_XS: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255 is e8m0's NaN."""
     if kind == "MXFP4":
         bad = int((raw[..., 0] == 255).sum())
     else:
