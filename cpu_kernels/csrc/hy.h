@@ -281,7 +281,7 @@ inline __m128i q3k_scales(const uint8_t* h) {
 inline const uint8_t* iq4_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 8;
 }
-// The 4-bit super-block formats the kernels' kq_block reads alike: q4_k, q5_k (q4_k's values with a fifth bit) and
+// The 4-bit super-block formats the kq kernels read alike: q4_k, q5_k (q4_k's values with a fifth bit) and
 // iq4_xs (codebook indices, no minimums); and the head bytes of each per 256 values.
 enum KqKind { KQ_Q4 = 0, KQ_Q5 = 1, KQ_IQ4 = 2 };
 constexpr int kq_head_bytes(int kind) { return kind == KQ_Q5 ? 48 : kind == KQ_IQ4 ? 8 : 16; }

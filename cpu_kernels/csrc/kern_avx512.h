@@ -400,7 +400,7 @@ inline __m512 q4k_scales(const uint8_t* h) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(v), mul);
 }
 
-// q4_k (hy.h q4k_heads), q5_k (hy.h q5k_heads) and iq4_xs (hy.h iq4_heads), 4 rows x MT tokens (MT <= 2; kq_block runs
+// q4_k (hy.h q4k_heads), q5_k (hy.h q5k_heads) and iq4_xs (hy.h iq4_heads), 4 rows x MT tokens (MT <= 2; vec_block runs
 // 3-4 tokens as two pairs, as int4's natural order does, for the registers): per 256-value super-block and row the
 // head is unpacked to the 8 sub-blocks' scales (q4k_scales: and minimums; iq4_xs: iq4_scales8); per 64-value chunk
 // the nibbles unpack as int4's (q4_k: one broadcast load and one AND, lanes 8-15 holding 16 x their sums, undone
@@ -484,18 +484,8 @@ void kq_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-template <int MT, int KIND>
-void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-              int pf_lo, int pf_rows) {
-  if constexpr (MT <= 2) {
-    kq_rows<MT, KIND>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-  } else {
-    kq_rows<2, KIND>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    kq_rows<MT - 2, KIND>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
-  }
-}
 
-// q2_k (hy.h q2k_heads), 4 rows x MT tokens (MT <= 2; q2k_block runs 3-4 tokens as two pairs, for the registers):
+// q2_k (hy.h q2k_heads), 4 rows x MT tokens (MT <= 2; vec_block runs 3-4 tokens as two pairs, for the registers):
 // per 256-value super-block and row its 16 groups' scales d sc and minimums dmin m as two vectors; per 64-value chunk
 // one 32-byte load of its half's values broadcast to both 256-bit halves, shifted by a 16-bit shift of each half's
 // count (4 (cc % 2), + 2 for the upper half) and masked: q in 0..3 as the unsigned operand. Lane l of VPDPBUSD holds 4
@@ -553,18 +543,8 @@ void q2k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-template <int MT>
-void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-               int pf_lo, int pf_rows) {
-  if constexpr (MT <= 2) {
-    q2k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-  } else {
-    q2k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    q2k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
-  }
-}
 
-// q3_k (hy.h q3k_heads), 4 rows x MT tokens (MT <= 2; q3k_block runs 3-4 tokens as two pairs, for the registers):
+// q3_k (hy.h q3k_heads), 4 rows x MT tokens (MT <= 2; vec_block runs 3-4 tokens as two pairs, for the registers):
 // per 256-value super-block and row the 16 scales (hy.h q3k_scales) times d as one vector; per 64-value chunk q2_k's
 // 32-byte load of its half's 2-bit values, shifted and masked (low2 in 0..3), plus 4 where the value's high bit is set
 // (a byte mask testing bit 2 cc of the 32 hmask bytes for the chunk's first 32 values, 2 cc + 1 for its next 32): q + 4
@@ -624,18 +604,8 @@ void q3k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
-template <int MT>
-void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-               int pf_lo, int pf_rows) {
-  if constexpr (MT <= 2) {
-    q3k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-  } else {
-    q3k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    q3k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
-  }
-}
 
-// q6_k (hy.h q6k_heads), 4 rows x MT tokens (MT <= 2; q6k_block runs 3-4 tokens as two pairs, for the registers):
+// q6_k (hy.h q6k_heads), 4 rows x MT tokens (MT <= 2; vec_block runs 3-4 tokens as two pairs, for the registers):
 // per 256-value super-block and row the 16 int8 scales times d as one vector; per 64-value chunk one 64-byte load of
 // ql (a half's low nibbles for its first chunk, high nibbles for its second) and one 32-byte qh load broadcast to
 // both 256-bit halves, each half's bit pair moved to bits 4-5 by a 16-bit shift of its own count (no bit that
@@ -699,14 +669,26 @@ void q6k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
+
+// The 256-value super-block formats (q4_k, q5_k, iq4_xs, q2_k, q3_k, q6_k): 4 rows x MT <= 2 tokens of expert e's row r,
+// each format's kernel on its values (bytes per row: the format's value bytes per 256 values) and heads.
+inline bool is_super_block(int dt) {
+  return dt == HY_Q4_K || dt == HY_Q5_K || dt == HY_IQ4_XS || dt == HY_Q2_K || dt == HY_Q3_K || dt == HY_Q6_K;
+}
+
 template <int MT>
-void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
-               int pf_lo, int pf_rows) {
-  if constexpr (MT <= 2) {
-    q6k_rows<MT>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-  } else {
-    q6k_rows<2>(w, ldw, k, rows, hd, C, ldc, pf_lo, pf_rows);
-    q6k_rows<MT - 2>(w, ldw, k, rows + 2, hd, C + 2 * ldc, ldc, pf_lo, pf_rows);
+void super_block_rows(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc, int pf_lo,
+                      int pf_rows) {
+  const int k = M.ldk;
+  const int64_t ldw = M.dtype == HY_Q2_K ? k / 4 : M.dtype == HY_Q3_K ? k / 256 * 96 : M.dtype == HY_Q6_K ? k / 4 * 3 : k / 2;
+  const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * ldw;
+  switch (M.dtype) {
+    case HY_Q4_K: kq_rows<MT, KQ_Q4>(w, ldw, k, rows, q4k_heads(M, e, r), C, ldc, pf_lo, pf_rows); break;
+    case HY_Q5_K: kq_rows<MT, KQ_Q5>(w, ldw, k, rows, q5k_heads(M, e, r), C, ldc, pf_lo, pf_rows); break;
+    case HY_IQ4_XS: kq_rows<MT, KQ_IQ4>(w, ldw, k, rows, iq4_heads(M, e, r), C, ldc, pf_lo, pf_rows); break;
+    case HY_Q2_K: q2k_rows<MT>(w, ldw, k, rows, q2k_heads(M, e, r), C, ldc, pf_lo, pf_rows); break;
+    case HY_Q3_K: q3k_rows<MT>(w, ldw, k, rows, q3k_heads(M, e, r), C, ldc, pf_lo, pf_rows); break;
+    default: q6k_rows<MT>(w, ldw, k, rows, q6k_heads(M, e, r), C, ldc, pf_lo, pf_rows);
   }
 }
 
@@ -725,24 +707,13 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
                  ldc, pf_lo, pf_rows);
-  } else if (M.dtype == HY_Q4_K) {
-    kq_block<MT, KQ_Q4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
-                        ldc, pf_lo, pf_rows);
-  } else if (M.dtype == HY_Q5_K) {
-    kq_block<MT, KQ_Q5>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
-                        ldc, pf_lo, pf_rows);
-  } else if (M.dtype == HY_IQ4_XS) {
-    kq_block<MT, KQ_IQ4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, iq4_heads(M, e, r), C,
-                         ldc, pf_lo, pf_rows);
-  } else if (M.dtype == HY_Q2_K) {
-    q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc,
-                  pf_lo, pf_rows);
-  } else if (M.dtype == HY_Q3_K) {
-    q3k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96), M.ldk / 256 * 96, M.ldk, rows,
-                  q3k_heads(M, e, r), C, ldc, pf_lo, pf_rows);
-  } else if (M.dtype == HY_Q6_K) {
-    q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r),
-                  C, ldc, pf_lo, pf_rows);
+  } else if (is_super_block(M.dtype)) {
+    if constexpr (MT <= 2) {
+      super_block_rows<MT>(M, e, r, rows, C, ldc, pf_lo, pf_rows);
+    } else {  // two pairs: these kernels' accumulators fill the registers at 2 tokens
+      super_block_rows<2>(M, e, r, rows, C, ldc, pf_lo, pf_rows);
+      super_block_rows<MT - 2>(M, e, r, rows + 2, C + 2 * ldc, ldc, pf_lo, pf_rows);
+    }
   } else {
     i4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, M.group, M.fold, rows, sw, C, ldc,
                  pf_lo, pf_rows);
