@@ -648,20 +648,28 @@ def test_a_down_of_its_own_dtype(isa, fused_knob):
     assert torch.equal(back.forward(x, ids, w), moe.forward(x, ids, w))
 
 
-@pytest.mark.parametrize("gate_up", ["q2_k", "q4_k"])
+@pytest.mark.parametrize("down, gate", [("q3_k", "q2_k"), ("q3_k", "q4_k"), ("iq4_xs", "q4_k"), ("iq4_xs", "q8_0"),
+                                        ("iq4_xs", "int8")])
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
-def test_a_q3_k_down_beside_other_gates_and_ups(gate_up, isa, fused_knob):
-    """A Q2_K file's layer (Q2_K gate and up, a Q3_K down) and a Q4_K one with a Q3_K down: each matrix kept as its own
-    format, the kernels (tight, activation rounding emulated) on the file's values, the packed views per matrix."""
-    fm, q3k = FORMATS[gate_up], FORMATS["q3_k"]
-    g, u, _ = random_blocks(fm, 40)
-    _, _, d = random_blocks(q3k, 41, f=fm.F, d=fm.D)
-    mats = (moe_mod.gguf_blocks("g", g, fm.gguf_type), moe_mod.gguf_blocks("u", u, fm.gguf_type),
-            moe_mod.gguf_blocks("d", d, "Q3_K"))
-    moe = CpuMoE(*mats, dtype=gate_up, down_dtype="q3_k", isa=isa, topology=topology(1))
-    ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u)), q3k.dequantize(*q3k.parts(d))]
+def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_knob):
+    """A layer whose down is GGUF blocks kept in a format of their own (a Q3_K down as Q2_K and Q3_K_M files have
+    them beside Q2_K or Q4_K, an IQ4_XS one) beside a gate and up of another dtype (their file's blocks as they are,
+    or floats quantized to int8): the kernels (tight, activation rounding emulated) on the file's values, and the
+    packed views per matrix, the down's holding the file's values."""
+    fd, fm = FORMATS[down], FORMATS.get(gate)
+    _, _, d = random_blocks(fd, 40)
+    if fm is not None:
+        g, u, _ = random_blocks(fm, 41, f=fd.F, d=fd.D)
+        mats = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in (("g", g), ("u", u))]
+        ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u))]
+    else:
+        mats = floats(fd, seed=41)[:2]
+        ws = [quant.dequantize_int8(*quant.quantize_int8(m)) for m in mats]
+    moe = CpuMoE(*mats, moe_mod.gguf_blocks("d", d, fd.gguf_type), dtype=gate, down_dtype=down, isa=isa,
+                 topology=topology(1))
+    ws.append(fd.dequantize(*fd.parts(d)))
     ids, w = ragged_routing(320, seed=42)
-    x = torch.randn(320, fm.D, generator=torch.Generator().manual_seed(43))
+    x = torch.randn(320, fd.D, generator=torch.Generator().manual_seed(43))
     if isa == "ref":
         assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
         return
@@ -669,37 +677,8 @@ def test_a_q3_k_down_beside_other_gates_and_ups(gate_up, isa, fused_knob):
     for y in both_paths(moe, x, ids, w, fused_knob):
         assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
     nodes = moe.packed_weights()
-    assert [nodes[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate_up, gate_up, "q3_k"]
-    assert torch.equal(q3k.dequantize(nodes[0]["down"]["q"], nodes[0]["down"]["scale"]), ws[2])
-
-
-@pytest.mark.parametrize("gate", ["q4_k", "q8_0", "int8"])
-@pytest.mark.parametrize("isa", ISAS + ["ref"])
-def test_an_iq4_xs_down_beside_other_dtypes(isa, gate, fused_knob):
-    """A layer whose down is GGUF IQ4_XS blocks kept as iq4_xs beside gate and up of another dtype (Q4_K or Q8_0
-    blocks kept as they are, or floats quantized to int8): the kernels (tight, activation rounding emulated) and the
-    packed views follow each matrix's format."""
-    iq4, fm = FORMATS["iq4_xs"], FORMATS.get(gate)
-    _, _, d = random_blocks(iq4, 40)
-    if fm is not None:
-        g, u, _ = random_blocks(fm, 41, f=iq4.F, d=iq4.D)
-        mats = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in (("g", g), ("u", u))]
-        ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u))]
-    else:
-        mats = floats(iq4, seed=41)[:2]
-        ws = [quant.dequantize_int8(*quant.quantize_int8(m)) for m in mats]
-    moe = CpuMoE(*mats, moe_mod.gguf_blocks("d", d, "IQ4_XS"), dtype=gate, down_dtype="iq4_xs", isa=isa,
-                 topology=topology(1))
-    ws.append(iq4.dequantize(*iq4.parts(d)))
-    ids, w = ragged_routing(320, seed=42)
-    x = torch.randn(320, iq4.D, generator=torch.Generator().manual_seed(43))
-    if isa == "ref":
-        assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
-        return
-    ref = emulated(x, ws, ids, w, "silu")
-    for y in both_paths(moe, x, ids, w, fused_knob):
-        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
-    assert [moe.packed_weights()[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate, gate, "iq4_xs"]
+    assert [nodes[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate, gate, down]
+    assert torch.equal(fd.dequantize(nodes[0]["down"]["q"], nodes[0]["down"]["scale"]), ws[2])
 
 
 @pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])
