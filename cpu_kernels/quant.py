@@ -460,7 +460,7 @@ def q3_k_scales(heads: torch.Tensor) -> torch.Tensor:
     """heads uint8 [..., 14] -> d * (sc - 32) fp32 [..., 16], each 16-value group's scale (exact in fp32)."""
     s = heads[..., :12]
     low = torch.cat([s[..., :8] & 0x0F, s[..., :8] >> 4], -1)
-    top = ((s[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3).flatten(-2)
+    top = ((s[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=heads.device).reshape(4, 1)) & 3).flatten(-2)
     d = heads[..., 12:14].contiguous().view(torch.float16)[..., 0].float()
     return d[..., None] * ((low | (top << 4)).float() - 32.0)
 

@@ -721,3 +721,17 @@ def test_an_amx_dtype_with_a_down_of_its_own_runs_the_vector_path(isa, fused_kno
     ref = moe_forward(x, *plain_ws, ids, w)
     for y in both_paths(moe, x, ids, w, fused_knob):
         assert rel_err(y, ref) < TOL["int8"]
+
+
+@pytest.mark.parametrize("dtype", sorted(quant.packed_dequantizers()))
+def test_packed_dequantizers_keep_to_their_inputs_device(dtype):
+    """The GPU ship lane de-quantizes packed bytes where they were staged (CUDA): every helper tensor a de-quantizer
+    makes (shift tables, codebooks) must be on its inputs' device. Checked without a GPU on the meta device, where a
+    CPU-made table raises as it would beside CUDA tensors."""
+    g = torch.Generator().manual_seed(7)
+    w = [torch.randn(2, 64, 256, generator=g), torch.randn(2, 64, 256, generator=g), torch.randn(2, 256, 64, generator=g)]
+    m = CpuMoE(*w, dtype=dtype, isa=COMPILED[0]).packed_weights()[0]["gate"]
+    assert m["dtype"] == dtype
+    fn = quant.packed_dequantizers()[dtype]
+    out = fn(m["q"].to("meta"), m["scale"].to("meta"))
+    assert out.device.type == "meta" and out.shape == fn(m["q"], m["scale"]).shape

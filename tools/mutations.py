@@ -973,6 +973,12 @@ MUTATIONS = [
       ["tests/test_fast_pack.py"]),
     M("iq4_xs: d over 32 steps (the largest sub-block scale not at 31)", "d = (s.abs().amax(-1) / 31.0)",
       "d = (s.abs().amax(-1) / 32.0)", ["tests/test_cpu_block_formats.py"]),
+    M("q3_k de-quantizer: its shift table made on the CPU whatever the heads' device",
+      "dtype=torch.uint8, device=heads.device).reshape(4, 1)) & 3).flatten(-2)",
+      "dtype=torch.uint8).reshape(4, 1)) & 3).flatten(-2)", ["tests/test_cpu_block_formats.py"]),
+    M("q2_k de-quantizer: its shift table made on the CPU whatever the values' device",
+      "dtype=torch.uint8, device=values.device).reshape(4, 1)) & 3).reshape(*lead, B * 4)",
+      "dtype=torch.uint8).reshape(4, 1)) & 3).reshape(*lead, B * 4)", ["tests/test_cpu_block_formats.py"]),
     M("GGUF: IQ4_XS files re-quantized into int4", '"IQ4_XS": ("iq4_xs", 32),', '"IQ4_XS": ("int4", 32),',
       ["tests/test_gguf_repack.py"]),
 ]
