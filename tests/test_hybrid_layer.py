@@ -87,9 +87,10 @@ def test_cost_strategy_mixes_lanes_on_a_big_batch():
     assert layer.stats.cpu_experts > 0 and layer.stats.shipped_experts > 0
 
 
-@pytest.mark.parametrize("cpu_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_quantized_cpu_dtype_same_function_on_every_lane(cpu_dtype):
-    """Resident and shipped experts are de-quantized from the CPU executor's bytes: all lanes agree."""
+    """Resident and shipped experts are de-quantized from the CPU executor's bytes: all lanes agree (the GPU lanes
+    here on the CPU, the same de-quantizers the GPU box runs on CUDA)."""
     isa = cpu_kernels.available_isas()[0]
     outs = []
     ids, w = routing(40, seed=1)
@@ -103,7 +104,8 @@ def test_quantized_cpu_dtype_same_function_on_every_lane(cpu_dtype):
     layer, (wg, wu, wd) = make_layer("ship", cpu_dtype=cpu_dtype, isa=isa)
     g, u, d = layer.expert_weights(3)
     assert g.shape == (F_, D) and d.shape == (D, F_)
-    assert (g - wg[3]).abs().max() <= wg[3].abs().max() / (7 if cpu_dtype == "int4" else 127) * 0.51 + 1e-6
+    if cpu_dtype in ("int8", "int4"):  # one scale per row / group: the rounding bound
+        assert (g - wg[3]).abs().max() <= wg[3].abs().max() / (7 if cpu_dtype == "int4" else 127) * 0.51 + 1e-6
 
 
 @pytest.mark.parametrize("isa", [i for i in cpu_kernels.available_isas() if i != "ref"])  # ref holds plain floats
