@@ -123,7 +123,7 @@ class _GgufBlocks:
     """A GGUF tensor's expert blocks of one type, raw uint8 [E, R, K / VALUES, BYTES] (any strides: views of the
     file), sliced like the float matrices [E, R, K] they stand for (K slices on block boundaries), without a copy.
     The subclasses' types are a CPU format exactly (cpu_kernels.quant, module doc): packing takes their bytes as they
-    are, a chunk of experts at a time."""
+    are, a chunk of experts at a time (SRC: the compiled packer's source code, csrc/pack.h HY_SRC_*)."""
 
     TYPE, VALUES, BYTES = "", 32, 0
 
@@ -144,7 +144,7 @@ class _GgufBlocks:
 class _Q40(_GgufBlocks):
     """Q4_0: fp16 d + 16 bytes of nibbles per 32 values; int4 in groups of 32 exactly."""
 
-    TYPE, BYTES = "Q4_0", quant.Q4_0_BLOCK_BYTES
+    TYPE, BYTES, SRC = "Q4_0", quant.Q4_0_BLOCK_BYTES, _native.PACK_SRC_Q4_0
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_q4_0(self.raw)
@@ -153,65 +153,64 @@ class _Q40(_GgufBlocks):
 class _Q80(_GgufBlocks):
     """Q8_0: fp16 d + 32 int8 values per 32 values; q8_0 exactly."""
 
-    TYPE, BYTES = "Q8_0", quant.Q8_0_BLOCK_BYTES
+    TYPE, BYTES, SRC = "Q8_0", quant.Q8_0_BLOCK_BYTES, _native.PACK_SRC_Q8_0
 
     def dequantized(self) -> torch.Tensor:
         return quant.dequantize_q8_0(*quant.q8_0_parts(self.raw))
 
 
-class _Q4K(_GgufBlocks):
-    """Q4_K: a 16-byte head + 128 bytes of nibbles per 256 values; q4_k exactly."""
+class _SuperBlocks(_GgufBlocks):
+    """The 256-value super-block types (the K-quants, IQ4_XS), each a CPU dtype exactly: DTYPE; PARTS: the raw blocks
+    -> that dtype's (values, heads) (cpu_kernels.quant); D_AT: where the fp16 d (and dmin) sit in a head, refused
+    when not finite as the compiled packer refuses them."""
 
-    TYPE, VALUES, BYTES = "Q4_K", quant.QK_K, quant.Q4_K_BLOCK_BYTES
-
-    def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_q4_k(*quant.q4_k_parts(self.raw))
-
-
-class _Q2K(_GgufBlocks):
-    """Q2_K: 16 scale bytes, 64 bytes of 2-bit values, fp16 d and dmin per 256 values; q2_k exactly."""
-
-    TYPE, VALUES, BYTES = "Q2_K", quant.QK_K, quant.Q2_K_BLOCK_BYTES
+    VALUES, DTYPE, D_AT = quant.QK_K, "", slice(0, 4)
 
     def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_q2_k(*quant.q2_k_parts(self.raw))
+        return quant.packed_dequantizers()[self.DTYPE](*type(self).PARTS(self.raw))
 
 
-class _Q3K(_GgufBlocks):
-    """Q3_K: 32 bytes of high bits, 64 bytes of low bit pairs, 12 bytes of 6-bit scales, fp16 d per 256 values; q3_k
-    exactly."""
+class _Q2K(_SuperBlocks):
+    """Q2_K: 16 scale bytes, 64 bytes of 2-bit values, fp16 d and dmin per 256 values."""
 
-    TYPE, VALUES, BYTES = "Q3_K", quant.QK_K, quant.Q3_K_BLOCK_BYTES
-
-    def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_q3_k(*quant.q3_k_parts(self.raw))
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "Q2_K", quant.Q2_K_BLOCK_BYTES, "q2_k", quant.q2_k_parts, slice(16, 20)
+    SRC = _native.PACK_SRC_Q2_K
 
 
-class _Q5K(_GgufBlocks):
-    """Q5_K: a 48-byte head (q4_k's, then the fifth bits) + 128 bytes of nibbles per 256 values; q5_k exactly."""
+class _Q3K(_SuperBlocks):
+    """Q3_K: 32 bytes of high bits, 64 bytes of low bit pairs, 12 bytes of 6-bit scales, fp16 d per 256 values."""
 
-    TYPE, VALUES, BYTES = "Q5_K", quant.QK_K, quant.Q5_K_BLOCK_BYTES
-
-    def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_q5_k(*quant.q5_k_parts(self.raw))
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "Q3_K", quant.Q3_K_BLOCK_BYTES, "q3_k", quant.q3_k_parts, slice(12, 14)
+    SRC = _native.PACK_SRC_Q3_K
 
 
-class _IQ4(_GgufBlocks):
-    """IQ4_XS: an 8-byte head + 128 bytes of codebook indices per 256 values; iq4_xs exactly (its nibbles re-paired)."""
+class _Q4K(_SuperBlocks):
+    """Q4_K: a 16-byte head + 128 bytes of nibbles per 256 values."""
 
-    TYPE, VALUES, BYTES = "IQ4_XS", quant.QK_K, quant.IQ4_XS_BLOCK_BYTES
-
-    def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_iq4_xs(*quant.iq4_xs_parts(self.raw))
+    TYPE, BYTES, DTYPE, PARTS, SRC = "Q4_K", quant.Q4_K_BLOCK_BYTES, "q4_k", quant.q4_k_parts, _native.PACK_SRC_Q4_K
 
 
-class _Q6K(_GgufBlocks):
-    """Q6_K: 192 bytes of 6-bit values + an 18-byte head per 256 values; q6_k exactly."""
+class _Q5K(_SuperBlocks):
+    """Q5_K: a 48-byte head (q4_k's, then the fifth bits) + 128 bytes of nibbles per 256 values."""
 
-    TYPE, VALUES, BYTES = "Q6_K", quant.QK_K, quant.Q6_K_BLOCK_BYTES
+    TYPE, BYTES, DTYPE, PARTS, SRC = "Q5_K", quant.Q5_K_BLOCK_BYTES, "q5_k", quant.q5_k_parts, _native.PACK_SRC_Q5_K
 
-    def dequantized(self) -> torch.Tensor:
-        return quant.dequantize_q6_k(*quant.q6_k_parts(self.raw))
+
+class _Q6K(_SuperBlocks):
+    """Q6_K: 192 bytes of 6-bit values + an 18-byte head per 256 values."""
+
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "Q6_K", quant.Q6_K_BLOCK_BYTES, "q6_k", quant.q6_k_parts, slice(16, 18)
+    SRC = _native.PACK_SRC_Q6_K
+
+
+class _IQ4(_SuperBlocks):
+    """IQ4_XS: an 8-byte head + 128 bytes of codebook indices per 256 values (the nibbles re-paired when packed)."""
+
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "IQ4_XS", quant.IQ4_XS_BLOCK_BYTES, "iq4_xs", quant.iq4_xs_parts, slice(0, 2)
+    SRC = _native.PACK_SRC_IQ4_XS
+
+
+_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)
 
 
 _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)  # weights kept in a block format of their own, never staged in floats
@@ -223,7 +222,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]) or
     "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
-    kind = next((k for k in (_Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4) if k.TYPE == ggml_type), None)
+    kind = next((k for k in (_Q40, _Q80, *_SUPER_BLOCKS) if k.TYPE == ggml_type), None)
     if kind is not None:
         return kind(name, raw)
     if ggml_type == "MXFP4":
@@ -256,7 +255,7 @@ def _check_tensor(name, t, ndim, dtypes, contiguous: bool = True):
 def _kpad_for(dtype: str, group_size: int) -> int:
     """K padding of every packed row: int4 rows hold whole groups, the K-quants' rows whole 256-value super-blocks,
     every other dtype whole 64-value chunks."""
-    return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") else 64
+    return max(64, group_size) if dtype == "int4" else quant.QK_K if dtype in _HEAD_BYTES else 64
 
 
 def _layer_kpad(dtype: str, group_size: int, down_dtype: str) -> int:
@@ -413,10 +412,7 @@ def _pack_sources(w) -> list[tuple[int, int, _native.HyPackSrc, list]]:
     if isinstance(w, _GgufBlocks):  # raw blocks [E, rows, k/block, bytes]: one run, byte strides
         src = _native.HyPackSrc()
         ptrs = (ctypes.c_void_p * E)(*(w.raw.data_ptr() + e * w.raw.stride(0) for e in range(E)))
-        code = {_Q40: _native.PACK_SRC_Q4_0, _Q80: _native.PACK_SRC_Q8_0, _Q4K: _native.PACK_SRC_Q4_K,
-                _Q5K: _native.PACK_SRC_Q5_K, _Q6K: _native.PACK_SRC_Q6_K, _Q2K: _native.PACK_SRC_Q2_K,
-                _Q3K: _native.PACK_SRC_Q3_K, _IQ4: _native.PACK_SRC_IQ4_XS}[type(w)]
-        src.w, src.wdtype, src.rs, src.cs = ptrs, code, w.raw.stride(1), w.raw.stride(2)
+        src.w, src.wdtype, src.rs, src.cs = ptrs, w.SRC, w.raw.stride(1), w.raw.stride(2)
         src.rows, src.k = rows, k
         return [(0, E, src, [w, ptrs])]
     if isinstance(w, torch.Tensor):  # expert e at data_ptr + e * stride(0) elements
@@ -577,18 +573,8 @@ class CpuMoE:
                                  f"(group_size {group_size})")
             if src is _Q80 and dt != "q8_0":
                 raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dt!r}")
-            if src is _Q4K and dt != "q4_k":
-                raise ValueError(f"Q4_K blocks pack as dtype 'q4_k', not {dt!r}")
-            if src is _Q2K and dt != "q2_k":
-                raise ValueError(f"Q2_K blocks pack as dtype 'q2_k', not {dt!r}")
-            if src is _Q3K and dt != "q3_k":
-                raise ValueError(f"Q3_K blocks pack as dtype 'q3_k', not {dt!r}")
-            if src is _Q5K and dt != "q5_k":
-                raise ValueError(f"Q5_K blocks pack as dtype 'q5_k', not {dt!r}")
-            if src is _Q6K and dt != "q6_k":
-                raise ValueError(f"Q6_K blocks pack as dtype 'q6_k', not {dt!r}")
-            if src is _IQ4 and dt != "iq4_xs":
-                raise ValueError(f"IQ4_XS blocks pack as dtype 'iq4_xs', not {dt!r}")
+            if src in _SUPER_BLOCKS and dt != src.DTYPE:
+                raise ValueError(f"{src.TYPE} blocks pack as dtype {src.DTYPE!r}, not {dt!r}")
         E, F, D = w_gate.shape
         if tuple(w_up.shape) != (E, F, D) or tuple(w_down.shape) != (E, D, F):
             raise ValueError(f"expected w_gate, w_up [E, F, D] and w_down [E, D, F]; got {tuple(w_gate.shape)}, "
@@ -922,8 +908,9 @@ class CpuMoE:
         """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_k, q5_k, iq4_xs: two values a byte; q2_k four; q6_k
         four values in three bytes; q3_k 96 bytes per 256 values)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_k": n // 2,
-                "q5_k": n // 2, "q6_k": n // 4 * 3, "q2_k": n // 4, "q3_k": n // 256 * 96, "iq4_xs": n // 2}[dt]
+        if dt in self._KQUANTS:
+            return n // quant.QK_K * self._KQUANTS[dt][2]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n}[dt]
 
     def _aux_strides(self, rows_p: int, ldk: int, dt: str) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
@@ -996,11 +983,8 @@ class CpuMoE:
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
                 parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
-            if isinstance(wc, (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)):  # the file's d (and dmin) as they are: refused as
-                at = {"q6_k": slice(16, 18), "q2_k": slice(16, 20), "q3_k": slice(12, 14),
-                      "iq4_xs": slice(0, 2)}.get(dt, slice(0, 4))  # the
-                # compiled packer does
-                d = parts[1][..., at].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
+            if isinstance(wc, _SuperBlocks):  # the file's d (and dmin) as they are: refused as the compiled packer does
+                d = parts[1][..., wc.D_AT].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
                 bad = (~torch.isfinite(d)).any(-1).nonzero()
                 if bad.numel():
                     raise NonFiniteWeights(name, e0 + int(bad[0]))
@@ -1040,8 +1024,7 @@ class CpuMoE:
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
         if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0:
             m.scale = aux[0].data_ptr()  # fp16, in halves
-            m.s_estride = strides[0] // {"mxfp4": 1, "q2_k": 1, "q3_k": 1, "q4_k": 1, "q5_k": 1, "q6_k": 1, "iq4_xs": 1,
-                                          "q8_0": 2}.get(dt, 4)
+            m.s_estride = strides[0] // (1 if dt == "mxfp4" or dt in _HEAD_BYTES else 2 if dt == "q8_0" else 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk

@@ -389,21 +389,20 @@ bool copy_row_bf16(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
   return !bad;
 }
 
+// The GGUF super-block sources: (source code, the dtype that holds them exactly, bytes per 256-value super-block).
+struct SuperBlockSrc {
+  int src, dtype, bytes;
+};
+constexpr SuperBlockSrc kSuperBlockSrcs[] = {{HY_SRC_Q2_K, HY_Q2_K, 84},   {HY_SRC_Q3_K, HY_Q3_K, 110},
+                                             {HY_SRC_Q4_K, HY_Q4_K, 144},  {HY_SRC_Q5_K, HY_Q5_K, 176},
+                                             {HY_SRC_Q6_K, HY_Q6_K, 210},  {HY_SRC_IQ4_XS, HY_IQ4_XS, 136}};
+
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
   if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ4_XS) return false;
-  if (S->wdtype == HY_SRC_Q4_K)  // q4_k only, whole super-blocks, each one's bytes in one run
-    return M->dtype == HY_Q4_K && M->scale && S->k % 256 == 0 && S->cs >= 144 && M->ldk % 256 == 0;
-  if (S->wdtype == HY_SRC_Q5_K)  // q5_k only, likewise
-    return M->dtype == HY_Q5_K && M->scale && S->k % 256 == 0 && S->cs >= 176 && M->ldk % 256 == 0;
-  if (S->wdtype == HY_SRC_Q2_K)  // q2_k only, likewise
-    return M->dtype == HY_Q2_K && M->scale && S->k % 256 == 0 && S->cs >= 84 && M->ldk % 256 == 0;
-  if (S->wdtype == HY_SRC_IQ4_XS)  // iq4_xs only, likewise
-    return M->dtype == HY_IQ4_XS && M->scale && S->k % 256 == 0 && S->cs >= 136 && M->ldk % 256 == 0;
-  if (S->wdtype == HY_SRC_Q6_K)  // q6_k only, likewise
-    return M->dtype == HY_Q6_K && M->scale && S->k % 256 == 0 && S->cs >= 210 && M->ldk % 256 == 0;
-  if (S->wdtype == HY_SRC_Q3_K)  // q3_k only, likewise
-    return M->dtype == HY_Q3_K && M->scale && S->k % 256 == 0 && S->cs >= 110 && M->ldk % 256 == 0;
+  for (const SuperBlockSrc& b : kSuperBlockSrcs)  // each into its own dtype only, whole super-blocks, each one's
+    if (S->wdtype == b.src)                        // bytes in one run
+      return M->dtype == b.dtype && M->scale && S->k % 256 == 0 && S->cs >= b.bytes && M->ldk % 256 == 0;
   if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K)
     return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
