@@ -75,4 +75,14 @@ CPU_DTYPES = {d.name: d for d in (
 DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
+
+
+def computing_isa(dtype: str, group: int | None, isa: str) -> str:
+    """The ISA whose kernels compute `dtype` experts (int4 at `group`, None: its default) on an executor running
+    `isa`: AMX's vector companion where the AMX tiles have no path for the dtype (cpu_kernels.CpuMoE says so at
+    load), else `isa` itself."""
+    spec = CPU_DTYPES[dtype]
+    if isa in ("amx", "amx_emu") and ("amx" not in spec.isas or (group or spec.default_group or 0) < spec.amx_min_group):
+        return "avx512_bf16"
+    return isa
 VALUE_BYTES = {n: d.value_bytes for n, d in CPU_DTYPES.items()}  # bytes per weight, scales aside

@@ -301,6 +301,30 @@ def _warn(line: str) -> None:
     log.warning("%s", line)
 
 
+def priced_kernel(hw: HardwareProfile, cpu_dtype: str, group: int | None, isa: str | None = None,
+                  note: Callable[[str], None] = _warn) -> str | None:
+    """The CPU kernel curve the CPU lane is priced with (cost_model.cpu_compute_time's `kernel`): the curve of the
+    kernels `cpu_dtype` experts really run on where that differs from the executor's ISA `isa` (None: the profile's
+    best kind, the machine it measured), i.e. the vector kernels for a dtype the AMX tiles have no path for; None
+    (the profile's own choice) otherwise. A profile pinned to one kernel keeps it. Where the profile lacks that curve
+    (it measured AMX only), `note` says so: the lane is then priced at AMX's rate and the cost schedule keeps more of
+    a long prompt's expert work on the CPU than it should."""
+    from cpu_kernels.dtypes import computing_isa
+
+    if hw.cpu_kernel != AUTO or cpu_dtype is None:
+        return None
+    isa = isa or max(hw.cpu_flops, key=hw.cpu_flops.get)
+    runs = computing_isa(cpu_dtype, group, isa)
+    if runs == isa:
+        return None
+    if runs in hw.cpu_flops:
+        return runs
+    note(f"profile {hw.name!r} has no curve of the {runs} kernels that {cpu_dtype} experts run on (it measured "
+         f"{', '.join(hw.cpu_flops)}): their CPU work is priced at the {isa} rate, so a long prompt keeps more of it "
+         f"on the CPU than it should; `hybrid calibrate` on this machine measures every kernel")
+    return None
+
+
 def pricing_profile(name_or_path: str | HardwareProfile | None = None, note: Callable[[str], None] = _warn,
                     say_fallback: bool = True) -> HardwareProfile:
     """The one rule every command prices with: the profile named (a built-in or a JSON file), else this machine's

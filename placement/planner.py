@@ -33,7 +33,7 @@ import numpy as np
 
 from placement.errors import UsageError
 from placement.cost_model import ExpertShape
-from placement.hardware import HardwareProfile
+from placement.hardware import HardwareProfile, priced_kernel
 from placement.memory import (GPU_PARTS, MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, non_expert_bytes,
                               kv_value_bytes, packed_expert_bytes, packed_slice_bytes)
 from placement.plan_file import LayerPlan, Plan
@@ -227,7 +227,9 @@ def prefill_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, 
     between the CPU and the ship lane by the cost schedule, the ship lane in chunks of s.ship_chunk experts
     (each shipped expert carries its share of its chunk's launches: placement.schedule.LayerScheduler)."""
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
-    sched = LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk)
+    # the CPU lane at the rate of the kernels s.cpu_dtype runs on (a profile without that curve: its best one)
+    kernel = priced_kernel(hw, s.cpu_dtype, s.group, note=lambda _: None)
+    sched = LayerScheduler(cpu_shape, hw, "cost", chunk=s.ship_chunk, cpu_kernel=kernel)
     gpu_sched = LayerScheduler(gpu_shape, hw, "cpu")  # only its resident GPU time is used
     t = non_expert_step_time(cfg, hw, tokens, max(1, tokens // 2), s.gpu_dtype_bytes, prefill=True,
                              weight_bytes=gpu_read_bytes(cfg, s),

@@ -1,6 +1,7 @@
 """The per-batch split: hand-checked histograms, exhaustive optimality on small layers, strategies."""
 
 import itertools
+from dataclasses import replace
 import time
 
 import numpy as np
@@ -313,3 +314,33 @@ def test_cost_split_behind_resident_work():
            [True, False, False], 60 + 100 * (80 / 280) * 0.4 + 80, 343)
     _check(_sched("cost").decide(hist, batch_tokens=100, gpu_busy=400 * US, rows=100),
            [False, False, False], 380, 400)
+
+
+def test_block_formats_are_priced_at_the_vector_kernels_rate():
+    # A profile of an AMX machine with both curves: int8 keeps the profile's choice (the best of both per m, as the
+    # executor switches at its knee), q4_k and int4 at group 32 (no AMX path) get the vector curve, and with it a
+    # long prompt's experts go to the ship lane that AMX's rate would have kept on the CPU.
+    from placement.hardware import priced_kernel
+
+    hw = replace(AMX, name="amx-and-vector", cpu_flops={"amx": 21.3e12, "avx512_bf16": 1.8e12}, cpu_kernel="auto")
+    assert priced_kernel(hw, "int8", None, "amx") is None
+    assert priced_kernel(hw, "int4", 128, "amx") is None
+    assert priced_kernel(hw, "int4", 32, "amx") == "avx512_bf16"
+    for dtype in ("q4_k", "q6_k", "q8_0", "mxfp4", "iq4_xs"):
+        assert priced_kernel(hw, dtype, None, "amx") == "avx512_bf16"
+        assert priced_kernel(hw, dtype, None) == "avx512_bf16"  # the profile's best kind stands for the machine
+        assert priced_kernel(hw, dtype, None, "avx512_bf16") is None  # no AMX: the executor's own ISA
+    assert priced_kernel(replace(hw, cpu_kernel="amx"), "q4_k", None, "amx") is None  # a pinned profile keeps it
+    counts = np.array([256] * 16)
+    amx_rate = LayerScheduler(QWEN, hw).decide(counts, batch_tokens=512)
+    vector_rate = LayerScheduler(QWEN, hw, cpu_kernel="avx512_bf16").decide(counts, batch_tokens=512)
+    assert vector_rate.ship.sum() > amx_rate.ship.sum()
+
+
+def test_a_profile_without_the_vector_curve_says_so():
+    from placement.hardware import priced_kernel
+
+    notes, amx_only = [], replace(AMX, cpu_kernel="auto")
+    assert priced_kernel(amx_only, "q4_k", None, "amx", note=notes.append) is None
+    assert len(notes) == 1 and "avx512_bf16" in notes[0] and "q4_k" in notes[0] and "hybrid calibrate" in notes[0]
+    assert priced_kernel(amx_only, "int8", None, "amx", note=notes.append) is None and len(notes) == 1

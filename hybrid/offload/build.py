@@ -18,7 +18,7 @@ from cpu_kernels.knobs import knobs
 from hybrid.errors import UsageError
 from hybrid.offload.config import HybridConfig, checkpoint_cpu_dtype
 from placement.cost_model import ExpertShape
-from placement.hardware import pricing_profile
+from placement.hardware import priced_kernel, pricing_profile
 from placement.schedule import LayerScheduler
 
 log = logging.getLogger("hybrid.offload")
@@ -79,7 +79,11 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     set_default_knee(hw.machine.get("amx_knee"))  # the calibrated AMX knee (none: cpu_kernels' fallback)
     shape = expert_shape(cfg, hcfg.cpu_dtype, dtype)
     warn_shape_mismatch(hw, shape)
-    sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, chunk=hcfg.ship_chunk)
+    from cpu_kernels import _native
+
+    kernel = priced_kernel(hw, hcfg.cpu_dtype, hcfg.cpu_group, _native.resolve_isa(hcfg.cpu_isa),
+                           note=lambda line: log.warning("%s", line))
+    sched = LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, chunk=hcfg.ship_chunk, cpu_kernel=kernel)
     if hcfg.defer_experts and hcfg.defer_experts >= cfg.experts_per_token:
         raise UsageError(f"--defer-experts {hcfg.defer_experts} must be below the model's experts per token "
                          f"({cfg.experts_per_token})")
