@@ -17,8 +17,16 @@ Two entry points:
   are a few vectorised ops after the decode step and no host sync beyond reading the tokens. A batch where no
   row uses an option takes exactly the stateless path: options off cost nothing.
 
-Order per row (vLLM's): logit bias and the min_tokens mask, then the penalties, then temperature, min_p, top-k,
-top-p and the draw. Logprobs are the raw model's: log_softmax of the logits before any of that.
+Order per row (vLLM's): logit bias and the min_tokens mask, then the penalties, then the grammar's mask
+(constrained decoding: last, so nothing re-allows a token it forbids), then temperature, min_p, top-k, top-p and
+the draw. Logprobs are the raw model's: log_softmax of the logits before any of that.
+
+Constrained decoding keeps the grammar's work off the step's critical path. A mask depends only on the tokens
+consumed so far, so the next one is computed as soon as a token is consumed (and the first when the sequence
+opens), on the BatchSampler's few threads (llguidance drops the GIL while it computes), while the next forward
+step runs. Sampling then waits for it (an error in its computation raises there, never an unmasked row). Masks
+stay llguidance's packed int32 bitmask ([rows, ceil(V / 32)], pinned on CUDA): one small copy to the device per
+step, unpacked there by a bitwise AND with each bit's value.
 
 All of it runs on the logits a decode step returned, never inside a captured CUDA graph. Only rows that are
 `SamplingParams.greedy` (temperature 0 and no option that changes or reads the logits) may be decided on the
@@ -28,15 +36,18 @@ device by a queued-ahead step (hybrid.runtime.batching's decode ahead).
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 
 SEED_MOD = 1 << 64  # torch.Generator.manual_seed takes 0..2**64-1; other seeds wrap (two's complement for negatives)
 SCORE_ROWS = 128  # prompt positions whose log-softmax is held at once when scoring a prompt (echo)
+# threads computing grammar masks in the background: a mask is a small job (tens of microseconds inside a JSON
+# schema's string over a 152 K vocabulary), and the CPU also runs the model's cold experts during the step it overlaps
+GRAMMAR_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -220,6 +231,9 @@ class SequenceSampler:
         self.prompt_records: list[TokenLogprob] = []  # the prompt's, committed by commit_prompt
         self.prompt_carry: torch.Tensor | None = None  # log_softmax after the last scored prompt token [V]
         self.matcher = None  # llguidance.LLMatcher of params.grammar: where the text is in the grammar
+        # the packed mask of the matcher's next token ([W] int32), being computed in the background; the matcher
+        # is busy until it is done, so only BatchSampler touches either (after waiting)
+        self.next_mask: Future | None = None
 
     def __getitem__(self, i):
         """s[0], s[1]: params and generator, as in the (params, generator) pair EngineSteps.sampler gives, so
@@ -267,14 +281,27 @@ class SequenceSampler:
         return len(self.prompt_records) >= self.prompt_len
 
 
-def grammar_mask(matcher, vocab_size: int) -> torch.Tensor:
-    """bool [vocab_size]: the tokens the grammar allows next (llguidance's bitmask, one bit per token, little
-    endian; ids past the tokenizer's vocabulary, the model's padding rows, are never allowed)."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    out = np.zeros(vocab_size, dtype=bool)
-    n = min(vocab_size, bits.size)
-    out[:n] = bits[:n].astype(bool)
-    return torch.from_numpy(out)
+def fill_mask(matcher, out: torch.Tensor) -> torch.Tensor:
+    """Compute the matcher's next-token mask into out [W] int32 (CPU, contiguous, W = ceil(tokenizer vocabulary
+    / 32): llguidance's packed bitmask) -> out. llguidance drops the GIL meanwhile, so other threads run."""
+    matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+    return out
+
+
+def bit_values(device) -> torch.Tensor:
+    """[32] int32 on device: the value of each bit of an int32 word (1 << i; bit 31 is the sign bit)."""
+    return torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+
+
+def allowed_tokens(bits: torch.Tensor, width: int, values: torch.Tensor) -> torch.Tensor:
+    """Packed masks bits [c, W] int32 (token 32 w + i allowed iff bit i of word w is set; values: bit_values on
+    bits' device) -> bool [c, width], True for the tokens allowed. Columns past 32 W, the model's rows past the
+    tokenizer's vocabulary, are not. (A cast to bool, not a comparison with 0: several times faster on the CPU.)"""
+    c, words = bits.shape
+    allowed = (bits[:, :, None] & values).bool().view(c, words * 32)
+    if width <= words * 32:
+        return allowed[:, :width]
+    return torch.cat([allowed, allowed.new_zeros(c, width - words * 32)], dim=1)
 
 
 def _log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -308,6 +335,10 @@ class BatchSampler:
         # Runtime); built on the first grammar, once (about a second for a 150 K vocabulary)
         self.grammar_tokenizer = None
         self._ll_tokenizer = None
+        self._mask_words = 0  # int32 words of one packed grammar mask: ceil(the tokenizer's vocabulary / 32)
+        self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks (made on the first grammar)
+        self._bit_values: torch.Tensor | None = None  # bit_values on the device (made on the first mask)
+        self._pin = self.device.type == "cuda"  # packed masks in pinned memory: non-blocking copies to the device
 
     # --- per sequence -------------------------------------------------------------------------------
     def open(self, params: SamplingParams, prompt_ids=(), end_ids=()) -> SequenceSampler:
@@ -324,6 +355,7 @@ class BatchSampler:
         s.prompt_len = len(prompt_ids)
         if params.grammar is not None:
             s.matcher = self._matcher(params.grammar)
+            self._start_mask(s)  # the first token's mask, while the prompt is prefilled
         if params.penalized:
             s.row = self._take_row()
             self.counts[s.row].zero_()
@@ -342,6 +374,7 @@ class BatchSampler:
             if self.grammar_tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer, which this sampler was not given")
             self._ll_tokenizer = self.grammar_tokenizer()
+            self._mask_words = (self._ll_tokenizer.vocab_size + 31) // 32
         return self._ll_tokenizer
 
     def _matcher(self, grammar: str):
@@ -353,10 +386,64 @@ class BatchSampler:
         return m
 
     def close(self, s: SequenceSampler) -> None:
-        """Give the sequence's counts row back (idempotent); its records stay readable."""
+        """Give the sequence's counts row back and drop its pending mask (idempotent); its records stay readable."""
         if s.row is not None:
             self._free.append(s.row)
             s.row = None
+        if s.next_mask is not None:
+            s.next_mask.cancel()  # not started yet: never computed (one being computed ends on its own)
+
+    def shutdown(self) -> None:
+        """Stop the grammar mask threads, after the masks being computed (idempotent; the next grammar starts new
+        ones). Masks not started are cancelled: waiting for one raises CancelledError."""
+        pool, self._mask_pool = self._mask_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- grammar masks (constrained decoding) ------------------------------------------------------
+    def _start_mask(self, s: SequenceSampler) -> None:
+        """Compute s's next-token mask in the background: its matcher is where the next token starts from."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="hybrid-grammar")
+        out = torch.empty(self._mask_words, dtype=torch.int32, pin_memory=self._pin)
+        s.next_mask = self._mask_pool.submit(fill_mask, s.matcher, out)
+
+    def _packed_masks(self, samplers: list[SequenceSampler]) -> torch.Tensor:
+        """[c, W] int32 on the CPU (pinned on CUDA): each sampler's next-token mask, waited for. An error of its
+        computation raises here, and again at each later wait (a retry never samples the row unmasked)."""
+        masks = []
+        for s in samplers:
+            if s.next_mask is None:  # (a matcher given after open)
+                self._start_mask(s)
+            masks.append(s.next_mask.result())
+        if len(masks) == 1:
+            return masks[0][None]
+        out = torch.empty(len(masks), self._mask_words, dtype=torch.int32, pin_memory=self._pin)
+        return torch.stack(masks, out=out)
+
+    def _mask_grammar(self, y: torch.Tensor, rows: list[int], samplers: list[SequenceSampler]) -> torch.Tensor:
+        """y [b, V] with -inf in each of `rows` (samplers[k]'s row is rows[k]) where its grammar forbids the token:
+        one copy of the packed masks to the device, one batched unpack and one fill."""
+        dev = y.device
+        if self._bit_values is None or self._bit_values.device != dev:
+            self._bit_values = bit_values(dev)
+        bits = self._packed_masks(samplers).to(dev, non_blocking=True)
+        allowed = allowed_tokens(bits, y.shape[-1], self._bit_values)  # [c, V]
+        if len(rows) == y.shape[0]:  # every row constrained (rows are distinct and sorted: 0..b-1)
+            return torch.where(allowed, y, float("-inf"))
+        idx = torch.tensor(rows, device=dev)
+        return y.index_copy_(0, idx, torch.where(allowed, y.index_select(0, idx), float("-inf")))
+
+    def _consume(self, samplers: list[SequenceSampler], tokens: list[int]) -> None:
+        """Advance each constrained row's matcher by its token and start its next mask at once, so the mask is
+        computed while the next forward step runs."""
+        for s, t in zip(samplers, tokens):
+            if s.matcher is not None:
+                s.next_mask = None  # spent: were consume_token to raise, the next wait computes a fresh one
+                ok = s.matcher.consume_token(t)
+                self._start_mask(s)
+                if not ok:  # the mask allowed it: a bug if not
+                    raise RuntimeError(f"token {t} left the grammar: {s.matcher.get_error()}")
 
     def _take_row(self) -> int:
         if self.counts is None:
@@ -391,9 +478,7 @@ class BatchSampler:
             k = max(samplers[i].params.logprobs for i in want)
             records = _records(_log_softmax(logits.index_select(0, idx)), tok.index_select(0, idx), k)
         tokens = tok.tolist()
-        for s, t in zip(samplers, tokens):
-            if s.matcher is not None and not s.matcher.consume_token(t):  # the mask allowed it: a bug if not
-                raise RuntimeError(f"token {t} left the grammar: {s.matcher.get_error()}")
+        self._consume(samplers, tokens)
         for i, r in zip(want, records):
             samplers[i].records.append(r._replace(top=r.top[: samplers[i].params.logprobs]))
         for s in samplers:
@@ -403,14 +488,18 @@ class BatchSampler:
     def _choose_all(self, logits: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
         """Every row's token [B] on the device: the shaped rows' logits changed in one batch, then argmax, or a
         draw for rows with a temperature."""
-        tok = torch.argmax(logits, dim=-1)  # [B]
         shaped = [i for i, s in enumerate(samplers) if s.shaping]
         y, where = None, {}
-        if shaped:
-            idx = torch.tensor(shaped, device=logits.device)
-            y = self.shape(logits.index_select(0, idx), [samplers[i] for i in shaped])  # [b, V] float64
-            tok = tok.index_copy(0, idx, torch.argmax(y, dim=-1))
-            where = {i: j for j, i in enumerate(shaped)}
+        if len(shaped) == len(samplers):  # every row shaped (a lone constrained sequence, say): no raw argmax
+            y = self.shape(logits, samplers)  # [B, V] float64
+            tok, where = torch.argmax(y, dim=-1), {i: i for i in shaped}
+        else:
+            tok = torch.argmax(logits, dim=-1)  # [B]
+            if shaped:
+                idx = torch.tensor(shaped, device=logits.device)
+                y = self.shape(logits.index_select(0, idx), [samplers[i] for i in shaped])  # [b, V] float64
+                tok = tok.index_copy(0, idx, torch.argmax(y, dim=-1))
+                where = {i: j for j, i in enumerate(shaped)}
         for i, s in enumerate(samplers):
             if s.params.temperature > 0:
                 row = y[where[i]] if i in where else logits[i]
@@ -418,8 +507,8 @@ class BatchSampler:
         return tok
 
     def shape(self, x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
-        """Rows x [b, V] of the given samplers -> float64 logits after logit bias, the min_tokens mask and the
-        penalties (vLLM's order), each row by its own sampler."""
+        """Rows x [b, V] of the given samplers -> float64 logits after logit bias, the min_tokens mask, the
+        penalties (vLLM's order) and the grammar's mask, each row by its own sampler."""
         y = x.to(torch.float64, copy=True)
         dev = y.device
         biased = [(j, s.bias) for j, s in enumerate(samplers) if s.bias is not None]
@@ -437,9 +526,9 @@ class BatchSampler:
             sub = [samplers[j] for j in pen]
             jdx = torch.tensor(pen, device=dev)
             y.index_copy_(0, jdx, self._penalize(y.index_select(0, jdx), sub))
-        for j, s in enumerate(samplers):  # constrained rows last: nothing after may re-allow a token
-            if s.matcher is not None:
-                y[j].masked_fill_(~grammar_mask(s.matcher, y.shape[-1]).to(dev), float("-inf"))
+        constrained = [j for j, s in enumerate(samplers) if s.matcher is not None]
+        if constrained:  # last: nothing after may re-allow a token
+            y = self._mask_grammar(y, constrained, [samplers[j] for j in constrained])
         return y
 
     def _penalize(self, y: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:

@@ -70,6 +70,14 @@ class Scheduler(Batcher):
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():  # the engine thread, the sampler's only user, ended
+            self._shutdown_sampling()
+
+    def _shutdown_sampling(self) -> None:
+        """Stop the sampler's grammar mask threads (a runtime without a BatchSampler has none)."""
+        sampling = getattr(self.runtime, "sampling", None)
+        if sampling is not None:
+            sampling.shutdown()
 
     @property
     def alive(self) -> bool:
