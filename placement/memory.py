@@ -15,7 +15,8 @@ GPU (VRAM):
                         buffers when the packed layout is not the dense one); `hybrid plan` sizes it by
                         what it saves (placement.planner.choose_staging)
     graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output; with
-                        quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear)
+                        quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear;
+                        the FP8 GEMM's activation-quantizing temporaries fit in the same bytes)
     resident experts    3 x D x F each, de-quantized to the compute dtype (HybridExperts.set_resident)
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 

@@ -72,6 +72,18 @@ def hermetic_cache(_session_cache, tmp_path_factory, monkeypatch):
     knobs.reset()
 
 
+@pytest.fixture
+def set_knob(monkeypatch):
+    """set_knob(NAME, value): a HYBRID_* variable for this test, parsed afresh (cpu_kernels.knobs caches them)."""
+    from cpu_kernels import knobs
+
+    def set_to(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        knobs.reset()
+    yield set_to
+    knobs.reset()
+
+
 @pytest.fixture(scope="session")
 def demo_model_1layer():
     """The demo preset cut to one layer, random fp32 weights on the CPU (seed 0, std 0.1): a real model for tests of

@@ -159,13 +159,12 @@ def test_configs_are_checked_and_the_table_fits_the_shapes():
 
 
 SM90_COMPILE = r"""
-import json, os, re, subprocess, sys, tempfile
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hybrid.gpu_kernels import gemv
 
-dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 cases = [(T, N, K, "bf16") for T in (1, 8) for N, K in ((5120, 2048), (2048, 4096), (128, 2048), (600, 96))]
 cases += [(3, 600, 96, "fp32"), (2, 5120, 2048, "fp16")]
 for T, N, K, dt in cases:
@@ -178,12 +177,8 @@ for T, N, K, dt in cases:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x", "w", "b", "y", "ws", "stride_x", "stride_y")}
     k = triton.compile(ASTSource(gemv._gemv, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        use = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-    print(json.dumps({"case": [T, N, K, dt], "config": cfg.short(), "local": int(re.search(r"LOCAL:(\d+)", use).group(1)),
-                      "regs": int(re.search(r"REG:(\d+)", use).group(1))}), flush=True)
+    local, regs = usage(k)
+    print(json.dumps({"case": [T, N, K, dt], "config": cfg.short(), "local": local, "regs": regs}), flush=True)
 names = gemv._split_sum.arg_names  # the split-K sum compiles too
 sig = {"ws": "*fp32", "b": "*bf16", "y": "*bf16", "T": "i32", "N": "i32", "stride_y": "i32",
        "SPLIT": "constexpr", "BLOCK": "constexpr", "HAS_BIAS": "constexpr"}
@@ -196,18 +191,9 @@ def test_table_configs_compile_for_sm90_without_spills(tmp_path):
     fp32 and fp16 once) take builds for the H200's sm_90 with no local memory (register spills). Compiled, not
     interpreted: a subprocess without TRITON_INTERPRET."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        pytest.skip("this Triton build ships no NVIDIA tools (ptxas, cuobjdump)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    from triton_compile import compile_script
+
+    rows = [json.loads(line) for line in compile_script(SM90_COMPILE, tmp_path) if line.startswith("{")]
     assert len(rows) == 10
     assert all(r["local"] == 0 for r in rows), [r for r in rows if r["local"]]

@@ -74,9 +74,17 @@ def dequantized_reference(path, dtypes):
     return model
 
 
+@pytest.fixture
+def fp8_gemm(set_knob):
+    """Set HYBRID_FP8_GEMM for one test."""
+    return lambda value: set_knob("HYBRID_FP8_GEMM", value)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind):
+def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind, fp8_gemm):
+    # the weights' equality: fp8 prefill de-quantizes here (its e4m3 GEMMs also round the activations: below)
+    fp8_gemm("0")
     dtypes = {p: kind for p in PARTS}
     model = load_model(checkpoints[family], device="cuda", dtype=torch.bfloat16, progress=False, gpu_dtypes=dtypes)
     ref, ref_routes = logits_and_routes(dequantized_reference(checkpoints[family], dtypes), PROMPT)
@@ -109,3 +117,25 @@ def test_cuda_graph_decode_equals_eager_with_quantized_weights(checkpoints, fami
                        gpu_dtypes={p: kind for p in PARTS})
     eager, graphs, _ = eager_and_graph_tokens(model, PROMPTS)
     assert eager == graphs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fp8_prefill_gemms_add_only_the_activations_rounding(checkpoints, family, fp8_gemm):
+    """FP8 weights' prefill on e4m3 tensor cores (compute capability 8.9+) against the same weights' de-quantizing
+    GEMMs: the logits differ by the e4m3 rounding of the activations, about 2.5% of a projection's output norm
+    (tests/test_fp8_gemm.py), compounded over the tiny models' few layers, up to the first token whose routing
+    that difference flips."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no e4m3 tensor-core dots on this GPU")
+    model = load_model(checkpoints[family], device="cuda", dtype=torch.bfloat16, progress=False,
+                       gpu_dtypes={p: "fp8" for p in PARTS})
+    prompt = PROMPT + [11, 23, 5, 77, 140, 2, 9, 31]  # 16 rows: past the decode GEMV's 8
+    fp8_gemm("0")
+    ref, ref_routes = logits_and_routes(model, prompt)
+    fp8_gemm("1")
+    got, got_routes = logits_and_routes(model, prompt)
+    assert not torch.equal(got, ref)  # the e4m3 path ran
+    rows = first_routing_difference(ref_routes, got_routes)
+    assert rows >= len(prompt) // 2, ("routing differs early", rows)
+    rel = float((got[:rows] - ref[:rows]).norm() / ref[:rows].norm())
+    assert rel <= 0.1, rel

@@ -452,19 +452,9 @@ def test_fp8_kernels_compile_for_sm90_and_not_for_sm80(tmp_path):
     """Compiled for a GPU target without a GPU (a subprocess without TRITON_INTERPRET): the write converts with
     round-to-nearest-even and saturation (cvt.rn.satfinite), the attention converts e4m3 loads to f16 pairs (exact);
     sm_80 has no e4m3 conversions, which is why StaticKVCache refuses fp8 below compute capability 8.9."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from triton_compile import compile_script
 
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton build ships no NVIDIA tools (ptxas)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", SM_COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
+    lines = compile_script(SM_COMPILE, tmp_path, tool="ptxas")
     assert lines[0] == "store ['cvt.rn.satfinite.e4m3x2.f32']"
     assert lines[1] == "load ['cvt.rn.f16x2.e4m3x2']"
     assert lines[2:] == ["sm80 refused: True", "sm80 refused: True"]
