@@ -1,4 +1,5 @@
-"""GGUF experts handed to the CPU executor as the file's own blocks: Q4_0 as int4 in groups of 32, MXFP4 as mxfp4.
+"""GGUF experts handed to the CPU executor as the file's own blocks: Q4_0 as q4_0 (and as int4 in groups of 32),
+MXFP4 as mxfp4.
 
 The packed bytes are checked against gguf-py's de-quantization of the same blocks (every value exactly, padding
 zero), the executor's output against the PyTorch reference on those values, and a whole tiny model loaded through
@@ -108,15 +109,44 @@ def rel_err(y, r):
 
 # -- the executor over Q4_0 blocks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("isa", COMPILED)
-@pytest.mark.parametrize("order", ["natural", "interleaved"])
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
-    """The packed int4 state de-quantizes to gguf-py's values of the blocks exactly (padding zero), in both
-    stored orders and across NUMA slices; re-quantizing those values in groups of 32 does not give them back."""
+def test_q4_0_holds_the_files_blocks_at_their_size(isa, nodes):
+    """q4_0 (from_q4_0's default) holds the file's 16 bytes of nibbles and fp16 scale per block as they are: its
+    state de-quantizes to gguf-py's values exactly (padding zero) and regroups into the file's blocks, across NUMA
+    slices, at 4.5 bits a weight where int4 in groups of 32 holds the same values at 5."""
     pairs = expert_blocks(Q.Q4_0)
     raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
     topo = two_nodes() if nodes == 2 else None
-    moe = CpuMoE.from_q4_0(*raws, isa=isa, int4_order=order, topology=topo)
+    moe = CpuMoE.from_q4_0(*raws, isa=isa, topology=topo)
+    assert (moe.dtype, moe.group_size, len(moe.packed_weights())) == ("q4_0", 32, nodes)
+    check_held(moe, values)
+    for node in moe.packed_weights():
+        f0, f1 = node["f0"], node["f1"]
+        for name, raw in zip(("gate", "up", "down"), raws):
+            m = node[name]
+            rows, k = m["rows"], m["k"]
+            blocks = raw[:, f0:f1] if name != "down" else raw[:, :, f0 // 32:f1 // 32]
+            held = torch.cat([m["scale"][:, :rows, :k // 32, None].contiguous().view(torch.uint8),
+                              m["q"][:, :rows, :k // 2].reshape(*m["q"].shape[:1], rows, k // 32, 16)], -1)
+            assert torch.equal(held, blocks), (name, f0)
+    int4 = CpuMoE.from_q4_0(*raws, dtype="int4", isa=isa, topology=topo)
+    assert moe.nbytes / int4.nbytes == pytest.approx(4.5 / 5, rel=0.01)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
+    ids, w = routing(9, 3)
+    torch.testing.assert_close(moe(x, ids, w), int4(x, ids, w), rtol=1e-4, atol=1e-6)  # the same values
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("order", ["natural", "interleaved"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
+    """As int4 in groups of 32: the packed state de-quantizes to gguf-py's values of the blocks exactly (padding
+    zero), in both stored orders and across NUMA slices; re-quantizing those values in groups of 32 does not give
+    them back."""
+    pairs = expert_blocks(Q.Q4_0)
+    raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    topo = two_nodes() if nodes == 2 else None
+    moe = CpuMoE.from_q4_0(*raws, dtype="int4", isa=isa, int4_order=order, topology=topo)
     assert (moe.dtype, moe.group_size, moe.int4_order, len(moe.packed_weights())) == ("int4", 32, order, nodes)
     check_held(moe, values)
     again = CpuMoE(*values, dtype="int4", group_size=32, isa=isa, int4_order=order, topology=topo)
@@ -124,24 +154,27 @@ def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
 
 
 @pytest.mark.parametrize("isa", COMPILED)
-@pytest.mark.parametrize("order", ["natural", "interleaved"])
-def test_q4_0_compiled_packer_writes_the_reference_bytes(isa, order):
+@pytest.mark.parametrize("dtype, order", [("q4_0", None), ("int4", "natural"), ("int4", "interleaved")])
+def test_q4_0_compiled_packer_writes_the_reference_bytes(isa, dtype, order):
     """The compiled packer (csrc/pack.h, Q4_0 source) writes the PyTorch path's bytes, scales and padding, from
-    contiguous blocks and from strided views (a fused gate_up's row halves), across NUMA slices."""
+    contiguous blocks and from strided views (a fused gate_up's row halves), across NUMA slices; F = 96 (three
+    blocks a down row: a lone block in its last 64 values)."""
     F, D = 96, 128
     (fused, _), (down, _) = blocks((4, 2 * F, D), Q.Q4_0, 7), blocks((4, D, F), Q.Q4_0, 8)
     gate, up = gguf_blocks("g", fused, "Q4_0")[:, :F], gguf_blocks("u", fused, "Q4_0")[:, F:]
     assert not gate.raw.is_contiguous()  # strided rows
     for topo in (None, two_nodes()):
-        native = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo)
-        torch_ = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo, packer="torch")
+        native = CpuMoE.from_q4_0(gate, up, down, dtype=dtype, isa=isa, int4_order=order, topology=topo)
+        torch_ = CpuMoE.from_q4_0(gate, up, down, dtype=dtype, isa=isa, int4_order=order, topology=topo,
+                                  packer="torch")
         assert native._packs_natively(gate) and not torch_._packs_natively(gate)
         a, b = native.packed_state(), torch_.packed_state()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_q4_0_compiled_packer_refuses_a_nan_scale():
-    """A block whose fp16 d is NaN stops the compiled packer as a non-finite weight of its expert."""
+@pytest.mark.parametrize("dtype, packer", [("q4_0", "native"), ("q4_0", "torch"), ("int4", "native")])
+def test_q4_0_packers_refuse_a_nan_scale(dtype, packer):
+    """A block whose fp16 d is NaN stops the packer as a non-finite weight of its expert."""
     from cpu_kernels.moe import NonFiniteWeights
 
     if not COMPILED:
@@ -149,17 +182,18 @@ def test_q4_0_compiled_packer_refuses_a_nan_scale():
     raw, _ = blocks((3, 64, 64), Q.Q4_0, 9)
     raw = raw.clone()
     raw[1, 5, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 0x7E00: NaN
-    with pytest.raises(NonFiniteWeights, match="expert 1"):
-        CpuMoE.from_q4_0(raw, raw, raw, isa=COMPILED[0])  # (square experts: down has gate's shape)
+    with pytest.raises(NonFiniteWeights, match="expert 1"):  # (square experts: down has gate's shape)
+        CpuMoE.from_q4_0(raw, raw, raw, dtype=dtype, isa=COMPILED[0], packer=packer)
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.available_isas())
-def test_q4_0_forward_is_the_reference_on_the_files_values(isa):
+@pytest.mark.parametrize("dtype", ["q4_0", "int4"])
+def test_q4_0_forward_is_the_reference_on_the_files_values(isa, dtype):
     """ref: the PyTorch reference on gguf-py's de-quantized values, to float rounding; compiled kernels: that
     reference with their int8 activation rounding emulated (only summation order differs)."""
     pairs = expert_blocks(Q.Q4_0, E=4, F=96, D=128)
     raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
-    moe = CpuMoE.from_q4_0(*raws, isa=isa)
+    moe = CpuMoE.from_q4_0(*raws, dtype=dtype, isa=isa)
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(2))
     ids, w = routing(33, 4)
     y = moe(x, ids, w)
@@ -182,7 +216,7 @@ def test_q4_0_sources_slice_and_refuse():
     with pytest.raises(ValueError, match="on 32-value blocks"):
         src[:, :, 16:48]
     with pytest.raises(ValueError, match="group_size 32"):
-        CpuMoE.from_q4_0(raw, up[0], down[0], group_size=64)
+        CpuMoE.from_q4_0(raw, up[0], down[0], dtype="int4", group_size=64)
     with pytest.raises(ValueError, match="int4"):
         CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
     with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q5_0"):
