@@ -17,7 +17,7 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
                                                           (bench.hf_to_gguf: weight matrices in it, norms and
                                                           routers F32) and loaded from it as `hybrid --model
                                                           X.gguf` does: the CPU experts in the format nearest the
-                                                          file's (q8_0 for Q8_0, int4 groups of 32 for Q4_0,
+                                                          file's (q8_0 for Q8_0, q4_0 for Q4_0,
                                                           bf16 for float files). Converted once per type into a
                                                           temporary folder; the setting fails unless the file's
                                                           own tokenizer encodes the text to the checkpoint's ids
