@@ -6,7 +6,7 @@ one checkpoint.
         [--tokens 4096] [--prompts 16] [--new 32] [--out FILE.json]
 
 Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU part in the compute dtype):
-    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4 | cpu:q8_0
+    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4 | cpu:q8_0 | cpu:q4_0 | cpu:q2_k ... cpu:iq4_xs
                                                           the routed experts' dtype in DRAM (GROUP: int4 inputs
                                                           per scale, default 128)
     defer:N                                               expert deferral of each token's N lowest experts
@@ -17,7 +17,7 @@ Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU pa
                                                           (bench.hf_to_gguf: weight matrices in it, norms and
                                                           routers F32) and loaded from it as `hybrid --model
                                                           X.gguf` does: the CPU experts in the format nearest the
-                                                          file's (q8_0 for Q8_0, int4 groups of 32 for Q4_0,
+                                                          file's (q8_0 for Q8_0, q4_0 for Q4_0,
                                                           bf16 for float files). Converted once per type into a
                                                           temporary folder; the setting fails unless the file's
                                                           own tokenizer encodes the text to the checkpoint's ids
@@ -52,7 +52,7 @@ TEXT = ("The cost model decides, per batch and per layer, whether to ship an exp
         "its weights over PCIe to the GPU. A batch of tokens each choosing a few experts makes many assignments; "
         "compute is fixed by that number, weight traffic by how many distinct experts are touched.")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # bench.hf_to_gguf.TYPES, without importing gguf
-DEFAULT_SETTINGS = ("cpu:int8,cpu:q8_0,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,cpu:q2_k,cpu:q3_k,cpu:q4_k,cpu:q5_k,cpu:q6_k,cpu:iq4_xs,defer:1,defer:2,"
+DEFAULT_SETTINGS = ("cpu:int8,cpu:q8_0,cpu:q4_0,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,cpu:q2_k,cpu:q3_k,cpu:q4_k,cpu:q5_k,cpu:q6_k,cpu:iq4_xs,defer:1,defer:2,"
                     "gpu:int8,gpu:int4,gpu:fp8,kv:fp8")
 
 

@@ -81,7 +81,7 @@ class HyPackSrc(ctypes.Structure):
 
 
 PACK_SRC_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # HY_SRC_* codes: the index
-PACK_SRC_Q4_0 = 4  # HY_SRC_Q4_0: GGUF Q4_0 blocks, packed as int4 in groups of 32 as they are
+PACK_SRC_Q4_0 = 4  # HY_SRC_Q4_0: GGUF Q4_0 blocks, packed as q4_0 (or int4 in groups of 32) as they are
 PACK_SRC_Q8_0 = 5  # HY_SRC_Q8_0: GGUF Q8_0 blocks, packed as q8_0 as they are
 PACK_SRC_Q4_K = 6  # HY_SRC_Q4_K: GGUF Q4_K super-blocks, packed as q4_k as they are
 PACK_SRC_Q6_K = 7  # HY_SRC_Q6_K: GGUF Q6_K super-blocks, packed as q6_k as they are

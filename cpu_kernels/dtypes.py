@@ -20,10 +20,10 @@ class CpuDtype:
     # packed bytes per weight, scales aside except where the format fixes them per block (mxfp4's exponent
     # byte per 32 values)
     value_bytes: float
-    scale_bytes: int = 0  # bytes of one scale: int8 has an fp32 one per row, int4 an fp32 one per group, q8_0 an fp16
-    # one per 32-value block
+    scale_bytes: int = 0  # bytes of one scale: int8 has an fp32 one per row, int4 an fp32 one per group, q8_0 and q4_0
+    # an fp16 one per 32-value block
     scale_per_row: bool = False
-    group_sizes: tuple[int, ...] = ()  # values per scale (int4, q8_0) or per shared exponent (mxfp4)
+    group_sizes: tuple[int, ...] = ()  # values per scale (int4, q8_0, q4_0) or per shared exponent (mxfp4)
     default_group: int | None = None
     isas: tuple[str, ...] = ALL_ISAS  # ISAs with kernels for it ("amx": the AMX tiles)
     amx_min_group: int = 0  # int4 groups below this run the vector kernels even where AMX is chosen
@@ -45,6 +45,10 @@ CPU_DTYPES = {d.name: d for d in (
     # int8 in blocks of 32 with an fp16 scale each: llama.cpp's Q8_0 values (8.5 bits a weight), so a GGUF file's
     # Q8_0 experts are held exactly; finer scales than int8's per row for any other checkpoint
     CpuDtype("q8_0", 4, 1, scale_bytes=2, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's Q4_0: 4-bit values in blocks of 32 with an fp16 scale each (4.5 bits a weight), the file's 16 bytes of
+    # nibbles per block as they are, so a GGUF file's Q4_0 experts are held exactly at its size (int4 in groups of 32
+    # holds them too, at 5 bits a weight with fp32 scales)
+    CpuDtype("q4_0", 11, 0.5, scale_bytes=2, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
     # llama.cpp's Q2_K: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (2.625 bits a
     # weight, the 20-byte head of each 256 values counted in value_bytes), so a GGUF file's Q2_K experts (the low-bit
     # mixes that fit DeepSeek-V3 in 256 GB of DRAM) are held exactly
@@ -72,8 +76,8 @@ CPU_DTYPES = {d.name: d for d in (
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q8_0", "q4_0", "q2_k", ..., "iq4_xs"): the CLI's --cpu-dtype choices
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 
 

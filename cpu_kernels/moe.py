@@ -29,7 +29,7 @@ from .topology import Topology
 
 DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 # the block formats: one scale (or exponent, or head) per block, activation block sums per 32 values
-_BLOCK_DTYPES = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+_BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 # the super-block formats' head bytes per 256 values
 _HEAD_BYTES = {"q2_k": quant.Q2_K_HEAD_BYTES, "q3_k": quant.Q3_K_HEAD_BYTES, "q4_k": quant.Q4_K_HEAD_BYTES,
                "q5_k": quant.Q5_K_HEAD_BYTES, "q6_k": quant.Q6_K_HEAD_BYTES, "iq4_xs": quant.IQ4_XS_HEAD_BYTES}
@@ -43,7 +43,7 @@ _ROW_ALIGN = 32
 # int4's AMX path (groups of 64 or 128, kern_amx.h) was no faster than the vector path up to 64 tokens per
 # expert on the GPU box's host (BENCHMARKS.md, CPU kernels alone), so without a measured knee int4 stays on the
 # vector path (AMX_NEVER); `hybrid calibrate` measures its knee like the others' and so turns it on where the
-# tiles win, and amx_min_tokens= asks for it. mxfp4, q8_0, the K-quants and int4 in groups of
+# tiles win, and amx_min_tokens= asks for it. mxfp4, q8_0, q4_0, the K-quants and int4 in groups of
 # 32 always run on the vector path (no AMX kernel: with an AMX ISA they say so once, _say_vector_only).
 AMX_NEVER = 1 << 30
 AMX_KNEE = {"bf16": 16, "int8": 32, "int4": AMX_NEVER}
@@ -54,7 +54,7 @@ PACK_FORMAT = 1
 
 
 def _say_vector_only(dtype: str, isa: str) -> None:
-    """The AMX build declines mxfp4, q8_0, the K-quants and int4 in groups of 32 (half a 64-value K tile): every call runs its
+    """The AMX build declines mxfp4, q8_0, q4_0, the K-quants and int4 in groups of 32 (half a 64-value K tile): every call runs its
     AVX-512 (amx_emu: AVX2) vector kernels, so prefill-sized batches run well below AMX speed. Said once per
     (dtype, ISA) and process."""
     if (dtype, isa) in _SAID_VECTOR_ONLY:
@@ -142,7 +142,7 @@ class _GgufBlocks:
 
 
 class _Q40(_GgufBlocks):
-    """Q4_0: fp16 d + 16 bytes of nibbles per 32 values; int4 in groups of 32 exactly."""
+    """Q4_0: fp16 d + 16 bytes of nibbles per 32 values; q4_0 exactly, and int4 in groups of 32 exactly."""
 
     TYPE, BYTES, SRC = "Q4_0", quant.Q4_0_BLOCK_BYTES, _native.PACK_SRC_Q4_0
 
@@ -218,8 +218,8 @@ _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, _Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4)  # weigh
 
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
-    [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype int4, group_size
-    32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]) or
+    [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype q4_0, or int4 with
+    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]) or
     "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
     kind = next((k for k in (_Q40, _Q80, *_SUPER_BLOCKS) if k.TYPE == ggml_type), None)
@@ -514,9 +514,10 @@ class CpuMoE:
     whose global ids are expert_ids (default 0..E-1) out of num_experts (default max id + 1); tokens
     routed to other experts are skipped. dtype: "bf16" | "int8" (per-row scales) | "int4" (group_size
     32/64/128) | "mxfp4" (quantize_mxfp4 of the weights; D and F multiples of 32; CpuMoE.from_mxfp4 packs
-    published blocks as they are; CpuMoE.from_q4_0 GGUF Q4_0 blocks as int4 in groups of 32, and gguf_blocks makes
-    either from a GGUF file's bytes) | "q8_0" (int8 in blocks of 32 with an fp16 scale each, quantize_q8_0;
-    CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they are) | "q4_k" (llama.cpp's Q4_K, quantize_q4_k; rows padded to
+    published blocks as they are, and gguf_blocks makes GGUF blocks of every type below a weight source) | "q8_0"
+    (int8 in blocks of 32 with an fp16 scale each, quantize_q8_0; CpuMoE.from_q8_0 packs GGUF Q8_0 blocks as they
+    are) | "q4_0" (llama.cpp's Q4_0, quantize_q4_0; CpuMoE.from_q4_0 packs GGUF Q4_0 blocks as they are, or as int4
+    in groups of 32) | "q4_k" (llama.cpp's Q4_K, quantize_q4_k; rows padded to
     256 values; CpuMoE.from_q4_k packs GGUF Q4_K blocks as they are) | "q5_k" (llama.cpp's Q5_K, quantize_q5_k;
     from_q5_k) | "q2_k" (llama.cpp's Q2_K, quantize_q2_k; from_q2_k) | "q3_k" (llama.cpp's Q3_K, quantize_q3_k; from_q3_k) | "q6_k" (llama.cpp's Q6_K, quantize_q6_k; rows
     padded to 256 values; CpuMoE.from_q6_k packs GGUF Q6_K blocks as they are) | "iq4_xs" (llama.cpp's IQ4_XS,
@@ -532,7 +533,7 @@ class CpuMoE:
     group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
     natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
     read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4,
-    q8_0, iq4_xs and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
+    q8_0, q4_0, iq4_xs and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
     or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
     isa, nbytes (packed weight bytes), topology; packed_weights() exposes the one packed copy for the GPU lane.
     """
@@ -568,8 +569,8 @@ class CpuMoE:
         for src, dt in ((source, dtype), (down_source, down_dtype)):
             if src is _Mx4 and dt != "mxfp4":
                 raise ValueError(f"published mxfp4 blocks pack as dtype 'mxfp4', not {dt!r}")
-            if src is _Q40 and (dt != "int4" or group_size != quant.MXFP4_BLOCK):
-                raise ValueError(f"Q4_0 blocks pack as dtype 'int4' with group_size 32, not {dt!r} "
+            if src is _Q40 and dt != "q4_0" and (dt != "int4" or group_size != quant.Q4_0_BLOCK):
+                raise ValueError(f"Q4_0 blocks pack as dtype 'q4_0', or 'int4' with group_size 32, not {dt!r} "
                                  f"(group_size {group_size})")
             if src is _Q80 and dt != "q8_0":
                 raise ValueError(f"Q8_0 blocks pack as dtype 'q8_0', not {dt!r}")
@@ -691,15 +692,17 @@ class CpuMoE:
 
     @classmethod
     def from_q4_0(cls, gate, up, down, **kwargs) -> "CpuMoE":
-        """The executor over GGUF Q4_0 experts, packed as int4 in groups of 32 without de-quantizing them: the
-        file's nibbles and fp16 scales are its int4 nibbles and scales exactly (cpu_kernels.quant, module doc),
-        so it computes with the file's values, which re-quantizing them would not give.
+        """The executor over GGUF Q4_0 experts, packed without de-quantizing them: as q4_0 (default), the file's 16
+        bytes of nibbles and fp16 scale per block as they are, 4.5 bits a weight; or as int4 in groups of 32
+        (dtype="int4"), the file's nibbles re-ordered into int4's layout and its scales in fp32, 5 bits a weight.
+        Either holds the file's values exactly (cpu_kernels.quant, module doc), which re-quantizing them would not
+        give.
 
         gate, up: raw blocks uint8 [E, F, D/32, 18]; down: [E, D, F/32, 18] (views of the file, any strides; a
-        fused gate_up's two row halves are two views). The nibbles are re-ordered into the kernels' layout a
-        chunk of experts at a time. kwargs: CpuMoE's; dtype and group_size, if given, must be "int4" and 32.
+        fused gate_up's two row halves are two views). kwargs: CpuMoE's; dtype, if given, must be "q4_0" or "int4"
+        (group_size 32).
         """
-        return cls._from_gguf(_Q40, (gate, up, down), {"dtype": "int4", "group_size": quant.MXFP4_BLOCK}, kwargs)
+        return cls._from_gguf(_Q40, (gate, up, down), {"dtype": "q4_0", "group_size": quant.Q4_0_BLOCK}, kwargs)
 
     @classmethod
     def from_q8_0(cls, gate, up, down, **kwargs) -> "CpuMoE":
@@ -791,15 +794,26 @@ class CpuMoE:
         q, e = quant.pack_mxfp4(blocks, scales)
         return q, e, None
 
-    def _q40_parts(self, w: _Q40, rows_p: int, ldk: int):
-        """A chunk of Q4_0 experts -> (packed nibbles [c, rows_p, ldk/2], fp32 scales [c, rows_p, ldk/32], None)
-        in the kernels' int4 layout, the file's nibbles and scales as they are; padding is nibble 8 with scale 0
-        (what quantize_int4 gives zeros)."""
-        u, d = quant.q4_0_parts(w.raw)
-        _, rows, K = u.shape
-        u = torch.nn.functional.pad(u, (0, ldk - K, 0, rows_p - rows), value=8)
-        d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.MXFP4_BLOCK, 0, rows_p - rows))
-        return quant.pack_int4(u, self.group_size, self._fold(ldk)), d.contiguous(), None
+    def _q40_parts(self, w, rows_p: int, ldk: int, dt: str):
+        """A chunk of experts (Q4_0 blocks, or float [c, rows, k] for q4_0) -> dtype dt's parts: q4_0 (values uint8
+        [c, rows_p, ldk/2], fp16 scales [c, rows_p, ldk/32], None), a float chunk zero padded to whole blocks and
+        quantized first, padding the byte 0x88 (q = 8) with scale 0 (what quantize_q4_0 gives zeros); int4 (packed
+        nibbles [c, rows_p, ldk/2], fp32 scales [c, rows_p, ldk/32], None) in the kernels' int4 layout, the file's
+        nibbles and scales as they are, padding nibble 8 with scale 0 (what quantize_int4 gives zeros)."""
+        if dt == "int4":
+            u, d = quant.q4_0_nibbles(w.raw)
+            _, rows, K = u.shape
+            u = torch.nn.functional.pad(u, (0, ldk - K, 0, rows_p - rows), value=8)
+            d = torch.nn.functional.pad(d, (0, (ldk - K) // quant.Q4_0_BLOCK, 0, rows_p - rows))
+            return quant.pack_int4(u, self.group_size, self._fold(ldk)), d.contiguous(), None
+        if isinstance(w, _Q40):
+            q, d = quant.q4_0_parts(w.raw)
+        else:
+            q, d = quant.quantize_q4_0(torch.nn.functional.pad(w.float(), (0, _align(w.shape[-1], 32) - w.shape[-1])))
+        _, rows, H = q.shape
+        q = torch.nn.functional.pad(q, (0, ldk // 2 - H, 0, rows_p - rows), value=0x88)
+        d = torch.nn.functional.pad(d, (0, (ldk - 2 * H) // quant.Q4_0_BLOCK, 0, rows_p - rows))
+        return q.contiguous(), d.contiguous(), None
 
     def _q80_parts(self, w, rows_p: int, ldk: int):
         """A chunk of experts (float [c, rows, k] or _Q80) -> (values int8 [c, rows_p, ldk], fp16 scales [c, rows_p,
@@ -879,6 +893,10 @@ class CpuMoE:
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q8_0_BLOCK) - K))
             return quant.dequantize_q8_0(*quant.quantize_q8_0(wp))[..., :K]
+        if dt == "q4_0":
+            K = w.shape[-1]
+            wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.Q4_0_BLOCK) - K))
+            return quant.dequantize_q4_0_packed(*quant.quantize_q4_0(wp))[..., :K]
         if dt in self._KQUANTS:
             K = w.shape[-1]
             wp = torch.nn.functional.pad(w.float(), (0, _align(K, quant.QK_K) - K))
@@ -905,22 +923,23 @@ class CpuMoE:
     _PACK_CHUNK = 8
 
     def _q_bytes(self, rows: int, k: int, row_align: int, dt: str) -> int:
-        """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_k, q5_k, iq4_xs: two values a byte; q2_k four; q6_k
+        """Bytes of one expert's packed matrix [rows_p, ldk] in dtype dt (int4, mxfp4, q4_0, q4_k, q5_k, iq4_xs: two values a byte; q2_k four; q6_k
         four values in three bytes; q3_k 96 bytes per 256 values)."""
         n = _align(rows, row_align) * _align(k, self._kpad())
         if dt in self._KQUANTS:
             return n // quant.QK_K * self._KQUANTS[dt][2]
-        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n}[dt]
+        return {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "q8_0": n, "q4_0": n // 2}[dt]
 
     def _aux_strides(self, rows_p: int, ldk: int, dt: str) -> list[int | None]:
         """Bytes per expert of a packed matrix's scales and row sums (None: the dtype has none): int8 one fp32
         scale and one int32 sum per row, int4 one fp32 scale per group, mxfp4 one uint8 exponent per block, q8_0
-        one fp16 scale per block, q4_k one 16-byte head per 256 values, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte
+        and q4_0 one fp16 scale per block, q4_k one 16-byte head per 256 values, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte
         one, q3_k a 14-byte one, iq4_xs an 8-byte one."""
         return {"bf16": [None, None], "int8": [4 * rows_p, 4 * rows_p],
                 "int4": [4 * rows_p * (ldk // self.group_size), None],
                 "mxfp4": [rows_p * (ldk // quant.MXFP4_BLOCK), None],
                 "q8_0": [2 * rows_p * (ldk // quant.Q8_0_BLOCK), None],
+                "q4_0": [2 * rows_p * (ldk // quant.Q4_0_BLOCK), None],
                 **{k: [rows_p * (ldk // quant.QK_K) * b, None] for k, b in _HEAD_BYTES.items()}}[dt]
 
     def _packs_natively(self, w, dt: str | None = None) -> bool:
@@ -930,7 +949,7 @@ class CpuMoE:
         if isinstance(w, _GgufBlocks):  # (the blocks' own bytes in one run each: raw's last stride 1)
             return (self.packer == "native" and w.raw.stride(3) == 1 and w.raw.stride(2) >= w.raw.shape[3]
                     and _native.has_packer(self.isa))
-        return (self.packer == "native" and dt in ("bf16", "int8", "int4", "q8_0", "iq4_xs")
+        return (self.packer == "native" and dt in ("bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs")
                 and isinstance(w, (torch.Tensor, ExpertRows, ExpertChunks)) and _native.has_packer(self.isa))
 
     def _mat_native(self, pool: int, w, rows: int, k: int, row_align: int, block: tuple, name: str):
@@ -970,8 +989,8 @@ class CpuMoE:
             wc = w[e0:e0 + self._PACK_CHUNK]
             if isinstance(wc, (ExpertRows, ExpertChunks)):
                 wc = wc.dense()
-            if isinstance(wc, _Q40):
-                parts = list(self._q40_parts(wc, rows_p, ldk))
+            if isinstance(wc, _Q40) or dt == "q4_0":
+                parts = list(self._q40_parts(wc, rows_p, ldk, dt))
             elif dt == "q8_0":
                 parts = list(self._q80_parts(wc, rows_p, ldk))
             elif dt in self._KQUANTS:
@@ -983,8 +1002,10 @@ class CpuMoE:
             else:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
                 parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
-            if isinstance(wc, _SuperBlocks):  # the file's d (and dmin) as they are: refused as the compiled packer does
-                d = parts[1][..., wc.D_AT].contiguous().view(torch.float16).float().reshape(parts[1].shape[0], -1)
+            if isinstance(wc, (_Q40, _SuperBlocks)):  # the file's d (and dmin) as they are: refused as the compiled
+                at = wc.D_AT if isinstance(wc, _SuperBlocks) else slice(0, 2)  # packer does
+                d = (wc.raw if isinstance(wc, _Q40) else parts[1])[..., at].contiguous().view(torch.float16).float()
+                d = d.reshape(d.shape[0], -1)
                 bad = (~torch.isfinite(d)).any(-1).nonzero()
                 if bad.numel():
                     raise NonFiniteWeights(name, e0 + int(bad[0]))
@@ -1022,9 +1043,9 @@ class CpuMoE:
         q_buf, q_off, q_stride = block
         m = _native.HyMat()
         m.w, m.w_estride = q_buf.data_ptr() + q_off, q_stride
-        if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0:
-            m.scale = aux[0].data_ptr()  # fp16, in halves
-            m.s_estride = strides[0] // (1 if dt == "mxfp4" or dt in _HEAD_BYTES else 2 if dt == "q8_0" else 4)
+        if aux[0] is not None:  # fp32 scales; mxfp4 / q4_k: uint8 exponents / heads, s_estride in bytes; q8_0,
+            m.scale = aux[0].data_ptr()  # q4_0: fp16, in halves
+            m.s_estride = strides[0] // (1 if dt == "mxfp4" or dt in _HEAD_BYTES else 2 if dt in ("q8_0", "q4_0") else 4)
         if aux[1] is not None:
             m.rsum, m.r_estride = aux[1].data_ptr(), strides[1] // 4
         m.rows, m.rows_p, m.k, m.ldk = rows, rows_p, k, ldk
@@ -1122,7 +1143,8 @@ class CpuMoE:
         {f0, f1, block, gate, up, down}; block is [E, bytes] uint8, expert e's gate, up and down packed
         bytes back to back (None with `ref`); gate/up/down are {q, scale, bias, rows, k, dtype, group, fold}
         (mxfp4: q uint8 codes [E, rows_p, ldk/2], scale uint8 exponents [E, rows_p, ldk/32]; q8_0: q int8
-        [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]; q4_k: q uint8 nibbles [E, rows_p, ldk/2], scale uint8
+        [E, rows_p, ldk], scale fp16 [E, rows_p, ldk/32]; q4_0: q uint8 [E, rows_p, ldk/2] (16 bytes a block, as the
+        file's), scale fp16 [E, rows_p, ldk/32]; q4_k: q uint8 nibbles [E, rows_p, ldk/2], scale uint8
         heads [E, rows_p, ldk/256, 16]; q5_k: as q4_k with heads [E, rows_p, ldk/256, 48]; q2_k: q uint8 [E, rows_p, ldk/4], heads [E, rows_p,
         ldk/256, 20]; q3_k: q uint8 [E, rows_p, ldk/256 * 96], heads [E, rows_p, ldk/256, 14]; q6_k: q uint8 [E, rows_p, ldk/256 * 192], scale uint8 heads [E, rows_p,
         ldk/256, 18]; iq4_xs: as q4_k with heads [E, rows_p, ldk/256, 8]); bias
@@ -1144,8 +1166,8 @@ class CpuMoE:
                 mm, dt = getattr(node, name), self._dt(name)
                 qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
                           "q8_0": torch.int8, "q4_k": torch.uint8, "q5_k": torch.uint8, "q6_k": torch.uint8, "q2_k": torch.uint8,
-                          "q3_k": torch.uint8, "iq4_xs": torch.uint8}[dt]
-                cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt == "q2_k" \
+                          "q3_k": torch.uint8, "iq4_xs": torch.uint8, "q4_0": torch.uint8}[dt]
+                cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt == "q2_k" \
                     else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
@@ -1153,7 +1175,7 @@ class CpuMoE:
                     s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // mm.group)
                 elif dt == "int4":
                     s = by_ptr[mm.scale].view(torch.float32).view(self.E, mm.rows_p, mm.ldk // mm.group)
-                elif dt == "q8_0":  # fp16 scales, one per 32-value block
+                elif dt in ("q8_0", "q4_0"):  # fp16 scales, one per 32-value block
                     s = by_ptr[mm.scale].view(torch.float16).view(self.E, mm.rows_p, mm.ldk // mm.group)
                 elif dt in _HEAD_BYTES:  # uint8 heads, one per 256-value super-block
                     s = by_ptr[mm.scale].view(self.E, mm.rows_p, mm.ldk // quant.QK_K, _HEAD_BYTES[dt])

@@ -31,6 +31,14 @@ q8_0: int8 in blocks of 32 values along K with an fp16 scale each, llama.cpp's Q
       q = clamp(round(w / d), -127, 127) (0 where d is 0); w ~ q * d. Packed as values int8 [..., R, K] (rows as
       int8's) and scales fp16 [..., R, K/32]: 1 + 2/32 bytes a weight. Rows are zero padded (scale 0) to a multiple
       of 64 values; the kernels read any q in [-128, 127], so a GGUF file's blocks are held as they are.
+q4_0: llama.cpp's Q4_0 values: in blocks of 32 values along K, 4-bit q in 0..15 with an fp16 scale d each, w = (q - 8) d.
+      Packed as the file holds a block's values: q uint8 [..., R, K/2], per block 16 bytes whose byte j holds value j's
+      q in its low nibble and value 16 + j's in its high one, a row's blocks back to back; and scales fp16 [..., R,
+      K/32] as q8_0's: 0.5 + 2/32 bytes a weight, the file's 4.5 bits (int4 in groups of 32 holds the same values at 5
+      bits, its scales fp32). quantize_q4_0 is llama.cpp's rule, rounded to nearest against the scale the block holds:
+      d = fp16(m / -8), m the block's value of largest magnitude (the first one; d = +0 where that is zero), q =
+      clamp(round(w / d), -8, 7) + 8 (8 where d is 0). Rows are padded (the byte 0x88, q = 8, under a zero scale: what
+      an all-zero block quantizes to) to a multiple of 64 values.
 q4_k: llama.cpp's Q4_K values: rows in super-blocks of 256 values, each 8 sub-blocks of 32 with a 6-bit scale sc
       and a 6-bit minimum m, and per super-block an fp16 d and dmin: w = (d sc) q - (dmin m), q in 0..15. Packed as
       nibbles [..., R, K/2] in int4's natural chunk layout (which is Q4_K's own: per 64 values 32 bytes, low nibbles
@@ -80,10 +88,10 @@ iq4_xs: llama.cpp's IQ4_XS values: rows in super-blocks of 256 values, each 8 su
       multiple of 256 values.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
-      values 16-31; x = (q - 8) * d. That is int4 in groups of 32 with the nibble q and the scale d (fp16 is
-      exact in fp32; d may be negative), so q4_0_parts gives the nibbles in natural order and pack_int4 stores
-      them. Re-quantizing the values instead is not lossless: Q4_0 maps a block's largest magnitude to -8,
-      quantize_int4 to +-7.
+      values 16-31; x = (q - 8) * d. That is q4_0 above exactly (q4_0_parts: the 16 bytes and d apart), and int4 in
+      groups of 32 with the nibble q and the scale d (fp16 is exact in fp32; d may be negative): q4_0_nibbles gives
+      the nibbles in natural order and pack_int4 stores them. Re-quantizing the values into int4 instead is not
+      lossless: Q4_0 maps a block's largest magnitude to -8, quantize_int4 to +-7.
   Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 values; x = q * d. That is q8_0 above exactly (q8_0_parts).
   Q4_K: 144 bytes per 256 values, the 16-byte head then 128 bytes of nibbles: q4_k above exactly (q4_k_parts).
   Q2_K: 84 bytes per 256 values, the 16 scale bytes, 64 bytes of values, then d and dmin: q2_k above exactly
@@ -207,15 +215,20 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, fold:
     return q * scale.repeat_interleave(group, dim=-1)
 
 
+Q4_0_BLOCK = 32  # values per q4_0 / GGUF Q4_0 block (one fp16 scale each)
 Q4_0_BLOCK_BYTES = 18  # GGUF Q4_0: fp16 d + 16 bytes of nibbles, 32 values
 GGUF_MXFP4_BLOCK_BYTES = 17  # GGUF MXFP4: e8m0 exponent + 16 bytes of e2m1 codes, 32 values
 
 
-def q4_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] (any strides) -> (nibbles uint8 [..., R, G * 32] in natural
-    order, scales d fp32 [..., R, G]) with x = (nibble - 8) * d exactly (module doc)."""
+def _check_q4_0(raw: torch.Tensor) -> None:
     if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q4_0_BLOCK_BYTES:
         raise ValueError(f"Q4_0 blocks must be uint8 [..., K/32, 18], got {raw.dtype} {tuple(raw.shape)}")
+
+
+def q4_0_nibbles(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] (any strides) -> (nibbles uint8 [..., R, G * 32] in natural
+    order, scales d fp32 [..., R, G]) with x = (nibble - 8) * d exactly: int4's parts in groups of 32 (module doc)."""
+    _check_q4_0(raw)
     *lead, G, _ = raw.shape
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0].float()
     qs = raw[..., 2:]
@@ -223,10 +236,41 @@ def q4_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u.reshape(*lead, G * 32), d
 
 
+def q4_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] (any strides) -> (q uint8 [..., R, G * 16], d fp16 [..., R, G]),
+    the q4_0 format's values and scales as the file holds them (module doc)."""
+    _check_q4_0(raw)
+    *lead, G, _ = raw.shape
+    return raw[..., 2:].reshape(*lead, G * 16).contiguous(), raw[..., :2].contiguous().view(torch.float16)[..., 0]
+
+
+def dequantize_q4_0_packed(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q uint8 [..., R, K/2], d fp16 [..., R, K/32]) -> fp32 [..., R, K]: (q - 8) d, on q's device."""
+    *lead, H = q.shape
+    b = q.reshape(*lead, H // 16, 16)
+    u = torch.cat([b & 0x0F, b >> 4], -1)  # [..., K/32, 32] in value order
+    return ((u.float() - 8.0) * d.float()[..., None]).reshape(*lead, H * 2)
+
+
 def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_0 blocks raw uint8 [..., R, G, 18] -> fp32 [..., R, G * 32], as gguf.quants.dequantize."""
-    u, d = q4_0_parts(raw)
-    return (u.float() - 8.0) * d.repeat_interleave(32, dim=-1)
+    return dequantize_q4_0_packed(*q4_0_parts(raw))
+
+
+def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 32 == 0) -> (q uint8 [..., R, K/2], d fp16 [..., R, K/32]) (module doc: llama.cpp's scale,
+    the block's value of largest magnitude over -8, each value rounded to nearest against the fp16 scale the block
+    holds; a block whose scale is beyond fp16's range saturates at its largest finite value)."""
+    *lead, K = w.shape
+    if K % Q4_0_BLOCK:
+        raise ValueError(f"q4_0 needs rows of whole {Q4_0_BLOCK}-value blocks, got K={K}")
+    b = w.float().reshape(*lead, K // Q4_0_BLOCK, Q4_0_BLOCK)
+    d = (_signed_absmax(b) / -8.0).clamp(-65504.0, 65504.0).to(torch.float16)
+    d = torch.where(d != 0, d, torch.zeros_like(d))  # +0, not the -0 of a positive zero over -8
+    df = d.float()[..., None]
+    q = torch.where(df != 0, torch.round(b / torch.where(df != 0, df, 1.0)), 0.0).clamp(-8, 7) + 8
+    q = q.to(torch.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(*lead, K // 2), d
 
 
 Q8_0_BLOCK = 32  # values per q8_0 / GGUF Q8_0 block (one fp16 scale each)
@@ -650,7 +694,7 @@ def iq4_xs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
-    return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0,
+    return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
             "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs}
 

@@ -43,7 +43,7 @@ GPU_STEPS = 4  # link; HBM + GEMM; the hybrid layer's fixed costs; the graph dec
 LOAD_STEPS = 1  # the load speeds: packer per CPU dtype, packed copy, disk
 # the CPU dtypes whose packing the probe times over a safetensors file's expert views: what a load runs (the compiled
 # packer, csrc/pack.h, for all but the K-quants, which cpu_kernels.quant quantizes a chunk of experts at a time)
-VIEW_PACK_DTYPES = ("bf16", "int8", "int4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
+VIEW_PACK_DTYPES = ("bf16", "int8", "int4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
 PACK_BYTES = 64 << 20  # bf16 bytes of the random experts each CPU dtype's packing probe converts
 DISK_BYTES = {True: 256 << 20, False: 1 << 30}  # the disk probe's file, quick / --full
 QUICK_DISK_S = 3.0  # quick: the disk probe gives up when writing its file takes longer than this

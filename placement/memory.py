@@ -21,7 +21,7 @@ GPU (VRAM):
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
-and row sums, int4 group scales, mxfp4 one exponent byte per 32 values, q8_0 one fp16 scale per 32, q4_k a 16-byte
+and row sums, int4 group scales, mxfp4 one exponent byte per 32 values, q8_0 and q4_0 one fp16 scale per 32, q4_k a 16-byte
 head per 256, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte one, q3_k a 14-byte one, iq4_xs an 8-byte one), including the resident ones: the runtime keeps one packed copy of
 every expert so that eviction and re-placement never reload from disk; plus the CPU lanes' pinned
 activation buffers.
@@ -114,6 +114,8 @@ def packed_matrix_bytes(rows: int, k: int, cpu_dtype: str, row_align: int, group
         return rows_p * ldk // 2 + rows_p * (ldk // MXFP4_BLOCK)  # e2m1 nibbles, uint8 exponent per 32: 0.53125 B
     if cpu_dtype == "q8_0":
         return rows_p * ldk + rows_p * (ldk // MXFP4_BLOCK) * 2  # int8 values, fp16 scale per 32: 1.0625 B
+    if cpu_dtype == "q4_0":
+        return rows_p * ldk // 2 + rows_p * (ldk // MXFP4_BLOCK) * 2  # nibbles, fp16 scale per 32: 0.5625 B
     if cpu_dtype == "q4_k":
         return rows_p * ldk // 2 + rows_p * (ldk // 256) * 16  # nibbles, a 16-byte head per 256: 0.5625 B
     if cpu_dtype == "q5_k":

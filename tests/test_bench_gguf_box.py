@@ -23,15 +23,15 @@ def test_each_file_loads_in_its_own_format_and_is_measured(tmp_path):
     doc = json.loads((out / "gguf_box.json").read_text())
     q8, q4 = doc["rows"]
     assert (q8["hybrid"]["cpu_dtype"], q8["hybrid"]["int4_group"]) == ("q8_0", None)
-    assert (q4["hybrid"]["cpu_dtype"], q4["hybrid"]["int4_group"]) == ("int4", 32)
+    assert (q4["hybrid"]["cpu_dtype"], q4["hybrid"]["int4_group"]) == ("q4_0", None)
     for row, kind in ((q8, "Q8_0"), (q4, "Q4_0")):
         h = row["hybrid"]
         assert set(h["expert_bytes_by_type"]) == {kind} and "llama" not in row
         assert h["strategy"] == "cost"  # the scheduler a user's run gets
         assert "repacked losslessly" in h["experts_kept"] and "de-quantized" not in h["experts_kept"]
         assert h["decode_b1_tok_s"] > 0 and h["prefill_32_tok_s"] > 0 and h["load"]["dram_expert_bytes"] > 0
-    # the executor holds the file's bytes: q8_0 8.5 bits a weight, int4 in groups of 32 5 bits (fp32 scales)
-    assert q8["hybrid"]["load"]["dram_expert_bytes"] == pytest.approx(q4["hybrid"]["load"]["dram_expert_bytes"] * 8.5 / 5,
+    # the executor holds the file's bytes: q8_0 8.5 bits a weight, q4_0 4.5
+    assert q8["hybrid"]["load"]["dram_expert_bytes"] == pytest.approx(q4["hybrid"]["load"]["dram_expert_bytes"] * 8.5 / 4.5,
                                                                        rel=0.02)
     assert doc["table"].count("\n") == 3 and "| demo-q8_0.gguf | q8_0 |" in doc["table"]
 

@@ -1,6 +1,7 @@
 """The CPU executor's block formats of llama.cpp's types against the pure-torch reference, for every ISA here and the
 emulated AMX build, and GGUF blocks of those types packed as they are:
   q8_0: int8 in blocks of 32 along K with an fp16 scale each (Q8_0);
+  q4_0: 4-bit values in blocks of 32 along K with an fp16 scale each (Q4_0), the file's nibble bytes as they are;
   q4_k: 4-bit values with a 6-bit scale and minimum per 32 and an fp16 d, dmin per 256 (Q4_K);
   q5_k: q4_k with a fifth bit per value (Q5_K);
   q2_k: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (Q2_K);
@@ -13,7 +14,7 @@ kernels hold: the only approximation left is the kernels' per-token int8 quantiz
 before down), the one int8 and int4 make, so TOL["int8"] (test_cpu_moe.py) bounds it; a second, tight check
 emulates that rounding and leaves only fp32 summation order.
 
-Shapes: q8_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); the K-quants
+Shapes: q8_0 and q4_0 D = 160 and F = 224 (5 and 7 blocks, rows padded to 64 values: a lone last block per row); the K-quants
 D = 512 and F = 768 (whole super-blocks; two NUMA slices of 512 + 256); weights quantized here also at D = 131, F = 97 (zero
 padded to whole blocks before quantizing). Ragged routing (experts with 0, 1, 7, 300 tokens), outputs NaN-filled.
 """
@@ -59,6 +60,13 @@ def q8_raw(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
                       q.reshape(*lead, K // 32, 32).view(torch.uint8)], -1).contiguous()
 
 
+def q40_raw(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q uint8 [..., K/2], d fp16 [..., K/32]) -> GGUF Q4_0 blocks uint8 [..., K/32, 18] (d, then the block's 16
+    bytes of nibbles)."""
+    *lead, G = d.shape
+    return torch.cat([d.reshape(*lead, G, 1).view(torch.uint8), q.reshape(*lead, G, 16)], -1).contiguous()
+
+
 def q4k_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """(nibbles uint8 [..., K/2], heads [..., K/256, 16]) -> GGUF Q4_K blocks uint8 [..., K/256, 144]."""
     return torch.cat([h, p.reshape(*h.shape[:-1], 128)], -1).contiguous()
@@ -91,6 +99,8 @@ def iq4_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
+    "q4_0": Fmt("q4_0", 32, 18, 224, 160, 0.5625, quant.quantize_q4_0, quant.dequantize_q4_0_packed, quant.q4_0_parts,
+                q40_raw, CpuMoE.from_q4_0, "Q4_0"),
     "q4_k": Fmt("q4_k", 256, 144, 768, 512, 0.5625, quant.quantize_q4_k, quant.dequantize_q4_k, quant.q4_k_parts,
                 q4k_raw, CpuMoE.from_q4_k, "Q4_K"),
     "q5_k": Fmt("q5_k", 256, 176, 768, 512, 0.6875, quant.quantize_q5_k, quant.dequantize_q5_k, quant.q5_k_parts,
@@ -139,7 +149,8 @@ def grid_parts(fmt, w, rounds=8):
 
 def random_blocks(fmt, seed, e=E, f=None, d=None):
     """GGUF blocks of the format with random valid content: q8_0 every int8 value, -128 included (llama.cpp's
-    quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
+    quantizer never writes it, a file may hold it), scales over 2^-14 .. 2^-4; q4_0 every nibble, scales of either
+    sign over 2^-14 .. 2^-4; q4_k every nibble and every 6-bit
     scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
     over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
     3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
@@ -154,6 +165,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-14, -4, (*shape[:2], G), generator=g) *
                   (1 + torch.rand(*shape[:2], G, generator=g))).half()
             raws.append(q8_raw(q, dd))
+        elif fmt.name == "q4_0":
+            qs = torch.randint(0, 256, (*shape[:2], G, 16), dtype=torch.uint8, generator=g)
+            dd = ((2.0 ** torch.randint(-14, -4, (*shape[:2], G, 1), generator=g) *
+                   (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
+                  (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
+            raws.append(torch.cat([dd.view(torch.uint8), qs], -1).contiguous())
         elif fmt.name == "q2_k":
             v = torch.randint(0, 256, (*shape[:2], G * 64), dtype=torch.uint8, generator=g)
             sc = torch.randint(0, 256, (*shape[:2], G, 16), dtype=torch.uint8, generator=g)
@@ -206,6 +223,32 @@ def test_q8_0_quantize_roundtrip_and_format():
     assert not zero[0].any() and not zero[1].float().any()
     with pytest.raises(ValueError, match="whole 32-value blocks"):
         quant.quantize_q8_0(torch.zeros(2, 40))
+
+
+def test_q4_0_quantize_roundtrip_and_format():
+    """llama.cpp's Q4_0 rule: each block's value of largest magnitude is -8 steps of its fp16 scale (so a block of
+    negatives has a positive scale), every value within half a step of the grid or clipped at +7 steps; a byte holds
+    values j and 16 + j of its block; zeros are 0x88 bytes under a +0 scale."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(3, 5, 96, generator=g) * torch.logspace(-3, 1, 96)
+    w[0, 0, :32] = -w[0, 0, :32].abs()
+    w[0, 1, :32] = w[0, 1, :32].abs()
+    q, d = quant.quantize_q4_0(w)
+    assert q.dtype == torch.uint8 and d.dtype == torch.float16 and q.shape == (3, 5, 48) and d.shape == (3, 5, 3)
+    assert float(d[0, 0, 0]) > 0 > float(d[0, 1, 0])
+    u = torch.cat([q.reshape(3, 5, 3, 16) & 15, q.reshape(3, 5, 3, 16) >> 4], -1)  # [.., block, 32] in value order
+    b = w.reshape(3, 5, 3, 32)
+    first = b.abs().argmax(-1, keepdim=True)
+    assert (u.gather(-1, first) == 0).all()  # the largest magnitude at q - 8 = -8
+    back = quant.dequantize_q4_0_packed(q, d)
+    assert torch.equal(back.reshape(3, 5, 3, 32), (u.float() - 8) * d.float()[..., None])
+    step = d.float().abs().repeat_interleave(32, -1)
+    top = u.reshape(3, 5, 96) == 15  # +7 steps: the grid's top, where a value of the other sign may clip
+    assert ((back - w).abs() <= torch.where(top, 1.0, 0.5) * step * 1.01 + 1e-7).all()
+    zq, zd = quant.quantize_q4_0(torch.zeros(1, 64))
+    assert (zq == 0x88).all() and not zd.view(torch.int16).any()  # +0, not -0
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        quant.quantize_q4_0(torch.zeros(2, 40))
 
 
 def test_q4_k_quantize_roundtrip_and_format():
@@ -339,8 +382,9 @@ def test_iq4_xs_quantize_roundtrip_and_format():
         quant.quantize_iq4_xs(torch.zeros(2, 320))
 
 
-@pytest.mark.parametrize("fmt, at", [("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
-                         ids=["q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d"])
+@pytest.mark.parametrize("fmt, at", [("q4_0", 0), ("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108),
+                                     ("iq4_xs", 0)],
+                         ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -512,7 +556,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             held = fm.dequantize(p["q"], p["scale"])
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
-            cols = {"q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
+            cols = {"q4_0": k // 2, "q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
                     "q3_k": k // 256 * 96}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
@@ -597,9 +641,9 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
-@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2), ("q6_k", 208),
-                                     ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
-                         ids=["q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
+@pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2),
+                                     ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
+                         ids=["q8_0-d", "q4_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
                               "q3_k-d", "iq4_xs-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
@@ -679,6 +723,41 @@ def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_kn
     nodes = moe.packed_weights()
     assert [nodes[0][m]["dtype"] for m in ("gate", "up", "down")] == [gate, gate, down]
     assert torch.equal(fd.dequantize(nodes[0]["down"]["q"], nodes[0]["down"]["scale"]), ws[2])
+
+
+@pytest.mark.parametrize("gate", ["q4_k", "q8_0", "int4"])
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_a_q4_0_down_beside_other_gates_and_ups(gate, isa, fused_knob):
+    """A layer whose down is GGUF Q4_0 blocks kept as q4_0 (the file's bytes) beside a gate and up of another dtype:
+    a Q4_K or Q8_0 file's blocks as they are, or floats in int4 groups of 128 (a layer's int4 stays its gate's and
+    up's): the kernels (tight, activation rounding emulated) on the file's values, the packed views per matrix."""
+    fd = FORMATS["q4_0"]
+    F = D = 512
+    _, _, d = random_blocks(fd, 44, f=F, d=D)
+    kw = {"group_size": 128} if gate == "int4" else {}
+    if gate in FORMATS:
+        fm = FORMATS[gate]
+        g, u, _ = random_blocks(fm, 45, f=F, d=D)
+        mats = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in (("g", g), ("u", u))]
+        ws = [fm.dequantize(*fm.parts(g)), fm.dequantize(*fm.parts(u))]
+    else:
+        mats = floats(fd, seed=45, f=F, d=D)[:2]
+        ws = [quant.dequantize_int4(*quant.quantize_int4(m, 128), 128) for m in mats]
+    moe = CpuMoE(*mats, moe_mod.gguf_blocks("d", d, "Q4_0"), dtype=gate, down_dtype="q4_0", isa=isa,
+                 topology=topology(1), **kw)
+    ws.append(fd.dequantize(*fd.parts(d)))
+    ids, w = ragged_routing(320, seed=46)
+    x = torch.randn(320, D, generator=torch.Generator().manual_seed(47))
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w), moe_forward(x, *ws, ids, w)) < 1e-5
+        return
+    ref = emulated(x, ws, ids, w, "silu")
+    for y in both_paths(moe, x, ids, w, fused_knob):
+        assert rel_err(y, ref) < 1e-2 and float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
+    node = moe.packed_weights()[0]
+    assert [node[m]["dtype"] for m in ("gate", "up", "down")] == [gate, gate, "q4_0"]
+    assert torch.equal(fd.dequantize(node["down"]["q"], node["down"]["scale"]), ws[2])
+    assert torch.equal(fd.to_raw(node["down"]["q"], node["down"]["scale"]), d)  # the file's bytes
 
 
 @pytest.mark.parametrize("isa", COMPILED[:1] + ["ref"])

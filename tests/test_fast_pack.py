@@ -43,7 +43,7 @@ def weights(E, F, D, dtype, seed, scale=1.0):
     return [(torch.randn(s, generator=gen) * scale).to(dtype) for s in ((E, F, D), (E, F, D), (E, D, F))]
 
 
-LAYOUTS = [("bf16", 128, None), ("int8", 128, None), ("q8_0", 32, None), ("iq4_xs", 32, None)] + [
+LAYOUTS = [("bf16", 128, None), ("int8", 128, None), ("q8_0", 32, None), ("q4_0", 32, None), ("iq4_xs", 32, None)] + [
     ("int4", g, o) for g in (32, 64, 128) for o in (None, "natural", "interleaved")]
 
 
@@ -55,10 +55,10 @@ def test_native_packing_equals_the_reference(isa, dtype, group, order):
         assert_same_bytes(a, b)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs"])
 def test_special_values_round_like_torch(dtype):
     """Exact ties, values that round past the clamp, zero rows, subnormal and the largest fp16, tiny and huge
-    scales (q8_0: fp16 block scales that are subnormal, or saturate at 65504): every rounding step is torch's."""
+    scales (q8_0, q4_0: fp16 block scales that are subnormal, or saturate at 65504): every rounding step is torch's."""
     E, F, D = 2, 64, 128
     g, u, d = weights(E, F, D, torch.float32, seed=3)
     g[0, 0] = torch.arange(D) * 0.5 - 32  # ties at every half
@@ -67,6 +67,10 @@ def test_special_values_round_like_torch(dtype):
     g[1, 3] = torch.linspace(-1, 1, D) * 3e38
     g[1, 4] = torch.linspace(-1, 1, D) * torch.logspace(-9, -2, D)  # blocks whose max / 127 is an fp16 subnormal
     u[0, :, :8] = torch.tensor([127.5, -127.5, 7.5, -8.5, 1e-45, -1e-45, 6.5, -6.5])
+    # q4_0: a block whose largest magnitude is -8 steps and every other value a tie (+7.5 past the clamp), and one
+    # whose largest is positive (a negative scale)
+    g[0, 5, :17] = torch.cat([torch.tensor([-8.0]), torch.arange(-7.5, 8.0, 1.0)])
+    g[0, 5, 32:64] = torch.arange(32) * 0.5
     h = torch.tensor([6.1e-5, 5.96e-8, 65504.0, -65504.0, -6e-8, 1.0, -0.0, 3.0]).half()
     assert_same_bytes(*both(g, u, d, dtype=dtype, group_size=32))
     gh = g.clamp(-65504, 65504).half()
@@ -88,7 +92,7 @@ def fp8_rows(E, R, C, block, seed, bf16_scales=False):
 
 
 @pytest.mark.parametrize("isa", COMPILED)
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs"])
 @pytest.mark.parametrize("block,bf16_scales", [((128, 128), False), ((16, 24), True), ((32, 16), False)])
 def test_fp8_experts_pack_like_their_dequantized_stack(isa, dtype, block, bf16_scales):
     """FP8 de-quantized row by row (partial blocks at the edges, F sliced across two nodes so windows start
@@ -133,7 +137,7 @@ def test_expert_rows_slice_and_check():
         rows[::2]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_weights_are_refused_naming_the_expert(dtype, bad):
     E, F, D = 4, 64, 64
@@ -236,7 +240,7 @@ def reference_executors(path, moes):
 
 
 @pytest.mark.parametrize("name", ["qwen", "fp8", "gpt_oss", "fused"])
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "iq4_xs"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs"])
 def test_hybrid_load_packs_views_like_the_reference(checkpoints, name, dtype):
     from hybrid.offload.build import load_hybrid, packs_views
     from hybrid.offload.config import HybridConfig

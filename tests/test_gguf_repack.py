@@ -1,4 +1,5 @@
-"""GGUF experts handed to the CPU executor as the file's own blocks: Q4_0 as int4 in groups of 32, MXFP4 as mxfp4.
+"""GGUF experts handed to the CPU executor as the file's own blocks: Q4_0 as q4_0 (and as int4 in groups of 32),
+MXFP4 as mxfp4.
 
 The packed bytes are checked against gguf-py's de-quantization of the same blocks (every value exactly, padding
 zero), the executor's output against the PyTorch reference on those values, and a whole tiny model loaded through
@@ -108,15 +109,44 @@ def rel_err(y, r):
 
 # -- the executor over Q4_0 blocks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("isa", COMPILED)
-@pytest.mark.parametrize("order", ["natural", "interleaved"])
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
-    """The packed int4 state de-quantizes to gguf-py's values of the blocks exactly (padding zero), in both
-    stored orders and across NUMA slices; re-quantizing those values in groups of 32 does not give them back."""
+def test_q4_0_holds_the_files_blocks_at_their_size(isa, nodes):
+    """q4_0 (from_q4_0's default) holds the file's 16 bytes of nibbles and fp16 scale per block as they are: its
+    state de-quantizes to gguf-py's values exactly (padding zero) and regroups into the file's blocks, across NUMA
+    slices, at 4.5 bits a weight where int4 in groups of 32 holds the same values at 5."""
     pairs = expert_blocks(Q.Q4_0)
     raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
     topo = two_nodes() if nodes == 2 else None
-    moe = CpuMoE.from_q4_0(*raws, isa=isa, int4_order=order, topology=topo)
+    moe = CpuMoE.from_q4_0(*raws, isa=isa, topology=topo)
+    assert (moe.dtype, moe.group_size, len(moe.packed_weights())) == ("q4_0", 32, nodes)
+    check_held(moe, values)
+    for node in moe.packed_weights():
+        f0, f1 = node["f0"], node["f1"]
+        for name, raw in zip(("gate", "up", "down"), raws):
+            m = node[name]
+            rows, k = m["rows"], m["k"]
+            blocks = raw[:, f0:f1] if name != "down" else raw[:, :, f0 // 32:f1 // 32]
+            held = torch.cat([m["scale"][:, :rows, :k // 32, None].contiguous().view(torch.uint8),
+                              m["q"][:, :rows, :k // 2].reshape(*m["q"].shape[:1], rows, k // 32, 16)], -1)
+            assert torch.equal(held, blocks), (name, f0)
+    int4 = CpuMoE.from_q4_0(*raws, dtype="int4", isa=isa, topology=topo)
+    assert moe.nbytes / int4.nbytes == pytest.approx(4.5 / 5, rel=0.01)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
+    ids, w = routing(9, 3)
+    torch.testing.assert_close(moe(x, ids, w), int4(x, ids, w), rtol=1e-4, atol=1e-6)  # the same values
+
+
+@pytest.mark.parametrize("isa", COMPILED)
+@pytest.mark.parametrize("order", ["natural", "interleaved"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
+    """As int4 in groups of 32: the packed state de-quantizes to gguf-py's values of the blocks exactly (padding
+    zero), in both stored orders and across NUMA slices; re-quantizing those values in groups of 32 does not give
+    them back."""
+    pairs = expert_blocks(Q.Q4_0)
+    raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    topo = two_nodes() if nodes == 2 else None
+    moe = CpuMoE.from_q4_0(*raws, dtype="int4", isa=isa, int4_order=order, topology=topo)
     assert (moe.dtype, moe.group_size, moe.int4_order, len(moe.packed_weights())) == ("int4", 32, order, nodes)
     check_held(moe, values)
     again = CpuMoE(*values, dtype="int4", group_size=32, isa=isa, int4_order=order, topology=topo)
@@ -124,24 +154,27 @@ def test_q4_0_packs_the_files_nibbles_and_scales(isa, order, nodes):
 
 
 @pytest.mark.parametrize("isa", COMPILED)
-@pytest.mark.parametrize("order", ["natural", "interleaved"])
-def test_q4_0_compiled_packer_writes_the_reference_bytes(isa, order):
+@pytest.mark.parametrize("dtype, order", [("q4_0", None), ("int4", "natural"), ("int4", "interleaved")])
+def test_q4_0_compiled_packer_writes_the_reference_bytes(isa, dtype, order):
     """The compiled packer (csrc/pack.h, Q4_0 source) writes the PyTorch path's bytes, scales and padding, from
-    contiguous blocks and from strided views (a fused gate_up's row halves), across NUMA slices."""
+    contiguous blocks and from strided views (a fused gate_up's row halves), across NUMA slices; F = 96 (three
+    blocks a down row: a lone block in its last 64 values)."""
     F, D = 96, 128
     (fused, _), (down, _) = blocks((4, 2 * F, D), Q.Q4_0, 7), blocks((4, D, F), Q.Q4_0, 8)
     gate, up = gguf_blocks("g", fused, "Q4_0")[:, :F], gguf_blocks("u", fused, "Q4_0")[:, F:]
     assert not gate.raw.is_contiguous()  # strided rows
     for topo in (None, two_nodes()):
-        native = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo)
-        torch_ = CpuMoE.from_q4_0(gate, up, down, isa=isa, int4_order=order, topology=topo, packer="torch")
+        native = CpuMoE.from_q4_0(gate, up, down, dtype=dtype, isa=isa, int4_order=order, topology=topo)
+        torch_ = CpuMoE.from_q4_0(gate, up, down, dtype=dtype, isa=isa, int4_order=order, topology=topo,
+                                  packer="torch")
         assert native._packs_natively(gate) and not torch_._packs_natively(gate)
         a, b = native.packed_state(), torch_.packed_state()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_q4_0_compiled_packer_refuses_a_nan_scale():
-    """A block whose fp16 d is NaN stops the compiled packer as a non-finite weight of its expert."""
+@pytest.mark.parametrize("dtype, packer", [("q4_0", "native"), ("q4_0", "torch"), ("int4", "native")])
+def test_q4_0_packers_refuse_a_nan_scale(dtype, packer):
+    """A block whose fp16 d is NaN stops the packer as a non-finite weight of its expert."""
     from cpu_kernels.moe import NonFiniteWeights
 
     if not COMPILED:
@@ -149,17 +182,18 @@ def test_q4_0_compiled_packer_refuses_a_nan_scale():
     raw, _ = blocks((3, 64, 64), Q.Q4_0, 9)
     raw = raw.clone()
     raw[1, 5, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 0x7E00: NaN
-    with pytest.raises(NonFiniteWeights, match="expert 1"):
-        CpuMoE.from_q4_0(raw, raw, raw, isa=COMPILED[0])  # (square experts: down has gate's shape)
+    with pytest.raises(NonFiniteWeights, match="expert 1"):  # (square experts: down has gate's shape)
+        CpuMoE.from_q4_0(raw, raw, raw, dtype=dtype, isa=COMPILED[0], packer=packer)
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.available_isas())
-def test_q4_0_forward_is_the_reference_on_the_files_values(isa):
+@pytest.mark.parametrize("dtype", ["q4_0", "int4"])
+def test_q4_0_forward_is_the_reference_on_the_files_values(isa, dtype):
     """ref: the PyTorch reference on gguf-py's de-quantized values, to float rounding; compiled kernels: that
     reference with their int8 activation rounding emulated (only summation order differs)."""
     pairs = expert_blocks(Q.Q4_0, E=4, F=96, D=128)
     raws, values = [p[0] for p in pairs], [p[1] for p in pairs]
-    moe = CpuMoE.from_q4_0(*raws, isa=isa)
+    moe = CpuMoE.from_q4_0(*raws, dtype=dtype, isa=isa)
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(2))
     ids, w = routing(33, 4)
     y = moe(x, ids, w)
@@ -182,7 +216,7 @@ def test_q4_0_sources_slice_and_refuse():
     with pytest.raises(ValueError, match="on 32-value blocks"):
         src[:, :, 16:48]
     with pytest.raises(ValueError, match="group_size 32"):
-        CpuMoE.from_q4_0(raw, up[0], down[0], group_size=64)
+        CpuMoE.from_q4_0(raw, up[0], down[0], dtype="int4", group_size=64)
     with pytest.raises(ValueError, match="int4"):
         CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
     with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q5_0"):
@@ -272,10 +306,12 @@ def qwen3_ragged(tmp_path_factory):
     return hf_model("qwen3_moe", tmp_path_factory, moe_intermediate_size=96)[0]
 
 
-@pytest.mark.parametrize("kind, dtype, fuse", [(Q.Q4_0, "int4", False), (Q.Q4_0, "int4", True),
+@pytest.mark.parametrize("kind, dtype, fuse", [(Q.Q4_0, "q4_0", False), (Q.Q4_0, "q4_0", True),
+                                              (Q.Q4_0, "int4", False), (Q.Q4_0, "int4", True),
                                               (Q.Q8_0, "q8_0", False), (Q.Q8_0, "q8_0", True),
                                               (Q.MXFP4, "mxfp4", False), (Q.MXFP4, "mxfp4", True)],
-                         ids=["q4_0", "q4_0-fused", "q8_0", "q8_0-fused", "mxfp4", "mxfp4-fused"])
+                         ids=["q4_0", "q4_0-fused", "q4_0-int4", "q4_0-int4-fused", "q8_0", "q8_0-fused", "mxfp4",
+                              "mxfp4-fused"])
 def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, kind, dtype, fuse):
     """The hybrid runtime's logits equal those of the same file loaded de-quantized with fp32 experts (ref ISA:
     no activation rounding), while int4 in groups of 64 (re-quantized) differs; with the compiled kernels the
@@ -289,6 +325,26 @@ def test_hybrid_load_computes_the_files_super_block_values(tmp_path, qwen3_256, 
     """As above for Q4_K and IQ4_XS blocks (valid random super-blocks: every nibble, scale and minimum), on experts
     256 wide."""
     files_values_are_computed(tmp_path, qwen3_256, caplog, kind, dtype, fuse)
+
+
+@pytest.mark.parametrize("isa", ["ref", *COMPILED])
+def test_a_q4_0_file_gives_the_logits_it_gave_in_int4(tmp_path, qwen3_ragged, caplog, isa):
+    """A Q4_0 file's experts in q4_0 (its default now: the file's blocks, 4.5 bits a weight) and in int4 groups of 32
+    (its default before, 5 bits) hold the same values, so give the same logits (ref: exactly; the kernels: to their
+    summation order) at 0.9 x the expert bytes."""
+    path = tmp_path / "q40.gguf"
+    write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q4_0)
+    got, off = hybrid_logits(path, caplog, cpu_dtype="q4_0", cpu_isa=isa)
+    assert "GGUF experts for the CPU executor (q4_0): layers 0-2 repacked losslessly" in caplog.text
+    before, off4 = hybrid_logits(path, cpu_dtype="int4", cpu_group=32, cpu_isa=isa)
+    assert {layer.cpu_moe.dtype for layer in off.layers} == {"q4_0"}
+    assert {layer.cpu_moe.dtype for layer in off4.layers} == {"int4"}
+    if isa == "ref":
+        assert torch.equal(got, before)
+        return
+    assert (got - before).abs().max().item() <= 1e-4 * before.abs().max().item()
+    q40, int4 = (sum(layer.cpu_moe.nbytes for layer in o.layers) for o in (off, off4))
+    assert q40 / int4 == pytest.approx(4.5 / 5, rel=0.02)
 
 
 def files_values_are_computed(tmp_path, hf, caplog, kind, dtype, fuse):
@@ -345,30 +401,33 @@ def held(moe, name: str) -> torch.Tensor:
     return held_values(moe, name)[0][:, :node["rows"], :node["k"]]
 
 
-def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, qwen3_ragged, caplog):
-    """A layer whose down is Q8_0 among Q4_0 gates and ups: under int4 in groups of 32 its gate and up are the
-    file's blocks and its down too, in q8_0 (a down may have a dtype of its own); under int8, which holds neither
-    type, the gates and ups are re-quantized and the Q8_0 down still kept as q8_0. The one log line names the
-    layers and weights each way and why."""
+@pytest.mark.parametrize("dtype", ["q4_0", "int4"])
+def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, qwen3_ragged, caplog, dtype):
+    """A layer whose down is Q8_0 among Q4_0 gates and ups: under q4_0, or int4 in groups of 32 (both hold Q4_0
+    exactly), its gate and up are the file's blocks and its down too, in q8_0 (a down may have a dtype of its own);
+    under int8, which holds neither type, the gates and ups are re-quantized and the downs still kept, the Q8_0 one
+    as q8_0, the Q4_0 ones as q4_0. The one log line names the layers and weights each way and why."""
     path = tmp_path / "mixed.gguf"
     write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q8_0 if n == "blk.1.ffn_down_exps.weight" else Q.Q4_0)
-    _, off = hybrid_logits(path, caplog, cpu_dtype="int4", cpu_group=32, cpu_isa="ref")
+    _, off = hybrid_logits(path, caplog, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
     lines = [r.getMessage() for r in caplog.records if "GGUF experts" in r.getMessage()]
-    assert lines == ["GGUF experts for the CPU executor (int4 group 32): layers 0, 2 repacked losslessly (the file's "
+    name = "int4 group 32" if dtype == "int4" else dtype
+    assert lines == [f"GGUF experts for the CPU executor ({name}): layers 0, 2 repacked losslessly (the file's "
                      "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in "
                      "q8_0)"]
-    assert [layer.cpu_moe.down_dtype for layer in off.layers] == ["int4", "q8_0", "int4"]
+    assert [layer.cpu_moe.down_dtype for layer in off.layers] == [dtype, "q8_0", dtype]
     if COMPILED:
-        _, off = hybrid_logits(path, cpu_dtype="int4", cpu_group=32, cpu_isa=COMPILED[0])
+        _, off = hybrid_logits(path, cpu_dtype=dtype, cpu_group=32, cpu_isa=COMPILED[0])
         values = file_values(path, 1)
         for name in ("gate", "up", "down"):
             assert torch.equal(held(off.layers[1].cpu_moe, name), values[name])
     caplog.clear()
-    hybrid_logits(path, caplog, cpu_dtype="int8", cpu_isa="ref")
-    assert "layers 0, 2 de-quantized and re-quantized (Q4_0 blocks are held exactly by --cpu-dtype int4 group 32 " \
-           "only)" in caplog.text
-    assert "layers 1: w_down repacked losslessly, w_gate Q4_0, w_up Q4_0 de-quantized and re-quantized (Q4_0 blocks " \
-           "are held exactly by --cpu-dtype int4 group 32 only; w_down in q8_0)" in caplog.text
+    _, off = hybrid_logits(path, caplog, cpu_dtype="int8", cpu_isa="ref")
+    why = "(Q4_0 blocks are held exactly by --cpu-dtype q4_0 or int4 group 32 only; w_down in"
+    assert f"layers 0, 2: w_down repacked losslessly, w_gate Q4_0, w_up Q4_0 de-quantized and re-quantized {why} " \
+           "q4_0); layers 1: w_down repacked losslessly, w_gate Q4_0, w_up Q4_0 de-quantized and re-quantized " \
+           f"{why} q8_0)" in caplog.text
+    assert [layer.cpu_moe.down_dtype for layer in off.layers] == ["q4_0", "q8_0", "q4_0"]
 
 
 @pytest.mark.parametrize("main, down_kind, down, dtype, said", [
@@ -378,13 +437,15 @@ def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, 
     (Q.Q2_K, Q.Q3_K, "ffn_down", "q2_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q3_k)"),
     (Q.Q3_K, Q.Q4_K, "ffn_down", "q3_k", "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q4_k)"),
     (Q.Q4_K, Q.IQ4_XS, "ffn_down", "q4_k",
-     "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq4_xs)")],
-    ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_xs-downs"])
+     "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq4_xs)"),
+    (Q.Q4_K, Q.Q4_0, "blk.1.ffn_down_exps.weight", "q4_k", "layers 0, 2 repacked losslessly (the file's blocks as "
+     "they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in q4_0)")],
+    ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_xs-downs", "q4_0-down"])
 def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog, main, down_kind, down,
                                                                dtype, said):
     """Q4_K (Q5_K) gates and ups with downs in Q6_K, one layer's as Q4_K_M files keep some (every layer's, as Q5_K_M
     files keep many), Q2_K ones with downs in Q3_K as Q2_K files keep them, Q3_K ones with downs in Q4_K as Q3_K_M
-    files, Q4_K ones with downs in IQ4_XS: by default the gates' and ups' format with those downs in theirs, every
+    files, Q4_K ones with downs in IQ4_XS, or one layer's in Q4_0: by default the gates' and ups' format with those downs in theirs, every
     weight the file's values and bytes; the load's line says so."""
     path = tmp_path / f"{dtype}m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: down_kind if down in n else main)
@@ -399,13 +460,13 @@ def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_
 
 
 def test_a_down_of_a_type_no_down_format_holds_is_re_quantized_into_the_layers(tmp_path, qwen3_256, caplog):
-    """A Q4_0 down beside Q4_K gates and ups: Q4_0's exact format (int4 in groups of 32) is no down's of its own, so
-    it is re-quantized into the layer's q4_k; the load's line says so."""
-    path = tmp_path / "q40down.gguf"
-    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q4_0 if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
+    """An F32 down beside Q4_K gates and ups: no format holds F32 blocks, so it is quantized into the layer's q4_k;
+    the load's line says so."""
+    path = tmp_path / "f32down.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: None if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
     _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
-    assert ("layers 1: w_gate, w_up repacked losslessly, w_down Q4_0 de-quantized and re-quantized (Q4_0 blocks are "
-            "held exactly by --cpu-dtype int4 group 32 only)") in caplog.text
+    assert ("layers 1: w_gate, w_up repacked losslessly, w_down F32 de-quantized and re-quantized (no CPU format "
+            "holds F32 as stored)") in caplog.text
     moe = off.layers[1].cpu_moe
     assert (moe.dtype, moe.down_dtype) == ("q4_k", "q4_k")
     if COMPILED:
@@ -431,18 +492,17 @@ def qwen3_256(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, argv, want", [
-    (Q.Q4_0, [], ("int4", 32)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
+    (Q.Q4_0, [], ("q4_0", 128)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
     (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)),
     (Q.Q2_K, [], ("q2_k", 128)), (Q.Q3_K, [], ("q3_k", 128)), (Q.IQ4_XS, [], ("iq4_xs", 128)),
     ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
-    (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--int4-group", "64"], ("int4", 64)),
+    (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--cpu-dtype", "int4", "--int4-group", "32"], ("int4", 32)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
     ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "mixed", "f32", "asked-int8",
          "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
-    (all Q4_0: int4 in groups of 32, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values
-    exactly; all Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS: q5_k, q6_k, q2_k, q3_k or iq4_xs, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
+    (all Q4_0: q4_0, all Q8_0: q8_0, all Q4_K: q4_k and all MXFP4: mxfp4, the file's values exactly; all Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS: q5_k, q6_k, q2_k, q3_k or iq4_xs, exactly too; Q4_K_M-like mixes of Q4_K and a few Q6_K tensors: q4_k), kept through the checks before
     loading, and one line says so; a dtype or group the user gives stands."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
@@ -461,8 +521,8 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     said = [r.getMessage() for r in caplog.records if "GGUF file whose experts are" in r.getMessage()]
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
-    else:  # (the file's blocks kept only where the format is theirs: Q4_0 in groups of 32, Q8_0, Q4_K, MXFP4)
-        exact = kind in (Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS) or (kind == Q.Q4_0 and want[1] == 32)
+    else:  # (the file's blocks kept where all are of one type: every block type here has a format of its own)
+        exact = kind in (Q.Q4_0, Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -471,8 +531,9 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
 
 
 def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged, capsys):
-    """`hybrid plan --model X.gguf` without --cpu-dtype prices the experts in the dtype and group the runtime
-    will give them: a Q4_0 file's as int4 in groups of 32 (its blocks kept), so a plan matches the load."""
+    """`hybrid plan --model X.gguf` without --cpu-dtype prices the experts in the dtype the runtime will give them:
+    a Q4_0 file's as q4_0 (its blocks kept, 4.5 bits a weight), so a plan matches the load; int4 in groups of 32,
+    which holds the same values, at 5 bits, in the group the plan records."""
     import json as _json
 
     from hybrid.cli import main
@@ -483,22 +544,23 @@ def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged,
             "ktransformers-paper-amx", "--json"]
     assert main(argv) == 0
     plan = _json.loads(capsys.readouterr().out)
-    assert main([*argv, "--cpu-dtype", "int4"]) == 0  # int4 in the default group: other bytes
+    assert main([*argv, "--cpu-dtype", "int4", "--int4-group", "32"]) == 0
     asked = _json.loads(capsys.readouterr().out)
-    assert plan["settings"]["cpu_dtype"] == "int4" and asked["settings"]["cpu_dtype"] == "int4"
-    assert plan["settings"]["int4_group"] == 32 != asked["settings"]["int4_group"]
+    assert plan["settings"]["cpu_dtype"] == "q4_0" and "int4_group" not in plan["settings"]
+    assert asked["settings"]["cpu_dtype"] == "int4" and asked["settings"]["int4_group"] == 32
     from placement.memory import packed_expert_bytes
 
     cfg, threads = qwen3_ragged.config, plan["settings"]["node_threads"]
-    for p, group in ((plan, 32), (asked, 128)):  # each priced at its own group (F = 96 pads to 128 in groups of 128)
-        assert p["memory"]["cpu"]["per_expert"] == packed_expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size,
-                                                                       "int4", threads, group)
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    q40, int4 = (p["memory"]["cpu"]["per_expert"] for p in (plan, asked))
+    assert q40 == packed_expert_bytes(D, F, "q4_0", threads) and int4 == packed_expert_bytes(D, F, "int4", threads, 32)
+    assert q40 / int4 == pytest.approx(4.5 / 5)  # (F = 96 pads to 128 in both)
 
 
-@pytest.mark.parametrize("kind, dtype", [(Q.Q8_0, "q8_0"), (Q.Q4_K, "q4_k")])
+@pytest.mark.parametrize("kind, dtype", [(Q.Q8_0, "q8_0"), (Q.Q4_0, "q4_0"), (Q.Q4_K, "q4_k")])
 def test_plan_prices_a_files_exact_format(tmp_path, qwen3_256, capsys, kind, dtype):
-    """`hybrid plan --model X.gguf` of a Q8_0 or Q4_K file prices its experts in the format the runtime keeps them
-    in, at the file's 8.5 / 4.5 bits a weight, and predicts the load with that format's (default) pack rate."""
+    """`hybrid plan --model X.gguf` of a Q8_0, Q4_0 or Q4_K file prices its experts in the format the runtime keeps
+    them in, at the file's 8.5 / 4.5 / 4.5 bits a weight, and predicts the load with that format's (default) pack rate."""
     import json as _json
 
     from hybrid.cli import main
@@ -512,7 +574,7 @@ def test_plan_prices_a_files_exact_format(tmp_path, qwen3_256, capsys, kind, dty
     cfg, threads = qwen3_256.config, plan["settings"]["node_threads"]
     assert plan["settings"]["cpu_dtype"] == dtype and "int4_group" not in plan["settings"]
     per = packed_expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, dtype, threads)
-    assert plan["memory"]["cpu"]["per_expert"] == per == 3 * 256 * 256 * {"q8_0": 1.0625, "q4_k": 0.5625}[dtype]
+    assert plan["memory"]["cpu"]["per_expert"] == per == 3 * 256 * 256 * {"q8_0": 1.0625, "q4_0": 0.5625, "q4_k": 0.5625}[dtype]
 
 
 def test_plan_prices_the_downs_of_their_own_dtype(tmp_path, qwen3_256, capsys):
@@ -556,7 +618,7 @@ def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
 
 
 # -- the packed-expert cache ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, cpu_dtype, group, model", [(Q.Q4_0, "int4", 32, "qwen3_ragged"),
+@pytest.mark.parametrize("kind, cpu_dtype, group, model", [(Q.Q4_0, "q4_0", 128, "qwen3_ragged"),
                                                             (Q.Q8_0, "q8_0", 128, "qwen3_ragged"),
                                                             (Q.Q4_K, "q4_k", 128, "qwen3_256"),
                                                             (Q.Q8_0, "int8", 128, "qwen3_ragged")],
@@ -599,7 +661,7 @@ def test_a_gguf_restart_copies_the_packed_cache(tmp_path, request, monkeypatch, 
 
 
 def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path, tmp_path_factory, monkeypatch):
-    """A layer whose blocks the CPU format does not hold (Q4_0 into int8, which no down format holds either) is
+    """A layer whose blocks the CPU format does not hold (Q4_0 into bf16, beside which no down has a format of its own) is
     de-quantized a chunk of experts at a time as it is packed (never the whole layer in floats), into the bytes
     that packing the whole de-quantized layer gives."""
     from hybrid.models.gguf import load as gguf_load, open_gguf
@@ -616,7 +678,7 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
         return real(raw, t, shape)
 
     monkeypatch.setattr(gguf_load, "dequantize", spy)
-    _, off = hybrid_logits(path, cpu_dtype="int8")
+    _, off = hybrid_logits(path, cpu_dtype="bf16")
     E = hf.config.num_experts
     assert reads and max(reads) <= CpuMoE._PACK_CHUNK < E and sum(reads) % E == 0
     monkeypatch.undo()
@@ -627,12 +689,12 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
                  torch.empty(E, cfg.expert_intermediate_size, cfg.hidden_size),
                  torch.empty(E, cfg.hidden_size, cfg.expert_intermediate_size)]
         gguf_load.fill_experts(ckpt, stack, expert_tensors(cfg, layer.layer, ckpt.tensors.__contains__))
-        whole = CpuMoE(*stack, dtype="int8", isa=layer.cpu_moe.isa, topology=layer.cpu_moe.topology)
+        whole = CpuMoE(*stack, dtype="bf16", isa=layer.cpu_moe.isa, topology=layer.cpu_moe.topology)
         a, b = layer.cpu_moe.packed_state(), whole.packed_state()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "int4", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
+@pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "q4_0", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
                                              (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
                                              (Q.Q2_K, "q2_k", 82), (Q.Q3_K, "q3_k", 108), (Q.IQ4_XS, "iq4_xs", 0),
                                              (Q.MXFP4, "mxfp4", 0)],

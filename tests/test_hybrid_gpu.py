@@ -69,7 +69,7 @@ def test_packed_weights_are_pinned_once():
     assert 0 < layer.offload.memory()["vram_staging_bytes"] <= lane.n_slots * lane.chunk * 3 * D * F_ * 2
 
 
-@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_quantized_ship_lane_on_gpu(cpu_dtype):
     """The ship lane de-quantizes the CPU executor's packed bytes on the GPU (hybrid.offload.sources): the same
     layer's output as on the CPU lane, for each quantized dtype's layout."""

@@ -87,7 +87,7 @@ def test_cost_strategy_mixes_lanes_on_a_big_batch():
     assert layer.stats.cpu_experts > 0 and layer.stats.shipped_experts > 0
 
 
-@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("cpu_dtype", ["int8", "int4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_quantized_cpu_dtype_same_function_on_every_lane(cpu_dtype):
     """Resident and shipped experts are de-quantized from the CPU executor's bytes: all lanes agree (the GPU lanes
     here on the CPU, the same de-quantizers the GPU box runs on CUDA)."""

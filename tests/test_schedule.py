@@ -326,7 +326,7 @@ def test_block_formats_are_priced_at_the_vector_kernels_rate():
     assert priced_kernel(hw, "int8", None, "amx") is None
     assert priced_kernel(hw, "int4", 128, "amx") is None
     assert priced_kernel(hw, "int4", 32, "amx") == "avx512_bf16"
-    for dtype in ("q4_k", "q6_k", "q8_0", "mxfp4", "iq4_xs"):
+    for dtype in ("q4_k", "q6_k", "q8_0", "q4_0", "mxfp4", "iq4_xs"):
         assert priced_kernel(hw, dtype, None, "amx") == "avx512_bf16"
         assert priced_kernel(hw, dtype, None) == "avx512_bf16"  # the profile's best kind stands for the machine
         assert priced_kernel(hw, dtype, None, "avx512_bf16") is None  # no AMX: the executor's own ISA

@@ -11,7 +11,7 @@
 #define HY_MAX_NODES 8
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
-       HY_Q3_K = 9, HY_IQ4_XS = 10 };
+       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -29,7 +29,8 @@ typedef struct {
                          // q5_k: uint8 heads [E, rows_p, ldk/256, 48] (read through q5k_heads; s_estride in bytes);
                          // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes);
                          // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes);
-                         // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes)
+                         // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes);
+                         // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -201,6 +202,11 @@ inline bool i4_fold_ok(int ldk, int group, int fold) {
 inline const uint16_t* q8_scales(const HyMat& M, int e, int r) {
   return (const uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 32);
 }
+// q4_0 (cpu_kernels/quant.py, module doc): llama.cpp's Q4_0 values, w = (q - 8) d, q in 0..15: per 32-value block 16
+// bytes as the file holds them (value j of the block in byte j's low nibble, value 16 + j in its high nibble), a row's
+// blocks back to back, [rows_p, ldk/2], and q8_0's fp16 scales [rows_p, ldk/32] (q8_scales); 4.5 bits a weight as
+// the file's. Padding is the byte 0x88 (q = 8) under a zero scale, what an all-zero block quantizes to.
+
 // IEEE fp16 -> fp32 in scalar code (the AVX2 build targets AVX2 + FMA, without F16C).
 inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;

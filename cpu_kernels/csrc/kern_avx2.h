@@ -265,6 +265,73 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// 8 IEEE fp16 values -> fp32 in vector code (this build has no F16C): each exponent and mantissa moved into an fp32's
+// place (<< 13) and the result scaled by 2^112, exact for normal and subnormal values alike (hy.h f16_to_f32's values);
+// Inf and NaN (exponent 31) set apart.
+inline __m256 f16x8_to_f32(__m128i h) {
+  const __m256i v = _mm256_cvtepu16_epi32(h);
+  const __m256i em = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7FFF)), 13);
+  const __m256i top = _mm256_set1_epi32(0x0F800000);  // exponent 31, where em holds it
+  const __m256 big = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(em, top), top));
+  __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(em), _mm256_set1_ps(0x1p112f));
+  f = _mm256_blendv_ps(f, _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x70000000))), big);
+  return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16)));
+}
+
+// q4_0 (hy.h), per 64-value chunk (two 32-value blocks, 16 bytes each) and row one 32-byte load: its low nibbles are
+// values 0-15 of both blocks (lanes 0-3 the first block, 4-7 the second), its high nibbles values 16-31 of both. The
+// token's activations are brought into the same two orders once per chunk (two VPERM2I128 of its halves, shared by the
+// 4 rows); maddubs of each nibble half with them (pair sums <= 2 x 15 x 127), added in int16 (<= 4 x 15 x 127), less
+// the same pairs' activation sums times 8 (maddubs of 8s, once per token and chunk), widened by madd: the exact dot of
+// q - 8 per lane, converted and multiplied by its block's fp16 scale (8 blocks' scales converted at once per row, f16x8_to_f32, and each
+// chunk's pair picked by one VPERMPS). Prefetch as the other kernels: 8 rows down, into L2, once per 64-byte line.
+template <int MT>
+void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc) {
+  const int G = k / 32, nc = k / 64;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int c0 = 0; c0 < nc; c0 += 4) {
+    const int nb = std::min(8, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
+    __m256 s8[4];  // scales of blocks 2 c0 .. 2 c0 + 7 of each row
+    for (int j = 0; j < 4; ++j) {
+      if (nb == 8) {
+        s8[j] = f16x8_to_f32(_mm_loadu_si128((const __m128i*)(sw + j * G + 2 * c0)));
+        continue;
+      }
+      alignas(16) uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // a row's last blocks: no read past them
+      std::memcpy(h, sw + j * G + 2 * c0, 2 * (size_t)nb);
+      s8[j] = f16x8_to_f32(_mm_load_si128((const __m128i*)h));
+    }
+    for (int c = c0; c < std::min(nc, c0 + 4); ++c) {
+      const int i = 2 * (c - c0);
+      const __m256i idx = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);  // blocks 2c, 2c + 1
+      __m256i alo[MT], ahi[MT], off[MT];
+      for (int t = 0; t < MT; ++t) {
+        const __m256i a0 = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));  // block 2c's 32 activations
+        const __m256i a1 = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));  // block 2c + 1's
+        alo[t] = _mm256_permute2x128_si256(a0, a1, 0x20);  // values 0-15 of both blocks
+        ahi[t] = _mm256_permute2x128_si256(a0, a1, 0x31);  // values 16-31 of both
+        // 8 x the sums of each pair of activations the maddubs below pair (<= 4 x 8 x 127 in int16)
+        off[t] = _mm256_add_epi16(_mm256_maddubs_epi16(eight, alo[t]), _mm256_maddubs_epi16(eight, ahi[t]));
+      }
+      if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
+        const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        const __m256 sv = _mm256_permutevar8x32_ps(s8[j], idx);
+        for (int t = 0; t < MT; ++t) {
+          const __m256i s16 = _mm256_sub_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[t]), _mm256_maddubs_epi16(hi, ahi[t])), off[t]);
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), sv, acc[j][t]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 // A q4_k head (hy.h) -> its sub-blocks' scales d sc and minimums dmin m as two vectors of 8 lanes (scalar stores
 // read back as vectors would stall on store forwarding; ggml's get_scale_min_k4): the 6-bit fields gathered by byte
 // shuffles (a lane's low bits from byte P[l], its top two from byte Q[l]), widened, shifted, masked and converted;
@@ -534,6 +601,8 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     mx4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, mx4_exps(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C, ldc);
+  } else if (M.dtype == HY_Q4_0) {
+    q40_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q8_scales(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q4_K) {
     kq_block<MT, KQ_Q4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q4k_heads(M, e, r), C,
                         ldc);

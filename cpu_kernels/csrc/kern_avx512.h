@@ -9,8 +9,10 @@
 // code table (hy.h, HY_MX4_LUT) to 2 * FP4 + 12 as the unsigned operand; each int32 lane starts at -12 * the
 // sum of its 4 activations, so VPDPBUSD leaves the exact dot of the block, converted and scaled once per block.
 // q8_0: the int8 weights XOR 0x80 (w + 128) as the unsigned operand, the +128 undone per block with the activation
-// block sums, each 32-value block scaled by its fp16 scale. q4_k: int4's nibble unpacking and VPDPBUSD without an
-// offset, each 32-value sub-block scaled by its unpacked 6-bit scale, the minimums subtracted once per super-block.
+// block sums, each 32-value block scaled by its fp16 scale. q4_0: int4's nibble unpacking with the activations'
+// quarters re-ordered to the file's nibble pairing, the +8 undone per block with the activation block sums, q8_0's
+// fp16 block scales. q4_k: int4's nibble unpacking and VPDPBUSD without an offset, each 32-value sub-block scaled by
+// its unpacked 6-bit scale, the minimums subtracted once per super-block.
 // q5_k: q4_k's kernel with each value's fifth bit OR'ed on from the head. iq4_xs: q4_k's kernel with each index
 // mapped through the codebook by VPSHUFB to value + 128, the +128 undone per sub-block as q8_0's. q2_k: 2-bit values
 // by a shift and a mask, the minimums per 16 values with the activations' sums per 4 lanes. q3_k: q2_k's 2-bit values
@@ -381,6 +383,57 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
 }
 
+// q4_0 (hy.h), 4 rows x MT tokens: per 64-value chunk (two 32-value blocks, 16 bytes each) one 32-byte load per row
+// broadcast to both 256-bit halves and one AND, as int4's: the low half keeps the low nibbles (values 0-15 of the
+// chunk's first block in lanes 0-3, of its second in lanes 4-7), the high half the high nibbles where they are, i.e.
+// 16 x values 16-31 (first block lanes 8-11, second 12-15), undone by 1/16 before the final reduction. The token's
+// 64 activations are brought into that order once per chunk (one VSHUFI64X2 of their 16-byte quarters, shared by
+// the 4 rows); VPDPBUSD of the nibbles q (unsigned) with them from -8 x the activation sum of each block in lanes 0
+// and 4 leaves each lane's exact dot of q - 8, converted and multiplied by its block's scale (one VPERMPS of 16
+// blocks' scales converted at once per row, as q8_0's). Prefetch as int4's (rows pf_rows.. ahead into L2, once per
+// line) and the scales as q8_0's.
+template <int MT>
+void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  const int G = k / 32, nc = k / 64;
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+  const __m512i two = _mm512_set1_epi32(2);
+  // a chunk's lanes: block 2c in 0-3 and 8-11, block 2c + 1 in 4-7 and 12-15 (of the 16 scales: pair0 + 2(c - c0))
+  const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;  // the first block of a call: from row 4 on (see vec_gemm)
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int c0 = 0; c0 < nc; c0 += 8) {
+    const int nb = std::min(16, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
+    const __mmask16 bm = (__mmask16)((1u << nb) - 1);
+    __m512 s16[4];  // scales of blocks 2 c0 .. 2 c0 + 15 of each row
+    for (int j = 0; j < 4; ++j) s16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, sw + j * G + 2 * c0));
+    for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(sw + j * G + 2 * c0), _MM_HINT_T1);
+    __m512i idx = pair0;
+    for (int c = c0; c < std::min(nc, c0 + 8); ++c, idx = _mm512_add_epi32(idx, two)) {
+      __m512i wq[4];
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        wq[j] = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32))), nib);
+        sv[j] = _mm512_permutexvar_ps(idx, s16[j]);
+      }
+      if (c % 2 == 0) i4_prefetch(w, ldw, c, pf_lo, pf_rows);
+      for (int t = 0; t < MT; ++t) {
+        const int32_t* bsum = act_gsum(rows[t], k) + 2 * c;  // the activation sums of blocks 2c, 2c + 1
+        const __m512i off = _mm512_mask_set1_epi32(_mm512_maskz_set1_epi32(1, -8 * bsum[0]), 0x10, -8 * bsum[1]);
+        // quarters (values 0-15, 16-31 of block 2c, then of 2c + 1) -> 0-15 of both blocks, then 16-31 of both
+        const __m512i x = _mm512_loadu_si512((const void*)(rows[t] + c * 64));
+        const __m512i a = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512 unscale = _mm512_insertf32x8(_mm512_set1_ps(1.f), _mm256_set1_ps(0.0625f), 1);  // lanes 8-15: / 16
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(_mm512_mul_ps(acc[j][t], unscale)); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
 // A q4_k head (hy.h) -> its 8 sub-blocks' scales d sc in lanes 0-7 and minimums dmin m in lanes 8-15, in vector
 // registers (scalar stores read back as vectors would stall on store forwarding): the 6-bit fields (ggml's
 // get_scale_min_k4) gathered by two byte shuffles (lane l's low bits from byte P[l], its top two from byte Q[l]),
@@ -707,6 +760,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q8_0) {
     q8_block<MT>((const int8_t*)(M.w + e * M.w_estride) + (int64_t)r * M.ldk, M.ldk, M.ldk, rows, q8_scales(M, e, r), C,
                  ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_Q4_0) {
+    q40_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q8_scales(M, e, r), C, ldc,
+                  pf_lo, pf_rows);
   } else if (is_super_block(M.dtype)) {
     if constexpr (MT <= 2) {
       super_block_rows<MT>(M, e, r, rows, C, ldc, pf_lo, pf_rows);

@@ -7,11 +7,15 @@
 //         nibble layout of quant.py (hy.h i4_for_each_word)
 //   q8_0: per 32-value block d = fp16(min(max|w| / 127, 65504)) (round to nearest even), q = clamp(rne(w / d),
 //         -127, 127) with d read back as fp32 (0 where d is 0)
+//   q4_0: per 32-value block m = its value of largest magnitude (the first one), d = fp16(clamp(m / -8, -65504,
+//         65504)) (+0 where that is zero), q = clamp(rne(w / d), -8, 7) + 8 with d read back as fp32 (8 where d is
+//         0), byte j of the block holding value j's q in its low nibble and value 16 + j's in its high one
 //   bf16: round to nearest even
 // (torch's `127.0 / amax` is amax.reciprocal() * 127: two roundings, kept so.) Padding rows and columns are zeros
-// going through the same steps (int4: nibble 8, scale 0). A GGUF Q4_0 source (18-byte blocks of 32 values: fp16 d,
-// then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; x = (q - 8) * d) is int4 in groups of 32
-// exactly: its nibbles and d are stored as they are, never through fp32 values (quant.py q4_0_parts + pack_int4);
+// going through the same steps (int4: nibble 8, scale 0; q4_0: the byte 0x88, scale 0). A GGUF Q4_0 source (18-byte
+// blocks of 32 values: fp16 d, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; x = (q - 8) *
+// d) is q4_0 exactly: its 16 bytes and d copied as they are; and int4 in groups of 32 exactly: its nibbles and d
+// stored as they are, never through fp32 values (quant.py q4_0_nibbles + pack_int4);
 // a GGUF Q8_0 source (34-byte blocks: fp16 d, then 32 int8 values) is q8_0 exactly, and a GGUF Q4_K source
 // (144-byte super-blocks: a 16-byte head, then 128 bytes of nibbles in int4's chunk layout) q4_k exactly: copied
 // as they are, as are a GGUF Q5_K source (176-byte super-blocks: q5_k's 48-byte head, then its 128 bytes of nibbles)
@@ -156,7 +160,7 @@ void pack_row_int4(const float* v, const HyMat& M, int e, int r, uint8_t* nat, u
 
 // Row r of Q4_0 source expert i -> int4 row r of expert e (group 32): the blocks' nibbles and d as they are; padding
 // (columns past k, rows past rows) nibble 8 with scale 0. False if a block's d is not finite.
-bool pack_row_q4_0(const HyPackSrc& S, int i, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
+bool pack_row_q4_0_int4(const HyPackSrc& S, int i, const HyMat& M, int e, int r, uint8_t* nat, uint8_t* st) {
   const int ldk = M.ldk, nb = r < S.rows ? S.k / 32 : 0;
   float* scale = (float*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 32);
   uint32_t bad = 0;
@@ -227,6 +231,50 @@ bool pack_row_q8_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) 
   std::memset(q + 32 * nb, 0, (size_t)(ldk - 32 * nb));
   std::memset(d + nb, 0, 2 * (size_t)(ldk / 32 - nb));
   return !bad;
+}
+
+// Row r of Q4_0 source expert i -> q4_0 row r of expert e: each block's 16 bytes of nibbles and its d as they are;
+// padding (columns past k, rows past rows) the byte 0x88 (q = 8) with scale 0. False if a block's d is not finite.
+bool pack_row_q4_0_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  const int ldk = M.ldk, nb = r < S.rows ? S.k / 32 : 0;
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (ldk / 2);
+  uint16_t* d = (uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (ldk / 32);
+  uint32_t bad = 0;
+  const uint8_t* row = (const uint8_t*)S.w[i] + (int64_t)r * S.rs;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + (int64_t)b * S.cs;
+    uint16_t db;
+    std::memcpy(&db, blk, 2);
+    bad |= (db & 0x7C00u) == 0x7C00u;  // exponent all ones: Inf or NaN
+    d[b] = db;
+    std::memcpy(q + 16 * b, blk + 2, 16);
+  }
+  std::memset(q + 16 * nb, 0x88, (size_t)(ldk / 2 - 16 * nb));
+  std::memset(d + nb, 0, 2 * (size_t)(ldk / 32 - nb));
+  return !bad;
+}
+
+// A row's values v[0, ldk) (zero padded) -> q4_0 row r of expert e, as quant.py quantize_q4_0 (this file's head
+// comment): llama.cpp's Q4_0 scale, the block's value of largest magnitude over -8.
+void pack_row_q4_0(const float* v, const HyMat& M, int e, int r) {
+  uint8_t* q = (uint8_t*)M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2);
+  uint16_t* d = (uint16_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 32);
+  for (int b = 0; b < M.ldk / 32; ++b) {
+    const float* x = v + 32 * b;
+    float amax = -1.f, m = 0.f;
+    for (int j = 0; j < 32; ++j)
+      if (std::fabs(x[j]) > amax) { amax = std::fabs(x[j]); m = x[j]; }
+    const float dm = m / -8.f;
+    d[b] = f32_to_f16(dm < -65504.f ? -65504.f : (dm > 65504.f ? 65504.f : dm));
+    if ((d[b] & 0x7FFFu) == 0) d[b] = 0;  // a zero d is +0 (a positive largest value gives -0), as the padding's
+    const float df = f16_to_f32(d[b]);
+    uint8_t u[32];
+    for (int j = 0; j < 32; ++j) {
+      float t = df != 0.f ? std::nearbyint(x[j] / df) : 0.f;
+      u[j] = (uint8_t)((t < -8.f ? -8.f : (t > 7.f ? 7.f : t)) + 8.f);
+    }
+    for (int j = 0; j < 16; ++j) q[16 * b + j] = (uint8_t)(u[j] | (u[16 + j] << 4));
+  }
 }
 
 // The GGUF super-block copies' frame: row r of source expert i's super-blocks -> row r of expert e's values (qb bytes a
@@ -407,15 +455,17 @@ bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
     return false;  // from floats: cpu_kernels/quant.py
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
-  if (S->wdtype == HY_SRC_Q4_0)  // int4 in groups of 32 only, whole blocks, each block's bytes in one run
-    return M->dtype == HY_INT4 && M->group == 32 && M->scale && S->k % 32 == 0 && S->cs >= 18 &&
-           i4_fold_ok(M->ldk, M->group, M->fold);
+  if (S->wdtype == HY_SRC_Q4_0)  // q4_0, or int4 in groups of 32; whole blocks, each block's bytes in one run
+    return M->scale && S->k % 32 == 0 && S->cs >= 18 &&
+           ((M->dtype == HY_Q4_0 && M->ldk % 64 == 0) ||
+            (M->dtype == HY_INT4 && M->group == 32 && i4_fold_ok(M->ldk, M->group, M->fold)));
   if (S->wdtype == HY_SRC_FP8 && (!S->s || S->b0 < 1 || S->b1 < 1 || S->r0 < 0 || S->c0 < 0 ||
                                   (S->sdtype != HY_SRC_F32 && S->sdtype != HY_SRC_BF16)))
     return false;
   if (M->dtype == HY_INT8) return M->scale && M->rsum;
   if (M->dtype == HY_INT4) return M->scale && i4_fold_ok(M->ldk, M->group, M->fold);
   if (M->dtype == HY_Q8_0) return M->scale && M->ldk % 32 == 0;
+  if (M->dtype == HY_Q4_0) return M->scale && M->ldk % 64 == 0;
   if (M->dtype == HY_IQ4_XS) return M->scale && M->ldk % 256 == 0;
   return M->dtype == HY_BF16;
 }
@@ -442,7 +492,8 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
     bool ok = true;
     for (int r = (task % blocks) * RB; r < std::min(M->rows_p, (task % blocks + 1) * RB); ++r) {
       if (copy) { ok &= copy_row_bf16(*S, i, *M, e, r); continue; }
-      if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
+      if (S->wdtype == HY_SRC_Q4_0 && M->dtype == HY_Q4_0) { ok &= pack_row_q4_0_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_Q4_0) { ok &= pack_row_q4_0_int4(*S, i, *M, e, r, tmp.data(), tmp.data() + ldk); continue; }
       if (S->wdtype == HY_SRC_Q8_0) { ok &= pack_row_q8_0_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_Q4_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 16); continue; }
       if (S->wdtype == HY_SRC_Q5_K) { ok &= pack_row_kq_src(*S, i, *M, e, r, 48); continue; }
@@ -454,6 +505,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);
       else if (M->dtype == HY_Q8_0) pack_row_q8_0(v.data(), *M, e, r);
+      else if (M->dtype == HY_Q4_0) pack_row_q4_0(v.data(), *M, e, r);
       else if (M->dtype == HY_IQ4_XS) pack_row_iq4_xs(v.data(), *M, e, r, tmp.data());
       else pack_row_bf16(v.data(), *M, e, r);
     }

@@ -44,11 +44,11 @@ def register(subparsers) -> None:
     p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
                    help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
                    "checkpoints published in MXFP4 such as gpt-oss, or for a GGUF file the format nearest its expert "
-                   "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight, q8_0 1.0625, q4_k 0.5625, q5_k 0.6875, q6_k 0.8203, q2_k 0.3281, q3_k 0.4297, iq4_xs 0.5312)")
+                   "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight, q8_0 1.0625, q4_0 0.5625, q4_k 0.5625, q5_k 0.6875, q6_k 0.8203, q2_k 0.3281, q3_k 0.4297, iq4_xs 0.5312)")
     p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
-                   help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128, or 32 for a GGUF "
-                   "file whose experts default to int4: Q4_0 blocks are then kept as they are); the plan records it "
-                   "for --plan")
+                   help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128; in groups of 32 "
+                   "a GGUF file's Q4_0 blocks are kept as they are, as q4_0 keeps them at 4.5 bits); the plan records "
+                   "it for --plan")
     p.add_argument("--gpu-dtype", default="auto", choices=("auto", "bf16", "int8", "int4", "fp8"),
                    help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
                    "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "

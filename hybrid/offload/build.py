@@ -52,13 +52,13 @@ def expert_shape(cfg, cpu_dtype: str, act_dtype: torch.dtype) -> ExpertShape:
 
 def packs_views(model_dir, cpu_dtype: str, isa: str | None) -> bool:
     """Whether the loader hands the CPU executor its experts as views of the checkpoint (loader expert_views): a
-    safetensors folder whose experts the compiled packer converts (bf16, int8, int4, q8_0, iq4_xs on a compiled ISA
+    safetensors folder whose experts the compiled packer converts (bf16, int8, int4, q8_0, q4_0, iq4_xs on a compiled ISA
     that has it).
     Otherwise each layer is staged in one float stack first, as the PyTorch reference packer needs."""
     from cpu_kernels import _native
     from hybrid.models.gguf import is_gguf
 
-    return cpu_dtype in ("bf16", "int8", "int4", "q8_0", "iq4_xs") and not is_gguf(model_dir) and _native.has_packer(
+    return cpu_dtype in ("bf16", "int8", "int4", "q8_0", "q4_0", "iq4_xs") and not is_gguf(model_dir) and _native.has_packer(
         _native.resolve_isa(isa))
 
 

@@ -3,8 +3,8 @@
 Every tensor is de-quantized (hybrid.models.gguf.dequant) to float32 and stored in the model's dtype, tensor by
 tensor, a layer's expert stacks a slice at a time, so neither the file nor a layer's experts are ever held twice
 in float32. The exception: with `cpu_format` (the CPU executor's dtype and int4 group the experts factory packs
-into), a layer's expert weights whose blocks that format holds exactly (Q4_0 in int4 group 32, Q8_0 in q8_0, Q4_K in
-q4_k, MXFP4 in mxfp4) reach the factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized; any
+into), a layer's expert weights whose blocks that format holds exactly (Q4_0 in q4_0 or int4 group 32, Q8_0 in q8_0,
+Q4_K in q4_k, MXFP4 in mxfp4) reach the factory as the file's blocks (hybrid.models.gguf.repack), never de-quantized; any
 other reaches it as ExpertChunks (expert_chunks), de-quantized a few experts at a time as the executor packs them,
 so no layer is staged whole in floats.
 

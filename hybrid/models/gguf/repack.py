@@ -1,14 +1,14 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
 Nine GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
-by int4 in groups of 32, Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K by q5_k, Q6_K by q6_k, IQ4_XS
-by iq4_xs and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU format), each of a layer's
-expert weights (gate, up and down, or the fused gate_up and down) of that type goes to the experts factory as a
-weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks: views, no copy), and the executor computes
-with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K downs as q6_k among
-Q4_K gates and ups kept as q4_k); a down whose exact format cannot stand beside another (Q4_0's int4), a weight of
-another block type than the layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor
-packs them into the load's format, which changes a block type's values. One log line per load says which layers'
+by q4_0 (and by int4 in groups of 32, at 5 bits a weight), Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K
+by q5_k, Q6_K by q6_k, IQ4_XS by iq4_xs and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU
+format), each of a layer's expert weights (gate, up and down, or the fused gate_up and down) of that type goes to the
+experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks: views, no copy), and the
+executor computes with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K
+downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a weight of another block type than the
+layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
+format, which changes a block type's values. One log line per load says which layers'
 weights went which way and why.
 """
 
@@ -23,13 +23,16 @@ from hybrid.models.gguf.checkpoint import GgufCheckpoint
 from hybrid.models.gguf.dequant import GGML_QUANT_SIZES, type_name
 from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 
-# GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly
-LOSSLESS = {"Q4_0": ("int4", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
+# GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly at the file's size
+LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
             "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32),
             "MXFP4": ("mxfp4", 32)}
+# GGUF type -> the other formats that hold its blocks exactly too: Q4_0's nibbles and fp16 scales are int4's in groups of
+# 32 (at 5 bits a weight, its scales in fp32)
+ALSO_EXACT = {"Q4_0": (("int4", 32),)}
 # GGUF type -> the CPU executor's format a file of it defaults to: every block type's exact one (Q8_0's, Q6_K's, Q5_K's,
-# Q4_K's, IQ4_XS's, Q3_K's and Q2_K's are the file's 8.5, 6.56, 5.5, 4.5, 4.25, 3.44 and 2.63 bits), so the experts'
-# DRAM stays the file's size; float experts default to bf16.
+# Q4_0's, Q4_K's, IQ4_XS's, Q3_K's and Q2_K's are the file's 8.5, 6.56, 5.5, 4.5, 4.5, 4.25, 3.44 and 2.63 bits), so
+# the experts' DRAM stays the file's size; float experts default to bf16.
 NEAREST = {**LOSSLESS,
            "BF16": ("bf16", 0), "F16": ("bf16", 0), "F32": ("bf16", 0)}
 WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
@@ -37,12 +40,17 @@ WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of exper
 
 def cpu_format(dtype: str, group: int) -> tuple[str, int]:
     """The CPU executor's format as LOSSLESS names them: (dtype, int4 group; mxfp4 always 32, others 0)."""
-    exact = ("mxfp4", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+    exact = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
     return dtype, group if dtype == "int4" else 32 if dtype in exact else 0
 
 
 def format_name(fmt: tuple[str, int]) -> str:
     return f"int4 group {fmt[1]}" if fmt[0] == "int4" else fmt[0]
+
+
+def exact_formats(kind: str) -> tuple[tuple[str, int], ...]:
+    """Every CPU format that holds a GGUF type's blocks exactly, its default (LOSSLESS) first."""
+    return ((LOSSLESS[kind],) if kind in LOSSLESS else ()) + ALSO_EXACT.get(kind, ())
 
 
 def weight_types(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict[str, str]:
@@ -64,17 +72,18 @@ class LayerChoice(NamedTuple):
 def why_not(kind: str) -> str:
     """Why a GGUF type's blocks are not held by the load's format (a short clause)."""
     if kind in LOSSLESS:
-        return f"{kind} blocks are held exactly by --cpu-dtype {format_name(LOSSLESS[kind])} only"
+        return f"{kind} blocks are held exactly by --cpu-dtype {' or '.join(map(format_name, exact_formats(kind)))} only"
     return f"no CPU format holds {kind} as stored"
 
 
 def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
     """The format a layer's down of GGUF type `kind` is packed in beside the layer's format `fmt` (a down may have
     a dtype of its own, cpu_kernels.dtypes.DOWN_DTYPES, beside any quantized one): the exact one of its type where
-    there is one (a Q4_K_M file's Q6_K down in q6_k beside its q4_k gate and up), else the layer's."""
+    there is one (a Q4_K_M file's Q6_K down in q6_k beside its q4_k gate and up), else the layer's (also where the
+    layer's holds it exactly: a Q4_0 down in int4 group 32 beside int4 gates and ups)."""
     from cpu_kernels.dtypes import DOWN_DTYPES
 
-    if fmt[0] == "bf16":
+    if fmt[0] == "bf16" or fmt in exact_formats(kind):
         return fmt
     exact = LOSSLESS.get(kind)
     return exact if exact is not None and exact[0] in DOWN_DTYPES else fmt
@@ -85,7 +94,7 @@ def choose_layer(types: dict[str, str], fmt: tuple[str, int]) -> LayerChoice:
     weight kept where its format holds its type exactly."""
     down = down_format(types["w_down"], fmt) if "w_down" in types else fmt
     own = {w: (down if w == "w_down" else fmt) for w in types}
-    kept = tuple(w for w, t in types.items() if LOSSLESS.get(t) == own[w])
+    kept = tuple(w for w, t in types.items() if own[w] in exact_formats(t))
     redone = {w: t for w, t in types.items() if w not in kept}
     why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
     return LayerChoice(kept, redone, why, down if down != fmt else None)
