@@ -264,11 +264,13 @@ def _layer_kpad(dtype: str, group_size: int, down_dtype: str) -> int:
     return max(_kpad_for(dtype, group_size), _kpad_for(down_dtype, quant.MXFP4_BLOCK))
 
 
-def _int4_order_for(isa: str, asked: str | None) -> str:
-    """The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert (one convert and scale
-    per fold block instead of per group); the AVX2 ones gain nothing from it and lose in groups of 32, so AVX2
-    (and the ref ISA) keep the natural order unless asked."""
-    return asked or ("interleaved" if isa in ("amx", "amx_emu", "avx512_bf16") else "natural")
+def _int4_order_for(isa: str, asked: str | None, group: int) -> str:
+    """The AVX-512 kernels gain from the interleaved int4 order at 2-4 tokens per expert in groups of 64 and 128
+    (one convert and scale per fold block instead of per group); in groups of 32 it reads half as fast as the
+    natural order at 1-4 tokens (faster only from tens of tokens, where long prompts ship to the GPU anyway), and
+    the AVX2 kernels gain nothing from it, so groups of 32, AVX2 and the ref ISA keep the natural order unless
+    asked."""
+    return asked or ("interleaved" if isa in ("amx", "amx_emu", "avx512_bf16") and group >= 64 else "natural")
 
 
 def _split_f(F: int, topology: Topology, step: int) -> list[tuple[int, int]]:
@@ -304,7 +306,7 @@ def packed_layout(F: int, dtype: str, group_size: int = 128, isa: str | None = N
     isa = _native.resolve_isa(isa)
     topo = (topology if topology is not None else Topology.discover()).limit(threads)
     group = quant.MXFP4_BLOCK if dtype in _BLOCK_DTYPES else group_size
-    return _layout(isa, dtype, group, _int4_order_for(isa, int4_order), F, topo, down_dtype)
+    return _layout(isa, dtype, group, _int4_order_for(isa, int4_order, group), F, topo, down_dtype)
 
 
 class _Packed:
@@ -530,8 +532,8 @@ class CpuMoE:
     up x + b_up)) + b_down, weighted by the routing weight. amx_min_tokens: tokens per expert from
     which the AMX path is used (default: the knee measured for dtype). int4_order: "interleaved" (the stored
     order whose kernel lanes each hold one group for a whole fold block, cpu_kernels/quant.py) or "natural" (one
-    group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX),
-    natural on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
+    group per chunk); default: interleaved on the AVX-512 and AMX builds (and amx_emu, which stands in for AMX) in
+    groups of 64 and 128, natural in groups of 32 and on AVX2 and ref. w_gate, w_up, w_down may also be ExpertRows (a checkpoint's per-expert matrices as
     read, block-FP8 too), packed without a float copy of the layer. packer: "native" (default: bf16, int8, int4,
     q8_0, q4_0, iq4_xs and GGUF blocks are packed by the compiled packer, csrc/pack.h, on the node's pool, a NaN or Inf refused with NonFiniteWeights)
     or "torch" (the PyTorch reference of cpu_kernels/quant.py, byte for byte the same; mxfp4 always). Attributes:
@@ -627,7 +629,7 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        self.int4_order = _int4_order_for(self.isa, int4_order)
+        self.int4_order = _int4_order_for(self.isa, int4_order, group_size)
         spec = CPU_DTYPES[dtype]
         if self.isa in ("amx", "amx_emu") and ("amx" not in spec.isas or group_size < spec.amx_min_group):
             _say_vector_only(dtype if dtype != "int4" else f"int4 (group {group_size})", self.isa)

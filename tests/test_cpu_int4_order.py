@@ -148,13 +148,19 @@ def test_natural_order_option_and_the_gpu_side_decoder(isa):
         CpuMoE(*ws, dtype="int4", isa=isa, int4_order="sorted")
 
 
-def test_default_order_follows_the_isa():
-    """Interleaved where the vector kernels are AVX-512 (and amx_emu, which stands in for the AMX build); natural
-    on AVX2 and ref, whose kernels read groups of 32 faster at 1-2 tokens in natural order (DESIGN.md, CPU kernels)."""
+def test_default_order_follows_the_isa_and_group():
+    """Interleaved where the vector kernels are AVX-512 (and amx_emu, which stands in for the AMX build) in groups of
+    64 and 128; natural in groups of 32 (read twice as fast at 1-4 tokens on AVX-512) and on AVX2 and ref, whose
+    kernels gain nothing from it (DESIGN.md, CPU kernels). The packed layout (a packed cache's key) says the same."""
+    from cpu_kernels.moe import packed_layout
+
     ws = (torch.randn(2, 64, 1024), torch.randn(2, 64, 1024), torch.randn(2, 1024, 64))
     for isa in [i for i in COMPILED if i != "amx"] + EMU + ["ref"]:
-        moe = CpuMoE(*ws, dtype="int4", group_size=64, isa=isa, threads=1)
-        assert moe.int4_order == ("interleaved" if isa in ("avx512_bf16", "amx_emu") else "natural"), isa
+        for group in (32, 64, 128):
+            moe = CpuMoE(*ws, dtype="int4", group_size=group, isa=isa, threads=1)
+            want = "interleaved" if isa in ("avx512_bf16", "amx_emu") and group >= 64 else "natural"
+            assert moe.int4_order == want, (isa, group)
+            assert packed_layout(64, "int4", group, isa=isa, threads=1)["int4_order"] == want, (isa, group)
 
 
 def test_explicit_order_wins():

@@ -815,6 +815,7 @@ MUTATIONS = [
     M("fp8 GEMM: HYBRID_FP8_GEMM=0 ignored", 'if want == "0":\n        return False', 'if False:\n        return False', ["tests/test_fp8_gemm.py"]),
     M("fp8 GEMM: activation blocks scaled by their sum, not their largest magnitude", "amax = xf.abs().amax(dim=-1)", "amax = xf.abs().sum(dim=-1)", ["tests/test_fp8_gemm.py"]),
     M("fp8 GEMM: the K tail read unmasked as if K divided evenly", "EVEN_K=steps * KB == K,", "EVEN_K=True,", ["tests/test_fp8_gemm.py"]),
+    M("int4 groups of 32 stored interleaved on AVX-512", 'avx512_bf16") and group >= 64 else "natural")', 'avx512_bf16") else "natural")', ["tests/test_cpu_int4_order.py"]),
     M("block formats priced at AMX's rate", "    if runs in hw.cpu_flops:\n        return runs", "    if False:\n        return runs", ["tests/test_schedule.py"]),
     M("int4 at group 32 priced at AMX's rate", '("amx" not in spec.isas or (group or spec.default_group or 0) < spec.amx_min_group)', '"amx" not in spec.isas', ["tests/test_schedule.py"]),
     M("runtime: the scheduler prices the default chunk, not the plan's", "LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, chunk=hcfg.ship_chunk, cpu_kernel=kernel)", "LayerScheduler(shape, hw, hcfg.schedule, can_ship=True, cpu_kernel=kernel)", ["tests/test_plan_cli.py"]),
