@@ -19,7 +19,7 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_models import json_bpe_tokenizer
 
 from hybrid.runtime.sampling import BatchSampler, SamplingParams, allowed_tokens, bit_values, fill_mask
 
@@ -35,12 +35,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 @pytest.fixture(scope="module")
 def bpe():
     """A byte-level BPE tokenizer of 300 tokens (not a multiple of 32) and its EOS id."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "plain words and numbers 123 456"] * 50
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = json_bpe_tokenizer()
     assert tok.get_vocab_size() == 300
     return tok, tok.token_to_id("<eos>")
 

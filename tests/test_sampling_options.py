@@ -270,17 +270,12 @@ def test_grammar_keeps_sampled_text_inside_a_json_schema():
     import json
 
     from llguidance import LLMatcher
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tiny_models import json_bpe_tokenizer
 
     from hybrid.runtime.sampling import BatchSampler, SamplingParams
     from hybrid.server.adapter import grammar_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "plain words and numbers 123 456"] * 50
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = json_bpe_tokenizer()
     eos, V = tok.token_to_id("<eos>"), tok.get_vocab_size() + 20  # the model's rows past the tokenizer's
 
     class Wrapped:

@@ -372,3 +372,17 @@ def demo_shaped_checkpoint(path: Path, seed: int) -> Path:
         build_tokenizer(path, vocab_size=VOCAB)
     return path
 
+
+
+def json_bpe_tokenizer():
+    """A byte-level BPE tokenizer of 300 tokens (not a multiple of 32) trained on a little JSON and text, with an
+    <eos> special token: what the constrained-decoding tests match grammars over."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "plain words and numbers 123 456"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok

@@ -347,6 +347,16 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // leaves each block's exact signed dot, converted and multiplied by its row's two block scales once per row, token
 // and chunk. The fp16 scales of 8 chunks (16 blocks) are converted at once per row (VCVTPH2PS) and each chunk's pair
 // picked by one VPERMPS, as mx4_block does. Prefetch as i8_block: rows pf_rows.. ahead into L2, and their scales.
+// q8_0 and q4_0 (one fp16 scale per 32 values, G per row): the scales of 4 rows' blocks 2 c0 .. 2 c0 + 15 (fewer at a
+// row's end; G is even) converted to fp32, s16[j] for row j, and the scales of rows pf0 .. pf_rows + 3 prefetched
+// into L2.
+inline void block_scales16(const uint16_t* sw, int G, int c0, int pf0, int pf_rows, __m512 s16[4]) {
+  const int nb = std::min(16, G - 2 * c0);
+  const __mmask16 bm = (__mmask16)((1u << nb) - 1);
+  for (int j = 0; j < 4; ++j) s16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, sw + j * G + 2 * c0));
+  for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(sw + j * G + 2 * c0), _MM_HINT_T1);
+}
+
 template <int MT>
 void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc,
               int pf_lo, int pf_rows) {
@@ -357,11 +367,8 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int c0 = 0; c0 < nc; c0 += 8) {
-    const int nb = std::min(16, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
-    const __mmask16 bm = (__mmask16)((1u << nb) - 1);
     __m512 s16[4];  // scales of blocks 2 c0 .. 2 c0 + 15 of each row
-    for (int j = 0; j < 4; ++j) s16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, sw + j * G + 2 * c0));
-    for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(sw + j * G + 2 * c0), _MM_HINT_T1);
+    block_scales16(sw, G, c0, pf0, pf_rows, s16);
     __m512i idx = pair0;  // chunk c's lanes 0-7: block 2(c - c0), lanes 8-15: block 2(c - c0) + 1
     for (int c = c0; c < std::min(nc, c0 + 8); ++c, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
       __m512i wq[4];
@@ -404,11 +411,8 @@ void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
   __m512 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
   for (int c0 = 0; c0 < nc; c0 += 8) {
-    const int nb = std::min(16, G - 2 * c0);  // this row's blocks from 2 * c0 on (G is even)
-    const __mmask16 bm = (__mmask16)((1u << nb) - 1);
     __m512 s16[4];  // scales of blocks 2 c0 .. 2 c0 + 15 of each row
-    for (int j = 0; j < 4; ++j) s16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, sw + j * G + 2 * c0));
-    for (int j = pf0; j < pf_rows + 4; ++j) _mm_prefetch((const char*)(sw + j * G + 2 * c0), _MM_HINT_T1);
+    block_scales16(sw, G, c0, pf0, pf_rows, s16);
     __m512i idx = pair0;
     for (int c = c0; c < std::min(nc, c0 + 8); ++c, idx = _mm512_add_epi32(idx, two)) {
       __m512i wq[4];

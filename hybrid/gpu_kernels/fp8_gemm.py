@@ -161,10 +161,10 @@ def pick_blocks(M: int, N: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-def fp8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None, checked: bool = False) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ dequant(w).T + b -> [M, N] in x's dtype, on e4m3 tensor cores: check
-    fp8_gemm_supported first."""
-    if not fp8_gemm_supported(x, w, b):
+    fp8_gemm_supported first (checked=True: the caller just did)."""
+    if not checked and not fp8_gemm_supported(x, w, b):
         raise ValueError(f"fp8_linear declines x {tuple(x.shape)} {x.dtype} on {x.device} @ {w!r}")
     M, K = x.shape
     N = w.n

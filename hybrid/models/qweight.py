@@ -243,12 +243,12 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 
         x2 = x.reshape(-1, x.shape[-1])
         if qlinear_small_supported(x2, w, b):
-            return qlinear_small(x2, w, b).view(*x.shape[:-1], w.n)
+            return qlinear_small(x2, w, b, checked=True).view(*x.shape[:-1], w.n)
         if w.kind == "fp8":
             from hybrid.gpu_kernels.fp8_gemm import fp8_gemm_supported, fp8_linear
 
             if fp8_gemm_supported(x2, w, b):
-                return fp8_linear(x2, w, b).view(*x.shape[:-1], w.n)
+                return fp8_linear(x2, w, b, checked=True).view(*x.shape[:-1], w.n)
     return dequant_linear(x, w, b)
 
 

@@ -40,7 +40,7 @@ WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of exper
 
 def cpu_format(dtype: str, group: int) -> tuple[str, int]:
     """The CPU executor's format as LOSSLESS names them: (dtype, int4 group; mxfp4 always 32, others 0)."""
-    exact = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+    exact = {d for d, _ in LOSSLESS.values()}
     return dtype, group if dtype == "int4" else 32 if dtype in exact else 0
 
 
