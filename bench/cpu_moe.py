@@ -121,8 +121,10 @@ def pool_size(D, F, dtype, target_bytes=None) -> int:
 
 
 def build(D, F, pool_experts, dtype, isa, threads, knee):
-    """dtype: a CPU dtype, or int4:GROUP (int4 in groups of 32, 64 or 128; plain int4: 128)."""
-    dtype, _, group = dtype.partition(":")
+    """dtype: a CPU dtype, or int4:GROUP[:ORDER] (int4 in groups of 32, 64 or 128, plain int4: 128; ORDER natural or
+    interleaved, the stored order, default the executor's for the ISA and group)."""
+    dtype, _, rest = dtype.partition(":")
+    group, _, order = rest.partition(":")
     g = torch.Generator().manual_seed(0)
     uniq = min(8, pool_experts)  # distinct random experts, repeated: packing copies them apart anyway
     reps = -(-pool_experts // uniq)  # exactly pool_experts experts: routing uses ids up to pool_experts - 1
@@ -133,7 +135,7 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
                                  isa=isa, threads=threads, amx_min_tokens=knee)
     ws = [w.repeat(reps, 1, 1)[:pool_experts].bfloat16() for w in ws]
     return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee,
-                  **({"group_size": int(group)} if group else {}))
+                  **({"group_size": int(group)} if group else {}), **({"int4_order": order} if order else {}))
 
 
 def run_case(moe, D, n, m, pool_experts, isa):
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="qwen3-235b-a22b,qwen3-30b-a3b")
     ap.add_argument("--isas", default="best2", help="comma list, or best2 = the two best compiled ISAs")
     ap.add_argument("--dtypes", default="bf16,int8,int4", help="comma list of CPU dtypes; int4:GROUP for int4 in "
-                    "groups of 32, 64 or 128 (plain int4: 128)")
+                    "groups of 32, 64 or 128 (plain int4: 128), int4:GROUP:ORDER for its stored order (natural or "
+                    "interleaved; default the executor's)")
     ap.add_argument("--threads", default=str(len(os.sched_getaffinity(0))), help="comma list")
     ap.add_argument("--decode", default="8x1,64x1,8x4,64x4", help="experts x tokens/expert")
     ap.add_argument("--prefill", default="8x16,8x64,8x256,8x1024", help="experts x tokens/expert")
