@@ -1,7 +1,12 @@
 """The GPU dtype of each non-expert part (placement.memory.GPU_PARTS), from `--gpu-dtype` and the budget.
 
-    --gpu-dtype bf16|int8|int4|fp8   every part in that dtype
-    --gpu-dtype auto                 the most precise dtypes that leave room for resident experts
+    --gpu-dtype bf16|int8|int4|fp8   every part in that dtype, and the resident experts too (fp8: int8 residents,
+                                     the same bytes with a scale per 128 inputs instead of per 128 x 128)
+    --gpu-dtype auto                 the most precise dtypes that leave room for resident experts; residents bf16
+
+Resident experts (the "experts" entry, placement.memory.RESIDENT_PART) are held as int8 or int4 only when asked
+for: quantized, more of them fit (a 4-bit one takes 28% of a bf16 one's bytes), but each adds its own rounding, so
+auto keeps them in bf16, the most precise, and lets the budget decide how many.
 
 auto starts every part at the top of its ladder and steps down, one part one step at a time, taking each time the
 step that frees the most bytes, until the fixed part of VRAM (placement.memory.breakdown: weights, KV cache at
@@ -25,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from placement.errors import UsageError
-from placement.memory import GPU_KINDS, GPU_PARTS, MemorySettings, breakdown, gib
+from placement.memory import GPU_KINDS, GPU_PARTS, RESIDENT_PART, MemorySettings, breakdown, gib
 
 CHOICES = ("auto",) + GPU_KINDS
 RESIDENT_SHARE = 0.25
@@ -38,10 +43,13 @@ def checkpoint_kind(raw: dict) -> str:
     return "fp8" if q.get("quant_method") == "fp8" else "bf16"
 
 
+RESIDENT_OF = {"bf16": "bf16", "int8": "int8", "int4": "int4", "fp8": "int8"}  # --gpu-dtype -> residents' dtype
+
+
 def uniform(kind: str) -> dict[str, str]:
     if kind not in GPU_KINDS:
         raise UsageError(f"--gpu-dtype must be one of {', '.join(CHOICES)}, got {kind!r}")
-    return {p: kind for p in GPU_PARTS}
+    return {**{p: kind for p in GPU_PARTS}, RESIDENT_PART: RESIDENT_OF[kind]}
 
 
 def choose(cfg, settings: MemorySettings, gpu_budget: int | None, request: str, ckpt_kind: str = "bf16") -> dict[str, str]:
@@ -79,3 +87,8 @@ def choose(cfg, settings: MemorySettings, gpu_budget: int | None, request: str, 
 def describe(dtypes: dict[str, str], parts_bytes: dict[str, int]) -> str:
     """'attention int4 7.21 GiB, shared int8 ...' for the parts that hold any bytes."""
     return ", ".join(f"{p} {dtypes.get(p, 'bf16')} {gib(parts_bytes[p])}" for p in GPU_PARTS if parts_bytes.get(p))
+
+
+def resident_kind(dtypes: dict | None) -> str:
+    """The resident experts' dtype in a gpu_dtypes dict (none given: bf16)."""
+    return (dtypes or {}).get(RESIDENT_PART, "bf16")

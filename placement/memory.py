@@ -17,7 +17,9 @@ GPU (VRAM):
     graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output; with
                         quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear;
                         the FP8 GEMM's activation-quantizing temporaries fit in the same bytes)
-    resident experts    3 x D x F each, de-quantized to the compute dtype (HybridExperts.set_resident)
+    resident experts    3 x D x F each in the residents' GPU dtype (the "experts" entry of gpu_dtypes): de-quantized
+                        to the compute dtype, or int8 / int4 bytes + fp32 scales (hybrid.offload.resident), whose
+                        larger batches de-quantize one chunk at a time (counted with the graph buffers)
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
@@ -44,6 +46,8 @@ GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
 GPU_KINDS = ("bf16", "int8", "int4", "fp8")  # per part: the compute dtype, or hybrid.models.qweight's kinds
 KV_DTYPES = ("bf16", "fp8")  # --kv-dtype: the compute dtype, or float8 e4m3 (hybrid.runtime.kv_cache)
 GPU_PARTS = ("attention", "shared", "dense", "embed", "head")  # hybrid.models.gpu_weights.PARTS
+RESIDENT_PART = "experts"  # gpu_dtypes' entry for the resident experts (hybrid.offload.resident)
+RESIDENT_KINDS = ("bf16", "int8", "int4")  # hybrid.offload.resident.RESIDENT_KINDS
 QUANT_GROUP = 128  # hybrid.models.qweight.GROUP (int8 / int4 inputs per scale); fp8: 128 x 128 blocks
 DEQUANT_CHUNK_VALUES = 32 * 2**20  # hybrid.models.qweight.DEQUANT_CHUNK_VALUES
 
@@ -156,6 +160,14 @@ def dense_layout(D: int, F: int, cpu_dtype: str, nodes: int) -> bool:
     return cpu_dtype == "bf16" and nodes == 1 and D % 64 == 0 and F % 64 == 0 and D % ROW_ALIGN == 0
 
 
+def resident_expert_bytes(D: int, F: int, kind: str, compute_bytes: int = 2) -> int:
+    """VRAM of one resident expert in `kind` (RESIDENT_KINDS): gate and up as one [2F, D] matrix and down [D, F]
+    (hybrid.offload.resident.QuantResidents; bf16: three copies in the compute dtype)."""
+    if kind not in RESIDENT_KINDS:
+        raise UsageError(f"resident experts' GPU dtype must be one of {', '.join(RESIDENT_KINDS)}, got {kind!r}")
+    return gpu_weight_bytes(kind, 2 * F, D, compute_bytes) + gpu_weight_bytes(kind, D, F, compute_bytes)
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     """What besides the model decides the fixed part of VRAM and DRAM."""
@@ -169,7 +181,8 @@ class MemorySettings:
     reserve: int = DEFAULT_RESERVE
     node_threads: tuple[int, ...] = (1,)  # threads per NUMA node of the CPU executor
     group: int = INT4_GROUP
-    gpu_dtypes: dict = field(default_factory=dict)  # part (GPU_PARTS) -> GPU_KINDS; missing parts: bf16
+    # part (GPU_PARTS) -> GPU_KINDS, and RESIDENT_PART -> RESIDENT_KINDS; missing parts: bf16
+    gpu_dtypes: dict = field(default_factory=dict)
     kv_dtype: str = "bf16"  # KV_DTYPES: the KV cache's values
     # the CPU dtype of each MoE layer's down that has one of its own (a GGUF file's mixed types:
     # hybrid.models.gguf.repack.down_format), one entry per such layer; the others' downs are in cpu_dtype
@@ -199,7 +212,9 @@ class MemorySettings:
             raise UsageError(f"a down's CPU dtype must be one of {', '.join(CPU_DTYPES)}, got {self.down_dtypes}")
         object.__setattr__(self, "down_dtypes", tuple(self.down_dtypes))
         for part, kind in self.gpu_dtypes.items():
-            if part not in GPU_PARTS or kind not in GPU_KINDS:
+            if part == RESIDENT_PART and kind not in RESIDENT_KINDS:
+                raise UsageError(f"resident experts' GPU dtype must be one of {', '.join(RESIDENT_KINDS)}, got {kind!r}")
+            if part != RESIDENT_PART and (part not in GPU_PARTS or kind not in GPU_KINDS):
                 raise UsageError(f"GPU dtype {part}={kind!r}: parts are {', '.join(GPU_PARTS)}, dtypes "
                                  f"{', '.join(GPU_KINDS)}")
 
@@ -253,6 +268,8 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     non_expert = sum(parts.values()) + expert_bias_bytes(cfg) + router_fp32_bytes(cfg, gb)
     kv = s.max_batch * (s.max_context + 1) * cfg.kv_values_per_token * kv_value_bytes(s.kv_dtype, gb)
     dense = 3 * D * F * gb
+    resident_kind = s.gpu_dtypes.get(RESIDENT_PART, "bf16")
+    resident = dense if resident_kind == "bf16" else resident_expert_bytes(D, F, resident_kind, gb)
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
     # raw staging holds the largest layout of any layer (a layer whose down has a dtype of its own differs)
     own_down = max((down_bytes(D, F, d, s.node_threads, s.group) for d in s.down_dtypes), default=0)
@@ -275,14 +292,16 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
              + lane_rows * D * gb)
     if any(k != "bf16" for k in s.gpu_dtypes.values()):  # one de-quantized row chunk (or MLA's kv_b) at a time
         kv_b = 0 if cfg.mla is None else cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim) * cfg.mla.kv_lora_rank
-        graph += max(DEQUANT_CHUNK_VALUES, kv_b) * gb
+        # quantized residents de-quantize whole experts, at least one at a time (hybrid.offload.resident)
+        one = 3 * D * F if resident_kind != "bf16" else 0
+        graph += max(DEQUANT_CHUNK_VALUES, kv_b, one) * gb
     pinned = lane_rows * (2 * D * gb + K * 8)
     n_experts = cfg.num_moe_layers * cfg.num_experts
     # layers whose down has a dtype of its own hold that many more (or fewer) bytes per expert
     own_downs = sum(down_bytes(D, F, d, s.node_threads, s.group) - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group)
                     for d in s.down_dtypes) * cfg.num_experts
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
-                           resident_expert=dense, dram_expert=packed, dram_experts_all=n_experts * packed + own_downs,
+                           resident_expert=resident, dram_expert=packed, dram_experts_all=n_experts * packed + own_downs,
                            pinned_buffers=pinned, parts=parts)
 
 

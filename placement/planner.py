@@ -34,7 +34,7 @@ import numpy as np
 from placement.errors import UsageError
 from placement.cost_model import ExpertShape
 from placement.hardware import HardwareProfile, priced_kernel
-from placement.memory import (GPU_PARTS, MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, non_expert_bytes,
+from placement.memory import (GPU_PARTS, RESIDENT_PART, MemoryBreakdown, MemorySettings, breakdown, f_slices, gib, non_expert_bytes,
                               kv_value_bytes, packed_expert_bytes, packed_slice_bytes)
 from placement.plan_file import LayerPlan, Plan
 from placement.predict import (decode_floor, decode_lanes, decode_layer_time, gpu_shape_of,
@@ -341,7 +341,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
                   **({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype": s.kv_dtype,
                   **({"down_dtypes": list(s.down_dtypes)} if s.down_dtypes else {}),
-                  "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in GPU_PARTS},
+                  "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in (*GPU_PARTS, RESIDENT_PART)},
                   "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,
                   "profile": hw.name, "stats": stats.source or {"kind": "measured"}},

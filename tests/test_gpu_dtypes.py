@@ -12,7 +12,8 @@ import pytest
 from hybrid.cli import main
 from hybrid.models.families import family_for
 from hybrid.models.presets import published_config
-from placement.gpu_dtypes import LADDERS, RESIDENT_SHARE, checkpoint_kind, choose
+from placement.errors import UsageError
+from placement.gpu_dtypes import LADDERS, RESIDENT_SHARE, checkpoint_kind, choose, uniform
 from placement.memory import GPU_PARTS, MemorySettings, breakdown
 
 GiB = 2**30
@@ -90,7 +91,7 @@ def test_quantized_parts_cut_the_predicted_decode_read():
         s = MemorySettings(max_context=4096, cpu_dtype="int4", gpu_dtypes={p: kind for p in GPU_PARTS})
         plans[kind] = plan(cfg, None, hw, PlanSettings(gpu_budget=24 * GiB, cpu_budget=512 * GiB, memory=s))
     assert plans["int4"].memory["gpu"]["non_expert"] < 0.3 * plans["bf16"].memory["gpu"]["non_expert"]
-    assert plans["int4"].settings["gpu_dtypes"] == {p: "int4" for p in GPU_PARTS}
+    assert plans["int4"].settings["gpu_dtypes"] == {**{p: "int4" for p in GPU_PARTS}, "experts": "bf16"}
     # the same residents would cost less time per step; with the freed VRAM holding more of them, less still
     assert plans["int4"].predicted_decode_tokens_per_s > plans["bf16"].predicted_decode_tokens_per_s
 
@@ -106,3 +107,32 @@ def test_plan_file_gpu_dtypes_reach_generate(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     assert main(["generate", "--plan", str(out), "--gpu-dtype", "int4", "-n", "1"]) == 2
     assert "differs from the plan's GPU dtypes" in capsys.readouterr().err
+
+
+def test_resident_experts_take_the_asked_dtype_and_fit_more():
+    """--gpu-dtype int8 / int4 holds the resident experts in it too (fp8: int8), auto keeps them bf16; a quantized
+    resident's bytes are gate+up [2F, D] and down [D, F] with fp32 scales per 128 inputs, and the plan fits more."""
+    from placement.hardware import BUILTIN_PROFILES
+    from placement.memory import breakdown, resident_expert_bytes
+    from placement.planner import PlanSettings, plan
+
+    cfg, _ = preset("qwen3-235b-a22b")
+    s = MemorySettings(max_context=4096, cpu_dtype="int4")
+    assert uniform("int4")["experts"] == "int4" and uniform("fp8")["experts"] == "int8"
+    assert uniform("bf16")["experts"] == "bf16"
+    assert "experts" not in choose(cfg, s, 24 * GiB, "auto")
+    D, F = cfg.hidden_size, cfg.expert_intermediate_size
+    assert resident_expert_bytes(D, F, "int4") == 2 * F * D // 2 + D * F // 2 + 4 * (2 * F * D // 128 + D * F // 128)
+    assert resident_expert_bytes(D, F, "int8") == 3 * D * F + 4 * (2 * F * D // 128 + D * F // 128)
+    mems = {k: breakdown(cfg, replace(s, gpu_dtypes={"experts": k})) for k in ("bf16", "int8", "int4")}
+    assert mems["bf16"].resident_expert == 3 * D * F * 2
+    assert mems["int4"].resident_expert == resident_expert_bytes(D, F, "int4")
+    # quantized residents de-quantize at least one whole expert at a time: counted with the graph buffers
+    assert mems["int4"].graph_buffers >= mems["bf16"].graph_buffers + 3 * D * F * 2
+    hw = BUILTIN_PROFILES["ktransformers-paper-amx"]
+    n = {k: sum(len(lp.resident_experts) for lp in plan(cfg, None, hw, PlanSettings(
+        gpu_budget=24 * GiB, cpu_budget=512 * GiB, memory=replace(s, gpu_dtypes={"experts": k}))).layers)
+        for k in ("bf16", "int4")}
+    assert n["int4"] > 3 * n["bf16"] > 0
+    with pytest.raises(UsageError, match="resident experts' GPU dtype"):
+        MemorySettings(gpu_dtypes={"experts": "fp8"})

@@ -235,6 +235,14 @@ def gpu_weights_line(p) -> list[str]:
     return [f"GPU weights: {describe_dtypes(dtypes, parts)}, other (norms, routers, biases) {parts['other'] / 2**20:.1f} MiB"]
 
 
+def resident_note(settings: dict) -> str:
+    """' in int4': the resident experts' dtype where they are quantized (hybrid.offload.resident)."""
+    from placement.gpu_dtypes import resident_kind
+
+    kind = resident_kind(settings.get("gpu_dtypes"))
+    return "" if kind == "bf16" else f" in {kind}"
+
+
 def staging_note(settings: dict) -> str:
     """' (2 slots x 1 expert)': the ship lane's staging as the plan sized it (older plans: its bytes only)."""
     slots, chunk = settings.get("staging_slots"), settings.get("ship_chunk")
@@ -254,7 +262,8 @@ def describe(p, model_dir: str) -> str:
         f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
         f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model, p.settings)}), staging {gib(g['staging'])}{staging_note(p.settings)}, "
         f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
-        f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB)",
+        f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB"
+        f"{resident_note(p.settings)})",
         *gpu_weights_line(p),
         f"DRAM {gib(p.cpu_bytes)} of {gib(p.cpu_budget_bytes)}: experts {gib(c['experts'])} (cold "
         f"{gib(c['cold_experts'])}), pinned buffers {gib(c['pinned_buffers'])}",

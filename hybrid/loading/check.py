@@ -120,14 +120,14 @@ def without_cpu_residents(config: SessionConfig, log) -> SessionConfig:
 def gpu_dtypes_for(cfg, raw: dict, config: SessionConfig) -> dict | None:
     """The non-expert parts' GPU dtypes (placement.gpu_dtypes.choose: --gpu-dtype, auto under --gpu-budget), or
     a plan's; None when every part stays in the compute dtype."""
-    from placement.gpu_dtypes import checkpoint_kind, choose
+    from placement.gpu_dtypes import checkpoint_kind, choose, uniform
     from placement.memory import MemorySettings
 
     hcfg, rt = config.hybrid, config.runtime
     planned = hcfg.plan.settings.get("gpu_dtypes") if hcfg is not None and hcfg.plan is not None else None
     if planned and config.gpu_dtype == "auto":
         dtypes = dict(planned)
-    elif planned and any(k != config.gpu_dtype for k in planned.values()):
+    elif planned and any(k != uniform(config.gpu_dtype).get(p, k) for p, k in planned.items()):
         raise UsageError(f"--gpu-dtype {config.gpu_dtype} differs from the plan's GPU dtypes ({planned}); make a new "
                          f"plan with `hybrid plan --gpu-dtype {config.gpu_dtype}` or drop --gpu-dtype")
     else:

@@ -39,7 +39,7 @@ def resident_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) ->
             log.warning("--gpu-experts %d is more than the model's %d experts per layer: all %d are resident",
                         hcfg.gpu_experts, cfg.num_experts, cfg.num_experts)
         return min(hcfg.gpu_experts or 0, cfg.num_experts)
-    per_layer = len(offload.layers) * expert_vram_bytes(cfg, offload.dtype)
+    per_layer = len(offload.layers) * expert_vram_bytes(cfg, offload.dtype, offload.resident_dtype)
     left = hcfg.gpu_budget - fixed_vram_bytes
     if left < 0:
         raise UsageError(f"--gpu-budget {hcfg.gpu_budget / 2**30:.2f} GiB is below what the model needs without "

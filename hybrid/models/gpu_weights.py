@@ -17,6 +17,7 @@ from torch import nn
 from hybrid.models.qweight import KINDS, QWeight, quantize_module_weight_
 
 PARTS = ("attention", "shared", "dense", "embed", "head")
+RESIDENTS = "experts"  # the dtypes' entry for resident routed experts: hybrid.offload.resident's, not a part here
 KEEP = "bf16"  # the part stays in the compute dtype
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -24,6 +25,8 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 def check_dtypes(dtypes: dict[str, str]) -> dict[str, str]:
     for part, kind in dtypes.items():
+        if part == RESIDENTS:
+            continue
         if part not in PARTS:
             raise ValueError(f"unknown GPU weight part {part!r} (parts: {', '.join(PARTS)})")
         if kind != KEEP and kind not in KINDS:

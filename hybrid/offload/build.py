@@ -18,6 +18,7 @@ from cpu_kernels.knobs import knobs
 from hybrid.errors import UsageError
 from hybrid.offload.config import HybridConfig, checkpoint_cpu_dtype
 from placement.cost_model import ExpertShape
+from placement.gpu_dtypes import resident_kind
 from placement.hardware import priced_kernel, pricing_profile
 from placement.schedule import LayerScheduler
 
@@ -89,8 +90,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
                          f"({cfg.experts_per_token})")
     offload = Offload(device, dtype, sched, cpu_dtype=hcfg.cpu_dtype, cpu_isa=hcfg.cpu_isa,
                       threads=hcfg.cpu_threads, staging_slots=hcfg.staging_slots, ship_chunk=hcfg.ship_chunk,
-                      defer=hcfg.defer_experts,
-                      group_size=hcfg.cpu_group)
+                      defer=hcfg.defer_experts, group_size=hcfg.cpu_group, resident_dtype=resident_kind(gpu_dtypes))
     from tqdm import tqdm
 
     # Packing (and quantizing) every layer's experts for the CPU executor takes seconds per layer on big
@@ -149,5 +149,12 @@ def random_expert_stacks(E: int, F: int, D: int, generator: torch.Generator, sca
             for s in ((E, F, D), (E, F, D), (E, D, F))]
 
 
-def expert_vram_bytes(cfg, dtype: torch.dtype) -> int:
-    return 3 * cfg.hidden_size * cfg.expert_intermediate_size * torch.empty((), dtype=dtype).element_size()
+def expert_vram_bytes(cfg, dtype: torch.dtype, resident_dtype: str = "bf16") -> int:
+    """VRAM of one expert: de-quantized in `dtype` (a staging slot's, a bf16 resident's), or a resident one in
+    int8 / int4 (placement.memory.resident_expert_bytes)."""
+    from placement.memory import resident_expert_bytes
+
+    gb = torch.empty((), dtype=dtype).element_size()
+    if resident_dtype == "bf16":
+        return 3 * cfg.hidden_size * cfg.expert_intermediate_size * gb
+    return resident_expert_bytes(cfg.hidden_size, cfg.expert_intermediate_size, resident_dtype, gb)

@@ -25,6 +25,7 @@ from torch import nn
 from hybrid.models.config import ExpertFn
 from hybrid.models.moe import SILU, expert_forward, grouped_mm_works, grouped_swiglu
 from hybrid.offload.packed_cache import LoadTimes
+from hybrid.offload.resident import QuantResidents
 from hybrid.offload.sources import expert_weights, packed_sources, pin, unpin
 
 if TYPE_CHECKING:
@@ -84,6 +85,24 @@ def add_resident_captured(out, x, topk_ids, topk_weights, rank, R: int, grouped)
     keep = (r[order] < R)[:, None]
     wts = topk_weights.reshape(-1)[order].float()[:, None]
     out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
+
+
+def add_resident_routed(out, x, topk_ids, topk_weights, rank, quant: QuantResidents, fn, biases) -> None:
+    """add_resident_captured for quantized residents: every routed row through its slot's quantized bytes (the
+    gathered GEMV: cold rows read nothing and come back zero), no sort and no host sync."""
+    K = topk_ids.shape[1]
+    slot = rank[topk_ids.reshape(-1)]  # [T*K] resident slot, R = cold
+    token = torch.arange(slot.shape[0], device=x.device) // K
+    y = quant.routed(x[token], slot, fn, biases)
+    if y is None:  # no kernel here (a CPU tensor without Triton's interpreter): per resident expert
+        R = quant.gate_up.q.shape[0]
+        y = torch.zeros(slot.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
+        for r in torch.unique(slot[slot < R]).tolist():
+            m = slot == r
+            b = () if biases is None else tuple(t[r] for t in biases)
+            y[m] = expert_forward(x[token[m]], *quant.weights(r, x.dtype), fn, *b)
+    keep = (slot < quant.gate_up.q.shape[0])[:, None]
+    out.index_add_(0, token, torch.where(keep, y.float() * topk_weights.reshape(-1).float()[:, None], 0.0))
 
 
 class HybridExperts(nn.Module):
@@ -179,14 +198,26 @@ class HybridExperts(nn.Module):
         self.resident_ids = np.array(ids, dtype=np.int64)
         self.is_resident = np.zeros(self.num_experts, dtype=bool)
         self.is_resident[ids] = True
-        self.w_gate = torch.empty(R, self.F, self.D, device=dev, dtype=dt)  # [R, F, D]
-        self.w_up = torch.empty(R, self.F, self.D, device=dev, dtype=dt)
-        self.w_down = torch.empty(R, self.D, self.F, device=dev, dtype=dt)  # [R, D, F]
+        kind = self.offload.resident_dtype
+        self.quant = None if kind == "bf16" else QuantResidents(kind, R, self.F, self.D, dev)
+        shape = (0,) if self.quant is not None else None  # quantized residents keep no bf16 copy
+        self.w_gate = torch.empty(shape or (R, self.F, self.D), device=dev, dtype=dt)  # [R, F, D]
+        self.w_up = torch.empty(shape or (R, self.F, self.D), device=dev, dtype=dt)
+        self.w_down = torch.empty(shape or (R, self.D, self.F), device=dev, dtype=dt)  # [R, D, F]
         for r, e in enumerate(ids):
-            g, u, d = self.expert_weights(e)
-            self.w_gate[r], self.w_up[r], self.w_down[r] = g, u, d
+            self._fill_slot(r, self.expert_weights(e))
         self._slot_of = {e: r for r, e in enumerate(ids)}
         self._refresh_maps()
+
+    def _fill_slot(self, r: int, weights) -> None:
+        """Resident slot r <- (gate [F, D], up [F, D], down [D, F]) (quantized where the residents are)."""
+        g, u, d = weights
+        if self.quant is not None:
+            self.quant.set_(r, g, u, d)
+            return
+        self.w_gate[r].copy_(g)
+        self.w_up[r].copy_(u)
+        self.w_down[r].copy_(d)
 
     def _refresh_maps(self) -> None:
         """cold_ids, cold_mask (bool [E], host: the CPU lane's experts in graphs) and rank_dev ([E] on the
@@ -216,10 +247,7 @@ class HybridExperts(nn.Module):
         if not self.is_resident[evict] or self.is_resident[add]:
             raise ValueError(f"swap needs {evict} resident and {add} cold")
         r = self._slot_of.pop(int(evict))
-        g, u, d = weights
-        self.w_gate[r].copy_(g)
-        self.w_up[r].copy_(u)
-        self.w_down[r].copy_(d)
+        self._fill_slot(r, weights)
         self._slot_of[int(add)] = r
         self.resident_ids[r] = add  # slot order, not sorted: the GPU lane pairs resident_ids[r] with slot r
         self.is_resident[evict], self.is_resident[add] = False, True
@@ -238,6 +266,8 @@ class HybridExperts(nn.Module):
 
     @property
     def resident_bytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.nbytes
         return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down))
 
     # -- forward ----------------------------------------------------------------------------------
@@ -381,6 +411,10 @@ class HybridExperts(nn.Module):
         return out.to(x.dtype)
 
     def _add_resident_captured(self, out, x, topk_ids, topk_weights) -> None:
+        if self.quant is not None:
+            add_resident_routed(out, x, topk_ids, topk_weights, self.rank_dev, self.quant, self.fn,
+                                self.resident_bias)
+            return
         add_resident_captured(out, x, topk_ids, topk_weights, self.rank_dev, len(self.resident_ids),
                               lambda rows, offs: grouped_swiglu(rows, self.w_gate, self.w_up, self.w_down, offs,
                                                                 self.fn, self.resident_bias))
@@ -402,7 +436,11 @@ class HybridExperts(nn.Module):
         token = order // K  # [n] token of each GPU assignment
         rows = x[token]  # [n, D]
         y = torch.empty_like(rows)
-        if n_res:
+        if n_res and self.quant is not None:
+            hit = np.nonzero(hist[res])[0]  # slots with rows (rows are sorted by slot)
+            y[:n_res] = self.quant.grouped(rows[:n_res], hist[res][hit], hit, self.fn, self.resident_bias,
+                                           self._grouped)
+        elif n_res:
             y[:n_res] = self._grouped(rows[:n_res], hist[res], self.w_gate, self.w_up, self.w_down, self.fn,
                                       self.resident_bias)
         pending = [int(e) for e in ship_ids]

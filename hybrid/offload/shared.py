@@ -29,7 +29,14 @@ class Offload:
 
     def __init__(self, device, dtype: torch.dtype, scheduler: LayerScheduler, cpu_dtype: str = "bf16",
                  cpu_isa: str | None = None, threads: int | None = None, staging_slots: int = 3,
-                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True, defer: int = 0):
+                 group_size: int = 128, ship_chunk: int = 8, graphs: bool = True, defer: int = 0,
+                 resident_dtype: str = "bf16"):
+        from hybrid.offload.resident import RESIDENT_KINDS
+
+        if resident_dtype not in RESIDENT_KINDS:
+            raise ValueError(f"resident experts' dtype must be one of {', '.join(RESIDENT_KINDS)}, got {resident_dtype!r}")
+        # resident experts in VRAM: bf16 copies, or int8 / int4 bytes (hybrid.offload.resident)
+        self.resident_dtype = resident_dtype
         self.device = torch.device(device)
         self.dtype = dtype
         self.lane_cpus: set[int] | None = None
