@@ -228,3 +228,18 @@ def test_bad_bench_arguments_are_one_line(tmp_path, argv, needle):
     r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env={**ENV, **os.environ},
                        timeout=120, cwd=Path(__file__).resolve().parents[1])
     one_line_exit_2(r, needle)
+
+
+def test_cuda_allocator_gets_growable_segments_unless_the_user_set_it(monkeypatch):
+    """Every command sets PYTORCH_CUDA_ALLOC_CONF to expandable segments before anything touches CUDA; a value the
+    user exported is kept."""
+    from hybrid import cli
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["nosuch"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    with pytest.raises(SystemExit):
+        cli.main(["nosuch"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -5,7 +5,8 @@ layout). x is quantized per token and 128-input block to e4m3 (scale = the block
 DeepSeek-V3's activation recipe: its own inference code runs its FP8 linears so), then one program per
 [BLOCK_M, BLOCK_N] output tile walks K in 128-input steps: an e4m3 x e4m3 tensor-core dot with fp32
 accumulation, scaled by the step's activation scales [BLOCK_M] and weight scales [BLOCK_N] and summed in fp32;
-the bias is added and the sum rounded once to x's dtype.
+the bias is added and the sum rounded once to x's dtype. On sm_90 each 32-input MMA's sum is promoted to fp32
+(IMPRECISE_ACC): within one instruction the tensor cores still sum in their narrower format.
 
 Why by hand: the de-quantizing path (qweight.dequant_linear) writes and re-reads a bf16 copy of W chunk by chunk
 and runs a bf16 GEMM; FP8 dots have twice bf16's tensor throughput on sm_89 / sm_90 and read W's bytes as they
@@ -36,6 +37,10 @@ from hybrid.gpu_kernels.launch import wide_math
 from hybrid.gpu_kernels.qformat import FP8_BLOCK
 
 E4M3_MAX = 448.0
+# Hopper's e4m3 MMAs accumulate in a narrower format than fp32 (about 14 bits kept: DeepSeek-V3's report, 3.3.2).
+# Triton's default on sm_90 keeps the narrow sum over a whole dot; 32 (one wgmma's K) adds each instruction's
+# sum into the fp32 accumulator, DeepSeek's promotion at the finest step.
+IMPRECISE_ACC = tl.constexpr(32)
 KB = FP8_BLOCK[1]  # inputs per activation and weight scale
 # activation rows quantized at once: three fp32 temporaries of at most this many values (16 MiB each), within the
 # de-quantized row chunk's 64 MiB that placement.memory counts for quantized GPU parts
@@ -143,7 +148,8 @@ def _fp8_gemm(xq, sx, wq, sw, b, y, M, N, K, stride_y, SK: tl.constexpr, BLOCK_M
         if F32:
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(a, tl.trans(w))  # [BLOCK_M, BLOCK_N] fp32, e4m3 tensor cores
+            # [BLOCK_M, BLOCK_N] fp32 on e4m3 tensor cores; each instruction's sum promoted to fp32 at once
+            part = tl.dot(a, tl.trans(w), max_num_imprecise_acc=IMPRECISE_ACC)
         s_a = tl.load(sx + m_ld * SK + j)  # [BLOCK_M]
         s_w = tl.load(sw + (n_ld // 128) * SK + j)  # [BLOCK_N]: the rows' 128-row blocks
         acc += part * s_a[:, None] * s_w[None, :]

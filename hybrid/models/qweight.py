@@ -31,6 +31,7 @@ E4M3_MAX = 448.0
 # Rows de-quantized at once by the chunked path (bf16 [rows, K]): ~64 MiB at K = 7168. Bounds the temporary
 # a prefill or a large head needs beside the quantized bytes (placement.memory counts it).
 DEQUANT_CHUNK_VALUES = 32 * 2**20
+CHUNK_ROW_ALIGN = 128  # rows of a de-quantized chunk: a multiple of this (and of fp8's 128-row scale blocks)
 
 
 def scale_shape(kind: str, n: int, k: int, group: int = GROUP) -> tuple[int, int]:
@@ -216,7 +217,9 @@ def is_quantized(w) -> bool:
 
 def dequant_linear(x: torch.Tensor, w: QWeight, b: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ b) through de-quantized row chunks (bounded temporary): larger batches and prefill."""
-    rows = max(1, DEQUANT_CHUNK_VALUES // max(1, w.k))
+    # whole 128-row multiples: a chunk of odd rows makes F.linear's output rows misaligned, and cuBLAS then
+    # takes kernels several times slower than the aligned GEMM's
+    rows = max(CHUNK_ROW_ALIGN, DEQUANT_CHUNK_VALUES // max(1, w.k) // CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN)
     if rows >= w.n:
         return F.linear(x, _dequant(w, x.dtype, 0, w.n), b)
     outs = [F.linear(x, _dequant(w, x.dtype, r, min(r + rows, w.n)), None if b is None else b[r:r + rows])
