@@ -68,11 +68,6 @@ KNOBS: tuple[Knob, ...] = (
          "The Triton decode kernels: auto (on with CUDA compute capability 8.0+ and Triton), 0 (off: the "
          "unfused torch chain, a fallback), 1 (required: an error without Triton).",
          ("auto", "0", "1")),
-    Knob("HYBRID_FP8_GEMM", "auto", "choice",
-         "Prefill projections from FP8 GPU weights: auto (e4m3 tensor-core GEMMs with block-scaled e4m3 "
-         "activations on CUDA compute capability 8.9+, de-quantizing bf16 GEMMs elsewhere), 0 (always the "
-         "de-quantizing GEMMs: no activation rounding), 1 (required: an error on a GPU without e4m3 dots).",
-         ("auto", "0", "1")),
     Knob("HYBRID_CACHE", "~/.cache/hybrid", "path",
          "Folder of the calibrated profile.json, the training corpus and the caches: packed experts (packed/; "
          "`hybrid cache list`, `hybrid cache rm`), GGUF tokenizers (gguf-tokenizers/) and GGUF headers "
@@ -94,7 +89,6 @@ class Knobs:
     spin_us: int = 2000
     core_split: bool = True
     fused_decode: str = "auto"  # "auto" | "0" | "1"
-    fp8_gemm: str = "auto"  # "auto" | "0" | "1"
     cache: Path | None = None  # parse() fills in ~/.cache/hybrid
     no_progress: bool = False
     api_key: str | None = field(default=None, repr=False)  # a credential: kept out of logs

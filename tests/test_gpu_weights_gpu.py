@@ -74,17 +74,9 @@ def dequantized_reference(path, dtypes):
     return model
 
 
-@pytest.fixture
-def fp8_gemm(set_knob):
-    """Set HYBRID_FP8_GEMM for one test."""
-    return lambda value: set_knob("HYBRID_FP8_GEMM", value)
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind, fp8_gemm):
-    # the weights' equality: fp8 prefill de-quantizes here (its e4m3 GEMMs also round the activations: below)
-    fp8_gemm("0")
+def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind):
     dtypes = {p: kind for p in PARTS}
     model = load_model(checkpoints[family], device="cuda", dtype=torch.bfloat16, progress=False, gpu_dtypes=dtypes)
     ref, ref_routes = logits_and_routes(dequantized_reference(checkpoints[family], dtypes), PROMPT)
@@ -114,8 +106,9 @@ def test_cuda_quantized_model_is_the_dequantized_model(checkpoints, family, kind
     step_routes = [frozenset(chosen[i][0][0].tolist()) for i in sorted(chosen)]
     if step_routes == [layer[-1] for layer in got_routes]:
         assert float((step - got[-1]).abs().max()) <= 3e-2 * float(got[-1].abs().max())
-    else:
-        assert len(pairs) - flips - 1 >= 0.9 * len(pairs), ("routing differs too often", seen, "and at decode")
+    else:  # one more flip, unless it is the near tie that already flipped this token's prefill row
+        again = any(la[-1] != lb[-1] for la, lb in zip(ref_routes, got_routes))
+        assert len(pairs) - flips - (not again) >= 0.9 * len(pairs), ("routing differs too often", seen, "and at decode")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -127,30 +120,3 @@ def test_cuda_graph_decode_equals_eager_with_quantized_weights(checkpoints, fami
     assert eager == graphs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_fp8_prefill_gemms_add_only_the_activations_rounding(checkpoints, family, fp8_gemm):
-    """FP8 weights' prefill on e4m3 tensor cores (compute capability 8.9+) against the same weights' de-quantizing
-    GEMMs, in the first decoder layer's attention (its projections are fp8 QWeights routed through qweight.linear;
-    its input, the embedding's rows, is the same either way): the outputs differ by the e4m3 rounding of the
-    activations, a few percent of the output norm (tests/test_fp8_gemm.py). The logits are not compared: in these
-    random tiny models that rounding flips near-tie routing choices from the first token on."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no e4m3 tensor-core dots on this GPU")
-    model = load_model(checkpoints[family], device="cuda", dtype=torch.bfloat16, progress=False,
-                       gpu_dtypes={p: "fp8" for p in PARTS})
-    prompt = PROMPT + [11, 23, 5, 77, 140, 2, 9, 31]  # 16 rows: past the decode GEMV's 8
-    attn = model.layers[0].attn
-    outs = []
-    hook = attn.register_forward_hook(lambda m, a, out: outs.append((out[0] if isinstance(out, tuple) else out)
-                                                                     .detach().float().cpu()))
-    try:
-        for value in ("0", "1"):
-            fp8_gemm(value)
-            logits(model, prompt)
-    finally:
-        hook.remove()
-    ref, got = outs
-    assert ref.shape == got.shape and ref.numel() >= len(prompt)
-    assert not torch.equal(got, ref)  # the e4m3 path ran
-    rel = float((got - ref).norm() / ref.norm())
-    assert rel <= 0.1, rel

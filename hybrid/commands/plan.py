@@ -50,9 +50,10 @@ def register(subparsers) -> None:
                    "a GGUF file's Q4_0 blocks are kept as they are, as q4_0 keeps them at 4.5 bits); the plan records "
                    "it for --plan")
     p.add_argument("--gpu-dtype", default="auto", choices=("auto", "bf16", "int8", "int4", "fp8"),
-                   help="dtype of the non-expert weights on the GPU (default auto: the most precise per part that "
-                   "leaves a quarter of --gpu-budget for resident experts; an FP8 checkpoint steps to its own fp8 "
-                   "bytes first; see placement/gpu_dtypes.py)")
+                   help="dtype of the weights on the GPU (default auto: the most precise per non-expert part that "
+                   "leaves a quarter of --gpu-budget for resident experts, which stay bf16; an FP8 checkpoint steps "
+                   "to its own fp8 bytes first; int8 / int4 / fp8 also hold the resident experts as int8 / int4 / "
+                   "int8, more of them in the budget; see placement/gpu_dtypes.py)")
     p.add_argument("--staging-slots", type=int, metavar="N", help="ship-lane staging slots (default: chosen with "
                    f"--ship-chunk as the smallest staging whose predicted prefill is within {STAGING_TOLERANCE:.0%}% "
                    "of the fastest, the rest of the budget going to resident experts; given either one, the other "

@@ -60,10 +60,11 @@ def add_model_arguments(p) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
     add_max_context_argument(p)
     p.add_argument("--gpu-dtype", default="auto", choices=GPU_DTYPE_CHOICES,
-                   help="dtype of the non-expert weights on the GPU (attention, shared and dense MLPs, embedding, "
-                   "head): bf16, fp8 (128x128 blocks; an FP8 checkpoint's own bytes), int8 or int4 (per 128 "
-                   "inputs); auto (default) keeps bf16 unless --gpu-budget needs fewer bytes, then steps the "
-                   "largest parts down first (DESIGN.md, GPU weights)")
+                   help="dtype of the weights on the GPU (attention, shared and dense MLPs, embedding, head): bf16, "
+                   "fp8 (128x128 blocks; an FP8 checkpoint's own bytes), int8 or int4 (per 128 inputs); an explicit "
+                   "dtype also holds the resident experts in it (fp8: int8), about 2x / 3.6x as many in the same "
+                   "VRAM; auto (default) keeps bf16 unless --gpu-budget needs fewer bytes, then steps the largest "
+                   "non-expert parts down first, residents staying bf16 (DESIGN.md, GPU weights)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="greedy decode waits for each step's tokens before queueing the next (by default, with CUDA "

@@ -237,8 +237,8 @@ def _dequant(w: QWeight, dtype, r0: int, r1: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight tensor or a QWeight: a QWeight's decode rows (T <= the GEMV's rows) read the quantized
-    bytes in one kernel on the GPU; an fp8 one's prefill rows run on e4m3 tensor cores where the GPU has them
-    (hybrid.gpu_kernels.fp8_gemm); anything else goes through de-quantized row chunks."""
+    bytes in one kernel on the GPU; anything else goes through de-quantized row chunks (DESIGN.md, GPU weights:
+    why prefill does not run FP8 weights on e4m3 tensor cores)."""
     if not isinstance(w, QWeight):
         return F.linear(x, w, b)
     if x.is_cuda:
@@ -247,11 +247,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if qlinear_small_supported(x2, w, b):
             return qlinear_small(x2, w, b, checked=True).view(*x.shape[:-1], w.n)
-        if w.kind == "fp8":
-            from hybrid.gpu_kernels.fp8_gemm import fp8_gemm_supported, fp8_linear
-
-            if fp8_gemm_supported(x2, w, b):
-                return fp8_linear(x2, w, b, checked=True).view(*x.shape[:-1], w.n)
     return dequant_linear(x, w, b)
 
 
