@@ -28,9 +28,9 @@ import time
 import torch
 
 import cpu_kernels
-from cpu_kernels import CpuMoE, _native, quant
+from cpu_kernels import CpuMoE, _native, moe as moe_mod, quant
 from cpu_kernels.bandwidth import available_bytes, default_read_bytes, llc_bytes
-from cpu_kernels.dtypes import VALUE_BYTES
+from cpu_kernels.dtypes import CPU_DTYPES, FILE_ONLY_DTYPES, VALUE_BYTES
 from cpu_kernels.knee import knee_from_times
 
 # Packed bytes per weight, scales aside except mxfp4's (its exponent byte per 32 values is part of the format).
@@ -133,6 +133,15 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
         pub = [quant.quantize_mxfp4(w) for w in ws]
         return CpuMoE.from_mxfp4(*[tuple(t.repeat(reps, *[1] * (t.dim() - 1))[:pool_experts] for t in p) for p in pub],
                                  isa=isa, threads=threads, amx_min_tokens=knee)
+    if dtype in FILE_ONLY_DTYPES:  # a GGUF file's blocks only (no quantizer): random blocks, d small and finite
+        raws = []
+        for r, c in ((F, D), (F, D), (D, F)):
+            raw = torch.randint(0, 256, (uniq, r, c // 256, int(CPU_DTYPES[dtype].bytes_per_weight() * 256)), generator=g,
+                                dtype=torch.uint8)
+            raw[..., :2] = torch.full(raw.shape[:-1] + (1,), 1e-3).half().view(torch.uint8)
+            raws.append(raw.repeat(reps, 1, 1, 1)[:pool_experts])
+        return CpuMoE(*(moe_mod.gguf_blocks(n, w, dtype.upper()) for n, w in zip(("gate", "up", "down"), raws)),
+                      dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)
     ws = [w.repeat(reps, 1, 1)[:pool_experts].bfloat16() for w in ws]
     return CpuMoE(*ws, dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee,
                   **({"group_size": int(group)} if group else {}), **({"int4_order": order} if order else {}))

@@ -89,6 +89,7 @@ PACK_SRC_Q5_K = 8  # HY_SRC_Q5_K: GGUF Q5_K super-blocks, packed as q5_k as they
 PACK_SRC_Q2_K = 9  # HY_SRC_Q2_K: GGUF Q2_K super-blocks, packed as q2_k as they are
 PACK_SRC_Q3_K = 10  # HY_SRC_Q3_K: GGUF Q3_K super-blocks, packed as q3_k as they are
 PACK_SRC_IQ4_XS = 11  # HY_SRC_IQ4_XS: GGUF IQ4_XS super-blocks, packed as iq4_xs (their nibbles re-paired)
+PACK_SRC_IQ2_XXS = 12  # HY_SRC_IQ2_XXS: GGUF IQ2_XXS super-blocks, packed as iq2_xxs as they are
 PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
 
 
@@ -213,7 +214,20 @@ def load(isa: str) -> ctypes.CDLL:
         lib.hy_pack_mat.argtypes = [ctypes.c_void_p, ctypes.POINTER(HyPackSrc), ctypes.POINTER(HyMat), ctypes.c_int,
                                     ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]
         lib.hy_pack_mat.restype = ctypes.c_int
+    if hasattr(lib, "hy_set_grids"):  # the IQ codebooks (csrc/hy.h IqGrids), from the gguf package's tables
+        from .quant import iq_grid_bytes
+
+        lib.hy_set_grids.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.hy_set_grids.restype = ctypes.c_int
+        if lib.hy_set_grids(iq_grid_bytes("iq2_xxs"), 256) != 0:
+            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ codebooks")
     return lib
+
+
+def has_iq_grids(isa: str) -> bool:
+    """Whether `isa`'s library runs the IQ formats (iq2_xxs): a library built before them has no codebooks and
+    refuses them."""
+    return isa == "ref" or hasattr(load(isa), "hy_set_grids")
 
 
 @functools.lru_cache(maxsize=None)

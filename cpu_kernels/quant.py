@@ -86,6 +86,14 @@ iq4_xs: llama.cpp's IQ4_XS values: rows in super-blocks of 256 values, each 8 su
       is 0: zeros are all zero bytes, as the padding), and each value takes its nearest codebook entry on the grid
       d (ls - 32) (index 0 where that is 0); not llama.cpp's search for the best scales. Rows are zero padded to a
       multiple of 256 values.
+iq2_xxs: llama.cpp's IQ2_XXS values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
+      4-bit scale ls, each 4 groups of 8 values with an 8-bit index into a 256-entry codebook of 8 magnitudes (8, 25 or
+      43; IQ2_XXS_GRID, the gguf package's table) and a 7-bit sign index (its 7 bits the signs of values 0-6, an 8th
+      making the count of negatives even: KSIGNS): w = d (0.5 + ls) / 4 x magnitude x sign. Packed as the file holds a
+      super-block's 64 bytes of qs: values uint8 [..., R, K/256 * 64] (per sub-block 8 bytes: the 4 group indices, then
+      a little-endian uint32 of the 4 sign indices at bits 7 l and ls at bits 28-31) and heads uint8 [..., R, K/256,
+      2], d; 2.0625 bits a weight as the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer
+      from floats: IQ2_XXS values come from llama.cpp's importance-weighted search (llama-quantize makes such files).
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is q4_0 above exactly (q4_0_parts: the 16 bytes and d apart), and int4 in
@@ -102,6 +110,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
   IQ4_XS: 136 bytes per 256 values, the 8-byte head then 16 bytes of indices per 32 values, whose low nibbles are
       values 0-15 and high nibbles 16-31: iq4_xs above exactly (iq4_xs_parts re-pairs the nibbles into int4's chunk
       layout, values j and 32 + j of each 64 in byte j).
+  IQ2_XXS: 66 bytes per 256 values, d then the 64 bytes of qs: iq2_xxs above exactly (iq2_xxs_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -109,6 +118,8 @@ Rounding is round-half-to-even, as in the kernels' on-the-fly activation quantiz
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -691,12 +702,72 @@ def iq4_xs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_nibbles(codes), raw[..., :IQ4_XS_HEAD_BYTES].contiguous()
 
 
+IQ2_XXS_HEAD_BYTES = 2  # fp16 d
+IQ2_XXS_VALUE_BYTES = 64  # qs: per 32 values 4 codebook indices, then the sign indices and the scale (module doc)
+IQ2_XXS_BLOCK_BYTES = 66  # GGUF IQ2_XXS: d, then qs
+# llama.cpp's ksigns_iq2xs, derived: a 7-bit sign index s -> its 8 sign bits, the 8th making the count of negatives even
+KSIGNS = tuple(s | (bin(s).count("1") & 1) << 7 for s in range(128))
+
+
+@functools.lru_cache(maxsize=None)
+def _iq_grid(kind: str) -> torch.Tensor:
+    """The codebook of an IQ type as the gguf package ships it (gguf.quants.<TYPE>.grid, llama.cpp's table): float32
+    [entries, 8], the values of each entry in order."""
+    from gguf import quants
+
+    cls = {"iq2_xxs": quants.IQ2_XXS}[kind]
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(-1, 8).copy())
+
+
+def iq_grid_bytes(kind: str) -> bytes:
+    """The codebook the compiled kernels read (csrc/hy.h IqGrids, set at load by _native): iq2_xxs 256 entries of 8
+    bytes, each the magnitude of one value (8, 25 or 43), the entry's first value first."""
+    return _iq_grid(kind).to(torch.uint8).numpy().tobytes()
+
+
+def dequantize_iq2_xxs(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 64], heads uint8 [..., R, K/256, 2]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes IQ2_XXS: d (0.5 + ls) / 4 x magnitude x sign per 8 values (module doc)."""
+    *lead, B = values.shape
+    G, dev = B // IQ2_XXS_VALUE_BYTES, values.device
+    v = values.reshape(*lead, G, 8, 8)  # super-block, sub-block, byte
+    aux = sum(v[..., 4 + i].long() << (8 * i) for i in range(4))  # [.., G, 8]: the signs and the scale
+    signs = torch.tensor(KSIGNS, dtype=torch.long, device=dev)[
+        (aux[..., None] >> torch.tensor([0, 7, 14, 21], device=dev)) & 127]  # [.., G, 8, 4]
+    neg = (signs[..., None] >> torch.arange(8, device=dev)) & 1  # [.., G, 8, 4, 8]
+    mags = _iq_grid("iq2_xxs").to(dev)[v[..., :4].long()]  # [.., G, 8, 4, 8]
+    d = heads[..., 0:2].contiguous().view(torch.float16).float()  # [.., G, 1]
+    db = d * (0.5 + (aux >> 28).float()) * 0.25  # [.., G, 8]
+    return (db[..., None, None] * mags * (1.0 - 2.0 * neg.float())).reshape(*lead, G * QK_K)
+
+
+def quantize_iq2_xxs(w: torch.Tensor):
+    """Refused: IQ2_XXS's values come from llama.cpp's importance-weighted codebook search (module doc)."""
+    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq2_xxs", type="IQ2_XXS"))
+
+
+FILE_ONLY_MESSAGE = ("{dtype} holds a GGUF file's {type} blocks as they are; it has no quantizer for other weights "
+                     "(make such a file with llama-quantize, or choose another --cpu-dtype)")
+
+
+def iq2_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ2_XXS blocks raw uint8 [..., R, G, 66] (any strides) -> (values uint8 [..., R, G * 64], heads uint8
+    [..., R, G, 2]): iq2_xxs's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ2_XXS_BLOCK_BYTES:
+        raise ValueError(f"IQ2_XXS blocks must be uint8 [..., K/256, {IQ2_XXS_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., IQ2_XXS_HEAD_BYTES:].reshape(*lead, G * IQ2_XXS_VALUE_BYTES).contiguous(),
+            raw[..., :IQ2_XXS_HEAD_BYTES].contiguous())
+
+
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
-            "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs}
+            "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,10 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
   q2_k: 2-bit values with a 4-bit scale and minimum per 16 and an fp16 d, dmin per 256 (Q2_K);
   q3_k: 3-bit values (-4..3) with a signed 6-bit scale per 16 and an fp16 d per 256 (Q3_K);
   q6_k: 6-bit values with an int8 scale per 16 and an fp16 d per 256 (Q6_K);
-  iq4_xs: 4-bit indices into a 16-value codebook with a 6-bit scale per 32 and an fp16 d per 256 (IQ4_XS).
+  iq4_xs: 4-bit indices into a 16-value codebook with a 6-bit scale per 32 and an fp16 d per 256 (IQ4_XS);
+  iq2_xxs: per 8 values an index into a 256-entry codebook of magnitudes and 7 sign bits, a 4-bit scale per 32 and an
+      fp16 d per 256 (IQ2_XXS), the file's blocks only (FILE_ONLY: no quantizer from floats, so the tests that start
+      from floats run the others, and the file-only formats have block-based tests of their own).
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
 kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
@@ -26,6 +29,7 @@ import pytest
 import torch
 
 from cpu_kernels import CpuMoE, _native, moe as moe_mod, quant
+from cpu_kernels.dtypes import FILE_ONLY_DTYPES
 from cpu_kernels.reference import moe_forward
 from test_cpu_moe import COMPILED, EMU, TOL, ragged_routing, rel_err
 from test_cpu_moe_bias import fused_knob  # noqa: F401 (a fixture)
@@ -96,6 +100,12 @@ def iq4_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, (codes[..., :16] | (codes[..., 16:] << 4)).flatten(-2)], -1).contiguous()
 
 
+def iq2xxs_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/256 * 64], heads [..., K/256, 2]) -> GGUF IQ2_XXS blocks uint8 [..., K/256, 66] (d, then
+    qs)."""
+    return torch.cat([h, v.reshape(*h.shape[:-1], 64)], -1).contiguous()
+
+
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
@@ -113,8 +123,12 @@ FORMATS = {
                 values_head_raw, CpuMoE.from_q6_k, "Q6_K"),
     "iq4_xs": Fmt("iq4_xs", 256, 136, 768, 512, 0.53125, quant.quantize_iq4_xs, quant.dequantize_iq4_xs,
                   quant.iq4_xs_parts, iq4_raw, CpuMoE.from_iq4_xs, "IQ4_XS"),
+    "iq2_xxs": Fmt("iq2_xxs", 256, 66, 768, 512, 0.2578125, quant.quantize_iq2_xxs, quant.dequantize_iq2_xxs,
+                   quant.iq2_xxs_parts, iq2xxs_raw, CpuMoE.from_iq2_xxs, "IQ2_XXS"),
 }
 FMTS = list(FORMATS)
+FLOAT_FMTS = [f for f in FMTS if f not in FILE_ONLY_DTYPES]  # the formats with a quantizer from floats
+FILE_FMTS = [f for f in FMTS if f in FILE_ONLY_DTYPES]
 
 
 def floats(fmt, seed=0, e=E, f=None, d=None, scale=1.0):
@@ -154,7 +168,8 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     scale and minimum, d and dmin over 2^-16 .. 2^-8 (q5_k: and every fifth bit); q6_k every 6-bit value and every int8 scale (-128 included), d
     over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
     3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
-    scale (both signs of ls - 32), d likewise."""
+    scale (both signs of ls - 32), d likewise; iq2_xxs random qs bytes (every codebook index, sign index and 4-bit
+    scale), d of either sign likewise."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -177,6 +192,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 2), generator=g) *
                   (1 + torch.rand(*shape[:2], G, 2, generator=g))).half()
             raws.append(q2k_raw(v, torch.cat([sc, dd.view(torch.uint8)], -1)))
+        elif fmt.name == "iq2_xxs":
+            qs = torch.randint(0, 256, (*shape[:2], G, 64), dtype=torch.uint8, generator=g)
+            dd = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                   (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
+                  (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
+            raws.append(iq2xxs_raw(qs, dd.view(torch.uint8)))
         elif fmt.name == "iq4_xs":
             qs = torch.randint(0, 256, (*shape[:2], G, 128), dtype=torch.uint8, generator=g)
             scales = torch.randint(0, 256, (*shape[:2], G, 6), dtype=torch.uint8, generator=g)  # scales_h, scales_l
@@ -383,8 +404,8 @@ def test_iq4_xs_quantize_roundtrip_and_format():
 
 
 @pytest.mark.parametrize("fmt, at", [("q4_0", 0), ("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108),
-                                     ("iq4_xs", 0)],
-                         ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d"])
+                                     ("iq4_xs", 0), ("iq2_xxs", 0)],
+                         ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d", "iq2_xxs-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -411,12 +432,86 @@ def test_gguf_bytes_and_gguf_py_dequantization(fmt):
     assert torch.equal(fm.to_raw(*parts), raw)
     ref = gguf.quants.dequantize(raw.numpy().reshape(512, -1), getattr(gguf.GGMLQuantizationType, fm.gguf_type))
     assert torch.equal(fm.dequantize(*parts).reshape(512, 512), torch.from_numpy(ref))
+    if fmt in FILE_ONLY_DTYPES:
+        return
     ours = fm.to_raw(*fm.quantize(torch.randn(4, 512)))  # our quantizer's blocks are valid blocks of the type
     ref = gguf.quants.dequantize(ours.numpy().reshape(4, -1), getattr(gguf.GGMLQuantizationType, fm.gguf_type))
     assert torch.equal(fm.dequantize(*fm.parts(ours)).reshape(4, 512), torch.from_numpy(ref))
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+IQ_FIELDS = {"iq2_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16))}
+
+
+def iq_fields(fmt: str, raw: torch.Tensor) -> list[torch.Tensor]:
+    """The fields of an IQ type's blocks, in IQ_FIELDS' order: iq2_xxs each group's codebook index and sign index,
+    each sub-block's scale."""
+    qs = raw[..., 2:].reshape(*raw.shape[:-1], 8, 8).long()
+    aux = sum(qs[..., 4 + i] << (8 * i) for i in range(4))
+    return [qs[..., :4], (aux[..., None] >> torch.tensor([0, 7, 14, 21])) & 127, aux >> 28]
+
+
+@pytest.mark.parametrize("fmt", FILE_FMTS)
+def test_random_blocks_hold_every_codebook_entry_sign_and_scale(fmt):
+    """The random blocks the gguf-py comparison and the kernel tests read hold every value each field can take."""
+    raw = random_blocks(FORMATS[fmt], 3, e=2, f=256, d=512)[0]
+    for (what, n), field in zip(IQ_FIELDS[fmt], iq_fields(fmt, raw)):
+        assert sorted(field.unique().tolist()) == list(range(n)), what
+
+
+@pytest.mark.parametrize("fmt", FILE_FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+def test_file_only_formats_refuse_float_weights(fmt, isa):
+    """A file-only format (no quantizer from floats) refuses float weights in any matrix, naming the way to get its
+    blocks, on both packers; its blocks beside a float down of another dtype are taken, as floats beside its down."""
+    fm = FORMATS[fmt]
+    ws = floats(fm, seed=50, e=2)
+    raws = random_blocks(fm, 51, e=2)
+    gu = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in (("g", raws[0]), ("u", raws[1]))]
+    for packer in ("native", "torch"):
+        with pytest.raises(ValueError, match=f"{fmt} holds a GGUF file's {fm.gguf_type} blocks.*llama-quantize"):
+            CpuMoE(*ws, dtype=fmt, isa=isa, packer=packer)
+        with pytest.raises(ValueError, match="llama-quantize"):  # the blocks' down as floats, in the layer's dtype
+            CpuMoE(*gu, ws[2], dtype=fmt, isa=isa, packer=packer)
+        with pytest.raises(ValueError, match="llama-quantize"):  # a float down in this dtype beside int8
+            CpuMoE(*ws, dtype="int8", down_dtype=fmt, isa=isa, packer=packer)
+    with pytest.raises(ValueError, match="llama-quantize"):
+        fm.quantize(ws[0])
+    assert CpuMoE(*gu, ws[2], dtype=fmt, down_dtype="int8", isa=isa).down_dtype == "int8"
+    assert CpuMoE(*ws[:2], moe_mod.gguf_blocks("d", raws[2], fm.gguf_type), dtype="int8", down_dtype=fmt,
+                  isa=isa).down_dtype == fmt
+
+
+@pytest.mark.parametrize("fmt", FILE_FMTS)
+@pytest.mark.parametrize("isa", ISAS + ["ref"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_file_only_formats_on_ragged_shapes(fmt, isa, nodes, fused_knob):
+    """A file-only format's blocks on shapes no power of two (5 experts, F = 768, D = 1280: three and five
+    super-blocks; two NUMA slices of 512 + 256), every token count of the decode kernels and a prefill, a layer's cold
+    experts only with resident ones masked off; against the reference on the file's values."""
+    fm = FORMATS[fmt]
+    e, f, d = 5, 768, 1280
+    raws = random_blocks(fm, 52, e=e, f=f, d=d)
+    ws = [fm.dequantize(*fm.parts(r)) for r in raws]
+    held = [0, 2, 4]
+    moe = fm.from_blocks(*(r[held] for r in raws), isa=isa, topology=topology(nodes), expert_ids=held, num_experts=e)
+    ids, w = ragged_routing(40, seed=53)
+    ids = ids % e
+    x = torch.randn(40, d, generator=torch.Generator().manual_seed(54)).bfloat16()
+    mask = torch.tensor([True, True, False, True, True])
+    only = torch.zeros(e, dtype=torch.bool)
+    only[held] = True
+    ref = moe_forward(x, *ws, ids, w, expert_mask=only & mask)
+    if isa == "ref":
+        assert rel_err(moe.forward(x, ids, w, expert_mask=mask), ref) < 1e-2
+        return
+    for fused in (1, 0):
+        fused_knob.append((moe.isa, _native.tune(moe.isa, "fused", fused)))
+        for t in (1, 2, 3, 4, 40):
+            y = moe.forward(x[:t], ids[:t], w[:t], expert_mask=mask)
+            assert rel_err(y, ref[:t]) < TOL["int8"], (fused, t)
+
+
+@pytest.mark.parametrize("fmt", FLOAT_FMTS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("knee", [1, 10**9], ids=["knee1", "vector"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
@@ -456,7 +551,7 @@ def test_kernel_arithmetic_tight(fmt, isa, T, fused_knob):
         assert float((y - ref).abs().mean() / ref.abs().mean()) < 2e-4
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FLOAT_FMTS)
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_ragged_shapes_pad_to_whole_blocks(fmt, isa, fused_knob):
     """D and F with no whole last block (131, 97): float weights are zero padded before quantizing."""
@@ -475,7 +570,7 @@ def test_ragged_shapes_pad_to_whole_blocks(fmt, isa, fused_knob):
             assert rel_err(moe.forward(x[:t], ids[:t], w[:t]), ref[:t]) < TOL["int8"], (fused, t)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FLOAT_FMTS)
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_gguf_blocks_are_the_dtype_bit_for_bit(fmt, isa, nodes, fused_knob):
@@ -505,7 +600,7 @@ def test_gguf_blocks_are_the_dtype_bit_for_bit(fmt, isa, nodes, fused_knob):
         assert torch.equal(ya, yb) and torch.equal(ya, yc)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FLOAT_FMTS)
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_a_layer_of_blocks_and_floats(fmt, isa, fused_knob):
     """A GGUF layer whose down is of a type the dtype does not hold: gate and up packed as the file's blocks, down
@@ -557,7 +652,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
             cols = {"q4_0": k // 2, "q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
-                    "q3_k": k // 256 * 96}.get(fmt, k)  # the q bytes of k values
+                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -570,7 +665,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
         assert moe.nbytes == held == fm.bytes_per_weight * padded
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FLOAT_FMTS)
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_expert_subset_and_mask(fmt, isa, fused_knob):
     """A layer's cold experts only (expert_ids of num_experts), with resident ones masked off per call."""
@@ -611,7 +706,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q5_0")
 
 
@@ -619,7 +714,9 @@ def test_refusals(fmt, isa):
 @pytest.mark.parametrize("isa", [i for i in ("amx", "amx_emu") if i in COMPILED + EMU])
 def test_amx_declines_loudly_once(fmt, isa, caplog, monkeypatch):
     monkeypatch.setattr(moe_mod, "_SAID_VECTOR_ONLY", set())
-    ws = floats(FORMATS[fmt], seed=20, e=2)
+    fm = FORMATS[fmt]
+    ws = [moe_mod.gguf_blocks(n, r, fm.gguf_type) for n, r in zip("gud", random_blocks(fm, 20, e=2))] \
+        if fmt in FILE_ONLY_DTYPES else floats(fm, seed=20, e=2)
     with caplog.at_level(logging.WARNING, logger="cpu_kernels"):
         CpuMoE(*ws, dtype=fmt, isa=isa, amx_min_tokens=1)
         CpuMoE(*ws, dtype=fmt, isa=isa)
@@ -637,14 +734,18 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
     assert CPU_DTYPES[fmt].bytes_per_weight() == fm.bytes_per_weight
     assert packed_matrix_bytes(64, 2048, fmt, 32) == 64 * 2048 * fm.bytes_per_weight
     if COMPILED:
-        moe = CpuMoE(*floats(fm, seed=21, e=1, f=256, d=2048), dtype=fmt, isa=COMPILED[0], topology=topology(1))
+        if fmt in FILE_ONLY_DTYPES:
+            moe = fm.from_blocks(*random_blocks(fm, 21, e=1, f=256, d=2048), isa=COMPILED[0], topology=topology(1))
+        else:
+            moe = CpuMoE(*floats(fm, seed=21, e=1, f=256, d=2048), dtype=fmt, isa=COMPILED[0], topology=topology(1))
         assert moe.nbytes == 2 * packed_matrix_bytes(256, 2048, fmt, 32) + packed_matrix_bytes(2048, 256, fmt, 32)
 
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2),
-                                     ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0)],
+                                     ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0),
+                                     ("iq2_xxs", 0)],
                          ids=["q8_0-d", "q4_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
-                              "q3_k-d", "iq4_xs-d"])
+                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
@@ -711,12 +812,14 @@ def check_down_beside(moe, ws, fd, gate, down, isa, fused_knob, D, seed):
 
 
 @pytest.mark.parametrize("down, gate", [("q3_k", "q2_k"), ("q3_k", "q4_k"), ("iq4_xs", "q4_k"), ("iq4_xs", "q8_0"),
-                                        ("iq4_xs", "int8")])
+                                        ("iq4_xs", "int8"), ("iq2_xxs", "q2_k"), ("q4_k", "iq2_xxs"),
+                                        ("iq2_xxs", "int8")])
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_knob):
     """A layer whose down is GGUF blocks kept in a format of their own (a Q3_K down as Q2_K and Q3_K_M files have
-    them beside Q2_K or Q4_K, an IQ4_XS one) beside a gate and up of another dtype (their file's blocks as they are,
-    or floats quantized to int8): the kernels (tight, activation rounding emulated) on the file's values, and the
+    them beside Q2_K or Q4_K, an IQ4_XS one, an IQ2_XXS one as unsloth's UD-IQ1 files have them; a Q4_K down beside
+    IQ2_XXS gates and ups) beside a gate and up of another dtype (their file's blocks as they are, or floats quantized
+    to int8): the kernels (tight, activation rounding emulated) on the file's values, and the
     packed views per matrix, the down's holding the file's values."""
     fd, fm = FORMATS[down], FORMATS.get(gate)
     _, _, d = random_blocks(fd, 40)
@@ -808,7 +911,11 @@ def test_packed_dequantizers_keep_to_their_inputs_device(dtype):
     CPU-made table raises as it would beside CUDA tensors."""
     g = torch.Generator().manual_seed(7)
     w = [torch.randn(2, 64, 256, generator=g), torch.randn(2, 64, 256, generator=g), torch.randn(2, 256, 64, generator=g)]
-    m = CpuMoE(*w, dtype=dtype, isa=COMPILED[0]).packed_weights()[0]["gate"]
+    if dtype in FILE_ONLY_DTYPES:
+        fm = FORMATS[dtype]
+        m = fm.from_blocks(*random_blocks(fm, 7, e=2, f=256, d=256), isa=COMPILED[0]).packed_weights()[0]["gate"]
+    else:
+        m = CpuMoE(*w, dtype=dtype, isa=COMPILED[0]).packed_weights()[0]["gate"]
     assert m["dtype"] == dtype
     fn = quant.packed_dequantizers()[dtype]
     out = fn(m["q"].to("meta"), m["scale"].to("meta"))

@@ -52,6 +52,15 @@ HY_API void hy_profile_read(double* out, int reset) {
   for (int i = 0; i < 8; ++i) { out[i] = g_prof[i]; if (reset) g_prof[i] = 0; }
 }
 
+// Sets the codebooks the IQ kernels read (hy.h IqGrids) from the caller's copy: iq2xxs 256 entries of 8 bytes. Called
+// once per library when it loads (cpu_kernels/_native.py), before any layer call. Returns HY_OK or HY_EARG.
+HY_API int hy_set_grids(const uint64_t* iq2xxs, int n2) {
+  if (!iq2xxs || n2 != 256) return HY_EARG;
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  std::memcpy(g_iq_grids.iq2xxs, iq2xxs, sizeof(g_iq_grids.iq2xxs));
+  return HY_OK;
+}
+
 HY_API void* hy_pool_get(const int* cpus, int n) { return n > 0 ? pool_get(cpus, n) : nullptr; }
 
 HY_API int hy_pool_threads(void* pool) { return pool ? ((Pool*)pool)->n : 0; }

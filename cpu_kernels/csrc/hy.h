@@ -11,7 +11,7 @@
 #define HY_MAX_NODES 8
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
-       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11 };
+       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -30,7 +30,8 @@ typedef struct {
                          // q2_k: uint8 heads [E, rows_p, ldk/256, 20] (read through q2k_heads; s_estride in bytes);
                          // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes);
                          // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes);
-                         // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values)
+                         // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values);
+                         // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -312,6 +313,30 @@ inline __m256 iq4_scales8(const uint8_t* h) {
 #define HY_IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 #define HY_IQ4_VALUES_U8 1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181, \
                          (char)197, (char)217, (char)241
+
+// iq2_xxs (cpu_kernels/quant.py, module doc): per 256-value super-block of a row the file's 64 bytes of qs as they are
+// [rows_p, ldk/256 * 64] and its fp16 d as the head [rows_p, ldk/256, 2]. Sub-block ib (32 values) is qs bytes 8 ib ..
+// 8 ib + 7: bytes 0-3 the codebook indices of its 4 groups of 8 values, bytes 4-7 a little-endian uint32 whose bits
+// 7 l .. 7 l + 6 are group l's sign index (hy.h iq_sign_bits) and bits 28-31 the scale ls; w = d (2 ls + 1) / 8 x the
+// codebook entry's magnitude x its sign. ldk is a multiple of 256.
+inline const uint8_t* iq2xxs_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 2;
+}
+// The IQ2_XXS codebook, set once per library at load by hy_set_grids (api.h) from the table the gguf package ships
+// (gguf.quants.IQ2_XXS.grid; cpu_kernels/_native.py load): entry i's 8 bytes are its 8 magnitudes (8, 25 or 43), the
+// first value in the lowest byte. All zero until set, so a kernel never reads an unset table.
+struct IqGrids {
+  alignas(64) uint64_t iq2xxs[256];
+};
+IqGrids g_iq_grids{};
+// A 7-bit sign index s -> its group's 8 signs as bits (bit j set: value j negative): s's 7 bits, and an 8th that makes
+// the count of negatives even (llama.cpp's ksigns_iq2xs, derived here).
+inline uint8_t iq_sign_bits(int s) { return (uint8_t)(s | (__builtin_parity((unsigned)s) << 7)); }
+struct IqSigns {
+  uint8_t v[128];
+  IqSigns() { for (int s = 0; s < 128; ++s) v[s] = iq_sign_bits(s); }
+};
+const IqSigns g_iq_signs;
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }

@@ -727,6 +727,77 @@ void q6k_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, 
 }
 
 
+// iq2_xxs (hy.h iq2xxs_heads), 4 rows x MT <= 4 tokens (its decode is the dearer part, so the tokens share it): per
+// 256-value super-block and row one 64-byte load of its qs, whose 64-bit lane ib is sub-block ib: its scale ls (bits
+// 60-63) to d (2 ls + 1) / 8 in lanes 0-7 of a vector, and its 4 seven-bit sign indices (bits 32-59) to the 32 groups'
+// sign bytes (hy.h iq_sign_bits; the parity bit by three shift-XOR folds) in value order, 256 bits whose 64-bit word cc
+// is chunk cc's byte mask. Per 64-value chunk and row the 8 codebook entries by one gather of 8 x 8 bytes (indices: the
+// chunk's bytes 0-3 and 8-11) as the unsigned operand; per token the activations negated under the row's sign mask as
+// the signed one, so VPDPBUSD gives each sub-block's exact dot (lanes 0-7: sub-block 2 cc, 8-15: 2 cc + 1), converted
+// and multiplied by a VPERMPS of the scales.
+template <int MT>
+void iq2xxs_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+                 int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 2;  // head bytes a row
+  const long long* grid = (const long long*)g_iq_grids.iq2xxs;
+  const __m128i gsel = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);  // a chunk's indices
+  const __m512i words = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);  // sub-blocks 0-3's signs
+  const __m512i fields = _mm512_setr_epi32(0, 7, 14, 21, 0, 7, 14, 21, 0, 7, 14, 21, 0, 7, 14, 21);
+  const __m512i m7 = _mm512_set1_epi32(127), one = _mm512_set1_epi32(1);
+  const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
+  const __m512i zero = _mm512_setzero_si512();
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      _mm_prefetch((const char*)(w + j * ldw + sb * 64), _MM_HINT_T1);
+      if (sb % 32 == 0) _mm_prefetch((const char*)(hd + j * hst + sb * 2), _MM_HINT_T1);
+    }
+    __m512 sv16[4];
+    alignas(64) uint64_t sgn[4][4];  // row j, chunk cc: the chunk's 64 sign bits
+    for (int j = 0; j < 4; ++j) {
+      const __m512i qv = _mm512_loadu_si512((const void*)(w + j * ldw + sb * 64));
+      const float d = _cvtsh_ss(*(const uint16_t*)(hd + j * hst + sb * 2)) * 0.125f;
+      const __m256 ls = _mm512_cvtepi64_ps(_mm512_srli_epi64(qv, 60));
+      sv16[j] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_fmadd_ps(ls, _mm256_set1_ps(2.f), _mm256_set1_ps(1.f)),
+                                                     _mm256_set1_ps(d)));
+      for (int h = 0; h < 2; ++h) {  // sub-blocks 4 h .. 4 h + 3: groups 16 h .. 16 h + 15
+        __m512i x = _mm512_permutexvar_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(8 * h)), qv);
+        x = _mm512_and_si512(_mm512_srlv_epi32(x, fields), m7);
+        __m512i p = _mm512_xor_si512(x, _mm512_srli_epi32(x, 4));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 2));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 1));
+        x = _mm512_or_si512(x, _mm512_slli_epi32(_mm512_and_si512(p, one), 7));
+        _mm_store_si128((__m128i*)&sgn[j][2 * h], _mm512_cvtepi32_epi8(x));
+      }
+    }
+    __m512i idx = pair0;  // chunk cc: lanes 0-7 sub-block 2 cc, lanes 8-15 sub-block 2 cc + 1
+    for (int cc = 0; cc < 4; ++cc, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      __m512i wq[4];
+      __m512 sv[4];
+      __mmask64 mk[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i q = _mm_loadu_si128((const __m128i*)(w + j * ldw + sb * 64 + cc * 16));
+        wq[j] = _mm512_i64gather_epi64(_mm512_cvtepu8_epi64(_mm_shuffle_epi8(q, gsel)), grid, 8);
+        sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
+        mk[j] = _cvtu64_mask64(sgn[j][cc]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq[j], _mm512_mask_sub_epi8(a, mk[j], zero, a))), sv[j],
+              acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+
 // The 256-value super-block formats (q4_k, q5_k, iq4_xs, q2_k, q3_k, q6_k): 4 rows x MT <= 2 tokens of expert e's row r,
 // each format's kernel on its values (bytes per row: the format's value bytes per 256 values) and heads.
 inline bool is_super_block(int dt) {
@@ -767,6 +838,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_Q4_0) {
     q40_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q8_scales(M, e, r), C, ldc,
                   pf_lo, pf_rows);
+  } else if (M.dtype == HY_IQ2_XXS) {
+    iq2xxs_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc,
+                    pf_lo, pf_rows);
   } else if (is_super_block(M.dtype)) {
     if constexpr (MT <= 2) {
       super_block_rows<MT>(M, e, r, rows, C, ldc, pf_lo, pf_rows);

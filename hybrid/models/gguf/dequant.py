@@ -165,8 +165,16 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 # ggml type -> (whole-tensor float decoder | per-block decoder). Float types read the raw bytes as they are.
 _FLOAT = {T.F32: _f32, T.F16: _f16_values, T.BF16: _bf16}
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    """IQ2_XXS (66 bytes per 256 values: d, then qs) by the CPU executor's reference, cpu_kernels.quant (gguf-py's
+    formula; its codebook from the gguf package)."""
+    from cpu_kernels import quant
+
+    return quant.dequantize_iq2_xxs(b[:, 2:], b[:, None, :2])
+
+
 _BLOCK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.MXFP4: _mxfp4, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k,
-          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs}
+          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs}
 SUPPORTED = tuple(_FLOAT) + tuple(_BLOCK)
 
 
