@@ -135,7 +135,8 @@ def share_budget(probe, share: float, num_experts: int, moe_layers: int) -> tupl
     """(--gpu-budget in bytes, experts asked for) that holds round(share x E) experts per MoE layer beside the fixed
     part of `probe` (a plan of the same settings)."""
     g = probe.memory["gpu"]
-    fixed = g["non_expert"] + g["kv_cache"] + g["staging"] + g["graph_buffers"] + g["reserve"]
+    fixed = (g["non_expert"] + g["kv_cache"] + g["staging"] + g["graph_buffers"] + g.get("prefill_activations", 0)
+             + g["reserve"])
     asked = round(share * num_experts) * moe_layers
     return str(fixed + asked * g["per_resident_expert"]), asked
 
@@ -199,12 +200,14 @@ def budget_row(label: str, plan, stats, measured, asked: int | None) -> dict:
 
 def plan_budgets(model: str, stats_file: Path, stats, budgets, plan_flags: list[str]) -> list[tuple[str, object, int]]:
     """[(label, Plan, residents asked or None)] of `hybrid plan` at each budget: a --gpu-budget as it is, a share of
-    E per layer as the budget that holds it beside the fixed part (GPU weights in bf16, so the part stays put)."""
+    E per layer as the budget that holds it beside the fixed part (GPU weights in bf16 and the probe's prefill pass,
+    so the part stays put)."""
     out, probe = [], None
     for kind, value in budgets:
         if kind == "share":
             flags = [*plan_flags, "--gpu-dtype", "bf16"]
             probe = probe or plan_for(model, stats_file, HUGE_BUDGET, flags)
+            flags += ["--prefill-chunk", str(probe.settings["prefill_chunk"])]  # the probe's pass: the part stays put
             size, asked = share_budget(probe, value, stats.num_experts, len(stats.layers))
             out.append((f"share {value:g}", plan_for(model, stats_file, size, flags), asked))
         else:

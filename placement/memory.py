@@ -20,6 +20,10 @@ GPU (VRAM):
     resident experts    3 x D x F each in the residents' GPU dtype (the "experts" entry of gpu_dtypes): de-quantized
                         to the compute dtype, or int8 / int4 bytes + fp32 scales (hybrid.offload.resident), whose
                         larger batches de-quantize one chunk at a time (counted with the graph buffers)
+    prefill activations one prefill pass of min(prefill_chunk, C) tokens (hybrid.runtime.Engine.prefill): the hidden
+                        states, the widest attention or dense-MLP temporaries, the fp32 MoE merge and router
+                        logits, and one expert group's gathered rows, outputs and fp32 products
+                        (HybridExperts._gpu_lane); an upper estimate from the tensors live at once
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
@@ -190,6 +194,7 @@ class MemorySettings:
     # the CPU dtype of each MoE layer's down that has one of its own (a GGUF file's mixed types:
     # hybrid.models.gguf.repack.down_format), one entry per such layer; the others' downs are in cpu_dtype
     down_dtypes: tuple[str, ...] = ()
+    prefill_chunk: int = 8192  # hybrid.runtime.RuntimeConfig.prefill_chunk: tokens of one prefill pass
 
     def __post_init__(self):
         if self.max_context < 2:
@@ -208,6 +213,8 @@ class MemorySettings:
             raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.reserve < 0:
             raise UsageError(f"--reserve must be >= 0, got {self.reserve}")
+        if self.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
             raise UsageError(f"every NUMA node needs >= 1 thread, got {self.node_threads}")
         object.__setattr__(self, "node_threads", tuple(int(t) for t in self.node_threads))
@@ -236,10 +243,12 @@ class MemoryBreakdown:
     dram_experts_all: int  # every expert of every MoE layer
     pinned_buffers: int
     parts: dict = field(default_factory=dict)  # non_expert split by part (non_expert_bytes), for reports
+    prefill_activations: int = 0
 
     @property
     def gpu_fixed(self) -> int:
-        return self.non_expert + self.kv_cache + self.staging + self.graph_buffers + self.reserve
+        return (self.non_expert + self.kv_cache + self.staging + self.graph_buffers + self.prefill_activations
+                + self.reserve)
 
     @property
     def cpu_total(self) -> int:
@@ -252,6 +261,45 @@ def expert_bias_bytes(cfg) -> int:
     if not cfg.expert_fn.bias:
         return 0
     return cfg.num_moe_layers * cfg.num_experts * (2 * cfg.expert_intermediate_size + cfg.hidden_size) * 4
+
+
+def prefill_activation_bytes(cfg, tokens: int, gb: int, ship_chunk: int) -> int:
+    """VRAM of one prefill pass's activations over `tokens` tokens (see the module docstring): per token the
+    hidden states (6 x D: input, normed, residual, attention output and its projection, layer output), the wider of
+    the attention's temporaries (grouped-query q/k/v/output; MLA's q, expanded k/v, kv_b output and attention
+    output) and a dense or shared MLP's gate/up/activation, the fp32 MoE merge and router logits; plus one expert
+    group's rows (the ship lane's chunk of experts at uniform routing, at least one expert's, at most K per token)
+    gathered, computed (gate, up, activation) and merged in fp32."""
+    D, F, K, E, H = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token, cfg.num_experts, cfg.num_heads
+    if cfg.mla is None:
+        attn = (2 * H + 2 * cfg.num_kv_heads) * cfg.head_dim
+    else:
+        m = cfg.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = H * (2 * qk + 2 * m.v_head_dim + m.qk_nope_head_dim + m.v_head_dim)
+    mlp = 3 * max(cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
+    per_token = gb * (6 * D + max(attn, mlp)) + 4 * D + 4 * E
+    rows = tokens * min(K, max(1.0, K * ship_chunk / E))
+    return int(tokens * per_token + rows * (gb * (2 * D + 3 * F) + 4 * D))
+
+
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512)  # the prefill passes fit_prefill_chunk chooses from, largest first
+ACTIVATION_SHARE = 1 / 16  # of --gpu-budget that one prefill pass's activations may take (a rule of thumb)
+
+
+def fit_prefill_chunk(cfg, s: "MemorySettings", gpu_budget: int | None) -> int:
+    """The prefill pass (tokens of one prompt per model pass) for a budget: the largest of PREFILL_CHUNKS whose
+    activations (prefill_activation_bytes) take at most ACTIVATION_SHARE of the budget, else the smallest; without
+    a budget, s.prefill_chunk. Larger passes amortize each pass's expert copies over more tokens (faster prefill),
+    smaller ones leave the VRAM to resident experts (faster decode): a sixteenth of the card keeps DeepSeek-V3's
+    passes at 2,048 tokens on 24 GiB and 8,192 on 140 GiB."""
+    if gpu_budget is None:
+        return s.prefill_chunk
+    gb = s.gpu_dtype_bytes
+    for chunk in PREFILL_CHUNKS:
+        if prefill_activation_bytes(cfg, min(chunk, s.max_context), gb, s.ship_chunk) <= ACTIVATION_SHARE * gpu_budget:
+            return chunk
+    return PREFILL_CHUNKS[-1]
 
 
 def router_fp32_bytes(cfg, gpu_dtype_bytes: int) -> int:
@@ -303,9 +351,11 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # layers whose down has a dtype of its own hold that many more (or fewer) bytes per expert
     own_downs = sum(down_bytes(D, F, d, s.node_threads, s.group) - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group)
                     for d in s.down_dtypes) * cfg.num_experts
+    # one prompt's pass at a time (the server's batched prefill pads rows x chunk to at most its --prefill-chunk)
+    acts = prefill_activation_bytes(cfg, min(s.prefill_chunk, s.max_context), gb, s.ship_chunk)
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
                            resident_expert=resident, dram_expert=packed, dram_experts_all=n_experts * packed + own_downs,
-                           pinned_buffers=pinned, parts=parts)
+                           pinned_buffers=pinned, parts=parts, prefill_activations=acts)
 
 
 def gib(n: float) -> str:

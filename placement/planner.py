@@ -94,7 +94,8 @@ def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
             f"--gpu-budget {gib(settings.gpu_budget)} is too small: the GPU needs {gib(mem.gpu_fixed)} before any "
             f"expert (non-expert weights {gib(mem.non_expert)}, KV cache {gib(mem.kv_cache)} in {s.kv_dtype} for "
             f"--max-context {s.max_context} x --max-batch {s.max_batch}, staging {gib(mem.staging)}, graph buffers "
-            f"{gib(mem.graph_buffers)}, reserve {gib(mem.reserve)}); raise --gpu-budget to at least "
+            f"{gib(mem.graph_buffers)}, prefill activations {gib(mem.prefill_activations)} for passes of "
+            f"{min(s.prefill_chunk, s.max_context)} tokens, reserve {gib(mem.reserve)}); raise --gpu-budget to at least "
             f"{gib(mem.gpu_fixed)} or lower --max-context / --max-batch{_smaller_gpu_hint(s)}"
             f"{' (or --kv-dtype fp8: half the KV cache)' if s.kv_dtype != 'fp8' else ''}")
     if mem.cpu_total > settings.cpu_budget:
@@ -223,9 +224,15 @@ def residency_lanes(cfg, stats: RoutingStats, hw: HardwareProfile, s: MemorySett
 
 def prefill_time(cfg, hw: HardwareProfile, s: MemorySettings, shares, resident, tokens: int) -> float:
     """Predicted seconds of one prompt of `tokens` tokens: prompt routing shares [L, E], resident bool [L, E].
-    The non-expert part attends tokens / 2 keys on average (causal); each MoE layer's cold experts are split
-    between the CPU and the ship lane by the cost schedule, the ship lane in chunks of s.ship_chunk experts
-    (each shipped expert carries its share of its chunk's launches: placement.schedule.LayerScheduler)."""
+    The prompt runs in passes of s.prefill_chunk tokens (hybrid.runtime.Engine.prefill), each priced as a prompt
+    of its own: the non-expert part attends tokens / 2 keys on average (causal); each MoE layer's cold experts are
+    split between the CPU and the ship lane by the cost schedule, the ship lane in chunks of s.ship_chunk experts
+    (each shipped expert carries its share of its chunk's launches: placement.schedule.LayerScheduler), so every
+    pass ships its experts again."""
+    if tokens > s.prefill_chunk:
+        full, rest = divmod(tokens, s.prefill_chunk)
+        t = full * prefill_time(cfg, hw, s, shares, resident, s.prefill_chunk)
+        return t + (prefill_time(cfg, hw, s, shares, resident, rest) if rest else 0.0)
     cpu_shape, gpu_shape = expert_shapes(cfg, s)
     # the CPU lane at the rate of the kernels s.cpu_dtype runs on (a profile without that curve: its best one)
     kernel = priced_kernel(hw, s.cpu_dtype, s.group, note=lambda _: None)
@@ -327,7 +334,8 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
     cold = cfg.num_moe_layers * cfg.num_experts - n_res
     memory = {
         "gpu": {"non_expert": mem.non_expert, "kv_cache": mem.kv_cache, "staging": mem.staging,
-                "graph_buffers": mem.graph_buffers, "reserve": mem.reserve,
+                "graph_buffers": mem.graph_buffers, "prefill_activations": mem.prefill_activations,
+                "reserve": mem.reserve,
                 "resident_experts": n_res * mem.resident_expert, "per_resident_expert": mem.resident_expert,
                 "non_expert_parts": dict(mem.parts)},
         "cpu": {"experts": mem.dram_experts_all, "cold_experts": cold * mem.dram_expert,
@@ -342,7 +350,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
                   **({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype": s.kv_dtype,
                   **({"down_dtypes": list(s.down_dtypes)} if s.down_dtypes else {}),
                   "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in (*GPU_PARTS, RESIDENT_PART)},
-                  "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk,
+                  "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk, "prefill_chunk": s.prefill_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,
                   "profile": hw.name, "stats": stats.source or {"kind": "measured"}},
         gpu_bytes=gpu_bytes, gpu_budget_bytes=settings.gpu_budget, cpu_bytes=mem.cpu_total,

@@ -61,3 +61,43 @@ def test_kv_cache_exactly_the_free_memory_fits(model, monkeypatch):
     fake.available = need - 1
     with pytest.raises(TooLarge, match="--max-context 64 x --max-batch 2"):
         engine_mod.check_kv_cache_fits(cfg, 2, 64, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_long_prompt_prefilled_in_passes_is_the_whole_prompt(family, tmp_path):
+    """RuntimeConfig.prefill_chunk: a prompt longer than the pass runs in passes appended to its slot (grouped-query,
+    MLA and sliding-window attention over what the earlier passes cached); the last token's logits, the lengths and
+    the next decode step are the whole prompt's."""
+    from tiny_models import make_checkpoint
+
+    from hybrid.models import load_model
+    from hybrid.runtime.config import RuntimeConfig
+
+    make_checkpoint(family, tmp_path, bf16_values=True)
+    m = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    prompt = [3, 17, 42, 99, 5, 250, 7, 64, 11, 23, 5, 77, 140]
+    out = {}
+    for chunk in (8192, 4, 5):
+        e = Engine(m, config=RuntimeConfig(max_batch=1, max_context=32, eager=True, prefill_chunk=chunk))
+        calls = []
+        m.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[1]))
+        s = e.allocate_slot()
+        last = e.prefill(s, prompt)
+        step = e.decode_step([s], [9])[0]
+        m._forward_pre_hooks.clear()
+        out[chunk] = (last, step, e.lengths[s], calls)
+    whole = out[8192]
+    assert whole[3] == [len(prompt), 1]
+    for chunk in (4, 5):
+        last, step, length, calls = out[chunk]
+        assert calls[:-1] == [min(chunk, len(prompt) - a) for a in range(0, len(prompt), chunk)]  # passes, then decode
+        assert length == whole[2] == len(prompt) + 1
+        torch.testing.assert_close(last, whole[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step, whole[1], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_chunk_is_checked():
+    from hybrid.runtime.config import RuntimeConfig
+
+    with pytest.raises(ValueError, match="prefill-chunk"):
+        RuntimeConfig(prefill_chunk=0)

@@ -39,7 +39,8 @@ def test_plan_json_schema(ckpt, capsys):
     assert 0 < n < 32 and n == (out["gpu_budget_bytes"] - out["gpu_bytes"] + n * g["per_resident_expert"]) // g["per_resident_expert"]
     assert out["predicted_decode_tokens_per_s"] > 0 and out["predicted_prefill_tokens_per_s"] > 0
     assert [n["threads"] for n in out["numa"]] == [2, 2]
-    assert out["gpu_bytes"] == sum(g[k] for k in ("non_expert", "kv_cache", "staging", "graph_buffers", "reserve",
+    assert out["gpu_bytes"] == sum(g[k] for k in ("non_expert", "kv_cache", "staging", "graph_buffers",
+                                                  "prefill_activations", "reserve",
                                                   "resident_experts"))
 
 
@@ -135,9 +136,12 @@ def test_generate_with_a_plan(ckpt, tmp_path, capsys):
     p = load_plan(plan_file)
     counts = [len(lp.resident_experts) for lp in p.layers]
     # staging: 2 slots x 8 experts x (192 KiB dense + 100 KiB raw int8 bytes) = 4.56 MiB; fixed 6.09 MiB, of
-    # which the CPU lane's device output buffers are (2 x 64 + 2 x 512) rows x 256 x 2 B = 0.56 MiB;
-    # (8 MiB - 6.09 MiB) / 0.1875 MiB per resident expert = 10
-    assert sum(counts) == 10
+    # which the CPU lane's device output buffers are (2 x 64 + 2 x 512) rows x 256 x 2 B = 0.56 MiB; a prefill
+    # pass of the 64-token context: 64 x 7,232 B per token (6 x 256 hidden values and the 3 x 512 dense MLP's, bf16;
+    # the fp32 merge and router logits) + 128 expert rows (K x chunk / E = 2 a token) x 2,816 B = 0.785 MiB;
+    # (8 MiB - 6.09 MiB - 0.785 MiB) / 0.1875 MiB per resident expert = 6
+    assert p.memory["gpu"]["prefill_activations"] == 64 * 7232 + 128 * 2816
+    assert sum(counts) == 6
     args = build_parser().parse_args(["generate", "--model", str(ckpt), "--plan", str(plan_file),
                                       "--max-context", "64", "--profile", PROFILE])
     s = open_session(args, log=lambda m: None)

@@ -440,3 +440,29 @@ def test_staging_is_priced_at_the_largest_layer_layout():
         grow, down_bytes(D, F, "q8_0", (1,)) - down_bytes(D, F, "q4_k", (1,)))
     narrow = replace(mem, cpu_dtype="int8", down_dtypes=("q4_k",))
     assert breakdown(cfg, narrow).staging == breakdown(cfg, replace(narrow, down_dtypes=())).staging
+
+
+def test_budget_placement_leaves_the_residents_what_the_plan_leaves(tmp_path):
+    """Under --gpu-budget the load-time placement subtracts what it built (weights, KV cache, staging) and what the
+    plan counts that no load can measure yet (graph buffers, one prefill pass's activations, the reserve), the
+    latter exactly the plan's breakdown's figures for the engine's settings."""
+    import torch
+    from tiny_models import make_checkpoint
+
+    from hybrid.loading.place import fixed_vram, modeled_vram
+    from hybrid.offload.build import load_hybrid
+    from hybrid.offload.config import HybridConfig
+    from hybrid.runtime import Engine
+    from hybrid.runtime.config import RuntimeConfig
+
+    make_checkpoint("qwen3_moe", tmp_path, seed=0)
+    hcfg = HybridConfig(gpu_experts=0, schedule="cpu", cpu_isa="ref", profile="ktransformers-paper-amx")
+    model, off = load_hybrid(tmp_path, "cpu", torch.float32, hcfg, progress=False)
+    engine = Engine(model, config=RuntimeConfig(max_batch=2, max_context=32, eager=True, prefill_chunk=16))
+    lane = off.ship_lane
+    mem = breakdown(model.cfg, MemorySettings(max_context=32, max_batch=2, gpu_dtype_bytes=4, prefill_chunk=16,
+                                              staging_slots=lane.n_slots, ship_chunk=lane.chunk))
+    modeled = modeled_vram(model.cfg, engine, off, None)
+    assert modeled == mem.graph_buffers + mem.prefill_activations + mem.reserve
+    assert mem.prefill_activations > 0 and mem.reserve > 0
+    assert fixed_vram(model, engine.cache.nbytes, off) >= mem.non_expert + mem.kv_cache

@@ -145,13 +145,14 @@ def test_layer_with_quantized_residents_is_the_reference_with_their_rounding(kin
     for e in resident:  # the reference's resident experts carry the residents' rounding (gate and up as one matrix)
         gu = rounded(torch.cat([wg[e], wu[e]]), kind)
         rg[e], ru[e], rd[e] = gu[:F_], gu[F_:], rounded(wd[e], kind)
-    x = torch.randn(T, D).to(torch.bfloat16).float()
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).float()
     ids, w = routing(T, seed=T)
     out = layer(x, ids, w)
     torch.testing.assert_close(out, moe_forward(x, rg, ru, rd, ids, w), atol=2e-5, rtol=1e-4)
     plain = moe_forward(x, wg, wu, wd, ids, w)
-    assert (out - plain).abs().max() > 0  # the residents' rounding is really in
-    assert (out - plain).abs().max() / plain.abs().max() < (0.02 if kind == "int8" else 0.25)
+    rel = float((out - plain).norm() / plain.norm())
+    assert rel > 0  # the residents' rounding is really in
+    assert rel < (0.02 if kind == "int8" else 0.25), rel  # weight-only rounding: about 1% int8, 17% int4 here
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -60,6 +60,10 @@ def register(subparsers) -> None:
                    f"defaults to {d.staging_slots} slots / {d.ship_chunk} experts)")
     p.add_argument("--ship-chunk", type=int, metavar="N", help="experts per staging slot, shipped and run as one "
                    "grouped GEMM (default: chosen, see --staging-slots)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt tokens per prefill pass, whose activations the plan counts (default: the largest of "
+                   "8192, 4096, ..., 512 whose activations take at most a sixteenth of --gpu-budget; the plan records "
+                   "it for --plan)")
     p.add_argument("--reserve", default=str(DEFAULT_RESERVE), metavar="SIZE",
                    help="VRAM kept for the CUDA context and workspaces (default 512MiB, not measured)")
     p.add_argument("--numa-threads", metavar="N,N,...", help="threads per NUMA node of the CPU executor (default: this "
@@ -109,7 +113,8 @@ def build_plan(args):
                          staging_slots=d.staging_slots if args.staging_slots is None else args.staging_slots,
                          ship_chunk=d.ship_chunk if args.ship_chunk is None else args.ship_chunk,
                          reserve=parse_bytes(args.reserve), node_threads=node_threads(args),
-                         kv_dtype=args.kv_dtype or "bf16")
+                         kv_dtype=args.kv_dtype or "bf16",
+                         **({"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else {}))
     settings = PlanSettings(gpu_budget=parse_bytes(args.gpu_budget), cpu_budget=parse_bytes(args.cpu_budget),
                             memory=mem, prefill_tokens=args.prefill_tokens)
     model_dir = args.model
@@ -144,7 +149,10 @@ def build_plan(args):
 
         mem = replace(mem, down_dtypes=gguf_down_dtypes(model_dir, mem.cpu_dtype, mem.group))
     from placement.gpu_dtypes import checkpoint_kind, choose
+    from placement.memory import fit_prefill_chunk
 
+    if args.prefill_chunk is None:
+        mem = replace(mem, prefill_chunk=fit_prefill_chunk(cfg, mem, settings.gpu_budget))
     mem = replace(mem, gpu_dtypes=choose(cfg, mem, settings.gpu_budget, args.gpu_dtype, checkpoint_kind(raw)))
     settings = replace(settings, memory=mem)
     stats = load_stats(args.stats) if args.stats else None
@@ -236,6 +244,15 @@ def gpu_weights_line(p) -> list[str]:
     return [f"GPU weights: {describe_dtypes(dtypes, parts)}, other (norms, routers, biases) {parts['other'] / 2**20:.1f} MiB"]
 
 
+def activations_note(g: dict, settings: dict) -> str:
+    """', prefill activations 812.0 MiB (passes of 2048 tokens)' (plans made before they were counted: nothing)."""
+    if "prefill_activations" not in g:
+        return ""
+    from placement.memory import gib
+
+    return f", prefill activations {gib(g['prefill_activations'])} (passes of {settings.get('prefill_chunk')} tokens)"
+
+
 def resident_note(settings: dict) -> str:
     """' in int4': the resident experts' dtype where they are quantized (hybrid.offload.resident)."""
     from placement.gpu_dtypes import resident_kind
@@ -262,7 +279,8 @@ def describe(p, model_dir: str) -> str:
         f"{p.settings['profile']}, CPU dtype {p.settings['cpu_dtype']}, stats {p.settings['stats'].get('kind', 'file')}",
         f"GPU  {gib(p.gpu_bytes)} of {gib(p.gpu_budget_bytes)}: non-expert {gib(g['non_expert'])}, KV cache "
         f"{gib(g['kv_cache'])} ({p.settings['max_batch']} x {p.settings['max_context']}{kv_note(p.model, p.settings)}), staging {gib(g['staging'])}{staging_note(p.settings)}, "
-        f"graph buffers {gib(g['graph_buffers'])}, reserve {gib(g['reserve'])}, resident experts "
+        f"graph buffers {gib(g['graph_buffers'])}{activations_note(g, p.settings)}, reserve {gib(g['reserve'])}, "
+        f"resident experts "
         f"{gib(g['resident_experts'])} ({sum(counts)} x {g['per_resident_expert'] / 2**20:.1f} MiB"
         f"{resident_note(p.settings)})",
         *gpu_weights_line(p),

@@ -30,6 +30,7 @@ def check_before_load(model_dir: str, config: SessionConfig):
     raw = read_config(model_dir)[2]
     if config.hybrid is not None:
         config = replace(config, hybrid=checkpoint_cpu_dtype(config.hybrid, raw))
+    config = with_prefill_chunk(cfg, config)
     config = replace(config, gpu_dtypes=gpu_dtypes_for(cfg, raw, config))
     check_kv_cache_fits(cfg, rt.max_batch, rt.max_context, config.dtype, config.device, rt.kv_dtype)
     check_dram(cfg, config)
@@ -117,6 +118,28 @@ def without_cpu_residents(config: SessionConfig, log) -> SessionConfig:
     return replace(config, hybrid=replace(h, gpu_experts=0, gpu_budget=None))
 
 
+def with_prefill_chunk(cfg, config: SessionConfig) -> SessionConfig:
+    """The engine's prefill pass when --prefill-chunk was not given: a plan's, or under --gpu-budget the one
+    `hybrid plan` would fit (placement.memory.fit_prefill_chunk), so that the activations the budget counts are
+    the ones the engine makes; else RuntimeConfig's default."""
+    h = config.hybrid
+    if config.prefill_chunk_asked or h is None or (h.plan is None and h.gpu_budget is None):
+        return config
+    from placement.memory import MemorySettings, fit_prefill_chunk
+
+    rt = config.runtime
+    gb = torch.empty((), dtype=config.dtype).element_size()
+    if h.plan is not None:
+        chunk = h.plan.settings.get("prefill_chunk", rt.prefill_chunk)
+    elif gb not in (2, 4):  # float64 exactness runs: the planner prices 2- and 4-byte GPU dtypes only
+        return config
+    else:
+        s = MemorySettings(max_context=rt.max_context, max_batch=rt.max_batch, gpu_dtype_bytes=gb,
+                           staging_slots=h.staging_slots, ship_chunk=h.ship_chunk)
+        chunk = fit_prefill_chunk(cfg, s, h.gpu_budget)
+    return replace(config, runtime=replace(rt, prefill_chunk=chunk))
+
+
 def gpu_dtypes_for(cfg, raw: dict, config: SessionConfig) -> dict | None:
     """The non-expert parts' GPU dtypes (placement.gpu_dtypes.choose: --gpu-dtype, auto under --gpu-budget), or
     a plan's; None when every part stays in the compute dtype."""
@@ -134,7 +157,8 @@ def gpu_dtypes_for(cfg, raw: dict, config: SessionConfig) -> dict | None:
         s = MemorySettings(max_context=rt.max_context, max_batch=rt.max_batch,
                            cpu_dtype=hcfg.cpu_dtype if hcfg is not None else "bf16",
                            gpu_dtype_bytes=torch.empty((), dtype=config.dtype).element_size(),
-                           staging_slots=hcfg.staging_slots if hcfg is not None else 1, kv_dtype=rt.kv_dtype)
+                           staging_slots=hcfg.staging_slots if hcfg is not None else 1, kv_dtype=rt.kv_dtype,
+                           prefill_chunk=rt.prefill_chunk)
         dtypes = choose(cfg, s, hcfg.gpu_budget if hcfg is not None else None, config.gpu_dtype, checkpoint_kind(raw))
     return None if all(k == "bf16" for k in dtypes.values()) else dtypes
 

@@ -40,6 +40,7 @@ class SessionConfig:
     hybrid: HybridConfig | None = None
     gpu_dtype: str = "auto"  # --gpu-dtype as asked (placement.gpu_dtypes.CHOICES)
     gpu_dtypes: dict | None = None  # what each non-expert part got (check_before_load fills it in)
+    prefill_chunk_asked: bool = False  # --prefill-chunk given: kept; else a plan's, or fitted to --gpu-budget
 
 
 def add_max_context_argument(p) -> None:
@@ -65,6 +66,10 @@ def add_model_arguments(p) -> None:
                    "dtype also holds the resident experts in it (fp8: int8), about 2x / 3.6x as many in the same "
                    "VRAM; auto (default) keeps bf16 unless --gpu-budget needs fewer bytes, then steps the largest "
                    "non-expert parts down first, residents staying bf16 (DESIGN.md, GPU weights)")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt tokens per prefill pass: a longer prompt is prefilled in passes of N tokens, which "
+                   "bounds the activations' VRAM (default 8192; under --gpu-budget the largest of 8192, 4096, ..., 512 "
+                   "whose activations take at most a sixteenth of the budget; with --plan, the plan's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs for decode (always eager on the CPU)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="greedy decode waits for each step's tokens before queueing the next (by default, with CUDA "
@@ -155,7 +160,8 @@ def runtime_config_from_args(args, max_batch: int, device):
         return RuntimeConfig(max_batch=max_batch, max_context=args.max_context,
                              eager=args.eager or device.type != "cuda", decode_ahead=ahead,
                              prefix_cache=not getattr(args, "no_prefix_cache", False),
-                             kv_dtype=getattr(args, "kv_dtype", None) or "bf16")
+                             kv_dtype=getattr(args, "kv_dtype", None) or "bf16",
+                             **({"prefill_chunk": args.prefill_chunk} if getattr(args, "prefill_chunk", None) else {}))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -244,7 +250,8 @@ def session_config_from_args(args, max_batch: int = 1) -> SessionConfig:
     hybrid = hybrid_config_from_args(args)
     return SessionConfig(model=args.model or None, device=device, dtype=dtype,
                          runtime=with_planned_kv_dtype(runtime, hybrid, getattr(args, "kv_dtype", None)),
-                         hybrid=hybrid, gpu_dtype=getattr(args, "gpu_dtype", None) or "auto")
+                         hybrid=hybrid, gpu_dtype=getattr(args, "gpu_dtype", None) or "auto",
+                         prefill_chunk_asked=getattr(args, "prefill_chunk", None) is not None)
 
 
 def with_planned_kv_dtype(runtime, hybrid, asked: str | None):
@@ -296,7 +303,8 @@ def with_ship_staging(config: SessionConfig, cfg) -> SessionConfig:
         raise UsageError(f"--cpu-threads: {exc}") from None
     s = MemorySettings(max_context=config.runtime.max_context, max_batch=config.runtime.max_batch,
                        cpu_dtype=h.cpu_dtype, gpu_dtype_bytes=gb, node_threads=nodes, group=h.cpu_group,
-                       gpu_dtypes=config.gpu_dtypes or {}, kv_dtype=config.runtime.kv_dtype)
+                       gpu_dtypes=config.gpu_dtypes or {}, kv_dtype=config.runtime.kv_dtype,
+                       prefill_chunk=config.runtime.prefill_chunk)
     slots, chunk = choose_staging(cfg, None, pricing_profile(h.profile), s, h.gpu_budget)
     return replace(config, hybrid=replace(h, staging_slots=slots, ship_chunk=chunk))
 

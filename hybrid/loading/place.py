@@ -11,6 +11,7 @@ import logging
 from typing import Callable
 
 import numpy as np
+import torch
 
 from hybrid.errors import UsageError
 from hybrid.models.gpu_weights import quantized
@@ -43,7 +44,8 @@ def resident_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) ->
     left = hcfg.gpu_budget - fixed_vram_bytes
     if left < 0:
         raise UsageError(f"--gpu-budget {hcfg.gpu_budget / 2**30:.2f} GiB is below what the model needs without "
-                         f"experts ({fixed_vram_bytes / 2**30:.2f} GiB: non-expert weights, KV cache, staging); "
+                         f"experts ({fixed_vram_bytes / 2**30:.2f} GiB: non-expert weights, KV cache, staging, graph "
+                         "buffers, prefill activations, reserve); "
                          "raise the budget or lower --max-context")
     return int(min(cfg.num_experts, left // per_layer))
 
@@ -77,7 +79,24 @@ def fixed_vram(model, cache_bytes: int, offload) -> int:
     return params + cache_bytes + staging
 
 
-def place(engine, offload, hcfg: HybridConfig, log=print) -> str:
+def modeled_vram(cfg, engine, offload, gpu_dtypes: dict | None) -> int:
+    """What the plan counts beside the tensors built at load and no load can measure yet: the decode graphs'
+    buffers (with the de-quantized chunk of quantized parts), one prefill pass's activations and the reserve
+    (placement.memory.breakdown), so that --gpu-budget leaves the residents what `hybrid plan` leaves them."""
+    from placement.memory import MemorySettings, breakdown
+
+    rt = engine.config
+    gb = torch.empty((), dtype=offload.dtype).element_size()
+    if gb not in (2, 4):
+        return 0
+    s = MemorySettings(max_context=rt.max_context, max_batch=rt.max_batch, cpu_dtype=offload.cpu_dtype,
+                       gpu_dtype_bytes=gb, staging_slots=offload.ship_lane.n_slots, ship_chunk=offload.ship_lane.chunk,
+                       gpu_dtypes=gpu_dtypes or {}, kv_dtype=rt.kv_dtype, prefill_chunk=rt.prefill_chunk)
+    mem = breakdown(cfg, s)
+    return mem.graph_buffers + mem.prefill_activations + mem.reserve
+
+
+def place(engine, offload, hcfg: HybridConfig, log=print, gpu_dtypes: dict | None = None) -> str:
     """Choose the resident experts with the engine's own prefill; returns how many per layer, as the status
     line says it ("12", or "3..9 (from the plan)")."""
     model = engine.model
@@ -90,8 +109,8 @@ def place(engine, offload, hcfg: HybridConfig, log=print) -> str:
     tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
     slot = engine.allocate_slot()
     try:
-        n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens,
-                           fixed_vram(model, engine.cache.nbytes, offload))
+        fixed = fixed_vram(model, engine.cache.nbytes, offload) + modeled_vram(model.cfg, engine, offload, gpu_dtypes)
+        n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens, fixed)
     finally:
         engine.free_slot(slot)
     engine.stats = Stats()  # the calibration run is not part of the user's numbers

@@ -45,6 +45,6 @@ def open_session(args, max_batch: int = 1, log=lambda m: print(m, file=sys.stder
         log(f"hybrid: {offload.load_times.line()}")
     engine = Engine(model, tokenizer, config=config.runtime)
     if offload is not None:
-        report_placement(model, offload, place(engine, offload, config.hybrid, log), log)
+        report_placement(model, offload, place(engine, offload, config.hybrid, log, config.gpu_dtypes), log)
     engine.warmup()  # keep start-up (CUDA context, graph capture, oneDNN kernel JIT) out of the printed tokens/s
     return Session(engine, tokenizer, model_dir, demo, config.device, config.dtype, offload)

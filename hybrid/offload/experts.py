@@ -420,7 +420,8 @@ class HybridExperts(nn.Module):
                                                                 self.fn, self.resident_bias))
 
     def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:
-        """Resident experts (one grouped GEMM) and shipped ones (one per arriving chunk) into out (fp32)."""
+        """Resident and shipped experts into out (fp32), one grouped GEMM per group of the ship lane's chunk of
+        experts (shipped ones as their chunk arrives), each group's rows gathered and merged on their own."""
         off = self.offload
         lane = off.ship_lane
         dev = x.device
@@ -434,15 +435,29 @@ class HybridExperts(nn.Module):
         n_res, n_ship = int(hist[res].sum()), int(hist[ship_ids].sum())
         order = torch.argsort(_to_device(torch.from_numpy(rank), dev)[flat], stable=True)[: n_res + n_ship]
         token = order // K  # [n] token of each GPU assignment
-        rows = x[token]  # [n, D]
-        y = torch.empty_like(rows)
-        if n_res and self.quant is not None:
-            hit = np.nonzero(hist[res])[0]  # slots with rows (rows are sorted by slot)
-            y[:n_res] = self.quant.grouped(rows[:n_res], hist[res][hit], hit, self.fn, self.resident_bias,
-                                           self._grouped)
-        elif n_res:
-            y[:n_res] = self._grouped(rows[:n_res], hist[res], self.w_gate, self.w_up, self.w_down, self.fn,
-                                      self.resident_bias)
+
+        def merge(a: int, b: int, run) -> None:
+            """Assignments a:b (one expert group) through run(rows) -> [b - a, D], added into out: the rows, their
+            outputs and the fp32 products live one group at a time, not for all n (prefill's peak activations)."""
+            if b > a:
+                y = run(x[token[a:b]])
+                out.index_add_(0, token[a:b], y.float() * flat_w[order[a:b], None])
+
+        # residents in groups of the ship lane's chunk of experts, as the shipped ones arrive
+        a = 0
+        for r0 in range(0, res.size if n_res else 0, lane.chunk):
+            r1 = min(res.size, r0 + lane.chunk)
+            counts = hist[res[r0:r1]]
+            b = a + int(counts.sum())
+            if self.quant is not None:
+                hit = np.nonzero(counts)[0]  # slots with rows (rows are sorted by slot)
+                merge(a, b, lambda rows: self.quant.grouped(rows, counts[hit], r0 + hit, self.fn, self.resident_bias,
+                                                            self._grouped))
+            else:
+                bias = None if self.resident_bias is None else tuple(t[r0:r1] for t in self.resident_bias)
+                merge(a, b, lambda rows: self._grouped(rows, counts, self.w_gate[r0:r1], self.w_up[r0:r1],
+                                                       self.w_down[r0:r1], self.fn, bias))
+            a = b
         pending = [int(e) for e in ship_ids]
         chunks = [pending[i:i + lane.chunk] for i in range(0, len(pending), lane.chunk)]
         dims = (self.F, self.D)
@@ -453,12 +468,11 @@ class HybridExperts(nn.Module):
             g, u, d = lane.weights(self.sources, slot, off.dtype)
             counts = hist[c]
             n = int(counts.sum())
-            y[start:start + n] = self._grouped(rows[start:start + n], counts, g, u, d, self.fn, self._biases_of(c))
+            merge(start, start + n, lambda rows: self._grouped(rows, counts, g, u, d, self.fn, self._biases_of(c)))
             start += n
             lane.release(slot)
             if i + lane.n_slots < len(chunks):  # refill the slot just read
                 staged.append(lane.fetch(self.sources, chunks[i + lane.n_slots], dims, off.dtype))
-        out.index_add_(0, token, y.float() * flat_w[order, None])
 
     @staticmethod
     def _grouped(rows, counts, w_gate, w_up, w_down, fn: ExpertFn = SILU, biases=None):

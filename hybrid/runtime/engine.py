@@ -303,6 +303,8 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Appends token_ids to the slot's K/V -> the last token's logits [V]; a prompt longer than the config's
+        prefill_chunk runs in passes of that many tokens (the same K/V and logits up to summation order)."""
         start, n = self.lengths[slot], len(token_ids)
         if n == 0:
             raise ValueError("prefill needs at least one token")
@@ -310,11 +312,14 @@ class Engine:
             raise ValueError(f"{start + n} tokens exceed max_context {self.max_context}")
         dev = self.device
         t0 = time.perf_counter()
-        ids = torch.tensor([token_ids], dtype=torch.long, device=dev)  # [1, T]
-        pos = torch.arange(start, start + n, device=dev)[None]  # [1, T]
+        step = self.config.prefill_chunk
         with self._step_context():
-            logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
-                                kv_len=start + n, fresh=start == 0)  # [1, V]
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                ids = torch.tensor([token_ids[a:b]], dtype=torch.long, device=dev)  # [1, T]
+                pos = torch.arange(start + a, start + b, device=dev)[None]  # [1, T]
+                logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
+                                    kv_len=start + b, fresh=start + a == 0)  # [1, V]
             self._sync()
         self.lengths[slot] += n
         self._fed = None  # the graphs' fed inputs are not this slot's next token any more

@@ -1,0 +1,138 @@
+"""Prefill in passes (hybrid.runtime.RuntimeConfig.prefill_chunk) and the VRAM of one pass's activations: the memory
+model counts them (placement.memory.prefill_activation_bytes), `hybrid plan` fits the pass to --gpu-budget and records
+it, the runtime takes the same pass (a plan's, or the fitted one under --gpu-budget; --prefill-chunk as given), the
+load-time placement leaves the residents what the plan leaves them, and the MoE layer's GPU lane gathers one expert
+group's rows at a time."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybrid.cli import build_parser, main
+from hybrid.models.families import family_for
+from hybrid.models.presets import published_config
+from placement.memory import (PREFILL_CHUNKS, MemorySettings, breakdown, fit_prefill_chunk,
+                              prefill_activation_bytes)
+
+GiB = 2**30
+
+
+def preset(name):
+    raw = published_config(name)
+    return family_for(raw).parse_config(raw), raw
+
+
+def test_activations_grow_with_the_pass_and_count_in_the_fixed_part():
+    cfg, _ = preset("deepseek-v3")
+    sizes = [prefill_activation_bytes(cfg, t, 2, 1) for t in (512, 2048, 8192)]
+    assert sizes[0] < sizes[1] < sizes[2] and sizes[2] == pytest.approx(16 * sizes[0], rel=0.01)  # linear in tokens
+    # DeepSeek-V3 at 2,048 tokens: hidden states, MLA's temporaries (its widest), fp32 merge and router logits,
+    # one expert's rows
+    D, H = 7168, 128
+    per = 2 * (6 * D + H * (2 * 192 + 2 * 128 + 128 + 128)) + 4 * D + 4 * 256 + 2 * (2 * D + 3 * 2048) + 4 * D
+    assert sizes[1] == 2048 * per
+    small, big = (breakdown(cfg, MemorySettings(max_context=32768, prefill_chunk=c)) for c in (512, 8192))
+    assert big.prefill_activations == sizes[2] and small.prefill_activations == sizes[0]
+    assert big.gpu_fixed - small.gpu_fixed == sizes[2] - sizes[0]
+    # a context shorter than the pass: the pass is the context
+    assert breakdown(cfg, MemorySettings(max_context=1024)).prefill_activations == prefill_activation_bytes(cfg, 1024, 2, 8)
+
+
+def test_the_pass_is_fitted_to_the_budget():
+    cfg, _ = preset("deepseek-v3")
+    s = MemorySettings(max_context=32768, ship_chunk=1)
+    assert fit_prefill_chunk(cfg, s, None) == s.prefill_chunk == 8192
+    fitted = {b: fit_prefill_chunk(cfg, s, b * GiB) for b in (4, 16, 24, 48, 140)}
+    assert fitted[24] == 2048 and fitted[140] == 8192 and fitted[4] == PREFILL_CHUNKS[-1]
+    assert list(fitted.values()) == sorted(fitted.values())  # never smaller on a bigger card
+    for b, chunk in fitted.items():
+        if chunk != PREFILL_CHUNKS[-1]:
+            assert prefill_activation_bytes(cfg, chunk, 2, 1) <= b * GiB / 16 < prefill_activation_bytes(cfg, 2 * chunk, 2, 1) \
+                or chunk == PREFILL_CHUNKS[0]
+
+
+def test_plan_records_the_pass_and_prints_its_activations(capsys):
+    argv = ["plan", "--preset", "deepseek-v3", "--gpu-budget", "24GiB", "--cpu-budget", "512GiB", "--cpu-dtype", "int4",
+            "--max-context", "32768", "--profile", "ktransformers-paper-amx", "--numa-threads", "16"]
+    assert main(argv + ["--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["settings"]["prefill_chunk"] == 2048
+    cfg, _ = preset("deepseek-v3")
+    assert p["memory"]["gpu"]["prefill_activations"] == prefill_activation_bytes(cfg, 2048, 2, p["settings"]["ship_chunk"])
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "prefill activations" in printed and "(passes of 2048 tokens)" in printed
+    assert main(argv + ["--json", "--prefill-chunk", "512"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["settings"]["prefill_chunk"] == 512
+    assert sum(len(x["resident_experts"]) for x in asked["layers"]) > sum(len(x["resident_experts"]) for x in p["layers"])
+
+
+def test_the_runtime_takes_the_fitted_the_planned_or_the_asked_pass(tmp_path, capsys):
+    from hybrid.loading.check import with_prefill_chunk
+    from hybrid.loading.parse import session_config_from_args
+    from placement.plan_file import load_plan
+
+    cfg, _ = preset("deepseek-v3")
+
+    def config(*extra):
+        args = build_parser().parse_args(["generate", "--device", "cpu", "--dtype", "bf16", "--max-context", "32768",
+                                          *extra])
+        return with_prefill_chunk(cfg, session_config_from_args(args))
+
+    assert config("--gpu-budget", "24GiB").runtime.prefill_chunk == 2048
+    assert config("--gpu-budget", "140GiB").runtime.prefill_chunk == 8192
+    assert config("--gpu-budget", "24GiB", "--prefill-chunk", "300").runtime.prefill_chunk == 300
+    assert config("--gpu-experts", "4").runtime.prefill_chunk == 8192  # no budget: the default
+    assert config().runtime.prefill_chunk == 8192
+    argv = ["plan", "--preset", "deepseek-v3", "--gpu-budget", "24GiB", "--cpu-budget", "512GiB", "--cpu-dtype", "int4",
+            "--max-context", "32768", "--profile", "ktransformers-paper-amx", "--numa-threads", "16",
+            "--prefill-chunk", "1024", "--out", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert load_plan(tmp_path / "p.json").settings["prefill_chunk"] == 1024
+    assert config("--plan", str(tmp_path / "p.json")).runtime.prefill_chunk == 1024
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prefill-chunk", "x"])
+
+
+class _Rows(TorchDispatchMode):
+    """The largest first dimension of any [n, D] tensor made by indexing (the gathered rows)."""
+
+    def __init__(self, D):
+        super().__init__()
+        self.D, self.most = D, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.index.Tensor and out.dim() == 2 and out.shape[1] == self.D:
+            self.most = max(self.most, out.shape[0])
+        return out
+
+
+def test_the_gpu_lane_gathers_one_expert_group_at_a_time():
+    """A batch whose every assignment runs on the GPU lanes (ship, and all resident): rows are gathered per group of
+    the ship lane's chunk of experts, never all T x K at once."""
+    from test_hybrid_layer import D, E, K, make_layer, routing
+
+    from cpu_kernels.reference import moe_forward
+
+    T = 200
+    ids, w = routing(T, seed=5)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+    for strategy, resident in (("ship", ()), ("cpu", tuple(range(E)))):
+        layer, (wg, wu, wd) = make_layer(strategy, resident)
+        mode = _Rows(D)
+        with mode:
+            out = layer(x, ids, w)
+        torch.testing.assert_close(out, moe_forward(x, wg, wu, wd, ids, w), atol=2e-5, rtol=1e-4)
+        counts = np.bincount(ids.flatten().numpy(), minlength=E)
+        chunk = layer.offload.ship_lane.chunk
+        groups = [int(counts[i:i + chunk].sum()) for i in range(0, E, chunk)]  # id order = ship and slot order here
+        assert 0 < mode.most <= max(groups) < T * K
