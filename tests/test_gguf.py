@@ -193,9 +193,9 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 
 
 # -- de-quantizers: bit for bit against gguf-py -----------------------------------------------------------------
-BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS)
+BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S)
 FP16_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
-           Q.IQ2_XXS: (0,)}
+           Q.IQ2_XXS: (0,), Q.IQ1_S: (0,)}
 
 
 def valid_blocks(t, n: int, rng) -> np.ndarray:
