@@ -102,6 +102,12 @@ iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16
       8 little-endian uint16, one per sub-block: bits 3 i .. 3 i + 2 the top 3 bits of its group i's index, bits 12-14
       ls, bit 15 the delta sign) and heads uint8 [..., R, K/256, 2], d; 1.5625 bits a weight as the file's. Rows are
       zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
+IQ1_M (de-quantized only, no CPU format of its own yet): llama.cpp's IQ1_M values: rows in super-blocks of 256
+      values, 56 bytes each: qs (32 bytes, the low 8 bits of group l's 11-bit codebook index), qh (16 bytes, byte j's
+      low nibble for group 2 j, high nibble for 2 j + 1: bits 0-2 the index's top 3 bits, bit 3 the delta sign) and 4
+      little-endian uint16 scales words (word w's bits 3 i .. 3 i + 2 the 3-bit scale ls of 16-value piece 4 w + i,
+      its bits 12-15 bits 4 w .. 4 w + 3 of the super-block's fp16 d, which has no field of its own): w = d (2 ls + 1)
+      (g + delta), g from IQ1_S's codebook, delta +-IQ1_DELTA per 8 values. dequantize_iq1_m takes the raw blocks.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is q4_0 above exactly (q4_0_parts: the 16 bytes and d apart), and int4 in
@@ -809,6 +815,28 @@ def iq1_s_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, G, _ = raw.shape
     return (raw[..., IQ1_S_HEAD_BYTES:].reshape(*lead, G * IQ1_S_VALUE_BYTES).contiguous(),
             raw[..., :IQ1_S_HEAD_BYTES].contiguous())
+
+
+IQ1_M_BLOCK_BYTES = 56  # GGUF IQ1_M: qs, qh, scales (module doc)
+
+
+def dequantize_iq1_m(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ1_M blocks raw uint8 [..., G, 56] -> fp32 [..., G * 256], as gguf.quants.dequantize computes IQ1_M:
+    d (2 ls + 1) (g + delta) per 8 values, d assembled from the top nibbles of the 4 scales words (module doc)."""
+    *lead, G, _ = raw.shape
+    dev = raw.device
+    sc = raw[..., 48:56].reshape(*lead, G, 4, 2).long()
+    sc = sc[..., 0] | sc[..., 1] << 8  # [.., G, 4]
+    bits = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=dev)).sum(-1)  # disjoint nibbles: their OR
+    d = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).view(torch.float16).float()  # [.., G, 1]
+    ls = ((sc[..., None] >> torch.tensor([0, 3, 6, 9], device=dev)) & 7).reshape(*lead, G, 16)
+    dl = d * (2 * ls + 1).float()  # [.., G, 16]: per 16 values
+    nib = (raw[..., 32:48, None].long() >> torch.tensor([0, 4], device=dev)).reshape(*lead, G, 32)  # per group
+    idx = raw[..., :32].long() | (nib & 7) << 8
+    delta = torch.where((nib & 8) == 0, IQ1_DELTA, -IQ1_DELTA).float()  # [.., G, 32]
+    g = _iq_grid("iq1").to(dev)[idx]  # [.., G, 32, 8]
+    dl = dl.reshape(*lead, G, 16, 1, 1).expand(*lead, G, 16, 2, 1).reshape(*lead, G, 32, 1)
+    return (dl * (g + delta[..., None])).reshape(*lead, G * QK_K)
 
 
 def packed_dequantizers() -> dict:
