@@ -90,6 +90,7 @@ PACK_SRC_Q2_K = 9  # HY_SRC_Q2_K: GGUF Q2_K super-blocks, packed as q2_k as they
 PACK_SRC_Q3_K = 10  # HY_SRC_Q3_K: GGUF Q3_K super-blocks, packed as q3_k as they are
 PACK_SRC_IQ4_XS = 11  # HY_SRC_IQ4_XS: GGUF IQ4_XS super-blocks, packed as iq4_xs (their nibbles re-paired)
 PACK_SRC_IQ2_XXS = 12  # HY_SRC_IQ2_XXS: GGUF IQ2_XXS super-blocks, packed as iq2_xxs as they are
+PACK_SRC_IQ1_S = 13  # HY_SRC_IQ1_S: GGUF IQ1_S super-blocks, packed as iq1_s as they are
 PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
 
 
@@ -221,13 +222,24 @@ def load(isa: str) -> ctypes.CDLL:
         lib.hy_set_grids.restype = ctypes.c_int
         if lib.hy_set_grids(iq_grid_bytes("iq2_xxs"), 256) != 0:
             raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ codebooks")
+    if hasattr(lib, "hy_set_iq1_grid"):  # IQ1_S's and IQ1_M's codebook (csrc/hy.h IqGrids iq1)
+        from .quant import iq_grid_bytes
+
+        lib.hy_set_iq1_grid.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.hy_set_iq1_grid.restype = ctypes.c_int
+        if lib.hy_set_iq1_grid(iq_grid_bytes("iq1"), 2048) != 0:
+            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ1 codebook")
     return lib
 
 
-def has_iq_grids(isa: str) -> bool:
-    """Whether `isa`'s library runs the IQ formats (iq2_xxs): a library built before them has no codebooks and
-    refuses them."""
-    return isa == "ref" or hasattr(load(isa), "hy_set_grids")
+# the entry point that sets each IQ format's codebook: a library without it was built before the format
+_IQ_GRID_SETTERS = {"iq2_xxs": "hy_set_grids", "iq1_s": "hy_set_iq1_grid"}
+
+
+def has_iq_grids(isa: str, dtypes=("iq2_xxs",)) -> bool:
+    """Whether `isa`'s library runs the IQ formats among `dtypes` (iq2_xxs, iq1_s): a library built before one has
+    no codebook for it and refuses it."""
+    return isa == "ref" or all(hasattr(load(isa), _IQ_GRID_SETTERS[d]) for d in dtypes if d in _IQ_GRID_SETTERS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,11 +29,11 @@ from .topology import Topology
 
 DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 # the block formats: one scale (or exponent, or head) per block, activation block sums per 32 values
-_BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs")
+_BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq1_s")
 # the super-block formats' head bytes per 256 values
 _HEAD_BYTES = {"q2_k": quant.Q2_K_HEAD_BYTES, "q3_k": quant.Q3_K_HEAD_BYTES, "q4_k": quant.Q4_K_HEAD_BYTES,
                "q5_k": quant.Q5_K_HEAD_BYTES, "q6_k": quant.Q6_K_HEAD_BYTES, "iq4_xs": quant.IQ4_XS_HEAD_BYTES,
-               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES}
+               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES, "iq1_s": quant.IQ1_S_HEAD_BYTES}
 log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -218,7 +218,15 @@ class _IQ2X(_SuperBlocks):
     SRC = _native.PACK_SRC_IQ2_XXS
 
 
-_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X)
+class _IQ1S(_SuperBlocks):
+    """IQ1_S: fp16 d + 32 bytes of codebook index low bits + 8 uint16 of their high bits, scales and delta signs per
+    256 values."""
+
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "IQ1_S", quant.IQ1_S_BLOCK_BYTES, "iq1_s", quant.iq1_s_parts, slice(0, 2)
+    SRC = _native.PACK_SRC_IQ1_S
+
+
+_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ1S)
 
 
 _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block format of their own, never staged in floats
@@ -227,7 +235,7 @@ _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block f
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype q4_0, or int4 with
-    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]) or
+    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]) or
     "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
     kind = next((k for k in (_Q40, _Q80, *_SUPER_BLOCKS) if k.TYPE == ggml_type), None)
@@ -240,7 +248,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, MXFP4)")
+                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -639,7 +647,7 @@ class CpuMoE:
         self._lmap = torch.full((n_global,), -1, dtype=torch.int32)
         self._lmap[torch.tensor(expert_ids)] = torch.arange(E, dtype=torch.int32)
         self.isa = _native.resolve_isa(isa)
-        if {dtype, down_dtype} & set(FILE_ONLY_DTYPES) and not _native.has_iq_grids(self.isa):
+        if {dtype, down_dtype} & set(FILE_ONLY_DTYPES) and not _native.has_iq_grids(self.isa, (dtype, down_dtype)):
             raise ValueError(f"the {self.isa} library was built before the IQ formats ({dtype}, {down_dtype}); rebuild "
                              "it with `pip install -e .`")
         self.int4_order = _int4_order_for(self.isa, int4_order, group_size)
@@ -800,6 +808,16 @@ class CpuMoE:
         return cls._from_gguf(_IQ2X, (gate, up, down), {"dtype": "iq2_xxs"}, kwargs)
 
     @classmethod
+    def from_iq1_s(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF IQ1_S experts, packed as iq1_s without de-quantizing them: the file's d, qs and qh are
+        iq1_s's bytes exactly (cpu_kernels.quant, module doc).
+
+        gate, up: raw blocks uint8 [E, F, D/256, 50]; down: [E, D, F/256, 50] (views of the file, any strides).
+        kwargs: CpuMoE's; dtype, if given, must be "iq1_s".
+        """
+        return cls._from_gguf(_IQ1S, (gate, up, down), {"dtype": "iq1_s"}, kwargs)
+
+    @classmethod
     def _from_gguf(cls, kind: type, mats: tuple, defaults: dict, kwargs: dict) -> "CpuMoE":
         """The executor over (gate, up, down) raw GGUF blocks of `kind` (or its slices), with `defaults` for the
         kwargs the caller left out."""
@@ -857,6 +875,7 @@ class CpuMoE:
                 "q3_k": (quant.q3_k_parts, quant.quantize_q3_k, quant.Q3_K_VALUE_BYTES),
                 "iq4_xs": (quant.iq4_xs_parts, quant.quantize_iq4_xs, 128),
                 "iq2_xxs": (quant.iq2_xxs_parts, quant.quantize_iq2_xxs, quant.IQ2_XXS_VALUE_BYTES),
+                "iq1_s": (quant.iq1_s_parts, quant.quantize_iq1_s, quant.IQ1_S_VALUE_BYTES),
                 "q4_k": (quant.q4_k_parts, quant.quantize_q4_k, 128),
                 "q5_k": (quant.q5_k_parts, quant.quantize_q5_k, 128),
                 "q6_k": (quant.q6_k_parts, quant.quantize_q6_k, quant.Q6_K_VALUE_BYTES)}
@@ -1192,9 +1211,10 @@ class CpuMoE:
                 mm, dt = getattr(node, name), self._dt(name)
                 qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
                           "q8_0": torch.int8, "q4_k": torch.uint8, "q5_k": torch.uint8, "q6_k": torch.uint8, "q2_k": torch.uint8,
-                          "q3_k": torch.uint8, "iq4_xs": torch.uint8, "q4_0": torch.uint8, "iq2_xxs": torch.uint8}[dt]
+                          "q3_k": torch.uint8, "iq4_xs": torch.uint8, "q4_0": torch.uint8, "iq2_xxs": torch.uint8,
+                          "iq1_s": torch.uint8}[dt]
                 cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt in ("q2_k", "iq2_xxs") \
-                    else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk
+                    else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk // 256 * 48 if dt == "iq1_s" else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
                 if dt == "mxfp4":  # uint8 exponents, one per 32-value block

@@ -94,6 +94,20 @@ iq2_xxs: llama.cpp's IQ2_XXS values: rows in super-blocks of 256 values with an 
       a little-endian uint32 of the 4 sign indices at bits 7 l and ls at bits 28-31) and heads uint8 [..., R, K/256,
       2], d; 2.0625 bits a weight as the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer
       from floats: IQ2_XXS values come from llama.cpp's importance-weighted search (llama-quantize makes such files).
+iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
+      3-bit scale ls and a delta sign, each 4 groups of 8 values with an 11-bit index into a 2048-entry codebook of 8
+      values in {-1, 0, 1} (IQ1_GRID, the gguf package's table, which IQ1_M shares): w = d (2 ls + 1) (g + delta),
+      delta = +-IQ1_DELTA (-0.125 where the sub-block's sign bit is set). Packed as the file holds a super-block's
+      48 bytes after d: values uint8 [..., R, K/256 * 48] (qs, 32 bytes: the low 8 bits of group l's index; then qh,
+      8 little-endian uint16, one per sub-block: bits 3 i .. 3 i + 2 the top 3 bits of its group i's index, bits 12-14
+      ls, bit 15 the delta sign) and heads uint8 [..., R, K/256, 2], d; 1.5625 bits a weight as the file's. Rows are
+      zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
+IQ1_M (de-quantized only, no CPU format of its own yet): llama.cpp's IQ1_M values: rows in super-blocks of 256
+      values, 56 bytes each: qs (32 bytes, the low 8 bits of group l's 11-bit codebook index), qh (16 bytes, byte j's
+      low nibble for group 2 j, high nibble for 2 j + 1: bits 0-2 the index's top 3 bits, bit 3 the delta sign) and 4
+      little-endian uint16 scales words (word w's bits 3 i .. 3 i + 2 the 3-bit scale ls of 16-value piece 4 w + i,
+      its bits 12-15 bits 4 w .. 4 w + 3 of the super-block's fp16 d, which has no field of its own): w = d (2 ls + 1)
+      (g + delta), g from IQ1_S's codebook, delta +-IQ1_DELTA per 8 values. dequantize_iq1_m takes the raw blocks.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is q4_0 above exactly (q4_0_parts: the 16 bytes and d apart), and int4 in
@@ -111,6 +125,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       values 0-15 and high nibbles 16-31: iq4_xs above exactly (iq4_xs_parts re-pairs the nibbles into int4's chunk
       layout, values j and 32 + j of each 64 in byte j).
   IQ2_XXS: 66 bytes per 256 values, d then the 64 bytes of qs: iq2_xxs above exactly (iq2_xxs_parts).
+  IQ1_S: 50 bytes per 256 values, d then qs and qh: iq1_s above exactly (iq1_s_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -715,15 +730,16 @@ def _iq_grid(kind: str) -> torch.Tensor:
     [entries, 8], the values of each entry in order."""
     from gguf import quants
 
-    cls = {"iq2_xxs": quants.IQ2_XXS}[kind]
+    cls = {"iq2_xxs": quants.IQ2_XXS, "iq1": quants.IQ1_S}[kind]
     cls.init_grid()
     return torch.from_numpy(cls.grid.reshape(-1, 8).copy())
 
 
 def iq_grid_bytes(kind: str) -> bytes:
     """The codebook the compiled kernels read (csrc/hy.h IqGrids, set at load by _native): iq2_xxs 256 entries of 8
-    bytes, each the magnitude of one value (8, 25 or 43), the entry's first value first."""
-    return _iq_grid(kind).to(torch.uint8).numpy().tobytes()
+    bytes, each the magnitude of one value (8, 25 or 43); iq1 (IQ1_S's and IQ1_M's) 2048 entries of 8 int8 values
+    (-1, 0 or 1); the entry's first value first."""
+    return _iq_grid(kind).to(torch.int8).numpy().tobytes()
 
 
 def dequantize_iq2_xxs(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -762,12 +778,74 @@ def iq2_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raw[..., :IQ2_XXS_HEAD_BYTES].contiguous())
 
 
+IQ1_S_HEAD_BYTES = 2  # fp16 d
+IQ1_S_VALUE_BYTES = 48  # qs (the low 8 bits of 32 group indices), then qh (8 uint16; module doc)
+IQ1_S_BLOCK_BYTES = 50  # GGUF IQ1_S: d, qs, qh
+IQ1_DELTA = 0.125  # llama.cpp's IQ1S_DELTA: the shift of a group's codebook values, IQ1_S's and IQ1_M's
+
+
+def dequantize_iq1_s(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 48], heads uint8 [..., R, K/256, 2]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes IQ1_S: d (2 ls + 1) (g + delta) per 8 values (module doc)."""
+    *lead, B = values.shape
+    G, dev = B // IQ1_S_VALUE_BYTES, values.device
+    v = values.reshape(*lead, G, IQ1_S_VALUE_BYTES)
+    qh = v[..., 32:].reshape(*lead, G, 8, 2).long()
+    qh = qh[..., 0] | qh[..., 1] << 8  # [.., G, 8]
+    hi = (qh[..., None] >> torch.tensor([0, 3, 6, 9], device=dev)) & 7  # [.., G, 8, 4]
+    idx = v[..., :32].reshape(*lead, G, 8, 4).long() | hi << 8
+    g = _iq_grid("iq1").to(dev)[idx]  # [.., G, 8, 4, 8]
+    d = heads[..., 0:2].contiguous().view(torch.float16).float()  # [.., G, 1]
+    dl = d * (2 * ((qh >> 12) & 7) + 1).float()  # [.., G, 8]
+    delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).float()  # [.., G, 8]
+    return (dl[..., None, None] * (g + delta[..., None, None])).reshape(*lead, G * QK_K)
+
+
+def quantize_iq1_s(w: torch.Tensor):
+    """Refused: IQ1_S's values come from llama.cpp's importance-weighted codebook search (module doc)."""
+    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq1_s", type="IQ1_S"))
+
+
+def iq1_s_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ1_S blocks raw uint8 [..., R, G, 50] (any strides) -> (values uint8 [..., R, G * 48], heads uint8
+    [..., R, G, 2]): iq1_s's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ1_S_BLOCK_BYTES:
+        raise ValueError(f"IQ1_S blocks must be uint8 [..., K/256, {IQ1_S_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., IQ1_S_HEAD_BYTES:].reshape(*lead, G * IQ1_S_VALUE_BYTES).contiguous(),
+            raw[..., :IQ1_S_HEAD_BYTES].contiguous())
+
+
+IQ1_M_BLOCK_BYTES = 56  # GGUF IQ1_M: qs, qh, scales (module doc)
+
+
+def dequantize_iq1_m(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ1_M blocks raw uint8 [..., G, 56] -> fp32 [..., G * 256], as gguf.quants.dequantize computes IQ1_M:
+    d (2 ls + 1) (g + delta) per 8 values, d assembled from the top nibbles of the 4 scales words (module doc)."""
+    *lead, G, _ = raw.shape
+    dev = raw.device
+    sc = raw[..., 48:56].reshape(*lead, G, 4, 2).long()
+    sc = sc[..., 0] | sc[..., 1] << 8  # [.., G, 4]
+    bits = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=dev)).sum(-1)  # disjoint nibbles: their OR
+    d = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).view(torch.float16).float()  # [.., G, 1]
+    ls = ((sc[..., None] >> torch.tensor([0, 3, 6, 9], device=dev)) & 7).reshape(*lead, G, 16)
+    dl = d * (2 * ls + 1).float()  # [.., G, 16]: per 16 values
+    nib = (raw[..., 32:48, None].long() >> torch.tensor([0, 4], device=dev)).reshape(*lead, G, 32)  # per group
+    idx = raw[..., :32].long() | (nib & 7) << 8
+    delta = torch.where((nib & 8) == 0, IQ1_DELTA, -IQ1_DELTA).float()  # [.., G, 32]
+    g = _iq_grid("iq1").to(dev)[idx]  # [.., G, 32, 8]
+    dl = dl.reshape(*lead, G, 16, 1, 1).expand(*lead, G, 16, 2, 1).reshape(*lead, G, 32, 1)
+    return (dl * (g + delta[..., None])).reshape(*lead, G * QK_K)
+
+
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
-            "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs}
+            "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs,
+            "iq1_s": dequantize_iq1_s}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

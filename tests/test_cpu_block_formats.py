@@ -10,7 +10,9 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
   iq4_xs: 4-bit indices into a 16-value codebook with a 6-bit scale per 32 and an fp16 d per 256 (IQ4_XS);
   iq2_xxs: per 8 values an index into a 256-entry codebook of magnitudes and 7 sign bits, a 4-bit scale per 32 and an
       fp16 d per 256 (IQ2_XXS), the file's blocks only (FILE_ONLY: no quantizer from floats, so the tests that start
-      from floats run the others, and the file-only formats have block-based tests of their own).
+      from floats run the others, and the file-only formats have block-based tests of their own);
+  iq1_s: per 8 values an 11-bit index into a 2048-entry codebook of values in {-1, 0, 1}, a 3-bit scale and a delta
+      sign per 32 and an fp16 d per 256 (IQ1_S), file-only likewise.
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
 kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
@@ -106,6 +108,12 @@ def iq2xxs_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, v.reshape(*h.shape[:-1], 64)], -1).contiguous()
 
 
+def iq1s_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/256 * 48], heads [..., K/256, 2]) -> GGUF IQ1_S blocks uint8 [..., K/256, 50] (d, then
+    qs and qh)."""
+    return torch.cat([h, v.reshape(*h.shape[:-1], 48)], -1).contiguous()
+
+
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
@@ -125,6 +133,8 @@ FORMATS = {
                   quant.iq4_xs_parts, iq4_raw, CpuMoE.from_iq4_xs, "IQ4_XS"),
     "iq2_xxs": Fmt("iq2_xxs", 256, 66, 768, 512, 0.2578125, quant.quantize_iq2_xxs, quant.dequantize_iq2_xxs,
                    quant.iq2_xxs_parts, iq2xxs_raw, CpuMoE.from_iq2_xxs, "IQ2_XXS"),
+    "iq1_s": Fmt("iq1_s", 256, 50, 768, 512, 0.1953125, quant.quantize_iq1_s, quant.dequantize_iq1_s,
+                 quant.iq1_s_parts, iq1s_raw, CpuMoE.from_iq1_s, "IQ1_S"),
 }
 FMTS = list(FORMATS)
 FLOAT_FMTS = [f for f in FMTS if f not in FILE_ONLY_DTYPES]  # the formats with a quantizer from floats
@@ -169,7 +179,8 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
     3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
     scale (both signs of ls - 32), d likewise; iq2_xxs random qs bytes (every codebook index, sign index and 4-bit
-    scale), d of either sign likewise."""
+    scale), d of either sign likewise; iq1_s random qs and qh bytes (every codebook index, 3-bit scale and delta
+    sign), d of either sign likewise."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -198,6 +209,12 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
                    (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
                   (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
             raws.append(iq2xxs_raw(qs, dd.view(torch.uint8)))
+        elif fmt.name == "iq1_s":
+            qs = torch.randint(0, 256, (*shape[:2], G, 48), dtype=torch.uint8, generator=g)
+            dd = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                   (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
+                  (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
+            raws.append(iq1s_raw(qs, dd.view(torch.uint8)))
         elif fmt.name == "iq4_xs":
             qs = torch.randint(0, 256, (*shape[:2], G, 128), dtype=torch.uint8, generator=g)
             scales = torch.randint(0, 256, (*shape[:2], G, 6), dtype=torch.uint8, generator=g)  # scales_h, scales_l
@@ -404,8 +421,9 @@ def test_iq4_xs_quantize_roundtrip_and_format():
 
 
 @pytest.mark.parametrize("fmt, at", [("q4_0", 0), ("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108),
-                                     ("iq4_xs", 0), ("iq2_xxs", 0)],
-                         ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d", "iq2_xxs-d"])
+                                     ("iq4_xs", 0), ("iq2_xxs", 0), ("iq1_s", 0)],
+                         ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d", "iq2_xxs-d",
+                              "iq1_s-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -439,12 +457,18 @@ def test_gguf_bytes_and_gguf_py_dequantization(fmt):
     assert torch.equal(fm.dequantize(*fm.parts(ours)).reshape(4, 512), torch.from_numpy(ref))
 
 
-IQ_FIELDS = {"iq2_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16))}
+IQ_FIELDS = {"iq2_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16)),
+             "iq1_s": (("codebook index", 2048), ("scale", 8), ("delta sign", 2))}
 
 
 def iq_fields(fmt: str, raw: torch.Tensor) -> list[torch.Tensor]:
     """The fields of an IQ type's blocks, in IQ_FIELDS' order: iq2_xxs each group's codebook index and sign index,
-    each sub-block's scale."""
+    each sub-block's scale; iq1_s each group's 11-bit codebook index, each sub-block's scale and delta sign."""
+    if fmt == "iq1_s":
+        qh = raw[..., 34:].reshape(*raw.shape[:-1], 8, 2).long()
+        qh = qh[..., 0] | qh[..., 1] << 8
+        idx = raw[..., 2:34].reshape(*raw.shape[:-1], 8, 4).long() | ((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8
+        return [idx, (qh >> 12) & 7, qh >> 15]
     qs = raw[..., 2:].reshape(*raw.shape[:-1], 8, 8).long()
     aux = sum(qs[..., 4 + i] << (8 * i) for i in range(4))
     return [qs[..., :4], (aux[..., None] >> torch.tensor([0, 7, 14, 21])) & 127, aux >> 28]
@@ -652,7 +676,7 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
             cols = {"q4_0": k // 2, "q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
-                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4}.get(fmt, k)  # the q bytes of k values
+                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4, "iq1_s": k // 256 * 48}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -706,7 +730,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q5_0")
 
 
@@ -743,9 +767,9 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2),
                                      ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0),
-                                     ("iq2_xxs", 0)],
+                                     ("iq2_xxs", 0), ("iq1_s", 0)],
                          ids=["q8_0-d", "q4_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
-                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d"])
+                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d", "iq1_s-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
@@ -813,12 +837,13 @@ def check_down_beside(moe, ws, fd, gate, down, isa, fused_knob, D, seed):
 
 @pytest.mark.parametrize("down, gate", [("q3_k", "q2_k"), ("q3_k", "q4_k"), ("iq4_xs", "q4_k"), ("iq4_xs", "q8_0"),
                                         ("iq4_xs", "int8"), ("iq2_xxs", "q2_k"), ("q4_k", "iq2_xxs"),
-                                        ("iq2_xxs", "int8")])
+                                        ("iq2_xxs", "int8"), ("iq2_xxs", "iq1_s"), ("q4_k", "iq1_s"), ("q2_k", "iq1_s"),
+                                        ("iq1_s", "int8")])
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_knob):
     """A layer whose down is GGUF blocks kept in a format of their own (a Q3_K down as Q2_K and Q3_K_M files have
-    them beside Q2_K or Q4_K, an IQ4_XS one, an IQ2_XXS one as unsloth's UD-IQ1 files have them; a Q4_K down beside
-    IQ2_XXS gates and ups) beside a gate and up of another dtype (their file's blocks as they are, or floats quantized
+    them beside Q2_K or Q4_K, an IQ4_XS one, an IQ2_XXS one as unsloth's UD-IQ1 files have them, beside their IQ1_S
+    gates and ups too; a Q4_K down beside IQ2_XXS gates and ups, a Q4_K or Q2_K one beside IQ1_S ones) beside a gate and up of another dtype (their file's blocks as they are, or floats quantized
     to int8): the kernels (tight, activation rounding emulated) on the file's values, and the
     packed views per matrix, the down's holding the file's values."""
     fd, fm = FORMATS[down], FORMATS.get(gate)

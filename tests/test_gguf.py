@@ -193,15 +193,24 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 
 
 # -- de-quantizers: bit for bit against gguf-py -----------------------------------------------------------------
-BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS)
+BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S,
+               Q.IQ1_M)
 FP16_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
-           Q.IQ2_XXS: (0,)}
+           Q.IQ2_XXS: (0,), Q.IQ1_S: (0,)}
 
 
 def valid_blocks(t, n: int, rng) -> np.ndarray:
     """n blocks of type t: gguf-py's quantization of random values where it has a quantizer, else random
-    bytes (every code and scale pattern) with the fp16 scale fields set to finite values."""
+    bytes (every code and scale pattern) with the fp16 scale fields set to finite values (IQ1_M: its d, which has no
+    field of its own, as the top nibbles of its 4 scales words, word w's bits 4 w .. 4 w + 3 of d)."""
     block, size = gguf.GGML_QUANT_SIZES[t]
+    if t == Q.IQ1_M:
+        b = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        d = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint16)[:, None]
+        sc = b[:, 48:56].copy().view(np.uint16)
+        sc = (sc & 0x0FFF) | (((d >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF) << 12)
+        b[:, 48:56] = sc.astype(np.uint16).view(np.uint8)
+        return b
     if t not in FP16_AT:
         return gguf.quants.quantize(rng.standard_normal((n, block)).astype(np.float32) * 3, t).reshape(n, size)
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)

@@ -61,6 +61,26 @@ HY_API int hy_set_grids(const uint64_t* iq2xxs, int n2) {
   return HY_OK;
 }
 
+// Sets the IQ1 codebook (hy.h IqGrids iq1, IQ1_S's and IQ1_M's) from the caller's copy: 2048 entries of 8 int8 values
+// in {-1, 0, 1}, kept as the bytes 8 g + 8. Called once per library when it loads (cpu_kernels/_native.py), before any
+// layer call. Returns HY_OK or HY_EARG (a value outside -1..1).
+HY_API int hy_set_iq1_grid(const int8_t* grid, int n) {
+  if (!grid || n != 2048) return HY_EARG;
+  uint64_t t[2048];
+  for (int i = 0; i < 2048; ++i) {
+    uint64_t e = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int g = grid[8 * i + j];
+      if (g < -1 || g > 1) return HY_EARG;
+      e |= (uint64_t)(8 * g + 8) << (8 * j);
+    }
+    t[i] = e;
+  }
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  std::memcpy(g_iq_grids.iq1, t, sizeof(g_iq_grids.iq1));
+  return HY_OK;
+}
+
 HY_API void* hy_pool_get(const int* cpus, int n) { return n > 0 ? pool_get(cpus, n) : nullptr; }
 
 HY_API int hy_pool_threads(void* pool) { return pool ? ((Pool*)pool)->n : 0; }

@@ -11,7 +11,7 @@
 #define HY_MAX_NODES 8
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
-       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12 };
+       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12, HY_IQ1_S = 13 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -31,7 +31,8 @@ typedef struct {
                          // q3_k: uint8 heads [E, rows_p, ldk/256, 14] (read through q3k_heads; s_estride in bytes);
                          // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes);
                          // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values);
-                         // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes)
+                         // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes);
+                         // iq1_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq1s_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -325,8 +326,12 @@ inline const uint8_t* iq2xxs_heads(const HyMat& M, int e, int r) {
 // The IQ2_XXS codebook, set once per library at load by hy_set_grids (api.h) from the table the gguf package ships
 // (gguf.quants.IQ2_XXS.grid; cpu_kernels/_native.py load): entry i's 8 bytes are its 8 magnitudes (8, 25 or 43), the
 // first value in the lowest byte. All zero until set, so a kernel never reads an unset table.
+// The IQ1 codebook (IQ1_S's and IQ1_M's: gguf.quants.IQ1_S.grid), set likewise by hy_set_iq1_grid: entry i's 8 values
+// g in {-1, 0, 1} kept as the bytes 8 g + 8 (0, 8 or 16), the unsigned operand the kernels add a group's delta to
+// (hy.h iq1s_heads).
 struct IqGrids {
   alignas(64) uint64_t iq2xxs[256];
+  alignas(64) uint64_t iq1[2048];
 };
 IqGrids g_iq_grids{};
 // A 7-bit sign index s -> its group's 8 signs as bits (bit j set: value j negative): s's 7 bits, and an 8th that makes
@@ -337,6 +342,17 @@ struct IqSigns {
   IqSigns() { for (int s = 0; s < 128; ++s) v[s] = iq_sign_bits(s); }
 };
 const IqSigns g_iq_signs;
+
+// iq1_s (cpu_kernels/quant.py, module doc): per 256-value super-block of a row the file's 48 bytes after d as they are
+// [rows_p, ldk/256 * 48] and its fp16 d as the head [rows_p, ldk/256, 2]. qs (bytes 0-31): the low 8 bits of group l's
+// codebook index; qh (bytes 32-47): a little-endian uint16 per 32-value sub-block ib, bits 3 i .. 3 i + 2 the top 3
+// bits of group 4 ib + i's index, bits 12-14 the scale ls, bit 15 the delta sign. w = d (2 ls + 1) (g + delta) =
+// d (2 ls + 1) / 8 x (8 g + s), s = +1 (bit 15 clear) or -1: the kernels take u = 8 g + 8 + (s + 1) in 0..18 (hy.h
+// IqGrids: 8 g + 8, plus 2 where s = +1) as the unsigned operand and subtract 9 x the activations' sum. ldk is a
+// multiple of 256.
+inline const uint8_t* iq1s_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 2;
+}
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }
 inline const int32_t* act_gsum(const uint8_t* row, int ldk) { return (const int32_t*)(row + ldk + 4); }

@@ -632,6 +632,51 @@ void iq2xxs_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* ro
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// iq1_s (hy.h iq1s_heads): per 32-value sub-block and row its 4 codebook entries (hy.h g_iq_grids, 8 g + 8 a byte)
+// with 2 added where the sub-block's s is +1 (its qh word's bit 15 clear) and 9 taken away: 8 g + s in -9..9 a byte,
+// its magnitude the unsigned operand and its sign put onto the activations (VPSIGNB; maddubs pair sums <= 2 x 9 x 127,
+// exact); the exact dot converted and multiplied by d (2 ls + 1) / 8.
+template <int MT>
+void iq1s_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 2;
+  const uint64_t* grid = g_iq_grids.iq1;
+  const __m256i nine = _mm256_set1_epi8(9);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    float d[4];
+    for (int j = 0; j < 4; ++j) {
+      uint16_t dh;
+      std::memcpy(&dh, hd + j * hst + sb * 2, 2);
+      d[j] = f16_to_f32(dh) * 0.125f;
+    }
+    for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + sb * 48), _MM_HINT_T1);
+    for (int ib = 0; ib < 8; ++ib) {
+      __m256i a[MT];
+      for (int t = 0; t < MT; ++t) a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + ib * 32));
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* q = w + j * ldw + sb * 48;
+        uint16_t qh;
+        std::memcpy(&qh, q + 32 + 2 * ib, 2);
+        const uint64_t up = qh & 0x8000 ? 0 : 0x0202020202020202ULL;  // s = +1: 8 g + 10
+        const uint8_t* qs = q + 4 * ib;
+        const __m256i u = _mm256_setr_epi64x((long long)(grid[qs[0] | (qh << 8 & 0x700)] + up),
+                                             (long long)(grid[qs[1] | (qh << 5 & 0x700)] + up),
+                                             (long long)(grid[qs[2] | (qh << 2 & 0x700)] + up),
+                                             (long long)(grid[qs[3] | (qh >> 1 & 0x700)] + up));
+        const __m256i v = _mm256_sub_epi8(u, nine);  // 8 g + s
+        const __m256i m = _mm256_abs_epi8(v);
+        const __m256 sc = _mm256_set1_ps(d[j] * (float)(2 * (qh >> 12 & 7) + 1));
+        for (int t = 0; t < MT; ++t)
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(m, _mm256_sign_epi8(a[t], v))), sc, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
@@ -666,6 +711,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ2_XXS) {
     iq2xxs_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, iq2xxs_heads(M, e, r), C,
                      ldc);
+  } else if (M.dtype == HY_IQ1_S) {
+    iq1s_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
+                   iq1s_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
                   ldc);

@@ -798,6 +798,78 @@ void iq2xxs_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* row
 }
 
 
+// iq1_s (hy.h iq1s_heads), 4 rows x MT <= 4 tokens (the decode shared by the tokens): per 256-value super-block and row
+// its 8 qh words give the 32 groups' 11-bit codebook indices (the qs byte, the word's 3 bits of the group above it:
+// permute, variable shift), their delta signs (bit 15 of the group's word: one test per 16 groups, a 32-bit mask of
+// the groups whose s is +1) and the sub-blocks' d (2 ls + 1) / 8 in lanes 0-7 of a vector. Per 64-value chunk and row
+// one gather of its 8 codebook entries (8 g + 8 a byte, hy.h IqGrids), 2 added to the bytes of the groups whose s is
+// +1 (a masked add per 64-bit lane): u = 8 g + s + 9 in 0..18, the unsigned operand. Per token the chunk's
+// activations' sums per 4 values times -9 (one VPDPBUSD of 9s, negated) start each row's VPDPBUSD, so the lanes hold
+// the exact sum of (8 g + s) a over their 4 values (lanes 0-7: sub-block 2 cc, 8-15: 2 cc + 1), converted and
+// multiplied by a VPERMPS of the scales.
+template <int MT>
+void iq1s_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 2;  // head bytes a row
+  const long long* grid = (const long long*)g_iq_grids.iq1;
+  const __m512i words = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // group -> its qh word
+  const __m512i fields = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+  const __m512i m7 = _mm512_set1_epi32(7), sbit = _mm512_set1_epi32(0x8000);
+  const __m512i two = _mm512_set1_epi8(2), nine = _mm512_set1_epi8(9);
+  const __m512i pair0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: 1
+  const __m512i zero = _mm512_setzero_si512();
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      _mm_prefetch((const char*)(w + j * ldw + sb * 48), _MM_HINT_T1);
+      if (sb % 32 == 0) _mm_prefetch((const char*)(hd + j * hst + sb * 2), _MM_HINT_T1);
+    }
+    __m512 sv16[4];
+    alignas(64) int32_t ind[4][32];  // row j: group l's codebook index
+    uint32_t pos[4];                 // row j: bit l set where group l's s is +1
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* q = w + j * ldw + sb * 48;
+      const __m256i qh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(q + 32)));
+      const float d = _cvtsh_ss(*(const uint16_t*)(hd + j * hst + sb * 2)) * 0.125f;
+      const __m256i ls21 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qh, 11), _mm256_set1_epi32(14)),
+                                           _mm256_set1_epi32(1));  // 2 ls + 1
+      sv16[j] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(ls21), _mm256_set1_ps(d)));
+      const __m512i qh16 = _mm512_castsi256_si512(qh);
+      uint32_t p = 0;
+      for (int h = 0; h < 2; ++h) {  // groups 16 h .. 16 h + 15: sub-blocks 4 h .. 4 h + 3
+        const __m512i x = _mm512_permutexvar_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(4 * h)), qh16);
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(x, fields), m7);
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * h)));
+        _mm512_store_si512((void*)&ind[j][16 * h], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8)));
+        p |= (uint32_t)_mm512_testn_epi32_mask(x, sbit) << (16 * h);
+      }
+      pos[j] = p;
+    }
+    __m512i idx = pair0;  // chunk cc: lanes 0-7 sub-block 2 cc, lanes 8-15 sub-block 2 cc + 1
+    for (int cc = 0; cc < 4; ++cc, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+      __m512i wq[4];
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i g = _mm512_i32gather_epi64(_mm256_load_si256((const __m256i*)&ind[j][8 * cc]), grid, 8);
+        wq[j] = _mm512_mask_add_epi64(g, (__mmask8)(pos[j] >> (8 * cc)), g, two);
+        sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        const __m512i n9 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, nine, a));  // -9 x the sums per 4 values
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(n9, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+
 // The 256-value super-block formats (q4_k, q5_k, iq4_xs, q2_k, q3_k, q6_k): 4 rows x MT <= 2 tokens of expert e's row r,
 // each format's kernel on its values (bytes per row: the format's value bytes per 256 values) and heads.
 inline bool is_super_block(int dt) {
@@ -841,6 +913,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ2_XXS) {
     iq2xxs_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc,
                     pf_lo, pf_rows);
+  } else if (M.dtype == HY_IQ1_S) {
+    iq1s_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
+                  iq1s_heads(M, e, r), C, ldc, pf_lo, pf_rows);
   } else if (is_super_block(M.dtype)) {
     if constexpr (MT <= 2) {
       super_block_rows<MT>(M, e, r, rows, C, ldc, pf_lo, pf_rows);

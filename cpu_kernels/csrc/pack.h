@@ -34,6 +34,8 @@
 // A GGUF IQ2_XXS source (66-byte super-blocks: fp16 d, then 64 bytes of qs) is iq2_xxs exactly: its d as the head, its
 // qs as the values, as they are. iq2_xxs from floats would need llama.cpp's search over the codebook: refused here and
 // by cpu_kernels/moe.py (the file's blocks only).
+// A GGUF IQ1_S source (50-byte super-blocks: fp16 d, then 32 bytes of qs and 16 of qh) is iq1_s exactly: its d as the
+// head, its qs and qh as the values, as they are; from floats refused likewise.
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -43,7 +45,7 @@
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
        HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9,
-       HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11, HY_SRC_IQ2_XXS = 12 };
+       HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11, HY_SRC_IQ2_XXS = 12, HY_SRC_IQ1_S = 13 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -379,6 +381,16 @@ bool pack_row_iq2_xxs_src(const HyPackSrc& S, int i, const HyMat& M, int e, int 
   });
 }
 
+// Row r of IQ1_S source expert i -> iq1_s row r of expert e: each super-block's fp16 d as the head and its 48 bytes of
+// qs and qh as the values, as they are. False if a d is not finite.
+bool pack_row_iq1_s_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  return pack_row_super_blocks(S, i, M, e, r, 48, 2, [](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(h, blk, 2);
+    std::memcpy(q, blk + 2, 48);
+    return (uint32_t)((blk[1] & 0x7C) == 0x7C);  // d's exponent all ones: Inf or NaN
+  });
+}
+
 // One 32-value sub-block's scale s = m / -127, m its value of largest magnitude (the first one): the codebook's
 // entry of largest magnitude, -127, times s is m.
 inline float iq4_sub_scale(const float* v) {
@@ -459,17 +471,17 @@ struct SuperBlockSrc {
 constexpr SuperBlockSrc kSuperBlockSrcs[] = {{HY_SRC_Q2_K, HY_Q2_K, 84},   {HY_SRC_Q3_K, HY_Q3_K, 110},
                                              {HY_SRC_Q4_K, HY_Q4_K, 144},  {HY_SRC_Q5_K, HY_Q5_K, 176},
                                              {HY_SRC_Q6_K, HY_Q6_K, 210},  {HY_SRC_IQ4_XS, HY_IQ4_XS, 136},
-                                             {HY_SRC_IQ2_XXS, HY_IQ2_XXS, 66}};
+                                             {HY_SRC_IQ2_XXS, HY_IQ2_XXS, 66}, {HY_SRC_IQ1_S, HY_IQ1_S, 50}};
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ2_XXS) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ1_S) return false;
   for (const SuperBlockSrc& b : kSuperBlockSrcs)  // each into its own dtype only, whole super-blocks, each one's
     if (S->wdtype == b.src)                        // bytes in one run
       return M->dtype == b.dtype && M->scale && S->k % 256 == 0 && S->cs >= b.bytes && M->ldk % 256 == 0;
   if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K ||
-      M->dtype == HY_IQ2_XXS)
-    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs: none)
+      M->dtype == HY_IQ2_XXS || M->dtype == HY_IQ1_S)
+    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs, iq1_s: none)
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // q4_0, or int4 in groups of 32; whole blocks, each block's bytes in one run
@@ -519,6 +531,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_Q2_K) { ok &= pack_row_q2_k_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_IQ4_XS) { ok &= pack_row_iq4_xs_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_IQ2_XXS) { ok &= pack_row_iq2_xxs_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_IQ1_S) { ok &= pack_row_iq1_s_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);

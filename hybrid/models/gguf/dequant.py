@@ -173,8 +173,25 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     return quant.dequantize_iq2_xxs(b[:, 2:], b[:, None, :2])
 
 
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    """IQ1_S (50 bytes per 256 values: d, qs, qh) by the CPU executor's reference, cpu_kernels.quant (gguf-py's
+    formula; its codebook from the gguf package)."""
+    from cpu_kernels import quant
+
+    return quant.dequantize_iq1_s(b[:, 2:], b[:, None, :2])
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    """IQ1_M (56 bytes per 256 values: qs, qh, scales words holding d's nibbles) by the CPU executor's reference,
+    cpu_kernels.quant (gguf-py's formula; its codebook from the gguf package)."""
+    from cpu_kernels import quant
+
+    return quant.dequantize_iq1_m(b)
+
+
 _BLOCK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.MXFP4: _mxfp4, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k,
-          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs}
+          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs,
+          T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
 SUPPORTED = tuple(_FLOAT) + tuple(_BLOCK)
 
 
