@@ -20,10 +20,11 @@ GPU (VRAM):
     resident experts    3 x D x F each in the residents' GPU dtype (the "experts" entry of gpu_dtypes): de-quantized
                         to the compute dtype, or int8 / int4 bytes + fp32 scales (hybrid.offload.resident), whose
                         larger batches de-quantize one chunk at a time (counted with the graph buffers)
-    prefill activations one prefill pass of min(prefill_chunk, C) tokens (hybrid.runtime.Engine.prefill): the hidden
-                        states, the widest attention or dense-MLP temporaries, the fp32 MoE merge and router
-                        logits, and one expert group's gathered rows, outputs and fp32 products
-                        (HybridExperts._gpu_lane); an upper estimate from the tensors live at once
+    prefill activations one prefill pass of min(prefill_chunk, C) tokens attending C keys (hybrid.runtime.Engine.prefill):
+                        the hidden states, the widest attention or dense-MLP temporaries, the fp32 MoE merge and
+                        router logits, one expert group's gathered rows, outputs and fp32 products
+                        (HybridExperts._gpu_lane), MLA's keys and values expanded per head for all C keys, a
+                        later pass's mask over the cache; an upper estimate from the tensors live at once
     reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
@@ -265,24 +266,47 @@ def expert_bias_bytes(cfg) -> int:
     return cfg.num_moe_layers * cfg.num_experts * (2 * cfg.expert_intermediate_size + cfg.hidden_size) * 4
 
 
-def prefill_activation_bytes(cfg, tokens: int, gb: int, ship_chunk: int) -> int:
-    """VRAM of one prefill pass's activations over `tokens` tokens (see the module docstring): per token the
-    hidden states (6 x D: input, normed, residual, attention output and its projection, layer output), the wider of
-    the attention's temporaries (grouped-query q/k/v/output; MLA's q, expanded k/v, kv_b output and attention
-    output) and a dense or shared MLP's gate/up/activation, the fp32 MoE merge and router logits; plus one expert
-    group's rows (the ship lane's chunk of experts at uniform routing, at least one expert's, at most K per token)
-    gathered, computed (gate, up, activation) and merged in fp32."""
+def prefill_activation_bytes(cfg, tokens: int, gb: int, ship_chunk: int, context: int | None = None) -> int:
+    """VRAM of one prefill pass's activations: `tokens` tokens attending `context` keys (None: the pass is the whole
+    prompt). Per token of the pass (pass_bytes) the hidden states (6 x D: input, normed, residual, attention output
+    and its projection, layer output), the wider of the attention's own temporaries (grouped-query q/k/v/output;
+    MLA's q and output) and a dense or shared MLP's gate/up/activation, the fp32 MoE merge and router logits, and
+    one expert group's rows (the ship lane's chunk of experts at uniform routing, at least one expert's, at most K
+    per token) gathered, computed (gate, up, activation) and merged in fp32; plus what grows with the keys
+    (context_bytes)."""
+    L = tokens if context is None else max(context, tokens)
+    return pass_bytes(cfg, tokens, gb, ship_chunk) + context_bytes(cfg, tokens, L, gb)
+
+
+def pass_bytes(cfg, tokens: int, gb: int, ship_chunk: int) -> int:
+    """The part of prefill_activation_bytes that grows with the pass's tokens alone."""
     D, F, K, E, H = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token, cfg.num_experts, cfg.num_heads
     if cfg.mla is None:
         attn = (2 * H + 2 * cfg.num_kv_heads) * cfg.head_dim
     else:
         m = cfg.mla
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        attn = H * (2 * qk + 2 * m.v_head_dim + m.qk_nope_head_dim + m.v_head_dim)
+        attn = H * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
     mlp = 3 * max(cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
     per_token = gb * (6 * D + max(attn, mlp)) + 4 * D + 4 * E
     rows = tokens * min(K, max(1.0, K * ship_chunk / E))
     return int(tokens * per_token + rows * (gb * (2 * D + 3 * F) + 4 * D))
+
+
+def context_bytes(cfg, tokens: int, context: int, gb: int) -> int:
+    """What grows with the keys a pass attends (hybrid.models.layers.Attention._attend, hybrid.models.mla): MLA
+    expands keys and values per head for every key (kv_b_proj's output, k, v padded to k's width); a pass over the
+    cache (context > tokens) builds a boolean mask and SDPA its additive form, grouped-query heads folded into the
+    query axis (H / Hkv x tokens x context)."""
+    H = cfg.num_heads
+    if cfg.mla is not None:
+        m = cfg.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        expand = context * H * (m.qk_nope_head_dim + m.v_head_dim + 2 * qk) * gb
+        rep = 1
+    else:
+        expand, rep = 0, H // cfg.num_kv_heads
+    mask = rep * tokens * context * (1 + gb) if context > tokens else 0
+    return int(expand + mask)
 
 
 PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512)  # the prefill passes fit_prefill_chunk chooses from, largest first
@@ -297,9 +321,13 @@ def fit_prefill_chunk(cfg, s: "MemorySettings", gpu_budget: int | None) -> int:
     passes at 2,048 tokens on 24 GiB and 8,192 on 140 GiB."""
     if gpu_budget is None:
         return s.prefill_chunk
-    gb = s.gpu_dtype_bytes
+    gb, C = s.gpu_dtype_bytes, s.max_context
     for chunk in PREFILL_CHUNKS:
-        if prefill_activation_bytes(cfg, min(chunk, s.max_context), gb, s.ship_chunk) <= ACTIVATION_SHARE * gpu_budget:
+        t = min(chunk, C)
+        # what the pass's size decides: its own tokens' part and its mask over the cache (MLA's expansion over the
+        # keys is the context's, whatever the pass)
+        if pass_bytes(cfg, t, gb, s.ship_chunk) + context_bytes(cfg, t, C, gb) - context_bytes(cfg, 0, C, gb) \
+                <= ACTIVATION_SHARE * gpu_budget:
             return chunk
     return PREFILL_CHUNKS[-1]
 
@@ -353,8 +381,9 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # layers whose down has a dtype of its own hold that many more (or fewer) bytes per expert
     own_downs = sum(down_bytes(D, F, d, s.node_threads, s.group) - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group)
                     for d in s.down_dtypes) * cfg.num_experts
-    # one prompt's pass at a time (the server's batched prefill pads rows x chunk to at most its --prefill-chunk)
-    acts = prefill_activation_bytes(cfg, min(s.prefill_chunk, s.max_context), gb, s.ship_chunk)
+    # one prompt's pass at a time (the server's batched prefill pads rows x chunk to at most its --prefill-chunk),
+    # the last of a prompt that fills the context attending all of it
+    acts = prefill_activation_bytes(cfg, min(s.prefill_chunk, s.max_context), gb, s.ship_chunk, s.max_context)
     return MemoryBreakdown(non_expert=non_expert, kv_cache=kv, staging=staging, graph_buffers=graph, reserve=s.reserve,
                            resident_expert=resident, dram_expert=packed, dram_experts_all=n_experts * packed + own_downs,
                            pinned_buffers=pinned, parts=parts, prefill_activations=acts)

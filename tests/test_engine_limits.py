@@ -101,3 +101,31 @@ def test_prefill_chunk_is_checked():
 
     with pytest.raises(ValueError, match="prefill-chunk"):
         RuntimeConfig(prefill_chunk=0)
+
+
+def test_mla_passes_over_the_cache_attend_expanded_and_decode_steps_absorbed(tmp_path, monkeypatch):
+    """A later prefill pass reads the cache: past ABSORB_MAX_T tokens it builds keys and values per head (the latent
+    form's H x T x L mask and scores would be 1+ GB at 2,048 x 4K); a decode step attends in latent space."""
+    from tiny_models import make_checkpoint
+
+    from hybrid.models import load_model
+    from hybrid.models import mla
+    from hybrid.runtime.config import RuntimeConfig
+
+    make_checkpoint("deepseek_v3", tmp_path, bf16_values=True)
+    m = load_model(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    seen = []
+    for name in ("_expanded", "_absorbed"):
+        real = getattr(mla.MLAttention, name)
+        monkeypatch.setattr(mla.MLAttention, name, lambda self, q_nope, *a, _r=real, _n=name:
+                            seen.append((_n, q_nope.shape[1])) or _r(self, q_nope, *a))
+    n = mla.ABSORB_MAX_T + 4
+    for chunk, second in ((n, "_expanded"), (mla.ABSORB_MAX_T, "_absorbed")):
+        seen.clear()
+        e = Engine(m, config=RuntimeConfig(max_batch=1, max_context=64, eager=True, prefill_chunk=chunk))
+        s = e.allocate_slot()
+        e.prefill(s, list(range(3, 3 + 2 * chunk)))
+        e.decode_step([s], [5])
+        per_layer = len(seen) // 3
+        assert [x for x, _ in seen[::per_layer]] == ["_expanded", second, "_absorbed"]
+        assert [t for _, t in seen[::per_layer]] == [chunk, chunk, 1]

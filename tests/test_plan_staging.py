@@ -90,20 +90,22 @@ def qwen30_cfg():
 
 def test_qwen3_30b_keeps_a_larger_chunk_where_launches_cost(chunky, capsys):
     """With a per-chunk launch cost the model prices chunk 1 more than 2% above the fastest, and 2 within it: the
-    plan takes 2, not the fastest (8), whose extra staging would buy only 0.7% of prefill."""
+    plan takes 2; 8's extra staging (and its larger expert groups' prefill activations) buys no prefill."""
     from placement.hardware import load_profile
     from placement.memory import MemorySettings
 
     p = plan_json(capsys, *QWEN30, profile=chunky)
     slots, chunk = p["settings"]["staging_slots"], p["settings"]["ship_chunk"]
     assert (slots, chunk) == (2, 2)
-    mem = MemorySettings(max_context=32768, node_threads=(16,), gpu_dtypes=p["settings"]["gpu_dtypes"])
+    mem = MemorySettings(max_context=32768, node_threads=(16,), gpu_dtypes=p["settings"]["gpu_dtypes"],
+                         prefill_chunk=p["settings"]["prefill_chunk"])
     priced = price_staging(qwen30_cfg(), None, load_profile(chunky), mem, 24 * GiB)
     assert [c.chunk for c in priced] == [1, 2, 4, 8] and all(c.slots == 2 for c in priced)
     best = min(c.prefill_s for c in priced)
     by_chunk = {c.chunk: c for c in priced}
     assert by_chunk[1].prefill_s > best * (1 + STAGING_TOLERANCE)
-    assert by_chunk[2].prefill_s <= best * (1 + STAGING_TOLERANCE) and by_chunk[8].prefill_s == best
+    assert by_chunk[2].prefill_s <= best * (1 + STAGING_TOLERANCE)
+    assert by_chunk[8].prefill_s <= best * (1 + STAGING_TOLERANCE)
     assert residents(p) == by_chunk[2].residents > by_chunk[8].residents
     # without the launch cost the same model takes chunk 1
     assert plan_json(capsys, *QWEN30)["settings"]["ship_chunk"] == 1

@@ -32,29 +32,44 @@ def test_activations_grow_with_the_pass_and_count_in_the_fixed_part():
     cfg, _ = preset("deepseek-v3")
     sizes = [prefill_activation_bytes(cfg, t, 2, 1) for t in (512, 2048, 8192)]
     assert sizes[0] < sizes[1] < sizes[2] and sizes[2] == pytest.approx(16 * sizes[0], rel=0.01)  # linear in tokens
-    # DeepSeek-V3 at 2,048 tokens: hidden states, MLA's temporaries (its widest), fp32 merge and router logits,
-    # one expert's rows
+    # DeepSeek-V3, a whole 2,048-token prompt: per token the hidden states and the dense MLP's temporaries (wider
+    # than MLA's q and output), the fp32 merge and router logits; one expert's rows; MLA's keys and values expanded
+    # per head (kv_b output 128 + 128, k 192, v padded to 192)
     D, H = 7168, 128
-    per = 2 * (6 * D + H * (2 * 192 + 2 * 128 + 128 + 128)) + 4 * D + 4 * 256 + 2 * (2 * D + 3 * 2048) + 4 * D
+    per = (2 * (6 * D + 3 * 18432) + 4 * D + 4 * 256) + (2 * (2 * D + 3 * 2048) + 4 * D) + H * (128 + 128 + 2 * 192) * 2
     assert sizes[1] == 2048 * per
+    # a later pass over a 32K cache: the expansion grows with the keys, not the pass; no mask term for MLA's own
+    # expanded form beyond [pass x keys]
+    later = prefill_activation_bytes(cfg, 2048, 2, 1, 32768)
+    assert later - sizes[1] == (32768 - 2048) * H * (128 + 128 + 2 * 192) * 2 + 2048 * 32768 * 3
     small, big = (breakdown(cfg, MemorySettings(max_context=32768, prefill_chunk=c)) for c in (512, 8192))
-    assert big.prefill_activations == sizes[2] and small.prefill_activations == sizes[0]
-    assert big.gpu_fixed - small.gpu_fixed == sizes[2] - sizes[0]
-    # a context shorter than the pass: the pass is the context
+    assert big.prefill_activations == prefill_activation_bytes(cfg, 8192, 2, 8, 32768)
+    assert small.prefill_activations == prefill_activation_bytes(cfg, 512, 2, 8, 32768)
+    assert big.gpu_fixed - small.gpu_fixed == big.prefill_activations - small.prefill_activations > 0
+    # a context shorter than the pass: one pass, the whole prompt
     assert breakdown(cfg, MemorySettings(max_context=1024)).prefill_activations == prefill_activation_bytes(cfg, 1024, 2, 8)
+    # grouped-query heads folded into the mask of a pass over the cache: H / Hkv x pass x keys
+    glm, _ = preset("glm-4.5")
+    rep = glm.num_heads // glm.num_kv_heads
+    assert (prefill_activation_bytes(glm, 1024, 2, 1, 32768) - prefill_activation_bytes(glm, 1024, 2, 1)
+            == rep * 1024 * 32768 * 3)
 
 
 def test_the_pass_is_fitted_to_the_budget():
+    from placement.memory import context_bytes, pass_bytes
+
     cfg, _ = preset("deepseek-v3")
     s = MemorySettings(max_context=32768, ship_chunk=1)
     assert fit_prefill_chunk(cfg, s, None) == s.prefill_chunk == 8192
     fitted = {b: fit_prefill_chunk(cfg, s, b * GiB) for b in (4, 16, 24, 48, 140)}
     assert fitted[24] == 2048 and fitted[140] == 8192 and fitted[4] == PREFILL_CHUNKS[-1]
     assert list(fitted.values()) == sorted(fitted.values())  # never smaller on a bigger card
-    for b, chunk in fitted.items():
-        if chunk != PREFILL_CHUNKS[-1]:
-            assert prefill_activation_bytes(cfg, chunk, 2, 1) <= b * GiB / 16 < prefill_activation_bytes(cfg, 2 * chunk, 2, 1) \
-                or chunk == PREFILL_CHUNKS[0]
+
+    def sized(t):  # what the pass's size decides
+        return pass_bytes(cfg, t, 2, 1) + context_bytes(cfg, t, 32768, 2) - context_bytes(cfg, 0, 32768, 2)
+
+    assert sized(2048) <= 24 * GiB / 16 < sized(4096)
+    assert sized(8192) <= 140 * GiB / 16
 
 
 def test_plan_records_the_pass_and_prints_its_activations(capsys):
@@ -64,7 +79,8 @@ def test_plan_records_the_pass_and_prints_its_activations(capsys):
     p = json.loads(capsys.readouterr().out)
     assert p["settings"]["prefill_chunk"] == 2048
     cfg, _ = preset("deepseek-v3")
-    assert p["memory"]["gpu"]["prefill_activations"] == prefill_activation_bytes(cfg, 2048, 2, p["settings"]["ship_chunk"])
+    assert p["memory"]["gpu"]["prefill_activations"] == prefill_activation_bytes(cfg, 2048, 2, p["settings"]["ship_chunk"],
+                                                                                  32768)
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "prefill activations" in printed and "(passes of 2048 tokens)" in printed

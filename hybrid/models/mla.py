@@ -5,12 +5,15 @@ Per token:  c = RMSNorm(W_DKV x)  [kv_lora]          k_rope = RoPE(W_KR x)  [rop
             k_h = [W_UK_h c ; k_rope],  v_h = W_UV_h c        (W_UK, W_UV: the rows of kv_b_proj)
 
 The cache keeps only [c ; k_rope] (ModelConfig.kv_layout "latent"). Two ways to attend:
-  expanded: k_h, v_h built for every head (what the reference does); used for a fresh prefill, where the
-      prompt's own tokens are all there is to see and the work is compute-bound anyway.
+  expanded: k_h, v_h built for every head (what the reference does); used for a prefill (a fresh one, where the
+      prompt's own tokens are all there is to see, or a later pass of a long prompt: more than ABSORB_MAX_T
+      tokens), where the work is compute-bound anyway.
   absorbed: q_nope_h . k_nope_h = (W_UK_h^T q_nope_h) . c, so each head's query moves into latent space
       and attends over [c ; k_rope] directly; the output is o_h = W_UV_h (sum_j p_j c_j). Reads the cache
       once for all heads (one "key head" of kv_lora + rope values): the decode path, and any step that
-      reads the cache. `mode` forces one for tests: "auto" | "expanded" | "absorbed".
+      reads the cache with a few tokens. Its heads fold into the query axis, so its mask and scores are H x T x L:
+      fine for a decode step, 1+ GB for a 2,048-token pass over 4K cached tokens, hence the expanded form there.
+      `mode` forces one for tests: "auto" | "expanded" | "absorbed".
 Softmax scale: (nope + rope)^-0.5, times mscale^2 with mscale = 0.1 mscale_all_dim ln(factor) + 1 under
 YaRN (DeepSeek-V3's released inference code and transformers' yarn_apply_mscale do exactly this).
 """
@@ -29,6 +32,7 @@ from hybrid.models.qweight import QWeight
 from hybrid.models.rope import apply_rotary
 
 MODES = ("auto", "expanded", "absorbed")
+ABSORB_MAX_T = 16  # tokens per row up to which a step that reads the cache attends in latent space
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -109,7 +113,7 @@ class MLAttention(nn.Module):
         cache.write(self.layer, slots, positions, latent, step=masks)
         if fresh:  # this step's latent as the cache holds it (an fp8 cache rounds it)
             latent, = cache.as_stored(latent)
-        mode = self.mode if self.mode != "auto" else ("expanded" if fresh else "absorbed")
+        mode = self.mode if self.mode != "auto" else ("expanded" if fresh or T > ABSORB_MAX_T else "absorbed")
         if fresh and mode == "expanded":
             out = self._expanded(q_nope, q_rope, latent, None)
         elif mode == "expanded":
