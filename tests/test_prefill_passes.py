@@ -133,22 +133,29 @@ class _Rows(TorchDispatchMode):
 
 
 def test_the_gpu_lane_gathers_one_expert_group_at_a_time():
-    """A batch whose every assignment runs on the GPU lanes (ship, and all resident): rows are gathered per group of
-    the ship lane's chunk of experts, never all T x K at once."""
+    """A batch whose every assignment runs on the GPU lanes (shipped, or all resident): rows are gathered per group
+    of experts (a staging chunk of shipped ones; residents up to T rows a group), never all T x K at once."""
     from test_hybrid_layer import D, E, K, make_layer, routing
 
     from cpu_kernels.reference import moe_forward
+    from hybrid.offload.experts import row_groups
 
+    assert row_groups([3, 3, 3, 10, 0, 1], 6) == [(0, 2), (2, 3), (3, 4), (4, 6)]  # an expert alone may pass the cap
+    assert row_groups([], 6) == [] and row_groups([0, 0], 6) == [(0, 2)]
     T = 200
     ids, w = routing(T, seed=5)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+    counts = np.bincount(ids.flatten().numpy(), minlength=E)
     for strategy, resident in (("ship", ()), ("cpu", tuple(range(E)))):
         layer, (wg, wu, wd) = make_layer(strategy, resident)
         mode = _Rows(D)
         with mode:
             out = layer(x, ids, w)
         torch.testing.assert_close(out, moe_forward(x, wg, wu, wd, ids, w), atol=2e-5, rtol=1e-4)
-        counts = np.bincount(ids.flatten().numpy(), minlength=E)
-        chunk = layer.offload.ship_lane.chunk
-        groups = [int(counts[i:i + chunk].sum()) for i in range(0, E, chunk)]  # id order = ship and slot order here
+        if resident:
+            groups = [int(counts[a:b].sum()) for a, b in row_groups(counts, T)]
+            assert max(groups) <= max(T, counts.max())
+        else:
+            chunk = layer.offload.ship_lane.chunk
+            groups = [int(counts[i:i + chunk].sum()) for i in range(0, E, chunk)]  # id order = ship order here
         assert 0 < mode.most <= max(groups) < T * K

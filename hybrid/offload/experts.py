@@ -87,6 +87,20 @@ def add_resident_captured(out, x, topk_ids, topk_weights, rank, R: int, grouped)
     out.index_add_(0, token, torch.where(keep, y.float() * wts, 0.0))
 
 
+def row_groups(counts, cap: int) -> list[tuple[int, int]]:
+    """[(i0, i1)] consecutive ranges of `counts` (rows per expert) whose sums stay within `cap` (a range of one
+    expert may exceed it), covering every index."""
+    out, i0, rows = [], 0, 0
+    for i, c in enumerate(np.asarray(counts).tolist()):
+        if i > i0 and rows + c > cap:
+            out.append((i0, i))
+            i0, rows = i, 0
+        rows += c
+    if len(counts):
+        out.append((i0, len(counts)))
+    return out
+
+
 def add_resident_routed(out, x, topk_ids, topk_weights, rank, quant: QuantResidents, fn, biases) -> None:
     """add_resident_captured for quantized residents: every routed row through its slot's quantized bytes (the
     gathered GEMV: cold rows read nothing and come back zero), no sort and no host sync."""
@@ -420,8 +434,9 @@ class HybridExperts(nn.Module):
                                                                 self.fn, self.resident_bias))
 
     def _gpu_lane(self, x, flat, flat_w, hist, ship_ids, K, out) -> None:
-        """Resident and shipped experts into out (fp32), one grouped GEMM per group of the ship lane's chunk of
-        experts (shipped ones as their chunk arrives), each group's rows gathered and merged on their own."""
+        """Resident and shipped experts into out (fp32), one grouped GEMM per group of experts (residents in groups
+        of at most T rows, shipped ones as their chunk arrives), each group's rows gathered and merged on their
+        own."""
         off = self.offload
         lane = off.ship_lane
         dev = x.device
@@ -443,10 +458,10 @@ class HybridExperts(nn.Module):
                 y = run(x[token[a:b]])
                 out.index_add_(0, token[a:b], y.float() * flat_w[order[a:b], None])
 
-        # residents in groups of the ship lane's chunk of experts, as the shipped ones arrive
+        # residents in groups of consecutive slots holding at most a token's worth of rows each (T; one expert may
+        # hold T by itself), so the resident part is about K grouped GEMMs and each group's rows are the batch's
         a = 0
-        for r0 in range(0, res.size if n_res else 0, lane.chunk):
-            r1 = min(res.size, r0 + lane.chunk)
+        for r0, r1 in row_groups(hist[res], flat.shape[0] // K) if n_res else ():
             counts = hist[res[r0:r1]]
             b = a + int(counts.sum())
             if self.quant is not None:
