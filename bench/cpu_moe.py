@@ -138,7 +138,12 @@ def build(D, F, pool_experts, dtype, isa, threads, knee):
         for r, c in ((F, D), (F, D), (D, F)):
             raw = torch.randint(0, 256, (uniq, r, c // 256, int(CPU_DTYPES[dtype].bytes_per_weight() * 256)), generator=g,
                                 dtype=torch.uint8)
-            raw[..., :2] = torch.full(raw.shape[:-1] + (1,), 1e-3).half().view(torch.uint8)
+            if dtype == "iq1_m":  # no d field: d's 4 nibbles on top of the 4 scales words
+                bits = int(torch.tensor(1e-3).half().view(torch.int16)) & 0xFFFF
+                for w in range(4):
+                    raw[..., 49 + 2 * w] = (raw[..., 49 + 2 * w] & 0x0F) | ((bits >> (4 * w)) & 0xF) << 4
+            else:
+                raw[..., :2] = torch.full(raw.shape[:-1] + (1,), 1e-3).half().view(torch.uint8)
             raws.append(raw.repeat(reps, 1, 1, 1)[:pool_experts])
         return CpuMoE(*(moe_mod.gguf_blocks(n, w, dtype.upper()) for n, w in zip(("gate", "up", "down"), raws)),
                       dtype=dtype, isa=isa, threads=threads, amx_min_tokens=knee)

@@ -91,6 +91,7 @@ PACK_SRC_Q3_K = 10  # HY_SRC_Q3_K: GGUF Q3_K super-blocks, packed as q3_k as the
 PACK_SRC_IQ4_XS = 11  # HY_SRC_IQ4_XS: GGUF IQ4_XS super-blocks, packed as iq4_xs (their nibbles re-paired)
 PACK_SRC_IQ2_XXS = 12  # HY_SRC_IQ2_XXS: GGUF IQ2_XXS super-blocks, packed as iq2_xxs as they are
 PACK_SRC_IQ1_S = 13  # HY_SRC_IQ1_S: GGUF IQ1_S super-blocks, packed as iq1_s as they are
+PACK_SRC_IQ1_M = 14  # HY_SRC_IQ1_M: GGUF IQ1_M super-blocks, packed as iq1_m as they are
 PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
 
 
@@ -232,12 +233,13 @@ def load(isa: str) -> ctypes.CDLL:
     return lib
 
 
-# the entry point that sets each IQ format's codebook: a library without it was built before the format
-_IQ_GRID_SETTERS = {"iq2_xxs": "hy_set_grids", "iq1_s": "hy_set_iq1_grid"}
+# the entry point that sets each IQ format's codebook: a library without it was built before the format (iq1_m reads
+# IQ1_S's codebook)
+_IQ_GRID_SETTERS = {"iq2_xxs": "hy_set_grids", "iq1_s": "hy_set_iq1_grid", "iq1_m": "hy_set_iq1_grid"}
 
 
 def has_iq_grids(isa: str, dtypes=("iq2_xxs",)) -> bool:
-    """Whether `isa`'s library runs the IQ formats among `dtypes` (iq2_xxs, iq1_s): a library built before one has
+    """Whether `isa`'s library runs the IQ formats among `dtypes` (iq2_xxs, iq1_s, iq1_m): a library built before one has
     no codebook for it and refuses it."""
     return isa == "ref" or all(hasattr(load(isa), _IQ_GRID_SETTERS[d]) for d in dtypes if d in _IQ_GRID_SETTERS)
 

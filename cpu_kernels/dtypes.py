@@ -82,15 +82,20 @@ CPU_DTYPES = {d.name: d for d in (
     # of each 256 values counted in value_bytes), so a GGUF file's IQ1_S experts (the gates and ups of unsloth's
     # UD-IQ1_S DeepSeek and Kimi files) are held exactly; the file's blocks only
     CpuDtype("iq1_s", 13, 0.1953125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's IQ1_M: IQ1_S's codebook indices with the delta sign per 8 values and a 3-bit scale per 16, the fp16 d
+    # per 256 spread over the scales' top nibbles (1.75 bits a weight, the 8-byte head of each 256 values counted in
+    # value_bytes), so a GGUF file's IQ1_M experts are held exactly; the file's blocks only
+    CpuDtype("iq1_m", 14, 0.21875, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
 )}
 # The dtypes a layer's down may have beside another (not bf16) dtype of its gate and up (cpu_kernels.CpuMoE
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
-DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq1_s")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q8_0", "q4_0", "q2_k", ..., "iq4_xs", "iq2_xxs", "iq1_s"): the CLI's --cpu-dtype choices
+DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq1_s",
+               "iq1_m")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q8_0", "q4_0", "q2_k", ..., "iq4_xs", "iq2_xxs", "iq1_s", "iq1_m"): the CLI's --cpu-dtype choices
 # The dtypes that hold a GGUF file's blocks only: their values come from llama.cpp's importance-weighted search over a
 # codebook, which the executor does not do, so float weights are refused in them (cpu_kernels.CpuMoE).
-FILE_ONLY_DTYPES = ("iq2_xxs", "iq1_s")
+FILE_ONLY_DTYPES = ("iq2_xxs", "iq1_s", "iq1_m")
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 
 

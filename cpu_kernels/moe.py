@@ -29,11 +29,13 @@ from .topology import Topology
 
 DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 # the block formats: one scale (or exponent, or head) per block, activation block sums per 32 values
-_BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq1_s")
+_BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq1_s",
+                 "iq1_m")
 # the super-block formats' head bytes per 256 values
 _HEAD_BYTES = {"q2_k": quant.Q2_K_HEAD_BYTES, "q3_k": quant.Q3_K_HEAD_BYTES, "q4_k": quant.Q4_K_HEAD_BYTES,
                "q5_k": quant.Q5_K_HEAD_BYTES, "q6_k": quant.Q6_K_HEAD_BYTES, "iq4_xs": quant.IQ4_XS_HEAD_BYTES,
-               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES, "iq1_s": quant.IQ1_S_HEAD_BYTES}
+               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES, "iq1_s": quant.IQ1_S_HEAD_BYTES,
+               "iq1_m": quant.IQ1_M_HEAD_BYTES}
 log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -163,9 +165,14 @@ class _Q80(_GgufBlocks):
 class _SuperBlocks(_GgufBlocks):
     """The 256-value super-block types (the K-quants, IQ4_XS), each a CPU dtype exactly: DTYPE; PARTS: the raw blocks
     -> that dtype's (values, heads) (cpu_kernels.quant); D_AT: where the fp16 d (and dmin) sit in a head, refused
-    when not finite as the compiled packer refuses them."""
+    when not finite as the compiled packer refuses them (head_d)."""
 
     VALUES, DTYPE, D_AT = quant.QK_K, "", slice(0, 4)
+
+    @classmethod
+    def head_d(cls, heads: torch.Tensor) -> torch.Tensor:
+        """Heads uint8 [..., G, head bytes] -> their fp16 d (and dmin) as fp32 [..., G, 1 or 2]."""
+        return heads[..., cls.D_AT].contiguous().view(torch.float16).float()
 
     def dequantized(self) -> torch.Tensor:
         return quant.packed_dequantizers()[self.DTYPE](*type(self).PARTS(self.raw))
@@ -226,7 +233,19 @@ class _IQ1S(_SuperBlocks):
     SRC = _native.PACK_SRC_IQ1_S
 
 
-_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ1S)
+class _IQ1M(_SuperBlocks):
+    """IQ1_M: 32 bytes of codebook index low bits + 16 of their high bits and delta signs + 4 uint16 scales words
+    holding the fp16 d's nibbles per 256 values."""
+
+    TYPE, BYTES, DTYPE, PARTS, SRC = "IQ1_M", quant.IQ1_M_BLOCK_BYTES, "iq1_m", quant.iq1_m_parts, _native.PACK_SRC_IQ1_M
+
+    @classmethod
+    def head_d(cls, heads: torch.Tensor) -> torch.Tensor:
+        """No d field: d rebuilt from the scales words' top nibbles (quant.iq1_m_d)."""
+        return quant.iq1_m_d(heads)
+
+
+_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ1S, _IQ1M)
 
 
 _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block format of their own, never staged in floats
@@ -235,7 +254,7 @@ _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block f
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype q4_0, or int4 with
-    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]) or
+    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]), "IQ1_M" (dtype iq1_m; [E, R, K/256, 56]) or
     "MXFP4" (dtype mxfp4). Sliceable like
     [E, R, K] (a fused gate_up's row halves are two views)."""
     kind = next((k for k in (_Q40, _Q80, *_SUPER_BLOCKS) if k.TYPE == ggml_type), None)
@@ -248,7 +267,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, MXFP4)")
+                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M, MXFP4)")
 
 
 def _align(v: int, a: int) -> int:
@@ -818,6 +837,16 @@ class CpuMoE:
         return cls._from_gguf(_IQ1S, (gate, up, down), {"dtype": "iq1_s"}, kwargs)
 
     @classmethod
+    def from_iq1_m(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF IQ1_M experts, packed as iq1_m without de-quantizing them: the file's qs, qh and
+        scales words (d's nibbles among them) are iq1_m's bytes exactly (cpu_kernels.quant, module doc).
+
+        gate, up: raw blocks uint8 [E, F, D/256, 56]; down: [E, D, F/256, 56] (views of the file, any strides).
+        kwargs: CpuMoE's; dtype, if given, must be "iq1_m".
+        """
+        return cls._from_gguf(_IQ1M, (gate, up, down), {"dtype": "iq1_m"}, kwargs)
+
+    @classmethod
     def _from_gguf(cls, kind: type, mats: tuple, defaults: dict, kwargs: dict) -> "CpuMoE":
         """The executor over (gate, up, down) raw GGUF blocks of `kind` (or its slices), with `defaults` for the
         kwargs the caller left out."""
@@ -876,6 +905,7 @@ class CpuMoE:
                 "iq4_xs": (quant.iq4_xs_parts, quant.quantize_iq4_xs, 128),
                 "iq2_xxs": (quant.iq2_xxs_parts, quant.quantize_iq2_xxs, quant.IQ2_XXS_VALUE_BYTES),
                 "iq1_s": (quant.iq1_s_parts, quant.quantize_iq1_s, quant.IQ1_S_VALUE_BYTES),
+                "iq1_m": (quant.iq1_m_parts, quant.quantize_iq1_m, quant.IQ1_M_VALUE_BYTES),
                 "q4_k": (quant.q4_k_parts, quant.quantize_q4_k, 128),
                 "q5_k": (quant.q5_k_parts, quant.quantize_q5_k, 128),
                 "q6_k": (quant.q6_k_parts, quant.quantize_q6_k, quant.Q6_K_VALUE_BYTES)}
@@ -1048,8 +1078,8 @@ class CpuMoE:
                 wp = torch.nn.functional.pad(wc.float(), (0, ldk - k, 0, rows_p - rows))
                 parts = list(self._quantized(wp, dt))  # q, scale or None, rsum or None
             if isinstance(wc, (_Q40, _SuperBlocks)):  # the file's d (and dmin) as they are: refused as the compiled
-                at = wc.D_AT if isinstance(wc, _SuperBlocks) else slice(0, 2)  # packer does
-                d = (wc.raw if isinstance(wc, _Q40) else parts[1])[..., at].contiguous().view(torch.float16).float()
+                d = (wc.raw[..., 0:2].contiguous().view(torch.float16).float() if isinstance(wc, _Q40)  # packer does
+                     else type(wc).head_d(parts[1]))
                 d = d.reshape(d.shape[0], -1)
                 bad = (~torch.isfinite(d)).any(-1).nonzero()
                 if bad.numel():
@@ -1212,9 +1242,9 @@ class CpuMoE:
                 qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
                           "q8_0": torch.int8, "q4_k": torch.uint8, "q5_k": torch.uint8, "q6_k": torch.uint8, "q2_k": torch.uint8,
                           "q3_k": torch.uint8, "iq4_xs": torch.uint8, "q4_0": torch.uint8, "iq2_xxs": torch.uint8,
-                          "iq1_s": torch.uint8}[dt]
+                          "iq1_s": torch.uint8, "iq1_m": torch.uint8}[dt]
                 cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt in ("q2_k", "iq2_xxs") \
-                    else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk // 256 * 48 if dt == "iq1_s" else mm.ldk
+                    else mm.ldk // 256 * 96 if dt == "q3_k" else mm.ldk // 256 * 48 if dt in ("iq1_s", "iq1_m") else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
                 if dt == "mxfp4":  # uint8 exponents, one per 32-value block

@@ -102,12 +102,15 @@ iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16
       8 little-endian uint16, one per sub-block: bits 3 i .. 3 i + 2 the top 3 bits of its group i's index, bits 12-14
       ls, bit 15 the delta sign) and heads uint8 [..., R, K/256, 2], d; 1.5625 bits a weight as the file's. Rows are
       zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
-IQ1_M (de-quantized only, no CPU format of its own yet): llama.cpp's IQ1_M values: rows in super-blocks of 256
-      values, 56 bytes each: qs (32 bytes, the low 8 bits of group l's 11-bit codebook index), qh (16 bytes, byte j's
-      low nibble for group 2 j, high nibble for 2 j + 1: bits 0-2 the index's top 3 bits, bit 3 the delta sign) and 4
-      little-endian uint16 scales words (word w's bits 3 i .. 3 i + 2 the 3-bit scale ls of 16-value piece 4 w + i,
-      its bits 12-15 bits 4 w .. 4 w + 3 of the super-block's fp16 d, which has no field of its own): w = d (2 ls + 1)
-      (g + delta), g from IQ1_S's codebook, delta +-IQ1_DELTA per 8 values. dequantize_iq1_m takes the raw blocks.
+iq1_m: llama.cpp's IQ1_M values: rows in super-blocks of 256 values, 56 bytes each: qs (32 bytes, the low 8 bits of
+      group l's 11-bit codebook index), qh (16 bytes, byte j's low nibble for group 2 j, high nibble for 2 j + 1: bits
+      0-2 the index's top 3 bits, bit 3 the delta sign) and 4 little-endian uint16 scales words (word w's bits
+      3 i .. 3 i + 2 the 3-bit scale ls of 16-value piece 4 w + i, its bits 12-15 bits 4 w .. 4 w + 3 of the
+      super-block's fp16 d, which has no field of its own: iq1_m_d): w = d (2 ls + 1) (g + delta), g from IQ1_S's
+      codebook, delta +-IQ1_DELTA per 8 values. Packed as the file holds them: values uint8 [..., R, K/256 * 48] (qs,
+      then qh) and heads uint8 [..., R, K/256, 8] (the scales words, d's nibbles among them); 1.75 bits a weight as
+      the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
+      dequantize_iq1_m takes the raw blocks, dequantize_iq1_m_packed the packed bytes.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
       values 16-31; x = (q - 8) * d. That is q4_0 above exactly (q4_0_parts: the 16 bytes and d apart), and int4 in
@@ -126,6 +129,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       layout, values j and 32 + j of each 64 in byte j).
   IQ2_XXS: 66 bytes per 256 values, d then the 64 bytes of qs: iq2_xxs above exactly (iq2_xxs_parts).
   IQ1_S: 50 bytes per 256 values, d then qs and qh: iq1_s above exactly (iq1_s_parts).
+  IQ1_M: 56 bytes per 256 values, qs, qh, then the scales words: iq1_m above exactly (iq1_m_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
       nibbles 16-31 (the published OCP layout pairs values 2j, 2j+1 in byte j instead); the e2m1 codes and the
       exponent mean what they mean in mxfp4 above. mxfp4_pairs_from_gguf re-pairs the nibbles.
@@ -817,7 +821,20 @@ def iq1_s_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raw[..., :IQ1_S_HEAD_BYTES].contiguous())
 
 
+IQ1_M_HEAD_BYTES = 8  # the 4 scales words, d's nibbles among them
+IQ1_M_VALUE_BYTES = 48  # qs (the low 8 bits of 32 group indices), then qh (a nibble per group; module doc)
 IQ1_M_BLOCK_BYTES = 56  # GGUF IQ1_M: qs, qh, scales (module doc)
+
+
+def iq1_m_d(heads: torch.Tensor) -> torch.Tensor:
+    """IQ1_M scales words uint8 [..., G, 8] -> fp32 [..., G, 1]: each super-block's fp16 d, assembled from the top
+    nibbles of its 4 words (word 0's the lowest; module doc)."""
+    *lead, G, _ = heads.shape
+    dev = heads.device
+    sc = heads.reshape(*lead, G, 4, 2).long()
+    sc = sc[..., 0] | sc[..., 1] << 8  # [.., G, 4]
+    bits = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=dev)).sum(-1)  # disjoint nibbles: their OR
+    return torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).view(torch.float16).float()  # [.., G, 1]
 
 
 def dequantize_iq1_m(raw: torch.Tensor) -> torch.Tensor:
@@ -825,10 +842,9 @@ def dequantize_iq1_m(raw: torch.Tensor) -> torch.Tensor:
     d (2 ls + 1) (g + delta) per 8 values, d assembled from the top nibbles of the 4 scales words (module doc)."""
     *lead, G, _ = raw.shape
     dev = raw.device
+    d = iq1_m_d(raw[..., 48:56])  # [.., G, 1]
     sc = raw[..., 48:56].reshape(*lead, G, 4, 2).long()
     sc = sc[..., 0] | sc[..., 1] << 8  # [.., G, 4]
-    bits = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=dev)).sum(-1)  # disjoint nibbles: their OR
-    d = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).view(torch.float16).float()  # [.., G, 1]
     ls = ((sc[..., None] >> torch.tensor([0, 3, 6, 9], device=dev)) & 7).reshape(*lead, G, 16)
     dl = d * (2 * ls + 1).float()  # [.., G, 16]: per 16 values
     nib = (raw[..., 32:48, None].long() >> torch.tensor([0, 4], device=dev)).reshape(*lead, G, 32)  # per group
@@ -839,13 +855,37 @@ def dequantize_iq1_m(raw: torch.Tensor) -> torch.Tensor:
     return (dl * (g + delta[..., None])).reshape(*lead, G * QK_K)
 
 
+def dequantize_iq1_m_packed(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 48], heads uint8 [..., R, K/256, 8]) -> fp32 [..., R, K]: iq1_m's packed bytes,
+    the file's blocks put back together, by dequantize_iq1_m."""
+    *lead, B = values.shape
+    G = B // IQ1_M_VALUE_BYTES
+    return dequantize_iq1_m(torch.cat([values.reshape(*lead, G, IQ1_M_VALUE_BYTES), heads], -1))
+
+
+def quantize_iq1_m(w: torch.Tensor):
+    """Refused: IQ1_M's values come from llama.cpp's importance-weighted codebook search (module doc)."""
+    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq1_m", type="IQ1_M"))
+
+
+def iq1_m_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ1_M blocks raw uint8 [..., R, G, 56] (any strides) -> (values uint8 [..., R, G * 48], heads uint8
+    [..., R, G, 8]): iq1_m's bytes as the file holds them (module doc)."""
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ1_M_BLOCK_BYTES:
+        raise ValueError(f"IQ1_M blocks must be uint8 [..., K/256, {IQ1_M_BLOCK_BYTES}], got {raw.dtype} "
+                         f"{tuple(raw.shape)}")
+    *lead, G, _ = raw.shape
+    return (raw[..., :IQ1_M_VALUE_BYTES].reshape(*lead, G * IQ1_M_VALUE_BYTES).contiguous(),
+            raw[..., IQ1_M_VALUE_BYTES:].contiguous())
+
+
 def packed_dequantizers() -> dict:
     """dtype -> its de-quantizer of packed bytes (q, scale) -> fp32, for every CPU dtype but bf16 and int4 (whose group
     and stored order are arguments of their own)."""
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
             "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs,
-            "iq1_s": dequantize_iq1_s}
+            "iq1_s": dequantize_iq1_s, "iq1_m": dequantize_iq1_m_packed}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
       fp16 d per 256 (IQ2_XXS), the file's blocks only (FILE_ONLY: no quantizer from floats, so the tests that start
       from floats run the others, and the file-only formats have block-based tests of their own);
   iq1_s: per 8 values an 11-bit index into a 2048-entry codebook of values in {-1, 0, 1}, a 3-bit scale and a delta
-      sign per 32 and an fp16 d per 256 (IQ1_S), file-only likewise.
+      sign per 32 and an fp16 d per 256 (IQ1_S), file-only likewise;
+  iq1_m: IQ1_S's codebook indices with a delta sign per 8 values, a 3-bit scale per 16 and an fp16 d per 256 spread
+      over the scales words' top nibbles (IQ1_M), file-only likewise.
 
 The reference runs reference.moe_forward on the weights de-quantized by cpu_kernels.quant, the exact values the
 kernels hold: the only approximation left is the kernels' per-token int8 quantization of the activations (x, and h
@@ -114,6 +116,22 @@ def iq1s_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([h, v.reshape(*h.shape[:-1], 48)], -1).contiguous()
 
 
+def iq1m_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., K/256 * 48], heads [..., K/256, 8]) -> GGUF IQ1_M blocks uint8 [..., K/256, 56] (qs and
+    qh, then the scales words)."""
+    return torch.cat([v.reshape(*h.shape[:-1], 48), h], -1).contiguous()
+
+
+def set_d(block: torch.Tensor, at, bits: int) -> None:
+    """Writes the fp16 bits into one GGUF block's d: its two bytes at `at`, or (at None: IQ1_M, no d field) the top
+    nibbles of its 4 scales words, word w's bits 4 w .. 4 w + 3 of d."""
+    if at is not None:
+        block[at:at + 2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+        return
+    for w in range(4):
+        block[49 + 2 * w] = (int(block[49 + 2 * w]) & 0x0F) | ((bits >> (4 * w)) & 0xF) << 4
+
+
 FORMATS = {
     "q8_0": Fmt("q8_0", 32, 34, 224, 160, 1.0625, quant.quantize_q8_0, quant.dequantize_q8_0, quant.q8_0_parts,
                 q8_raw, CpuMoE.from_q8_0, "Q8_0"),
@@ -135,6 +153,8 @@ FORMATS = {
                    quant.iq2_xxs_parts, iq2xxs_raw, CpuMoE.from_iq2_xxs, "IQ2_XXS"),
     "iq1_s": Fmt("iq1_s", 256, 50, 768, 512, 0.1953125, quant.quantize_iq1_s, quant.dequantize_iq1_s,
                  quant.iq1_s_parts, iq1s_raw, CpuMoE.from_iq1_s, "IQ1_S"),
+    "iq1_m": Fmt("iq1_m", 256, 56, 768, 512, 0.21875, quant.quantize_iq1_m, quant.dequantize_iq1_m_packed,
+                 quant.iq1_m_parts, iq1m_raw, CpuMoE.from_iq1_m, "IQ1_M"),
 }
 FMTS = list(FORMATS)
 FLOAT_FMTS = [f for f in FMTS if f not in FILE_ONLY_DTYPES]  # the formats with a quantizer from floats
@@ -180,7 +200,8 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
     scale (both signs of ls - 32), d likewise; iq2_xxs random qs bytes (every codebook index, sign index and 4-bit
     scale), d of either sign likewise; iq1_s random qs and qh bytes (every codebook index, 3-bit scale and delta
-    sign), d of either sign likewise."""
+    sign), d of either sign likewise; iq1_m random qs and qh bytes (every codebook index and delta sign), random 3-bit
+    scales, d of either sign likewise written into the scales words' top nibbles."""
     f, d = f or fmt.F, d or fmt.D
     g = torch.Generator().manual_seed(seed)
     raws = []
@@ -215,6 +236,16 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
                    (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
                   (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
             raws.append(iq1s_raw(qs, dd.view(torch.uint8)))
+        elif fmt.name == "iq1_m":
+            qs = torch.randint(0, 256, (*shape[:2], G, 48), dtype=torch.uint8, generator=g)
+            dd = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
+                   (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
+                  (1 - 2 * torch.randint(0, 2, (*shape[:2], G, 1), generator=g))).half()  # d of either sign
+            bits = dd.view(torch.int16).long() & 0xFFFF  # [.., G, 1]
+            words = (torch.randint(0, 4096, (*shape[:2], G, 4), generator=g) |
+                     ((bits >> torch.tensor([0, 4, 8, 12])) & 0xF) << 12)  # the scales, d's nibbles on top
+            sc = torch.stack([words & 0xFF, words >> 8], -1).reshape(*shape[:2], G, 8).to(torch.uint8)
+            raws.append(iq1m_raw(qs, sc))
         elif fmt.name == "iq4_xs":
             qs = torch.randint(0, 256, (*shape[:2], G, 128), dtype=torch.uint8, generator=g)
             scales = torch.randint(0, 256, (*shape[:2], G, 6), dtype=torch.uint8, generator=g)  # scales_h, scales_l
@@ -421,9 +452,9 @@ def test_iq4_xs_quantize_roundtrip_and_format():
 
 
 @pytest.mark.parametrize("fmt, at", [("q4_0", 0), ("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108),
-                                     ("iq4_xs", 0), ("iq2_xxs", 0), ("iq1_s", 0)],
+                                     ("iq4_xs", 0), ("iq2_xxs", 0), ("iq1_s", 0), ("iq1_m", None)],
                          ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d", "iq2_xxs-d",
-                              "iq1_s-d"])
+                              "iq1_s-d", "iq1_m-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -435,7 +466,7 @@ def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, i
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same bytes
     for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
         down = raws[2].clone()
-        down[1, 5, 0, at:at + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        set_d(down[1, 5, 0], at, bad)
         with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
             fm.from_blocks(raws[0], raws[1], down, isa=isa, packer="torch")
 
@@ -458,12 +489,20 @@ def test_gguf_bytes_and_gguf_py_dequantization(fmt):
 
 
 IQ_FIELDS = {"iq2_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16)),
-             "iq1_s": (("codebook index", 2048), ("scale", 8), ("delta sign", 2))}
+             "iq1_s": (("codebook index", 2048), ("scale", 8), ("delta sign", 2)),
+             "iq1_m": (("codebook index", 2048), ("scale", 8), ("delta sign", 2), ("d sign", 2))}
 
 
 def iq_fields(fmt: str, raw: torch.Tensor) -> list[torch.Tensor]:
     """The fields of an IQ type's blocks, in IQ_FIELDS' order: iq2_xxs each group's codebook index and sign index,
-    each sub-block's scale; iq1_s each group's 11-bit codebook index, each sub-block's scale and delta sign."""
+    each sub-block's scale; iq1_s each group's 11-bit codebook index, each sub-block's scale and delta sign; iq1_m
+    each group's 11-bit codebook index, each 16 values' scale, each group's delta sign and d's sign."""
+    if fmt == "iq1_m":
+        nib = (raw[..., 32:48, None].long() >> torch.tensor([0, 4])).reshape(*raw.shape[:-1], 32)
+        sc = raw[..., 48:56].reshape(*raw.shape[:-1], 4, 2).long()
+        sc = sc[..., 0] | sc[..., 1] << 8
+        return [raw[..., :32].long() | (nib & 7) << 8, (sc[..., None] >> torch.tensor([0, 3, 6, 9])) & 7, nib >> 3 & 1,
+                sc[..., 3] >> 15]
     if fmt == "iq1_s":
         qh = raw[..., 34:].reshape(*raw.shape[:-1], 8, 2).long()
         qh = qh[..., 0] | qh[..., 1] << 8
@@ -676,7 +715,8 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
             cols = {"q4_0": k // 2, "q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
-                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4, "iq1_s": k // 256 * 48}.get(fmt, k)  # the q bytes of k values
+                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4, "iq1_s": k // 256 * 48,
+                    "iq1_m": k // 256 * 48}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
         if isa != "ref":  # one copy moves an expert (the scales live beside, as int4's)
@@ -730,7 +770,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q5_0")
 
 
@@ -767,21 +807,22 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2),
                                      ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0),
-                                     ("iq2_xxs", 0), ("iq1_s", 0)],
+                                     ("iq2_xxs", 0), ("iq1_s", 0), ("iq1_m", None)],
                          ids=["q8_0-d", "q4_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
-                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d", "iq1_s-d"])
+                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d", "iq1_s-d", "iq1_m-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
     or dmin, q5_k likewise; q6_k: the block's last two bytes; q2_k: d, dmin its last four; q3_k: d its last two;
-    iq4_xs: its first two) is NaN or Inf stops it as a non-finite weight of its expert."""
+    iq4_xs: its first two; iq1_m: the top nibbles of its scales words) is NaN or Inf stops it as a non-finite weight of
+    its expert."""
     fm = FORMATS[fmt]
     raws = random_blocks(fm, 22, e=3)
     moe = fm.from_blocks(*raws, isa=isa)
     assert moe._packs_natively(moe_mod.gguf_blocks("g", raws[0], fm.gguf_type)) == _native.has_packer(isa)
     for bad in (0x7E00, 0x7C00, 0xFC00):  # NaN, +Inf, -Inf
         down = raws[2].clone()
-        down[1, 5, 0, at:at + 2] = torch.tensor([bad & 0xFF, bad >> 8], dtype=torch.uint8)
+        set_d(down[1, 5, 0], at, bad)
         with pytest.raises(moe_mod.NonFiniteWeights, match="down weights of expert 1"):
             fm.from_blocks(raws[0], raws[1], down, isa=isa)
 
@@ -838,7 +879,8 @@ def check_down_beside(moe, ws, fd, gate, down, isa, fused_knob, D, seed):
 @pytest.mark.parametrize("down, gate", [("q3_k", "q2_k"), ("q3_k", "q4_k"), ("iq4_xs", "q4_k"), ("iq4_xs", "q8_0"),
                                         ("iq4_xs", "int8"), ("iq2_xxs", "q2_k"), ("q4_k", "iq2_xxs"),
                                         ("iq2_xxs", "int8"), ("iq2_xxs", "iq1_s"), ("q4_k", "iq1_s"), ("q2_k", "iq1_s"),
-                                        ("iq1_s", "int8")])
+                                        ("iq1_s", "int8"), ("iq2_xxs", "iq1_m"), ("q4_k", "iq1_m"), ("iq1_m", "int8"),
+                                        ("iq1_m", "iq1_s")])
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_knob):
     """A layer whose down is GGUF blocks kept in a format of their own (a Q3_K down as Q2_K and Q3_K_M files have

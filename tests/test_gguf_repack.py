@@ -268,7 +268,8 @@ def write_typed(path, model_type, hf, types, tensors=None) -> None:
         kind = types(name) if "_exps.weight" in name else None
         if kind is None:
             w.add_tensor(name, t.numpy())
-        elif kind in FP16_AT:  # a K-quant (gguf-py has no quantizer for it): valid random blocks
+        elif kind in FP16_AT or kind == Q.IQ1_M:  # a K-quant or IQ type (gguf-py has no quantizer for it): valid
+            # random blocks
             block, size = gguf.GGML_QUANT_SIZES[kind]
             data = valid_blocks(kind, t.numel() // block, np.random.default_rng(len(name)))
             w.add_tensor(name, data.reshape(*t.shape[:-1], t.shape[-1] // block * size), raw_dtype=kind)
@@ -320,12 +321,13 @@ def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, k
 
 
 @pytest.mark.parametrize("kind, dtype", [(Q.Q4_K, "q4_k"), (Q.IQ4_XS, "iq4_xs"), (Q.IQ2_XXS, "iq2_xxs"),
-                                         (Q.IQ1_S, "iq1_s")], ids=["q4_k", "iq4_xs", "iq2_xxs", "iq1_s"])
+                                         (Q.IQ1_S, "iq1_s"), (Q.IQ1_M, "iq1_m")],
+                         ids=["q4_k", "iq4_xs", "iq2_xxs", "iq1_s", "iq1_m"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
 def test_hybrid_load_computes_the_files_super_block_values(tmp_path, qwen3_256, caplog, kind, dtype, fuse):
-    """As above for Q4_K, IQ4_XS, IQ2_XXS and IQ1_S blocks (valid random super-blocks: every nibble, scale and minimum;
-    every codebook index, sign index, delta sign and scale), on experts 256 wide; IQ2_XXS and IQ1_S re-quantized into
-    int4 go through the reference de-quantizer (cpu_kernels.quant)."""
+    """As above for Q4_K, IQ4_XS, IQ2_XXS, IQ1_S and IQ1_M blocks (valid random super-blocks: every nibble, scale and
+    minimum; every codebook index, sign index, delta sign and scale), on experts 256 wide; IQ2_XXS, IQ1_S and IQ1_M
+    re-quantized into int4 go through the reference de-quantizer (cpu_kernels.quant)."""
     files_values_are_computed(tmp_path, qwen3_256, caplog, kind, dtype, fuse)
 
 
@@ -449,15 +451,19 @@ def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, 
     (Q.IQ1_S, Q.IQ2_XXS, "ffn_down", "iq1_s",
      "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq2_xxs)"),
     (Q.IQ1_S, Q.Q4_K, "blk.1.ffn_down_exps.weight", "iq1_s", "layers 0, 2 repacked losslessly (the file's "
+     "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in q4_k)"),
+    (Q.IQ1_M, Q.IQ2_XXS, "ffn_down", "iq1_m",
+     "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq2_xxs)"),
+    (Q.IQ1_M, Q.Q4_K, "blk.1.ffn_down_exps.weight", "iq1_m", "layers 0, 2 repacked losslessly (the file's "
      "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in q4_k)")],
     ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_xs-downs", "q4_0-down", "iq2_xxs-q4_k-downs", "iq2_xxs-q2_k-down",
-         "iq1_s-iq2_xxs-downs", "iq1_s-q4_k-down"])
+         "iq1_s-iq2_xxs-downs", "iq1_s-q4_k-down", "iq1_m-iq2_xxs-downs", "iq1_m-q4_k-down"])
 def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog, main, down_kind, down,
                                                                dtype, said):
     """Q4_K (Q5_K) gates and ups with downs in Q6_K, one layer's as Q4_K_M files keep some (every layer's, as Q5_K_M
     files keep many), Q2_K ones with downs in Q3_K as Q2_K files keep them, Q3_K ones with downs in Q4_K as Q3_K_M
     files, Q4_K ones with downs in IQ4_XS, or one layer's in Q4_0, IQ2_XXS ones with downs in Q4_K or one in Q2_K, IQ1_S
-    ones with downs in IQ2_XXS or one in Q4_K (as unsloth's UD-IQ files mix them): by default the gates' and ups' format with those downs in theirs, every
+    (IQ1_M) ones with downs in IQ2_XXS or one in Q4_K (as unsloth's UD-IQ files mix them): by default the gates' and ups' format with those downs in theirs, every
     weight the file's values and bytes; the load's line says so."""
     path = tmp_path / f"{dtype}m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: down_kind if down in n else main)
@@ -507,11 +513,11 @@ def qwen3_256(tmp_path_factory):
     (Q.Q4_0, [], ("q4_0", 128)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
     (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)),
     (Q.Q2_K, [], ("q2_k", 128)), (Q.Q3_K, [], ("q3_k", 128)), (Q.IQ4_XS, [], ("iq4_xs", 128)),
-    (Q.IQ2_XXS, [], ("iq2_xxs", 128)), (Q.IQ1_S, [], ("iq1_s", 128)),
+    (Q.IQ2_XXS, [], ("iq2_xxs", 128)), (Q.IQ1_S, [], ("iq1_s", 128)), (Q.IQ1_M, [], ("iq1_m", 128)),
     ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--cpu-dtype", "int4", "--int4-group", "32"], ("int4", 32)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
-    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq1_s", "mixed", "f32", "asked-int8",
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq1_s", "iq1_m", "mixed", "f32", "asked-int8",
          "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
@@ -535,7 +541,8 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
     if "--cpu-dtype" in argv or kind == Q.F32:
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
     else:  # (the file's blocks kept where all are of one type: every block type here has a format of its own)
-        exact = kind in (Q.Q4_0, Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S)
+        exact = kind in (Q.Q4_0, Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S,
+                        Q.IQ1_M)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -710,20 +717,30 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
 @pytest.mark.parametrize("kind, dtype, at", [(Q.Q4_0, "q4_0", 0), (Q.Q8_0, "q8_0", 0), (Q.Q4_K, "q4_k", 0),
                                              (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
                                              (Q.Q2_K, "q2_k", 82), (Q.Q3_K, "q3_k", 108), (Q.IQ4_XS, "iq4_xs", 0),
-                                             (Q.IQ2_XXS, "iq2_xxs", 0), (Q.IQ1_S, "iq1_s", 0), (Q.MXFP4, "mxfp4", 0)],
+                                             (Q.IQ2_XXS, "iq2_xxs", 0), (Q.IQ1_S, "iq1_s", 0), (Q.IQ1_M, "iq1_m", None),
+                                             (Q.MXFP4, "mxfp4", 0)],
                          ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "q2_k-dmin", "q3_k-d",
-                              "iq4_xs-d", "iq2_xxs-d", "iq1_s-d", "mxfp4-exponent"])
+                              "iq4_xs-d", "iq2_xxs-d", "iq1_s-d", "iq1_m-d", "mxfp4-exponent"])
 def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
     """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
-    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; Q3_K: its d, the last two; IQ4_XS: its d, the first two; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
+    dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; Q3_K: its d, the last two; IQ4_XS: its d, the first two; IQ1_M: its d, the top nibbles of its
+    scales words; MXFP4: exponent 255) is refused with one line naming the tensor, as a de-quantizing load refuses it."""
     from gguf import GGML_QUANT_SIZES, GGUFReader
 
     path = tmp_path / "m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: kind)
     t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_up_exps.weight")
     with open(path, "r+b") as f:
-        f.seek(int(t.data_offset) + 5 * GGML_QUANT_SIZES[kind][1] + at)  # block 5
-        f.write(bytes([0xFF]) if kind == Q.MXFP4 else bytes([0x00, 0x7E]))  # fp16 0x7E00: NaN
+        if at is None:  # IQ1_M: d's nibbles on top of the 4 scales words, word w's bits 4 w .. 4 w + 3
+            f.seek(int(t.data_offset) + 5 * GGML_QUANT_SIZES[kind][1] + 48)
+            sc = bytearray(f.read(8))
+            for w in range(4):
+                sc[2 * w + 1] = (sc[2 * w + 1] & 0x0F) | ((0x7E00 >> (4 * w)) & 0xF) << 4
+            f.seek(int(t.data_offset) + 5 * GGML_QUANT_SIZES[kind][1] + 48)
+            f.write(bytes(sc))
+        else:
+            f.seek(int(t.data_offset) + 5 * GGML_QUANT_SIZES[kind][1] + at)  # block 5
+            f.write(bytes([0xFF]) if kind == Q.MXFP4 else bytes([0x00, 0x7E]))  # fp16 0x7E00: NaN
     with pytest.raises(ModelLoadError, match=r"'blk.1.ffn_up_exps.weight' in m.gguf: 1 block\(s\) with a NaN/Inf") as exc:
         hybrid_logits(path, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
     assert "\n" not in str(exc.value)

@@ -11,7 +11,8 @@
 #define HY_MAX_NODES 8
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
-       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12, HY_IQ1_S = 13 };
+       HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12, HY_IQ1_S = 13,
+       HY_IQ1_M = 14 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -32,7 +33,8 @@ typedef struct {
                          // iq4_xs: uint8 heads [E, rows_p, ldk/256, 8] (read through iq4_heads; s_estride in bytes);
                          // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values);
                          // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes);
-                         // iq1_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq1s_heads; s_estride in bytes)
+                         // iq1_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq1s_heads; s_estride in bytes);
+                         // iq1_m: uint8 heads [E, rows_p, ldk/256, 8] (read through iq1m_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -352,6 +354,22 @@ const IqSigns g_iq_signs;
 // multiple of 256.
 inline const uint8_t* iq1s_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 2;
+}
+
+// iq1_m (cpu_kernels/quant.py, module doc): per 256-value super-block of a row the file's first 48 bytes as they are
+// [rows_p, ldk/256 * 48] and its 8 bytes of scales as the head [rows_p, ldk/256, 8]. qs (bytes 0-31): the low 8 bits of
+// group l's codebook index; qh (bytes 32-47): byte j's low nibble for group 2 j, its high nibble for 2 j + 1, bits 0-2
+// the index's top 3 bits, bit 3 the delta sign. The head: 4 little-endian uint16 words, word w's bits 3 i .. 3 i + 2 the
+// scale ls of 16-value piece 4 w + i, its bits 12-15 bits 4 w .. 4 w + 3 of the fp16 d (iq1m_d). w = d (2 ls + 1)
+// (g + delta) per 8 values, as iq1_s's (the kernels' u = 8 g + 8 + (s + 1) likewise). ldk is a multiple of 256.
+inline const uint8_t* iq1m_heads(const HyMat& M, int e, int r) {
+  return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 8;
+}
+// An iq1_m head's fp16 d, assembled from its 4 words' top nibbles (word 0's the lowest).
+inline uint16_t iq1m_d(const uint8_t* h) {
+  uint16_t s[4];
+  std::memcpy(s, h, 8);
+  return (uint16_t)(s[0] >> 12 | (s[1] >> 8 & 0x00F0) | (s[2] >> 4 & 0x0F00) | (s[3] & 0xF000));
 }
 
 inline float act_scale(const uint8_t* row, int ldk) { float s; std::memcpy(&s, row + ldk, 4); return s; }

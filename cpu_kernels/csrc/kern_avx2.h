@@ -677,6 +677,63 @@ void iq1s_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
+// iq1_m (hy.h iq1m_heads): iq1_s's kernel with a delta sign per 8-value group and a scale per 16 values. Per
+// super-block and row the 16 pieces' d (2 ls + 1) / 8 (d assembled from the head, hy.h iq1m_d; ls: a permute and
+// variable shift of the head words); per 32-value sub-block ib and row its 4 codebook entries with 2 added to those
+// whose group's qh nibble has bit 3 clear (s = +1: a compare of the sub-block's 2 qh bytes against each group's sign
+// bit), then as iq1_s's; lanes 0-3 of the exact dot hold piece 2 ib, lanes 4-7 piece 2 ib + 1 (one VPERMPS of the
+// pair of scales).
+template <int MT>
+void iq1m_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 8;
+  const uint64_t* grid = g_iq_grids.iq1;
+  const __m256i nine = _mm256_set1_epi8(9), two = _mm256_set1_epi8(2);
+  const __m256i sbits = _mm256_setr_epi64x(8, 0x80, 0x800, 0x8000);  // group i's delta sign in the sub-block's qh
+  const __m256i fields = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9), m7 = _mm256_set1_epi32(7);
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    alignas(32) float scl[4][16];  // row j: piece p's d (2 ls + 1) / 8
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* h = hd + j * hst + sb * 8;
+      const __m256 d = _mm256_set1_ps(f16_to_f32(iq1m_d(h)) * 0.125f);
+      const __m256i w4 = _mm256_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)h));  // lanes 0-3: the words
+      for (int hf = 0; hf < 2; ++hf) {  // pieces 8 hf .. 8 hf + 7: words 2 hf, 2 hf + 1
+        const __m256i x = _mm256_permutevar8x32_epi32(w4, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * hf)));
+        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi32(x, fields), m7);
+        const __m256i ls21 = _mm256_or_si256(_mm256_slli_epi32(ls, 1), _mm256_set1_epi32(1));  // 2 ls + 1
+        _mm256_store_ps(scl[j] + 8 * hf, _mm256_mul_ps(_mm256_cvtepi32_ps(ls21), d));
+      }
+    }
+    for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + sb * 48), _MM_HINT_T1);
+    for (int ib = 0; ib < 8; ++ib) {
+      __m256i a[MT];
+      for (int t = 0; t < MT; ++t) a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + ib * 32));
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* q = w + j * ldw + sb * 48;
+        const uint8_t* qs = q + 4 * ib;
+        uint16_t qh;  // groups 4 ib .. 4 ib + 3: a nibble each
+        std::memcpy(&qh, q + 32 + 2 * ib, 2);
+        const __m256i g = _mm256_setr_epi64x((long long)grid[qs[0] | (qh << 8 & 0x700)],
+                                             (long long)grid[qs[1] | (qh << 4 & 0x700)],
+                                             (long long)grid[qs[2] | (qh & 0x700)],
+                                             (long long)grid[qs[3] | (qh >> 4 & 0x700)]);
+        const __m256i up = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(qh), sbits), _mm256_setzero_si256());
+        const __m256i v = _mm256_sub_epi8(_mm256_add_epi8(g, _mm256_and_si256(up, two)), nine);  // 8 g + s
+        const __m256i m = _mm256_abs_epi8(v);
+        const __m256 scv = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double*)&scl[j][2 * ib]))), pair);
+        for (int t = 0; t < MT; ++t)
+          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(m, _mm256_sign_epi8(a[t], v))), scv, acc[j][t]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
+}
+
 template <int MT>
 void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* C, int ldc) {
   const int G = M.dtype == HY_INT4 ? M.ldk / M.group : 1;
@@ -714,6 +771,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                    iq1s_heads(M, e, r), C, ldc);
+  } else if (M.dtype == HY_IQ1_M) {
+    iq1m_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
+                   iq1m_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_Q6_K) {
     q6k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4 * 3), M.ldk / 4 * 3, M.ldk, rows, q6k_heads(M, e, r), C,
                   ldc);

@@ -870,6 +870,80 @@ void iq1s_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 }
 
 
+// iq1_m (hy.h iq1m_heads), 4 rows x MT <= 4 tokens, iq1_s's kernel with a delta sign per 8-value group and a scale
+// per 16 values: per 256-value super-block and row the 32 groups' 11-bit codebook indices (the qs byte, the group's qh
+// nibble's low 3 bits: permute, variable shift), a 32-bit mask of the groups whose s is +1 (bit 3 of the nibble clear)
+// and the 16 pieces' d (2 ls + 1) / 8 in the 16 lanes of a vector (d assembled from the head's top nibbles, hy.h
+// iq1m_d; ls: a permute and variable shift of the 4 head words). Per 64-value chunk as iq1_s's: one gather of 8
+// codebook entries, 2 added where s is +1, VPDPBUSD started at -9 x the activations' sums per 4 values; lane i of a
+// chunk holds piece 4 cc + i / 4 (one VPERMPS of the scales).
+template <int MT>
+void iq1m_rows(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc,
+               int pf_lo, int pf_rows) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * 8;  // head bytes a row
+  const long long* grid = (const long long*)g_iq_grids.iq1;
+  const __m512i words = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // piece -> its head word
+  const __m512i fields = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+  const __m512i bytes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // group -> its qh byte
+  const __m512i nibs = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i m7 = _mm512_set1_epi32(7), sbit = _mm512_set1_epi32(8), one = _mm512_set1_epi32(1);
+  const __m512i nine = _mm512_set1_epi8(9), two = _mm512_set1_epi8(2);
+  const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its piece
+  const __m512i zero = _mm512_setzero_si512();
+  const int pf0 = pf_lo == 8 ? pf_rows : 4;
+  __m512 acc[4][MT];
+  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int sb = 0; sb < nsb; ++sb) {
+    for (int j = pf0; j < pf_rows + 4; ++j) {
+      _mm_prefetch((const char*)(w + j * ldw + sb * 48), _MM_HINT_T1);
+      if (sb % 8 == 0) _mm_prefetch((const char*)(hd + j * hst + sb * 8), _MM_HINT_T1);
+    }
+    __m512 sv16[4];
+    alignas(64) int32_t ind[4][32];  // row j: group l's codebook index
+    uint32_t up[4];                  // row j: bit l set where group l's s is +1
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* q = w + j * ldw + sb * 48;
+      const uint8_t* h = hd + j * hst + sb * 8;
+      const float d = _cvtsh_ss(iq1m_d(h)) * 0.125f;
+      const __m512i sw = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)h)));
+      const __m512i ls = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(words, sw), fields), m7);
+      const __m512i ls21 = _mm512_or_si512(_mm512_slli_epi32(ls, 1), one);  // 2 ls + 1
+      sv16[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(ls21), _mm512_set1_ps(d));
+      const __m512i qh16 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 32)));
+      uint32_t p = 0;
+      for (int hf = 0; hf < 2; ++hf) {  // groups 16 hf .. 16 hf + 15: qh bytes 8 hf .. 8 hf + 7
+        const __m512i x = _mm512_srlv_epi32(
+            _mm512_permutexvar_epi32(_mm512_add_epi32(bytes, _mm512_set1_epi32(8 * hf)), qh16), nibs);
+        const __m512i hi = _mm512_and_si512(x, m7);
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * hf)));
+        _mm512_store_si512((void*)&ind[j][16 * hf], _mm512_or_si512(_mm512_slli_epi32(hi, 8), lo));
+        p |= (uint32_t)_mm512_testn_epi32_mask(x, sbit) << (16 * hf);
+      }
+      up[j] = p;
+    }
+    __m512i idx = quad;  // chunk cc: lane i piece 4 cc + i / 4
+    for (int cc = 0; cc < 4; ++cc, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(4))) {
+      __m512i wq[4];
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i g = _mm512_i32gather_epi64(_mm256_load_si256((const __m256i*)&ind[j][8 * cc]), grid, 8);
+        wq[j] = _mm512_mask_add_epi64(g, (__mmask8)(up[j] >> (8 * cc)), g, two);
+        sv[j] = _mm512_permutexvar_ps(idx, sv16[j]);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const __m512i a = _mm512_loadu_si512((const void*)(rows[t] + (sb * 4 + cc) * 64));
+        const __m512i n9 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, nine, a));  // -9 x the sums per 4 values
+        for (int j = 0; j < 4; ++j)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(n9, wq[j], a)), sv[j], acc[j][t]);
+      }
+    }
+  }
+  const __m512i s = block_sums<true, MT>([&](int j, int t) { return _mm512_castps_si512(acc[j][t]); });
+  store_rows<MT>(_mm512_castsi512_ps(s), rows, k, true, C, ldc);
+}
+
+
 // The 256-value super-block formats (q4_k, q5_k, iq4_xs, q2_k, q3_k, q6_k): 4 rows x MT <= 2 tokens of expert e's row r,
 // each format's kernel on its values (bytes per row: the format's value bytes per 256 values) and heads.
 inline bool is_super_block(int dt) {
@@ -916,6 +990,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                   iq1s_heads(M, e, r), C, ldc, pf_lo, pf_rows);
+  } else if (M.dtype == HY_IQ1_M) {
+    iq1m_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
+                  iq1m_heads(M, e, r), C, ldc, pf_lo, pf_rows);
   } else if (is_super_block(M.dtype)) {
     if constexpr (MT <= 2) {
       super_block_rows<MT>(M, e, r, rows, C, ldc, pf_lo, pf_rows);

@@ -36,6 +36,8 @@
 // by cpu_kernels/moe.py (the file's blocks only).
 // A GGUF IQ1_S source (50-byte super-blocks: fp16 d, then 32 bytes of qs and 16 of qh) is iq1_s exactly: its d as the
 // head, its qs and qh as the values, as they are; from floats refused likewise.
+// A GGUF IQ1_M source (56-byte super-blocks: 32 bytes of qs, 16 of qh, 8 of scales holding d's nibbles) is iq1_m
+// exactly: its scales as the head, its qs and qh as the values, as they are; from floats refused likewise.
 // Included by api.h.
 #pragma once
 #include <atomic>
@@ -45,7 +47,7 @@
 
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
        HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9,
-       HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11, HY_SRC_IQ2_XXS = 12, HY_SRC_IQ1_S = 13 };
+       HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11, HY_SRC_IQ2_XXS = 12, HY_SRC_IQ1_S = 13, HY_SRC_IQ1_M = 14 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -391,6 +393,16 @@ bool pack_row_iq1_s_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r)
   });
 }
 
+// Row r of IQ1_M source expert i -> iq1_m row r of expert e: each super-block's 8 bytes of scales as the head and its
+// 48 bytes of qs and qh as the values, as they are. False if a d (rebuilt from the scales' top nibbles) is not finite.
+bool pack_row_iq1_m_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r) {
+  return pack_row_super_blocks(S, i, M, e, r, 48, 8, [](const uint8_t* blk, uint8_t* q, uint8_t* h) {
+    std::memcpy(h, blk + 48, 8);
+    std::memcpy(q, blk, 48);
+    return (uint32_t)((iq1m_d(h) & 0x7C00u) == 0x7C00u);  // d's exponent all ones: Inf or NaN
+  });
+}
+
 // One 32-value sub-block's scale s = m / -127, m its value of largest magnitude (the first one): the codebook's
 // entry of largest magnitude, -127, times s is m.
 inline float iq4_sub_scale(const float* v) {
@@ -471,17 +483,18 @@ struct SuperBlockSrc {
 constexpr SuperBlockSrc kSuperBlockSrcs[] = {{HY_SRC_Q2_K, HY_Q2_K, 84},   {HY_SRC_Q3_K, HY_Q3_K, 110},
                                              {HY_SRC_Q4_K, HY_Q4_K, 144},  {HY_SRC_Q5_K, HY_Q5_K, 176},
                                              {HY_SRC_Q6_K, HY_Q6_K, 210},  {HY_SRC_IQ4_XS, HY_IQ4_XS, 136},
-                                             {HY_SRC_IQ2_XXS, HY_IQ2_XXS, 66}, {HY_SRC_IQ1_S, HY_IQ1_S, 50}};
+                                             {HY_SRC_IQ2_XXS, HY_IQ2_XXS, 66}, {HY_SRC_IQ1_S, HY_IQ1_S, 50},
+                                             {HY_SRC_IQ1_M, HY_IQ1_M, 56}};
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ1_S) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ1_M) return false;
   for (const SuperBlockSrc& b : kSuperBlockSrcs)  // each into its own dtype only, whole super-blocks, each one's
     if (S->wdtype == b.src)                        // bytes in one run
       return M->dtype == b.dtype && M->scale && S->k % 256 == 0 && S->cs >= b.bytes && M->ldk % 256 == 0;
   if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K ||
-      M->dtype == HY_IQ2_XXS || M->dtype == HY_IQ1_S)
-    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs, iq1_s: none)
+      M->dtype == HY_IQ2_XXS || M->dtype == HY_IQ1_S || M->dtype == HY_IQ1_M)
+    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs, iq1_s, iq1_m: none)
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // q4_0, or int4 in groups of 32; whole blocks, each block's bytes in one run
@@ -532,6 +545,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_IQ4_XS) { ok &= pack_row_iq4_xs_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_IQ2_XXS) { ok &= pack_row_iq2_xxs_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_IQ1_S) { ok &= pack_row_iq1_s_src(*S, i, *M, e, r); continue; }
+      if (S->wdtype == HY_SRC_IQ1_M) { ok &= pack_row_iq1_m_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);
       if (M->dtype == HY_INT8) pack_row_int8(v.data(), *M, e, r);
       else if (M->dtype == HY_INT4) pack_row_int4(v.data(), *M, e, r, tmp.data(), tmp.data() + ldk);

@@ -1,14 +1,14 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
-Eleven GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
+Twelve GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
 by q4_0 (and by int4 in groups of 32, at 5 bits a weight), Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K
-by q5_k, Q6_K by q6_k, IQ4_XS by iq4_xs, IQ2_XXS by iq2_xxs, IQ1_S by iq1_s and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU
+by q5_k, Q6_K by q6_k, IQ4_XS by iq4_xs, IQ2_XXS by iq2_xxs, IQ1_S by iq1_s, IQ1_M by iq1_m and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU
 format), each of a layer's expert weights (gate, up and down, or the fused gate_up and down) of that type goes to the
 experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks: views, no copy), and the
 executor computes with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K
 downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a weight of another block type than the
 layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
-format, which changes a block type's values; iq2_xxs and iq1_s have no quantizer, so a weight of another type in a
+format, which changes a block type's values; iq2_xxs, iq1_s and iq1_m have no quantizer, so a weight of another type in a
 layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down of a type of its own is kept in its format,
 down_format). One log line per load says which layers'
 weights went which way and why.
@@ -28,14 +28,14 @@ from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly at the file's size
 LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
             "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32), "IQ2_XXS": ("iq2_xxs", 32),
-            "IQ1_S": ("iq1_s", 32),
+            "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
             "MXFP4": ("mxfp4", 32)}
 # GGUF type -> the other formats that hold its blocks exactly too: Q4_0's nibbles and fp16 scales are int4's in groups of
 # 32 (at 5 bits a weight, its scales in fp32)
 ALSO_EXACT = {"Q4_0": (("int4", 32),)}
 # GGUF type -> the CPU executor's format a file of it defaults to: every block type's exact one (Q8_0's, Q6_K's, Q5_K's,
-# Q4_0's, Q4_K's, IQ4_XS's, Q3_K's, Q2_K's, IQ2_XXS's and IQ1_S's are the file's 8.5, 6.56, 5.5, 4.5, 4.5, 4.25, 3.44,
-# 2.63, 2.06 and 1.56 bits), so
+# Q4_0's, Q4_K's, IQ4_XS's, Q3_K's, Q2_K's, IQ2_XXS's, IQ1_M's and IQ1_S's are the file's 8.5, 6.56, 5.5, 4.5, 4.5,
+# 4.25, 3.44, 2.63, 2.06, 1.75 and 1.56 bits), so
 # the experts' DRAM stays the file's size; float experts default to bf16.
 NEAREST = {**LOSSLESS,
            "BF16": ("bf16", 0), "F16": ("bf16", 0), "F32": ("bf16", 0)}
@@ -142,20 +142,31 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
     return f"GGUF experts for the CPU executor ({format_name(fmt)}): " + "; ".join(parts)
 
 
-# where a kept block type's fp16 scales sit in its block: d, and dmin beside it for the K-quants with minimums
+# where a kept block type's fp16 scales sit in its block: d, and dmin beside it for the K-quants with minimums (IQ1_M has
+# no d field: _block_scales rebuilds it from its scales words)
 _SCALE_BYTES = {"Q4_0": slice(0, 2), "Q8_0": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
                 "Q6_K": slice(208, 210), "Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2),
                 "IQ2_XXS": slice(0, 2), "IQ1_S": slice(0, 2)}
 
 
+def _block_scales(kind: str, raw: torch.Tensor) -> torch.Tensor:
+    """Blocks raw uint8 [..., bytes] of a kept type -> their fp16 scales [..., 1 or 2] (IQ1_M: d from the top nibbles
+    of its scales words, cpu_kernels.quant.iq1_m_d)."""
+    if kind == "IQ1_M":
+        from cpu_kernels import quant
+
+        return quant.iq1_m_d(raw[..., quant.IQ1_M_VALUE_BYTES:])
+    return raw[..., _SCALE_BYTES[kind]].contiguous().view(torch.float16)
+
+
 def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor) -> None:
     """The de-quantizing load's NaN/Inf refusal, on the blocks: a value is finite where its block's fp16 scales are
-    (Q4_0, Q8_0, Q6_K, Q3_K, IQ4_XS, IQ2_XXS, IQ1_S: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255 is e8m0's NaN."""
+    (Q4_0, Q8_0, Q6_K, Q3_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255
+    is e8m0's NaN."""
     if kind == "MXFP4":
         bad = int((raw[..., 0] == 255).sum())
     else:
-        scales = raw[..., _SCALE_BYTES[kind]].contiguous().view(torch.float16)
-        bad = int((~torch.isfinite(scales)).any(-1).sum())
+        bad = int((~torch.isfinite(_block_scales(kind, raw))).any(-1).sum())
     if bad:
         raise ModelLoadError(f"tensor {e.name!r} in {ckpt.tensors[e.name].file.name}: {bad} block(s) with a NaN/Inf "
                              "scale; the checkpoint is corrupt")
