@@ -15,8 +15,7 @@ GPU (VRAM):
                         buffers when the packed layout is not the dense one); `hybrid plan` sizes it by
                         what it saves (placement.planner.choose_staging)
     graph buffers       decode-graph activations of the largest bucket and the graph CPU lane's output; with
-                        quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear;
-                        the FP8 GEMM's activation-quantizing temporaries fit in the same bytes)
+                        quantized parts, the de-quantized row chunk a prefill GEMM reads (qweight.dequant_linear)
     resident experts    3 x D x F each in the residents' GPU dtype (the "experts" entry of gpu_dtypes): de-quantized
                         to the compute dtype, or int8 / int4 bytes + fp32 scales (hybrid.offload.resident), whose
                         larger batches de-quantize one chunk at a time (counted with the graph buffers)
