@@ -92,7 +92,8 @@ def run_one(args, dtype: str) -> dict:
             "prefill_tokens": out["prefill_tokens"], "prefill_tokens_per_s": out["prefill_tokens_per_s"],
             "decode_tokens": out["decode_tokens"], "decode_tokens_per_s": out["decode_tokens_per_s"],
             "peak_vram_mib": vram.peak - base, "generated_token_ids": out["generated_token_ids"],
-            "plan": planned(args, dtype)}
+            # the device's memory after each start-up step (hybrid.loading.session.vram_mark), bytes
+            "phases": out.get("vram", []), "plan": planned(args, dtype)}
 
 
 def main(argv=None) -> int:

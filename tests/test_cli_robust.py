@@ -78,7 +78,9 @@ def test_tiny_temperature_generates(tiny, capsys):
     assert main(["generate", "--model", str(tiny), "-n", "3", "--temperature", "1e-40", "--seed", "1", "--json"]) == 0
     greedy_sampled = json.loads(capsys.readouterr().out)["generated_token_ids"]
     assert main(["generate", "--model", str(tiny), "-n", "3", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["generated_token_ids"] == greedy_sampled
+    out = json.loads(capsys.readouterr().out)
+    assert out["generated_token_ids"] == greedy_sampled
+    assert ("vram" in out) == (out["device"].startswith("cuda"))  # the device-memory phases: CUDA runs only
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "inf"])

@@ -151,3 +151,23 @@ def test_checkpoint_on_gpu_bf16_close_to_transformers(tmp_path):
     ours = e.forward(torch.tensor([p]), torch.arange(len(p))[None], torch.tensor([0]))[0].cpu()
     err_hf = (hf_bf16 - truth).abs().max().item()
     assert (ours - truth).abs().max().item() <= 2 * err_hf + 1e-3
+
+
+def test_generate_json_reports_the_device_memory_after_each_start_up_step(tmp_path, capsys):
+    """`generate --json` on CUDA: the device's memory after loading the weights, the KV cache, placing residents,
+    the warm-up (graph capture) and the generation, in that order; torch's peak only grows, and the device's used
+    memory (nvidia-smi's figure) holds at least what torch reserved."""
+    import json
+
+    from tiny_models import make_checkpoint
+
+    from hybrid.cli import main
+
+    make_checkpoint("qwen3_moe", tmp_path, bf16_values=True)
+    assert main(["generate", "--model", str(tmp_path), "--device", "cuda", "-n", "4", "--gpu-experts", "2",
+                 "--profile", "ktransformers-paper-amx", "--json"]) == 0
+    phases = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["vram"]
+    assert [p["phase"] for p in phases] == ["weights", "kv_cache", "residents", "warm_up", "generated"]
+    peaks = [p["peak_allocated"] for p in phases]
+    assert peaks == sorted(peaks) and peaks[0] > 0
+    assert all(p["device_used"] >= p["reserved"] >= p["allocated"] > 0 for p in phases)

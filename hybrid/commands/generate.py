@@ -58,6 +58,9 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     st = s.engine.stats
     if args.json:
+        from hybrid.loading.session import vram_mark
+
+        vram_mark(s.device, "generated", s.vram)
         print(json.dumps({
             "model": s.model_dir, "demo": s.demo, "device": str(s.device),
             "dtype": str(s.dtype).replace("torch.", ""), "prompt": args.prompt,
@@ -66,7 +69,7 @@ def run(args) -> int:
             "prefill_tokens_per_s": round(st.prefill_tps, 2), "decode_tokens": st.decode_tokens,
             "decode_tokens_per_s": round(st.decode_tps, 2),
             "cuda_graphs": s.engine.graphs is not None, "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
-            **device_fields(s),
+            **device_fields(s), **({"vram": s.vram} if s.vram else {}),
         }, ensure_ascii=False))
     else:
         print()
