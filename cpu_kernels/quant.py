@@ -404,11 +404,7 @@ def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q4_K blocks raw uint8 [..., R, G, 144] (any strides) -> (nibbles uint8 [..., R, G * 128], heads uint8
     [..., R, G, 16]): q4_k's bytes as the file holds them (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != Q4_K_BLOCK_BYTES:
-        raise ValueError(f"Q4_K blocks must be uint8 [..., K/256, {Q4_K_BLOCK_BYTES}], got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
-    *lead, G, _ = raw.shape
-    return raw[..., Q4_K_HEAD_BYTES:].reshape(*lead, G * 128).contiguous(), raw[..., :Q4_K_HEAD_BYTES].contiguous()
+    return _block_parts(raw, "Q4_K", Q4_K_BLOCK_BYTES, Q4_K_HEAD_BYTES, head_first=True)
 
 
 Q5_K_HEAD_BYTES = 48  # q4_k's 16-byte head (fp16 d, dmin, 6-bit scales and minimums), then 32 bytes of fifth bits qh
@@ -582,16 +578,20 @@ def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
 def q3_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q3_K blocks raw uint8 [..., R, G, 110] (any strides) -> (values uint8 [..., R, G * 96], heads uint8
     [..., R, G, 14]): q3_k's bytes as the file holds them (module doc)."""
-    return _values_head_parts(raw, "Q3_K", Q3_K_BLOCK_BYTES, Q3_K_VALUE_BYTES)
+    return _block_parts(raw, "Q3_K", Q3_K_BLOCK_BYTES, Q3_K_HEAD_BYTES, head_first=False)
 
 
-def _values_head_parts(raw: torch.Tensor, kind: str, block: int, vbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF blocks of `block` bytes whose first `vbytes` are values and the rest a head (Q3_K, Q6_K) -> (values
-    uint8 [..., R, G * vbytes], heads uint8 [..., R, G, block - vbytes])."""
+def _block_parts(raw: torch.Tensor, kind: str, block: int, hbytes: int, head_first: bool) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """GGUF blocks of `block` bytes: an `hbytes` head and the values, the head first (Q4_K, IQ2_XXS, IQ1_S) or last
+    (Q3_K, Q6_K, IQ1_M) -> (values uint8 [..., R, G * (block - hbytes)], heads uint8 [..., R, G, hbytes]), the
+    bytes as the file holds them."""
     if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != block:
         raise ValueError(f"{kind} blocks must be uint8 [..., K/256, {block}], got {raw.dtype} {tuple(raw.shape)}")
     *lead, G, _ = raw.shape
-    return raw[..., :vbytes].reshape(*lead, G * vbytes).contiguous(), raw[..., vbytes:].contiguous()
+    v = block - hbytes
+    head, values = (raw[..., :hbytes], raw[..., hbytes:]) if head_first else (raw[..., v:], raw[..., :v])
+    return values.reshape(*lead, G * v).contiguous(), head.contiguous()
 
 
 Q6_K_HEAD_BYTES = 18  # 16 int8 scales, then fp16 d
@@ -656,7 +656,7 @@ def quantize_q6_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q6_K blocks raw uint8 [..., R, G, 210] (any strides) -> (values uint8 [..., R, G * 192], heads uint8
     [..., R, G, 18]): q6_k's bytes as the file holds them (module doc)."""
-    return _values_head_parts(raw, "Q6_K", Q6_K_BLOCK_BYTES, Q6_K_VALUE_BYTES)
+    return _block_parts(raw, "Q6_K", Q6_K_BLOCK_BYTES, Q6_K_HEAD_BYTES, head_first=False)
 
 
 IQ4_XS_HEAD_BYTES = 8  # fp16 d, uint16 scales_h, uint8 scales_l[4]
@@ -774,12 +774,7 @@ FILE_ONLY_MESSAGE = ("{dtype} holds a GGUF file's {type} blocks as they are; it 
 def iq2_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF IQ2_XXS blocks raw uint8 [..., R, G, 66] (any strides) -> (values uint8 [..., R, G * 64], heads uint8
     [..., R, G, 2]): iq2_xxs's bytes as the file holds them (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ2_XXS_BLOCK_BYTES:
-        raise ValueError(f"IQ2_XXS blocks must be uint8 [..., K/256, {IQ2_XXS_BLOCK_BYTES}], got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
-    *lead, G, _ = raw.shape
-    return (raw[..., IQ2_XXS_HEAD_BYTES:].reshape(*lead, G * IQ2_XXS_VALUE_BYTES).contiguous(),
-            raw[..., :IQ2_XXS_HEAD_BYTES].contiguous())
+    return _block_parts(raw, "IQ2_XXS", IQ2_XXS_BLOCK_BYTES, IQ2_XXS_HEAD_BYTES, head_first=True)
 
 
 IQ1_S_HEAD_BYTES = 2  # fp16 d
@@ -813,12 +808,7 @@ def quantize_iq1_s(w: torch.Tensor):
 def iq1_s_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF IQ1_S blocks raw uint8 [..., R, G, 50] (any strides) -> (values uint8 [..., R, G * 48], heads uint8
     [..., R, G, 2]): iq1_s's bytes as the file holds them (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ1_S_BLOCK_BYTES:
-        raise ValueError(f"IQ1_S blocks must be uint8 [..., K/256, {IQ1_S_BLOCK_BYTES}], got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
-    *lead, G, _ = raw.shape
-    return (raw[..., IQ1_S_HEAD_BYTES:].reshape(*lead, G * IQ1_S_VALUE_BYTES).contiguous(),
-            raw[..., :IQ1_S_HEAD_BYTES].contiguous())
+    return _block_parts(raw, "IQ1_S", IQ1_S_BLOCK_BYTES, IQ1_S_HEAD_BYTES, head_first=True)
 
 
 IQ1_M_HEAD_BYTES = 8  # the 4 scales words, d's nibbles among them
@@ -871,12 +861,7 @@ def quantize_iq1_m(w: torch.Tensor):
 def iq1_m_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF IQ1_M blocks raw uint8 [..., R, G, 56] (any strides) -> (values uint8 [..., R, G * 48], heads uint8
     [..., R, G, 8]): iq1_m's bytes as the file holds them (module doc)."""
-    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != IQ1_M_BLOCK_BYTES:
-        raise ValueError(f"IQ1_M blocks must be uint8 [..., K/256, {IQ1_M_BLOCK_BYTES}], got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
-    *lead, G, _ = raw.shape
-    return (raw[..., :IQ1_M_VALUE_BYTES].reshape(*lead, G * IQ1_M_VALUE_BYTES).contiguous(),
-            raw[..., IQ1_M_VALUE_BYTES:].contiguous())
+    return _block_parts(raw, "IQ1_M", IQ1_M_BLOCK_BYTES, IQ1_M_HEAD_BYTES, head_first=False)
 
 
 def packed_dequantizers() -> dict:

@@ -5,7 +5,7 @@
     --gpu-dtype auto                 the most precise dtypes that leave room for resident experts; residents bf16
 
 Resident experts (the "experts" entry, placement.memory.RESIDENT_PART) are held as int8 or int4 only when asked
-for: quantized, more of them fit (a 4-bit one takes 28% of a bf16 one's bytes), but each adds its own rounding, so
+for: quantized, more of them fit (a 4-bit one takes 27% of a bf16 one's bytes), but each adds its own rounding, so
 auto keeps them in bf16, the most precise, and lets the budget decide how many.
 
 auto starts every part at the top of its ladder and steps down, one part one step at a time, taking each time the

@@ -63,7 +63,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("--gpu-dtype", default="auto", choices=GPU_DTYPE_CHOICES,
                    help="dtype of the weights on the GPU (attention, shared and dense MLPs, embedding, head): bf16, "
                    "fp8 (128x128 blocks; an FP8 checkpoint's own bytes), int8 or int4 (per 128 inputs); an explicit "
-                   "dtype also holds the resident experts in it (fp8: int8), about 2x / 3.6x as many in the same "
+                   "dtype also holds the resident experts in it (fp8: int8), about 1.9x / 3.8x as many in the same "
                    "VRAM; auto (default) keeps bf16 unless --gpu-budget needs fewer bytes, then steps the largest "
                    "non-expert parts down first, residents staying bf16 (DESIGN.md, GPU weights)")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
