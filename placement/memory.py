@@ -293,21 +293,35 @@ def pass_bytes(cfg, tokens: int, gb: int, ship_chunk: int) -> int:
     return int(tokens * per_token + rows * (gb * (2 * D + 3 * F) + 4 * D))
 
 
+# hybrid.models.layers.ATTENTION_BLOCK_BYTES: the most one attention call over a long context holds beyond its inputs
+ATTENTION_BLOCK_BYTES = 256 << 20
+SINK_SCORE_BYTES = 7  # hybrid.models.layers.SINK_SCORE_BYTES: a sink-attention score's bytes at the most
+
+
+def _blocked(units: int, per_unit: int) -> int:
+    """Bytes of one attention call that takes as many `units` (queries, MLA heads) as fit ATTENTION_BLOCK_BYTES at
+    `per_unit` bytes each (at least one; none when there are none): hybrid.models.layers.query_block's split."""
+    return min(units, max(1, ATTENTION_BLOCK_BYTES // max(1, per_unit))) * per_unit
+
+
 def context_bytes(cfg, tokens: int, context: int, gb: int) -> int:
-    """What grows with the keys a pass attends (hybrid.models.layers.Attention._attend, hybrid.models.mla): MLA
-    expands keys and values per head for every key (kv_b_proj's output, k, v padded to k's width); a pass over the
-    cache (context > tokens) builds a boolean mask and SDPA its additive form, grouped-query heads folded into the
-    query axis (H / Hkv x tokens x context)."""
+    """What grows with the keys a pass attends (hybrid.models.layers.Attention._attend, hybrid.models.mla), one
+    attention call's worth: the runtime splits a long pass over a long context into calls of at most
+    ATTENTION_BLOCK_BYTES (query blocks; MLA head groups). MLA expands keys and values per head for every key
+    (kv_b_proj's output, k, v padded to k's width); a pass over the cache (context > tokens) builds a boolean mask
+    and SDPA its additive form, grouped-query heads folded into the query axis (H / Hkv per query and key);
+    attention sinks (gpt-oss) add fp32 scores per head, fresh passes too (layers.SINK_SCORE_BYTES)."""
     H = cfg.num_heads
+    expand = 0
     if cfg.mla is not None:
         m = cfg.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        expand = context * H * (m.qk_nope_head_dim + m.v_head_dim + 2 * qk) * gb
-        rep = 1
+        expand, rep = _blocked(H, context * (m.qk_nope_head_dim + m.v_head_dim + 2 * qk) * gb), 1
     else:
-        expand, rep = 0, H // cfg.num_kv_heads
-    mask = rep * tokens * context * (1 + gb) if context > tokens else 0
-    return int(expand + mask)
+        rep = H // cfg.num_kv_heads
+    if cfg.attention_sinks:
+        return expand + _blocked(tokens, rep * context * (1 + cfg.num_kv_heads * SINK_SCORE_BYTES))
+    return expand + (_blocked(tokens, rep * context * (1 + gb)) if context > tokens else 0)
 
 
 PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512)  # the prefill passes fit_prefill_chunk chooses from, largest first
@@ -319,7 +333,7 @@ def fit_prefill_chunk(cfg, s: "MemorySettings", gpu_budget: int | None) -> int:
     activations (prefill_activation_bytes) take at most ACTIVATION_SHARE of the budget, else the smallest; without
     a budget, s.prefill_chunk. Larger passes amortize each pass's expert copies over more tokens (faster prefill),
     smaller ones leave the VRAM to resident experts (faster decode): a sixteenth of the card keeps DeepSeek-V3's
-    passes at 2,048 tokens on 24 GiB and 8,192 on 140 GiB."""
+    passes at 4,096 tokens on 24 GiB and 8,192 on 140 GiB."""
     if gpu_budget is None:
         return s.prefill_chunk
     gb, C = s.gpu_dtype_bytes, s.max_context

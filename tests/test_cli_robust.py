@@ -187,7 +187,7 @@ def test_gpu_experts_above_the_model_is_said(tiny, caplog):
 
     model = load_model(tiny, progress=False)
     with caplog.at_level(logging.WARNING, logger="hybrid.offload"):
-        n = resident_count(model, None, HybridConfig(gpu_experts=999), 0)
+        n = resident_count(model, HybridConfig(gpu_experts=999))
     assert n == 4
     assert "--gpu-experts 999 is more than the model's 4 experts per layer" in caplog.text
 

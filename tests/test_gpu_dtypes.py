@@ -53,17 +53,16 @@ def test_without_quantized_weights_deepseek_does_not_fit_24gib(capsys):
     assert "is too small" in err and "--gpu-dtype int4" in err and err.count("\n") == 1
 
 
-def test_auto_keeps_room_for_residents_and_steps_largest_first():
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_auto_keeps_room_for_residents_and_steps_largest_first(context):
     from placement.memory import fit_prefill_chunk
 
     cfg, raw = preset("deepseek-v3")
-    # 8K context: at 32K MLA's keys and values expanded for a prefill pass leave no quarter of the card (the
-    # fallback's case, below)
-    s = MemorySettings(max_context=8192, cpu_dtype="int4")
+    s = MemorySettings(max_context=context, cpu_dtype="int4")
     s = replace(s, prefill_chunk=fit_prefill_chunk(cfg, s, 24 * GiB))  # the pass `hybrid plan` fits to the card
     dtypes = choose(cfg, s, 24 * GiB, "auto", checkpoint_kind(raw))
-    fixed = breakdown(cfg, replace(s, gpu_dtypes=dtypes)).gpu_fixed
-    assert fixed <= (1 - RESIDENT_SHARE) * 24 * GiB
+    mem = breakdown(cfg, replace(s, gpu_dtypes=dtypes))
+    assert mem.gpu_fixed <= (1 - RESIDENT_SHARE) * 24 * GiB and mem.non_expert <= 12 * GiB
     # the most precise: undoing any one step would not leave the room
     ladder = LADDERS["fp8"]
     for part in GPU_PARTS:
@@ -72,14 +71,27 @@ def test_auto_keeps_room_for_residents_and_steps_largest_first():
             up = {**dtypes, part: ladder[i - 1]}
             assert breakdown(cfg, replace(s, gpu_dtypes=up)).gpu_fixed > (1 - RESIDENT_SHARE) * 24 * GiB, part
     assert dtypes["attention"] == "int4"  # the largest part is the first stepped down, and the furthest
-    # 32K: no step leaves the quarter, so auto keeps the most precise point that fits the card at all
-    s32 = replace(s, max_context=32768)
-    s32 = replace(s32, prefill_chunk=fit_prefill_chunk(cfg, s32, 24 * GiB))
-    mem = breakdown(cfg, replace(s32, gpu_dtypes=choose(cfg, s32, 24 * GiB, "auto", checkpoint_kind(raw))))
-    bottom = breakdown(cfg, replace(s32, gpu_dtypes={p: "int4" for p in GPU_PARTS}))
+
+
+def test_auto_without_the_quarter_keeps_the_most_precise_point_that_fits():
+    """64K: the KV cache leaves no quarter of the card whatever the dtypes, so auto keeps the most precise point
+    that fits the card at all."""
+    from placement.memory import fit_prefill_chunk
+
+    cfg, raw = preset("deepseek-v3")
+    s = MemorySettings(max_context=65536, cpu_dtype="int4")
+    s = replace(s, prefill_chunk=fit_prefill_chunk(cfg, s, 24 * GiB))
+    dtypes = choose(cfg, s, 24 * GiB, "auto", checkpoint_kind(raw))
+    mem = breakdown(cfg, replace(s, gpu_dtypes=dtypes))
+    bottom = breakdown(cfg, replace(s, gpu_dtypes={p: "int4" for p in GPU_PARTS}))
     assert bottom.gpu_fixed > (1 - RESIDENT_SHARE) * 24 * GiB  # the quarter is out of reach
     assert (1 - RESIDENT_SHARE) * 24 * GiB < mem.gpu_fixed <= 24 * GiB
-    assert mem.non_expert <= 12 * GiB
+    assert set(dtypes.values()) != {"int4"}  # some part kept more precision than the bottom
+    for part in GPU_PARTS:  # and one step up on any part would not fit the card
+        i = LADDERS["fp8"].index(dtypes[part])
+        if i > 0:
+            up = {**dtypes, part: LADDERS["fp8"][i - 1]}
+            assert breakdown(cfg, replace(s, gpu_dtypes=up)).gpu_fixed > 24 * GiB, part
 
 
 def test_auto_without_budget_and_explicit_choices():

@@ -12,7 +12,7 @@ from hybrid.models import load_model
 from hybrid.models.presets import hf_config
 from hybrid.models.writer import write_random_checkpoint
 from hybrid.loading.parse import parse_bytes
-from hybrid.loading.place import place_resident, resident_count
+from hybrid.loading.place import budget_count, most_routed, place_resident
 from hybrid.offload.build import load_hybrid
 from hybrid.offload.config import HybridConfig
 from hybrid.runtime.engine import Engine
@@ -104,11 +104,39 @@ def test_budget_decides_resident_count(ckpt):
     cfg = model.cfg
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4
     fixed = 10**9 - 5 * len(off.layers) * per_expert + 1  # one byte short of 5 per layer
-    assert resident_count(model, off, hcfg, fixed) == 4
-    assert resident_count(model, off, hcfg, 0) == cfg.num_experts  # a huge budget holds them all
+    assert budget_count(model, off, hcfg, fixed) == 5 * len(off.layers) - 1  # experts in all, not per layer
+    assert budget_count(model, off, hcfg, 0) == cfg.num_experts * len(off.layers)  # a huge budget holds them all
     with pytest.raises(UsageError, match="below what the model needs"):
-        resident_count(model, off, hcfg, 10**9 + 1)
-    assert resident_count(model, off, hcfg, 10**9) == 0  # exactly the fixed part: it runs, with no expert resident
+        budget_count(model, off, hcfg, 10**9 + 1)
+    assert budget_count(model, off, hcfg, 10**9) == 0  # exactly the fixed part: it runs, with no expert resident
+
+
+def test_a_budget_goes_to_the_most_routed_experts_across_layers(ckpt):
+    """Under --gpu-budget the residents are the (layer, expert) pairs the calibration routed most, whatever layer
+    they are in: fewer than one per layer still places some, and the counts per layer follow the routing."""
+    import numpy as np
+
+    counts = [np.array([0, 9, 1, 9]), np.array([5, 5, 5, 5]), np.array([0, 0, 30, 0])]
+    assert most_routed(counts, 1) == [[], [], [2]]
+    assert most_routed(counts, 3) == [[1, 3], [], [2]]
+    # equal counts: each layer's next-ranked expert in turn (layer 1's four 5s, then layer 0's 1, then the zeros)
+    assert most_routed(counts, 7) == [[1, 3], [0, 1, 2, 3], [2]]
+    assert sorted(map(len, most_routed(counts, 12))) == [4, 4, 4]
+
+    hcfg = HybridConfig(gpu_budget=10**9, profile="ktransformers-paper-amx", cpu_isa="ref")
+    model, off = load_hybrid(ckpt, "cpu", torch.float32, hcfg, progress=False)
+    per_expert = 3 * model.cfg.hidden_size * model.cfg.expert_intermediate_size * 4
+    n = len(off.layers) - 1  # fewer than one per layer
+    eng = Engine(model, None, max_batch=1, max_context=256, eager=True)
+    slot = eng.allocate_slot()
+    before = [layer.stats.routed.copy() for layer in off.layers]
+    placed = place_resident(model, off, hcfg, lambda t: eng.prefill(slot, t), CALIB, 10**9 - n * per_expert)
+    assert sum(placed) == n and placed == [len(layer.resident_ids) for layer in off.layers]
+    routed = [layer.stats.routed - b for layer, b in zip(off.layers, before)]
+    chosen = {(i, e) for i, layer in enumerate(off.layers) for e in layer.resident_ids}
+    floor = min(int(routed[i][e]) for i, e in chosen)
+    assert all(int(routed[i][e]) <= floor for i in range(len(routed)) for e in range(len(routed[i]))
+               if (i, e) not in chosen)
 
 
 def test_deferral_must_leave_an_expert_per_token(ckpt):

@@ -29,30 +29,39 @@ def preset(name):
 
 
 def test_activations_grow_with_the_pass_and_count_in_the_fixed_part():
+    from placement.memory import ATTENTION_BLOCK_BYTES as BLOCK
+
     cfg, _ = preset("deepseek-v3")
     sizes = [prefill_activation_bytes(cfg, t, 2, 1) for t in (512, 2048, 8192)]
-    assert sizes[0] < sizes[1] < sizes[2] and sizes[2] == pytest.approx(16 * sizes[0], rel=0.01)  # linear in tokens
+    assert sizes[0] < sizes[1] < sizes[2]
     # DeepSeek-V3, a whole 2,048-token prompt: per token the hidden states and the dense MLP's temporaries (wider
     # than MLA's q and output), the fp32 merge and router logits; one expert's rows; MLA's keys and values expanded
-    # per head (kv_b output 128 + 128, k 192, v padded to 192)
+    # per head (kv_b output 128 + 128, k 192, v padded to 192) in head groups of at most the attention block
     D, H = 7168, 128
-    per = (2 * (6 * D + 3 * 18432) + 4 * D + 4 * 256) + (2 * (2 * D + 3 * 2048) + 4 * D) + H * (128 + 128 + 2 * 192) * 2
-    assert sizes[1] == 2048 * per
-    # a later pass over a 32K cache: the expansion grows with the keys, not the pass; no mask term for MLA's own
-    # expanded form beyond [pass x keys]
+    per = (2 * (6 * D + 3 * 18432) + 4 * D + 4 * 256) + (2 * (2 * D + 3 * 2048) + 4 * D)
+    head = 2048 * (128 + 128 + 2 * 192) * 2  # one head's expansion over 2,048 keys
+    assert sizes[1] == 2048 * per + (BLOCK // head) * head
+    # a later pass over a 32K cache: one head group's expansion over every key, one query block's mask (bool and
+    # its bf16 additive form); neither grows past the block with the context
     later = prefill_activation_bytes(cfg, 2048, 2, 1, 32768)
-    assert later - sizes[1] == (32768 - 2048) * H * (128 + 128 + 2 * 192) * 2 + 2048 * 32768 * 3
+    head32 = 32768 * (128 + 128 + 2 * 192) * 2
+    assert later == 2048 * per + (BLOCK // head32) * head32 + min(2048, BLOCK // (32768 * 3)) * 32768 * 3
+    assert prefill_activation_bytes(cfg, 2048, 2, 1, 131072) - 2048 * per <= 2 * BLOCK
     small, big = (breakdown(cfg, MemorySettings(max_context=32768, prefill_chunk=c)) for c in (512, 8192))
     assert big.prefill_activations == prefill_activation_bytes(cfg, 8192, 2, 8, 32768)
     assert small.prefill_activations == prefill_activation_bytes(cfg, 512, 2, 8, 32768)
     assert big.gpu_fixed - small.gpu_fixed == big.prefill_activations - small.prefill_activations > 0
     # a context shorter than the pass: one pass, the whole prompt
     assert breakdown(cfg, MemorySettings(max_context=1024)).prefill_activations == prefill_activation_bytes(cfg, 1024, 2, 8)
-    # grouped-query heads folded into the mask of a pass over the cache: H / Hkv x pass x keys
+    # grouped-query heads folded into the mask of a pass over the cache (H / Hkv x queries x keys): whole while it
+    # fits the block, a block's worth of queries past it
     glm, _ = preset("glm-4.5")
     rep = glm.num_heads // glm.num_kv_heads
+    assert (prefill_activation_bytes(glm, 64, 2, 1, 4096) - prefill_activation_bytes(glm, 64, 2, 1)
+            == rep * 64 * 4096 * 3)
+    q = rep * 32768 * 3
     assert (prefill_activation_bytes(glm, 1024, 2, 1, 32768) - prefill_activation_bytes(glm, 1024, 2, 1)
-            == rep * 1024 * 32768 * 3)
+            == (BLOCK // q) * q)
 
 
 def test_the_pass_is_fitted_to_the_budget():
@@ -62,13 +71,13 @@ def test_the_pass_is_fitted_to_the_budget():
     s = MemorySettings(max_context=32768, ship_chunk=1)
     assert fit_prefill_chunk(cfg, s, None) == s.prefill_chunk == 8192
     fitted = {b: fit_prefill_chunk(cfg, s, b * GiB) for b in (4, 16, 24, 48, 140)}
-    assert fitted[24] == 2048 and fitted[140] == 8192 and fitted[4] == PREFILL_CHUNKS[-1]
+    assert fitted[24] == 4096 and fitted[140] == 8192 and fitted[4] == PREFILL_CHUNKS[-1]
     assert list(fitted.values()) == sorted(fitted.values())  # never smaller on a bigger card
 
     def sized(t):  # what the pass's size decides
         return pass_bytes(cfg, t, 2, 1) + context_bytes(cfg, t, 32768, 2) - context_bytes(cfg, 0, 32768, 2)
 
-    assert sized(2048) <= 24 * GiB / 16 < sized(4096)
+    assert sized(4096) <= 24 * GiB / 16 < sized(8192)
     assert sized(8192) <= 140 * GiB / 16
 
 
@@ -77,13 +86,13 @@ def test_plan_records_the_pass_and_prints_its_activations(capsys):
             "--max-context", "32768", "--profile", "ktransformers-paper-amx", "--numa-threads", "16"]
     assert main(argv + ["--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["settings"]["prefill_chunk"] == 2048
+    assert p["settings"]["prefill_chunk"] == 4096
     cfg, _ = preset("deepseek-v3")
-    assert p["memory"]["gpu"]["prefill_activations"] == prefill_activation_bytes(cfg, 2048, 2, p["settings"]["ship_chunk"],
+    assert p["memory"]["gpu"]["prefill_activations"] == prefill_activation_bytes(cfg, 4096, 2, p["settings"]["ship_chunk"],
                                                                                   32768)
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "prefill activations" in printed and "(passes of 2048 tokens)" in printed
+    assert "prefill activations" in printed and "(passes of 4096 tokens)" in printed
     assert main(argv + ["--json", "--prefill-chunk", "512"]) == 0
     asked = json.loads(capsys.readouterr().out)
     assert asked["settings"]["prefill_chunk"] == 512
@@ -102,7 +111,7 @@ def test_the_runtime_takes_the_fitted_the_planned_or_the_asked_pass(tmp_path, ca
                                           *extra])
         return with_prefill_chunk(cfg, session_config_from_args(args))
 
-    assert config("--gpu-budget", "24GiB").runtime.prefill_chunk == 2048
+    assert config("--gpu-budget", "24GiB").runtime.prefill_chunk == 4096
     assert config("--gpu-budget", "140GiB").runtime.prefill_chunk == 8192
     assert config("--gpu-budget", "24GiB", "--prefill-chunk", "300").runtime.prefill_chunk == 300
     assert config("--gpu-experts", "4").runtime.prefill_chunk == 8192  # no budget: the default

@@ -1,8 +1,9 @@
 """Place: which experts are resident (in VRAM, or torch copies on a machine without CUDA).
 
 Either a plan's (`--plan FILE` from `hybrid plan`: per layer, chosen across layers by predicted time saved
-per byte) or `--gpu-experts N` per layer (or the N a `--gpu-budget` allows), chosen per layer by routing
-counts from a short calibration run of the engine's own prefill on a built-in text.
+per byte), or by routing counts from a short calibration run of the engine's own prefill on a built-in text:
+`--gpu-experts N` each layer's N most-routed, `--gpu-budget` as many as it leaves, the most-routed across layers
+(so a budget below one expert per layer still places some, and skewed layers get more).
 """
 
 from __future__ import annotations
@@ -32,37 +33,63 @@ CALIBRATION_TEXT = (
 )
 
 
-def resident_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) -> int:
-    """Resident experts per layer: --gpu-experts, or what --gpu-budget leaves after the fixed part."""
+def resident_count(model, hcfg: HybridConfig) -> int:
+    """Resident experts per layer under --gpu-experts N (at most the model's experts per layer)."""
     cfg = model.cfg
-    if hcfg.gpu_budget is None:
-        if (hcfg.gpu_experts or 0) > cfg.num_experts:
-            log.warning("--gpu-experts %d is more than the model's %d experts per layer: all %d are resident",
-                        hcfg.gpu_experts, cfg.num_experts, cfg.num_experts)
-        return min(hcfg.gpu_experts or 0, cfg.num_experts)
-    per_layer = len(offload.layers) * expert_vram_bytes(cfg, offload.dtype, offload.resident_dtype)
+    if (hcfg.gpu_experts or 0) > cfg.num_experts:
+        log.warning("--gpu-experts %d is more than the model's %d experts per layer: all %d are resident",
+                    hcfg.gpu_experts, cfg.num_experts, cfg.num_experts)
+    return min(hcfg.gpu_experts or 0, cfg.num_experts)
+
+
+def budget_count(model, offload, hcfg: HybridConfig, fixed_vram_bytes: int) -> int:
+    """Resident experts in all that --gpu-budget leaves after the fixed part (at most every expert of every layer)."""
+    cfg = model.cfg
     left = hcfg.gpu_budget - fixed_vram_bytes
     if left < 0:
         raise UsageError(f"--gpu-budget {hcfg.gpu_budget / 2**30:.2f} GiB is below what the model needs without "
                          f"experts ({fixed_vram_bytes / 2**30:.2f} GiB: non-expert weights, KV cache, staging, graph "
                          "buffers, prefill activations, reserve); "
                          "raise the budget or lower --max-context")
-    return int(min(cfg.num_experts, left // per_layer))
+    per_expert = expert_vram_bytes(cfg, offload.dtype, offload.resident_dtype)
+    return int(min(cfg.num_experts * len(offload.layers), left // per_expert))
+
+
+def most_routed(counts: list[np.ndarray], n: int) -> list[list[int]]:
+    """The n (layer, expert) pairs routed most often (counts: one array per MoE layer), as each layer's expert ids:
+    the budget goes where the calibration's tokens went, so a skewed layer gets more than a flat one. Equal counts
+    go to each layer's next-ranked expert in turn (a layer's first before any layer's second)."""
+    ranked = [np.argsort(-c, kind="stable") for c in counts]
+    pairs = sorted(((-int(c[e]), rank, i, int(e)) for i, (c, order) in enumerate(zip(counts, ranked))
+                    for rank, e in enumerate(order)))[:n]
+    out: list[list[int]] = [[] for _ in counts]
+    for _, _, i, e in pairs:
+        out[i].append(e)
+    return out
 
 
 def place_resident(model, offload, hcfg: HybridConfig, run_prompt: Callable[[list[int]], object],
-                   tokens: list[int], fixed_vram_bytes: int) -> int:
-    """Count routing on a calibration prompt, then make each layer's N most-routed experts resident."""
-    n = resident_count(model, offload, hcfg, fixed_vram_bytes)
+                   tokens: list[int], fixed_vram_bytes: int) -> list[int]:
+    """Count routing on a calibration prompt, then make experts resident: each layer's N most-routed under
+    --gpu-experts N, the most-routed across layers under --gpu-budget. Returns each MoE layer's resident count."""
+    budget = hcfg.gpu_budget is not None
+    n = budget_count(model, offload, hcfg, fixed_vram_bytes) if budget else resident_count(model, hcfg)
     if n == 0:
-        return 0
+        return [0] * len(offload.layers)
     before = [layer.stats.routed.copy() for layer in offload.layers]
     run_prompt(tokens)
-    for layer, prev in zip(offload.layers, before):
-        counts = layer.stats.routed - prev
-        top = np.argsort(-counts, kind="stable")[:n]
-        layer.set_resident(top.tolist())
-    return n
+    counts = [layer.stats.routed - prev for layer, prev in zip(offload.layers, before)]
+    chosen = most_routed(counts, n) if budget else [np.argsort(-c, kind="stable")[:n].tolist() for c in counts]
+    for layer, ids in zip(offload.layers, chosen):
+        layer.set_resident(ids)
+    return [len(ids) for ids in chosen]
+
+
+def count_range(counts: list[int]) -> str:
+    """Per-layer resident counts as the status line says them: "12", or "3..9"."""
+    if not counts:
+        return "0"
+    return str(counts[0]) if min(counts) == max(counts) else f"{min(counts)}..{max(counts)}"
 
 
 def fixed_vram(model, cache_bytes: int, offload) -> int:
@@ -104,17 +131,16 @@ def place(engine, offload, hcfg: HybridConfig, log=print, gpu_dtypes: dict | Non
         hcfg.plan.check_model(model.cfg)
         return "0 (no CUDA device: the plan's residents need a GPU)"
     if hcfg.plan is not None:
-        counts = place_from_plan(engine, offload, hcfg.plan, log)
-        return (f"{min(counts)}..{max(counts)}" if counts else "0") + " (from the plan)"
+        return count_range(place_from_plan(engine, offload, hcfg.plan, log)) + " (from the plan)"
     tokens = engine.tokenizer.encode(CALIBRATION_TEXT * 4)[: engine.max_context - 1]
     slot = engine.allocate_slot()
     try:
         fixed = fixed_vram(model, engine.cache.nbytes, offload) + modeled_vram(model.cfg, engine, offload, gpu_dtypes)
-        n = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens, fixed)
+        counts = place_resident(model, offload, hcfg, lambda t: engine.prefill(slot, t), tokens, fixed)
     finally:
         engine.free_slot(slot)
     engine.stats = Stats()  # the calibration run is not part of the user's numbers
-    return str(n)  # per layer
+    return count_range(counts)  # per layer
 
 
 def place_from_plan(engine, offload, plan, log=print) -> list[int]:

@@ -108,6 +108,19 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+# The most bytes one attention call over the cache may take beyond its inputs and output: its boolean mask and the
+# additive form SDPA makes of it (grouped-query heads folded into the query axis: rep x queries x keys), gpt-oss's fp32
+# scores, MLA's keys and values expanded per head. A long pass over a long cache is split into calls of at most this
+# (query blocks; MLA: head groups), so what a prefill pass holds stops growing with the context; a decode step (one
+# query a row) is never split. placement.memory.context_bytes prices the same bound.
+ATTENTION_BLOCK_BYTES = 256 << 20
+
+
+def query_block(T: int, per_query: int) -> int:
+    """Queries per attention call when each holds `per_query` bytes (ATTENTION_BLOCK_BYTES; at least one)."""
+    return max(1, min(T, ATTENTION_BLOCK_BYTES // max(1, per_query)))
+
+
 def folded_causal_mask(positions: torch.Tensor, L: int, rep: int, window: int | None, masks: dict) -> torch.Tensor:
     """[B, 1, rep*T, L] bool: query t (its `rep` heads folded into the query axis, head-major) sees cache
     positions <= its own (and inside the sliding window). Built once per step and shape, kept in `masks`."""
@@ -248,35 +261,55 @@ class Attention(nn.Module):
                 scale=self.scale, enable_gqa=self.H != self.Hkv)
         else:
             kc, vc = (t.transpose(1, 2) for t in cache.read(self.layer, slots, kv_len))  # [B, Hkv, L, hd] each
-            L = kc.shape[2]
             # Grouped-query attention without copying K/V per query head: the `rep` query heads that
             # share a K/V head are folded into the query-length axis, [B, Hkv, rep*T, hd]. (SDPA's
             # GQA flag rules out the masked memory-efficient kernel, and expanding K/V to H heads
-            # would write rep times the cache on every step.)
+            # would write rep times the cache on every step.) A long pass goes in query blocks whose
+            # folded masks take at most ATTENTION_BLOCK_BYTES each.
             rep = self.H // self.Hkv
-            qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
-            mask = folded_causal_mask(positions, L, rep, self.window, masks)
-            out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scale)  # [B, Hkv, rep*T, hd]
-            return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
+            L = kc.shape[2]  # a block's folded mask and SDPA's additive form of it
+            return self._blocks(q, positions, L, masks, B * rep * L * (1 + q.element_size()),
+                                lambda qg, mask: F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask,
+                                                                                scale=self.scale))
         return out.transpose(1, 2).reshape(B, T, self.H * self.hd)
+
+    def _blocks(self, q, positions, L: int, masks: dict, per_query: int, attend):
+        """attend(qg [B, Hkv, rep*t, hd], mask [B, 1, rep*t, L]) -> [B, Hkv, rep*t, hd] over query blocks of q
+        [B, T, H, hd], each query taking `per_query` bytes of the call's temporaries (ATTENTION_BLOCK_BYTES a
+        block); one block (every decode step) keeps its mask in `masks` for the step's other layers.
+        -> [B, T, H*hd]."""
+        B, T = q.shape[:2]
+        rep = self.H // self.Hkv
+        c = query_block(T, per_query)
+        out = q.new_empty(B, T, self.H * self.hd) if c < T else None
+        for t0 in range(0, T, c):
+            qb = q[:, t0:t0 + c]
+            t = qb.shape[1]
+            qg = qb.reshape(B, t, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * t, self.hd)
+            mask = folded_causal_mask(positions[:, t0:t0 + c], L, rep, self.window, masks if c >= T else {})
+            o = attend(qg, mask).view(B, self.Hkv, rep, t, self.hd).permute(0, 3, 1, 2, 4).reshape(B, t, -1)
+            if out is None:
+                return o
+            out[:, t0:t0 + c] = o
+        return out
 
     def _attend_sinks(self, q, k, v, positions, slots, cache, kv_len, fresh, masks):
         """Attention with a sink logit per head (sink_attention) over the cache (or, fresh, this step's keys,
         which are then all there is), the query heads folded as in _attend."""
-        B, T = q.shape[:2]
         if fresh:
             kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # key j is position j: whole prompts from 0
         else:
             kc, vc = (t.transpose(1, 2) for t in cache.read(self.layer, slots, kv_len))  # [B, Hkv, L, hd]
-        rep = self.H // self.Hkv
-        qg = q.view(B, T, self.Hkv, rep, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.Hkv, rep * T, self.hd)
-        mask = folded_causal_mask(positions, kc.shape[2], rep, self.window, masks)
-        out = sink_attention(qg, kc, vc, mask, self.sinks, self.scale, rep)
-        return out.view(B, self.Hkv, rep, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.H * self.hd)
+        B, rep, L = q.shape[0], self.H // self.Hkv, kc.shape[2]  # a block's folded mask and its scores
+        return self._blocks(q, positions, L, masks, B * rep * L * (1 + self.Hkv * SINK_SCORE_BYTES),
+                            lambda qg, mask: sink_attention(qg, kc, vc, mask, self.sinks, self.scale, rep))
 
 
-# Scores of one sink_attention chunk: [B, Hkv, rep * chunk, L] fp32 values at most (1 GiB).
-SINK_CHUNK_VALUES = 2**28
+# Scores of one sink_attention chunk: [B, Hkv, rep * chunk, L] values at most (ATTENTION_BLOCK_BYTES), each held as
+# SINK_SCORE_BYTES at the most: the product in the inputs' dtype and in fp32 (then the probabilities, in place), the
+# negated mask, or the fp32 probabilities and their cast to the values' dtype.
+SINK_SCORE_BYTES = 7
+SINK_CHUNK_VALUES = ATTENTION_BLOCK_BYTES // SINK_SCORE_BYTES
 
 
 def sink_attention(qg, kc, vc, mask, sinks, scale: float, rep: int, chunk_values: int = SINK_CHUNK_VALUES):
@@ -300,8 +333,8 @@ def sink_attention(qg, kc, vc, mask, sinks, scale: float, rep: int, chunk_values
         s = torch.matmul(qc.reshape(B, Hkv, rep * tc, hd), kt).float().mul_(scale).view(B, Hkv, rep, tc, L)
         s = s.masked_fill_(~m5[:, :, :, t0:t0 + tc], float("-inf"))
         top = torch.maximum(s.amax(-1), sink)  # [B, Hkv, rep, tc]
-        e = torch.exp(s - top[..., None])
-        p = e / (e.sum(-1) + torch.exp(sink - top))[..., None]
+        p = s.sub_(top[..., None]).exp_()  # in place: the scores' memory holds the probabilities
+        p = p.div_((p.sum(-1) + torch.exp(sink - top))[..., None])
         o = torch.matmul(p.to(vc.dtype).view(B, Hkv, rep * tc, L), vc)  # [B, Hkv, rep*tc, hd]
         outs.append(o.view(B, Hkv, rep, tc, hd))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.models.config import ModelConfig
-from hybrid.models.layers import Linear, RMSNorm, folded_causal_mask
+from hybrid.models.layers import Linear, RMSNorm, folded_causal_mask, query_block
 from hybrid.models.qweight import QWeight
 from hybrid.models.rope import apply_rotary
 
@@ -115,32 +115,56 @@ class MLAttention(nn.Module):
             latent, = cache.as_stored(latent)
         mode = self.mode if self.mode != "auto" else ("expanded" if fresh or T > ABSORB_MAX_T else "absorbed")
         if fresh and mode == "expanded":
-            out = self._expanded(q_nope, q_rope, latent, None)
+            out = self._expanded(q_nope, q_rope, latent, None, masks)
         elif mode == "expanded":
             lat, = cache.read(self.layer, slots, kv_len)  # [B, L, rank + rope]
-            out = self._expanded(q_nope, q_rope, lat, folded_causal_mask(positions, lat.shape[1], 1, None, masks))
+            out = self._expanded(q_nope, q_rope, lat, positions, masks)
         else:
             lat = latent if fresh else cache.read(self.layer, slots, kv_len)[0]
             mask = folded_causal_mask(positions, lat.shape[1], H, None, masks)  # [B, 1, H*T, L]
             out = self._absorbed(q_nope, q_rope, lat, mask)
         return self.o_proj(out)
 
-    def _expanded(self, q_nope, q_rope, lat, mask):
-        """Keys and values per head from the latent rows lat [B, L, rank + rope]; mask None = causal over
-        the prompt itself (fresh), else [B, 1, T, L]. -> [B, T, H * v]."""
+    def _expanded(self, q_nope, q_rope, lat, positions, masks: dict):
+        """Keys and values per head from the latent rows lat [B, L, rank + rope]; positions None = causal over
+        the prompt itself (fresh), else [B, T] over the cache. -> [B, T, H * v]. Over a long context the heads go
+        in groups and the queries in blocks, so that neither one group's keys and values nor one block's mask (and
+        SDPA's additive form of it) take more than ATTENTION_BLOCK_BYTES."""
         B, T, H = q_nope.shape[0], q_nope.shape[1], self.H
-        L = lat.shape[1]
-        kv = self.kv_b_proj(lat[..., :self.rank]).view(B, L, H, self.nope + self.vd)
-        k = torch.cat((kv[..., :self.nope], lat[:, :, None, self.rank:].expand(B, L, H, self.rope)), dim=-1)
+        L, gb, qk = lat.shape[1], q_nope.element_size(), self.nope + self.rope
+        pad = q_nope.is_cuda and self.vd != qk
+        # per head and key: kv_b_proj's output, k, and v (padded to k's width on CUDA)
+        g = query_block(H, B * L * (self.nope + self.vd + qk + (qk if pad else self.vd)) * gb)
+        c = T if positions is None else query_block(T, B * L * (1 + gb))
         q = torch.cat((q_nope, q_rope), dim=-1)
+        if g >= H and c >= T:  # one call
+            mask = None if positions is None else folded_causal_mask(positions, L, 1, None, masks)
+            return self._attend_heads(q, self.kv_b_proj(lat[..., :self.rank]), lat, mask, pad).reshape(B, T, H * self.vd)
+        w = self.kv_b_proj.weight
+        w = (w.dequantize(q.dtype) if isinstance(w, QWeight) else w).view(H, self.nope + self.vd, self.rank)
+        out = q.new_empty(B, T, H, self.vd)
+        for h0 in range(0, H, g):
+            kv = F.linear(lat[..., :self.rank], w[h0:h0 + g].reshape(-1, self.rank))
+            for t0 in range(0, T, c):
+                mask = None if positions is None else folded_causal_mask(positions[:, t0:t0 + c], L, 1, None, {})
+                out[:, t0:t0 + c, h0:h0 + g] = self._attend_heads(q[:, t0:t0 + c, h0:h0 + g], kv, lat, mask, pad)
+        return out.reshape(B, T, H * self.vd)
+
+    def _attend_heads(self, q, kv, lat, mask, pad: bool):
+        """q [B, t, h, nope + rope] of h heads, kv [B, L, h * (nope + v)] their rows of kv_b_proj's output,
+        lat [B, L, rank + rope], mask None (causal, fresh) or [B, 1, t, L] -> [B, t, h, v]."""
+        B, t, h = q.shape[:3]
+        L = lat.shape[1]
+        kv = kv.view(B, L, h, self.nope + self.vd)
+        k = torch.cat((kv[..., :self.nope], lat[:, :, None, self.rank:].expand(B, L, h, self.rope)), dim=-1)
         v = kv[..., self.nope:]
-        if q.is_cuda and self.vd != self.nope + self.rope:
+        if pad:
             # flash kernels need one head dim for q, k and v: zero-pad v (its extra outputs are zeros,
             # sliced off), else a long prompt would fall to a kernel that materialises T x T scores
             v = F.pad(v, (0, self.nope + self.rope - self.vd))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None, scale=self.scale)  # [B, H, T, v]
-        return out[..., :self.vd].transpose(1, 2).reshape(B, T, H * self.vd)
+                                             attn_mask=mask, is_causal=mask is None, scale=self.scale)  # [B, h, t, v]
+        return out[..., :self.vd].transpose(1, 2)
 
     def _absorbed(self, q_nope, q_rope, lat, mask):
         """Attention in latent space over lat [B, L, rank + rope] with mask [B, 1, H*T, L]: every head is a
