@@ -93,7 +93,9 @@ def run_one(args, dtype: str) -> dict:
             "decode_tokens": out["decode_tokens"], "decode_tokens_per_s": out["decode_tokens_per_s"],
             "peak_vram_mib": vram.peak - base, "generated_token_ids": out["generated_token_ids"],
             # the device's memory after each start-up step (hybrid.loading.session.vram_mark), bytes
-            "phases": out.get("vram", []), "plan": planned(args, dtype)}
+            "phases": out.get("vram", []), "plan": planned(args, dtype),
+            # generate's own lines (placement, load split, warnings), progress bars left out
+            "log": [ln.split("\r")[-1] for ln in p.stderr.splitlines() if ln.strip() and "it/s" not in ln][-25:]}
 
 
 def main(argv=None) -> int:
