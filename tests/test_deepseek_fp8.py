@@ -182,3 +182,36 @@ def test_non_square_blocks_at_ragged_edges(block, shape):
             want[r, c] = q[r, c].float() * s[r // block[0], c // block[1]]
     assert torch.equal(dequantize(q, s, block), want)
     assert torch.allclose(want, w, rtol=0.07, atol=1e-3)  # e4m3 keeps 3 mantissa bits: within 1/16 of each value
+
+
+@pytest.mark.parametrize("kind", ["param", "int4", "int8"])
+@pytest.mark.parametrize("rows", [256, 300, 1000])
+def test_matrices_bound_for_the_gpu_fill_a_slice_at_a_time(kind, rows, monkeypatch):
+    """hybrid.models.loader._fill_on_device: an FP8 matrix crosses in its own bytes and is de-quantized slice by slice
+    (whole 128-row scale blocks, a ragged last one) into a parameter or a quantized weight, giving exactly what
+    de-quantizing it whole does; a NaN in any slice is refused with the tensor's name. (Device-agnostic: on the dev
+    box the slices stay on the CPU; the GPU box runs the same code with the destination on CUDA.)"""
+    from pathlib import Path
+
+    from hybrid.models import loader
+    from hybrid.models.fp8 import dequantize, quantize
+    from hybrid.models.qweight import QWeight
+
+    torch.manual_seed(rows)
+    w = torch.randn(rows, 384)
+    q, s = quantize(w, (128, 128))
+    whole = dequantize(q, s, (128, 128))
+    monkeypatch.setattr(loader, "DEVICE_SLICE_VALUES", 128 * 384)  # one scale block of rows a slice
+    if kind == "param":
+        dst, want = torch.empty(rows, 384, dtype=torch.bfloat16), whole.to(torch.bfloat16)
+    else:
+        dst, want = QWeight(kind, rows, 384), QWeight.from_float(whole, kind)
+    loader._fill_on_device("m.weight", Path("x.safetensors"), dst, q, s, (128, 128))
+    if kind == "param":
+        assert torch.equal(dst, want)
+    else:
+        assert torch.equal(dst.q, want.q) and torch.equal(dst.scale, want.scale)
+    bad = q.clone()
+    bad[rows - 1, 5] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    with pytest.raises(ModelLoadError, match="'m.weight' in x.safetensors: 1 NaN"):
+        loader._fill_on_device("m.weight", Path("x.safetensors"), dst, bad, s, (128, 128))

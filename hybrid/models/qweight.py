@@ -99,16 +99,21 @@ class QWeight(nn.Module):
         return out
 
     @torch.no_grad()
-    def quantize_(self, w: torch.Tensor, chunk_values: int = DEQUANT_CHUNK_VALUES) -> "QWeight":
+    def quantize_(self, w: torch.Tensor, chunk_values: int = DEQUANT_CHUNK_VALUES, row0: int = 0) -> "QWeight":
         """Fills q and scale from w [N, K] (any device and float dtype), a slice of rows at a time on this
-        weight's device, so no float copy of a whole large matrix (a 129280 x 7168 head) is ever made there."""
-        if tuple(w.shape) != (self.n, self.k):
-            raise ValueError(f"expected a [{self.n}, {self.k}] matrix, got {list(w.shape)}")
+        weight's device, so no float copy of a whole large matrix (a 129280 x 7168 head) is ever made there.
+        row0: w is rows row0.. of the matrix (a multiple of 128; the loader's slices)."""
+        end = row0 + w.shape[0]
+        if w.dim() != 2 or w.shape[1] != self.k or end > self.n or row0 % FP8_BLOCK[0] \
+                or (end < self.n and w.shape[0] % FP8_BLOCK[0]):
+            raise ValueError(f"expected a [{self.n}, {self.k}] matrix (or its rows from a multiple of 128, whole "
+                             f"blocks of 128 but at its end), got {list(w.shape)} at row {row0}")
         step = max(FP8_BLOCK[0], chunk_values // max(1, self.k) // FP8_BLOCK[0] * FP8_BLOCK[0])
-        for r in range(0, self.n, step):
+        for r in range(0, w.shape[0], step):
             q, s = quantize_rows(w[r:r + step].to(self.device), self.kind, self.group)
-            self.q[r:r + q.shape[0]] = q
-            s0 = r // FP8_BLOCK[0] if self.kind == "fp8" else r
+            r1 = row0 + r
+            self.q[r1:r1 + q.shape[0]] = q
+            s0 = r1 // FP8_BLOCK[0] if self.kind == "fp8" else r1
             self.scale[s0:s0 + s.shape[0]] = s
         return self
 
