@@ -198,6 +198,9 @@ class MemorySettings:
     # the CPU dtype of each MoE layer's down that has one of its own (a GGUF file's mixed types:
     # hybrid.models.gguf.repack.down_format), one entry per such layer; the others' downs are in cpu_dtype
     down_dtypes: tuple[str, ...] = ()
+    # the CPU dtype of each MoE layer's gate and up that has one of its own (a GGUF file of mixed types loaded in its
+    # own formats: hybrid.models.gguf.repack.layer_format), one entry per such layer; their downs are in down_dtypes
+    layer_dtypes: tuple[str, ...] = ()
     prefill_chunk: int = 8192  # hybrid.runtime.RuntimeConfig.prefill_chunk: tokens of one prefill pass
 
     def __post_init__(self):
@@ -222,9 +225,11 @@ class MemorySettings:
         if not self.node_threads or any(int(t) < 1 for t in self.node_threads):
             raise UsageError(f"every NUMA node needs >= 1 thread, got {self.node_threads}")
         object.__setattr__(self, "node_threads", tuple(int(t) for t in self.node_threads))
-        if any(d not in CPU_DTYPES for d in self.down_dtypes):
-            raise UsageError(f"a down's CPU dtype must be one of {', '.join(CPU_DTYPES)}, got {self.down_dtypes}")
+        for what, dtypes in (("a down's", self.down_dtypes), ("a layer's", self.layer_dtypes)):
+            if any(d not in CPU_DTYPES for d in dtypes):
+                raise UsageError(f"{what} CPU dtype must be one of {', '.join(CPU_DTYPES)}, got {dtypes}")
         object.__setattr__(self, "down_dtypes", tuple(self.down_dtypes))
+        object.__setattr__(self, "layer_dtypes", tuple(self.layer_dtypes))
         for part, kind in self.gpu_dtypes.items():
             if part == RESIDENT_PART and kind not in RESIDENT_KINDS:
                 raise UsageError(f"resident experts' GPU dtype must be one of {', '.join(RESIDENT_KINDS)}, got {kind!r}")
@@ -367,10 +372,17 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     resident_kind = s.gpu_dtypes.get(RESIDENT_PART, "bf16")
     resident = dense if resident_kind == "bf16" else resident_expert_bytes(D, F, resident_kind, gb)
     packed = packed_expert_bytes(D, F, s.cpu_dtype, list(s.node_threads), s.group)
-    # raw staging holds the largest layout of any layer (a layer whose down has a dtype of its own differs)
+
+    def gate_up(dtype: str) -> int:  # an expert's gate and up, packed in `dtype`
+        return packed_expert_bytes(D, F, dtype, list(s.node_threads), s.group) - down_bytes(D, F, dtype, s.node_threads,
+                                                                                            s.group)
+
+    # raw staging holds the largest layout of any layer (a layer whose gate and up, or down, has a dtype of its own
+    # differs): the largest gate and up beside the largest down, an upper bound
     own_down = max((down_bytes(D, F, d, s.node_threads, s.group) for d in s.down_dtypes), default=0)
-    raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) else \
-        max(packed, packed - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group) + own_down)
+    raw = 0 if dense_layout(D, F, s.cpu_dtype, len(s.node_threads)) and not s.layer_dtypes else \
+        max(gate_up(d) for d in (s.cpu_dtype, *s.layer_dtypes)) + max(
+            down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group), own_down)
     staging = s.staging_slots * s.ship_chunk * (dense + raw)
     # Decode graphs: one private pool sized by the largest bucket B; within a captured step a layer's
     # temporaries are freed before the next layer's, so the peak is about one layer's worth: q/k/v and
@@ -396,6 +408,8 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # layers whose down has a dtype of its own hold that many more (or fewer) bytes per expert
     own_downs = sum(down_bytes(D, F, d, s.node_threads, s.group) - down_bytes(D, F, s.cpu_dtype, s.node_threads, s.group)
                     for d in s.down_dtypes) * cfg.num_experts
+    # and layers whose gate and up have one
+    own_downs += sum(gate_up(d) - gate_up(s.cpu_dtype) for d in s.layer_dtypes) * cfg.num_experts
     # one prompt's pass at a time (the server's batched prefill pads rows x chunk to at most its --prefill-chunk),
     # the last of a prompt that fills the context attending all of it
     acts = prefill_activation_bytes(cfg, min(s.prefill_chunk, s.max_context), gb, s.ship_chunk, s.max_context)

@@ -3,7 +3,8 @@
     {"schema_version": 1, "kind": "hybrid-plan",
      "model": {"family", "num_layers", "num_experts", "topk", "hidden", "intermediate", "moe_layers": [..]},
      "settings": {"max_context", "max_batch", "cpu_dtype", "int4_group" (int4 only), "down_dtypes" (a GGUF file's
-                  layers whose down has a CPU dtype of its own, one entry each; priced, informational), "gpu_dtype_bytes",
+                  layers whose down has a CPU dtype of its own, one entry each; priced, informational), "layer_dtypes"
+                  (the same for a mixed GGUF file's layers whose gate and up have one), "gpu_dtype_bytes",
                   "staging_slots", "ship_chunk", "kv_dtype", "reserve", "node_threads": [..], "prefill_tokens",
                   "profile", "stats": {..}},
      "gpu_bytes", "gpu_budget_bytes", "cpu_bytes", "cpu_budget_bytes",        # bytes

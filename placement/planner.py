@@ -349,6 +349,7 @@ def plan(cfg, stats: RoutingStats | None, hw: HardwareProfile, settings: PlanSet
         settings={"max_context": s.max_context, "max_batch": s.max_batch, "cpu_dtype": s.cpu_dtype,
                   **({"int4_group": s.group} if s.cpu_dtype == "int4" else {}), "kv_dtype": s.kv_dtype,
                   **({"down_dtypes": list(s.down_dtypes)} if s.down_dtypes else {}),
+                  **({"layer_dtypes": list(s.layer_dtypes)} if s.layer_dtypes else {}),
                   "gpu_dtype_bytes": gb, "gpu_dtypes": {p: s.gpu_dtypes.get(p, "bf16") for p in (*GPU_PARTS, RESIDENT_PART)},
                   "staging_slots": s.staging_slots, "ship_chunk": s.ship_chunk, "prefill_chunk": s.prefill_chunk,
                   "reserve": s.reserve, "node_threads": list(s.node_threads), "prefill_tokens": P,

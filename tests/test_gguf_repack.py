@@ -546,8 +546,10 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
-        assert said == [f"GGUF file whose experts are {what}: the CPU experts default to {fmt}, {how} "
-                        "(--cpu-dtype chooses another)"]
+        own = "; layers of other types keep formats of their own where one holds their blocks" if kind == "mixed" else ""
+        assert said == [f"GGUF file whose experts are {what}: the CPU experts default to {fmt}, {how}{own} "
+                        "(--cpu-dtype chooses one for all)"]
+        assert config.hybrid.layer_formats == (kind == "mixed")
 
 
 def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged, capsys):
@@ -616,6 +618,77 @@ def test_plan_prices_the_downs_of_their_own_dtype(tmp_path, qwen3_256, capsys):
     extra = E * (down_bytes(D, F, "q6_k", threads) - down_bytes(D, F, "q4_k", threads))
     assert extra > 0
     assert plan["memory"]["cpu"]["experts"] == L * E * packed_expert_bytes(D, F, "q4_k", threads) + extra
+
+
+def mixed_layers(name: str):
+    """A file whose layers differ as dynamic quantizations' do: layers 0 and 2 Q4_K (layer 2's down Q6_K), layer 1
+    Q2_K throughout."""
+    return Q.Q2_K if name.startswith("blk.1.") else Q.Q6_K if name == "blk.2.ffn_down_exps.weight" else Q.Q4_K
+
+
+def test_a_file_of_mixed_layers_keeps_each_layers_blocks(tmp_path, qwen3_256, caplog):
+    """Without --cpu-dtype a file whose layers hold different types keeps each layer in the format of its own gate
+    and up blocks (q2_k for the Q2_K layer among q4_k ones) with its down in its own: every weight the file's values,
+    no layer re-quantized into the main format; asked for one format (--cpu-dtype q4_k), the Q2_K layer is
+    de-quantized and re-quantized into it, as before. The packed cache keys the two apart."""
+    path = tmp_path / "mixed_layers.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, mixed_layers)
+    plain = single_logits(load_gguf(path, progress=False), PROMPT)
+    got, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", layer_formats=True, cpu_isa="ref")
+    assert [(m.cpu_moe.dtype, m.cpu_moe.down_dtype) for m in off.layers] == [("q4_k", "q4_k"), ("q2_k", "q2_k"),
+                                                                              ("q4_k", "q6_k")]
+    assert ("GGUF experts for the CPU executor (q4_k): layers 0 repacked losslessly (the file's blocks as they are); "
+            "layers 1 repacked losslessly (the file's blocks as they are; in q2_k); layers 2 repacked losslessly (the "
+            "file's blocks as they are; w_down in q6_k)") in caplog.text
+    assert "de-quantized" not in caplog.text
+    assert (got - plain).abs().max().item() <= 1e-5
+    caplog.clear()
+    one, off1 = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa="ref")
+    assert [m.cpu_moe.dtype for m in off1.layers] == ["q4_k"] * 3
+    assert "layers 1: w_down repacked losslessly, w_gate Q2_K, w_up Q2_K de-quantized and re-quantized" in caplog.text
+    assert (one - plain).abs().max().item() > 1e-4  # Q2_K values re-rounded to q4_k's grid (30x the exact path's)
+    if COMPILED:
+        _, off = hybrid_logits(path, cpu_dtype="q4_k", layer_formats=True, cpu_isa=COMPILED[0])
+        values = file_values(path, 1)
+        for name in ("gate", "up", "down"):
+            assert torch.equal(held(off.layers[1].cpu_moe, name), values[name])
+    from hybrid.models.checkpoints import read_config
+    from hybrid.offload.packed_cache import LoadTimes, open_for_load
+
+    cfg = read_config(str(path))[1]
+    keys = {open_for_load(path, cfg, off, LoadTimes(), own).key for own in (False, True)}
+    assert len(keys) == 2
+
+
+def test_plan_and_dram_price_a_mixed_file_as_it_loads(tmp_path, qwen3_256, capsys):
+    """`hybrid plan --model X.gguf` of a file of mixed layers prices each layer in the format the runtime gives it
+    (its gate and up, its down), recorded in the plan; the DRAM check prices the same bytes."""
+    import json as _json
+
+    from hybrid.cli import main
+    from hybrid.loading.dram import model_dram
+    from hybrid.models.checkpoints import read_config
+    from placement.memory import down_bytes, packed_expert_bytes
+
+    path = tmp_path / "mixed_layers.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, mixed_layers)
+    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+                 "ktransformers-paper-amx", "--json"]) == 0
+    plan = _json.loads(capsys.readouterr().out)
+    st = plan["settings"]
+    assert (st["cpu_dtype"], st["layer_dtypes"], st["down_dtypes"]) == ("q4_k", ["q2_k"], ["q2_k", "q6_k"])
+    cfg, threads = qwen3_256.config, st["node_threads"]
+    D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+
+    def per(d):
+        return packed_expert_bytes(D, F, d, threads)
+
+    # layers 0 and 2 in q4_k, layer 2's down in q6_k instead, layer 1 all in q2_k
+    want = E * (2 * per("q4_k") + per("q2_k") + down_bytes(D, F, "q6_k", threads) - down_bytes(D, F, "q4_k", threads))
+    assert plan["memory"]["cpu"]["experts"] == want
+    need = model_dram(read_config(str(path))[1], False, 4, "q4_k", 64, 1, ("q2_k", "q6_k"), ("q2_k",))
+    experts = [b for name, b in need.parts if "expert" in name]
+    assert want in experts, need.parts
 
 
 def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):

@@ -133,6 +133,7 @@ def build_plan(args):
 
             model_dir = str(demo_checkpoint())
         _, cfg, raw = read_config(model_dir)
+    fmt = None
     if args.cpu_dtype is None:  # the dtype the runtime would load, so that the plan prices the same bytes
         from hybrid.loading.parse import gguf_cpu_format
         from hybrid.offload.config import default_cpu_dtype
@@ -144,10 +145,12 @@ def build_plan(args):
         else:
             mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
         settings = replace(settings, memory=mem)
-    if not args.preset:  # a GGUF file's layers whose down the load puts in a dtype of its own
-        from hybrid.loading.check import gguf_down_dtypes
+    if not args.preset:  # a GGUF file's layers whose down (or gate and up) the load puts in a dtype of their own
+        from hybrid.loading.check import gguf_expert_dtypes
 
-        mem = replace(mem, down_dtypes=gguf_down_dtypes(model_dir, mem.cpu_dtype, mem.group))
+        own = fmt is not None and not fmt.only  # a mixed file in its own formats, as the runtime loads it
+        downs, layers = gguf_expert_dtypes(model_dir, mem.cpu_dtype, mem.group, own)
+        mem = replace(mem, down_dtypes=downs, layer_dtypes=layers)
     from placement.gpu_dtypes import checkpoint_kind, choose
     from placement.memory import fit_prefill_chunk
 

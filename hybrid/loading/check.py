@@ -43,17 +43,19 @@ def check_before_load(model_dir: str, config: SessionConfig):
 SMALLER_CPU_DTYPES = ("bf16", "int8", "int4")  # what --cpu-dtype can shrink the experts to, largest first
 
 
-def gguf_down_dtypes(model: str | None, cpu_dtype: str, group: int) -> tuple[str, ...]:
-    """A GGUF file's layers whose down the load puts in a dtype of its own (hybrid.models.gguf.repack.down_dtypes),
-    () for any other checkpoint."""
+def gguf_expert_dtypes(model: str | None, cpu_dtype: str, group: int, own: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A GGUF file's layers whose down, and whose gate and up, the load puts in a dtype of their own (`own`: a file of
+    mixed types loaded in its own formats; hybrid.models.gguf.repack.down_dtypes and layer_dtypes): what the DRAM
+    check and `hybrid plan` price beside the load's format. ((), ()) for any other checkpoint."""
     from hybrid.models.gguf import is_gguf
 
     if not model or not is_gguf(model):
-        return ()
+        return (), ()
     from hybrid.models.checkpoints import open_cached
-    from hybrid.models.gguf.repack import cpu_format, down_dtypes
+    from hybrid.models.gguf.repack import cpu_format, down_dtypes, layer_dtypes
 
-    return down_dtypes(open_cached(model), cpu_format(cpu_dtype, group))
+    ckpt, fmt = open_cached(model), cpu_format(cpu_dtype, group)
+    return down_dtypes(ckpt, fmt, own), layer_dtypes(ckpt, fmt, own)
 
 
 def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = None) -> None:
@@ -66,8 +68,9 @@ def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = N
         return
     on_cpu, rt = config.device.type != "cuda", config.runtime
     cpu_dtype = config.hybrid.cpu_dtype if config.hybrid is not None else None
-    downs = gguf_down_dtypes(config.model, cpu_dtype, config.hybrid.cpu_group) if cpu_dtype else ()
-    need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch, downs)
+    downs, layers = gguf_expert_dtypes(config.model, cpu_dtype, config.hybrid.cpu_group,
+                                       config.hybrid.layer_formats) if cpu_dtype else ((), ())
+    need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch, downs, layers)
     available = available or available_dram()
     if need.total <= available[0]:
         return

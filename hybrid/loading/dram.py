@@ -51,15 +51,16 @@ class DramNeed:
 
 
 def model_dram(cfg, on_cpu: bool, dtype_bytes: int, cpu_dtype: str | None, max_context: int,
-               max_batch: int, down_dtypes: tuple[str, ...] = ()) -> DramNeed:
+               max_batch: int, down_dtypes: tuple[str, ...] = (), layer_dtypes: tuple[str, ...] = ()) -> DramNeed:
     """Peak DRAM of model `cfg` (a hybrid.models.ModelConfig) loaded for the session: compute dtype of
     `dtype_bytes`, on the CPU (no CUDA) or not, with the hybrid layer's experts in `cpu_dtype` (None: a plain
-    model, every expert on the model's device) and the downs of some layers in dtypes of their own (`down_dtypes`,
-    placement.memory.MemorySettings)."""
+    model, every expert on the model's device) and the downs, or gates and ups, of some layers in dtypes of their own
+    (`down_dtypes`, `layer_dtypes`: placement.memory.MemorySettings)."""
     from placement.memory import MemorySettings, breakdown
 
     mem = breakdown(cfg, MemorySettings(max_context=max_context, max_batch=max_batch, cpu_dtype=cpu_dtype or "bf16",
-                                        gpu_dtype_bytes=dtype_bytes, reserve=0, down_dtypes=down_dtypes))
+                                        gpu_dtype_bytes=dtype_bytes, reserve=0, down_dtypes=down_dtypes,
+                                        layer_dtypes=layer_dtypes))
     D, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
     one_tensor = cfg.vocab_size * D * 4  # the embedding, read (or de-quantized) in at most fp32
     parts = [("non-expert weights", mem.non_expert if on_cpu else 0), ("KV cache", mem.kv_cache if on_cpu else 0)]

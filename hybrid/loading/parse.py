@@ -194,6 +194,7 @@ def hybrid_config_from_args(args):
                              f"`hybrid plan --int4-group {group}` or drop --int4-group")
         group = planned_group
     fmt = None if chosen else gguf_cpu_format(getattr(args, "model", None))
+    layer_formats = fmt is not None and not fmt.only  # a file of mixed types: each layer in its own blocks' format
     if fmt is not None:  # chosen for the user from the file's blocks: checkpoint_cpu_dtype keeps it
         chosen, cpu_dtype = True, fmt.dtype
         group = (group or fmt.group) if cpu_dtype == "int4" else group
@@ -203,12 +204,13 @@ def hybrid_config_from_args(args):
         how = ("the file's blocks as they are" if fmt.exact and (cpu_dtype != "int4" or group == fmt.group)
                else "re-quantized from the file's values")
         logging.getLogger("hybrid.offload").warning(
-            "GGUF file whose experts are %s %s: the CPU experts default to %s, %s (--cpu-dtype chooses another)",
-            "all" if fmt.only else "mostly", fmt.follows, name, how)
+            "GGUF file whose experts are %s %s: the CPU experts default to %s, %s%s (--cpu-dtype chooses one for "
+            "all)", "all" if fmt.only else "mostly", fmt.follows, name, how,
+            "" if fmt.only else "; layers of other types keep formats of their own where one holds their blocks")
     return HybridConfig(gpu_experts=args.gpu_experts,
                         gpu_budget=parse_bytes(args.gpu_budget) if args.gpu_budget else None,
                         schedule=args.schedule or "cost", cpu_dtype=cpu_dtype or "bf16",
-                        cpu_dtype_chosen=chosen,
+                        cpu_dtype_chosen=chosen, layer_formats=layer_formats,
                         cpu_threads=getattr(args, "cpu_threads", None), profile=getattr(args, "profile", None),
                         plan=plan, replace=getattr(args, "replace", None) or "off",
                         defer_experts=getattr(args, "defer_experts", None) or 0,

@@ -50,12 +50,14 @@ def check_checkpoint(path):
     return loader.check_checkpoint(path)
 
 
-def load_model(path, *, mxfp4_experts: bool = False, experts_cached=None, cpu_format=None, **kwargs):
+def load_model(path, *, mxfp4_experts: bool = False, experts_cached=None, cpu_format=None, layer_formats: bool = False,
+               **kwargs):
     """hybrid.models.loader.load_model for a directory, hybrid.models.gguf.load_gguf for a GGUF file (either skips
     the experts of the layers `experts_cached` says a packed cache holds). cpu_format: (dtype, int4 group) of the CPU executor an experts_factory packs
     for: a GGUF file's expert blocks that it holds exactly (Q4_0 in int4 group 32, MXFP4 in mxfp4) reach the
     factory as they are, the others de-quantized (hybrid.models.gguf.repack); a directory's MXFP4 experts
-    follow mxfp4_experts. --cpu-dtype mxfp4 is refused for a GGUF file without MXFP4 experts."""
+    follow mxfp4_experts. --cpu-dtype mxfp4 is refused for a GGUF file without MXFP4 experts. layer_formats: a GGUF
+    file's layers each in the format of its own gate and up blocks (load_gguf)."""
     if not is_gguf(path):
         return loader.load_model(path, mxfp4_experts=mxfp4_experts, experts_cached=experts_cached, **kwargs)
     from hybrid.models.gguf.repack import file_types
@@ -68,4 +70,4 @@ def load_model(path, *, mxfp4_experts: bool = False, experts_cached=None, cpu_fo
                                  f"experts are {', '.join(sorted(kinds))}, which would be de-quantized, so choose "
                                  "bf16, int8 or int4")
         cpu_format = ("mxfp4", 32)
-    return load_gguf(ckpt, cpu_format=cpu_format, experts_cached=experts_cached, **kwargs)
+    return load_gguf(ckpt, cpu_format=cpu_format, experts_cached=experts_cached, layer_formats=layer_formats, **kwargs)

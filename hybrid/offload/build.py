@@ -98,9 +98,9 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     bar = tqdm(total=sum(cfg.moe_layers), unit="layer", desc=f"packing experts ({hcfg.cpu_dtype}) for the CPU",
                disable=not progress or knobs().no_progress)
 
-    def make(i, g, u, d, biases=None, down_dtype=None):
+    def make(i, g, u, d, biases=None, down_dtype=None, dtype=None):
         layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases, cache=cache, times=times,
-                              down_dtype=down_dtype)
+                              down_dtype=down_dtype, dtype=dtype)
         bar.update(1)
         return layer
 
@@ -110,7 +110,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     from hybrid.offload.packed_cache import LoadTimes, open_for_load
 
     t_load, times = time.perf_counter(), LoadTimes()
-    cache = open_for_load(model_dir, cfg, offload, times) if hcfg.packed_cache else None
+    cache = open_for_load(model_dir, cfg, offload, times, hcfg.layer_formats) if hcfg.packed_cache else None
     # the compiled packer reads the checkpoint's experts where they lie (memory-mapped), so no layer is staged
     views = {"expert_views": True} if packs_views(model_dir, hcfg.cpu_dtype, offload.cpu_isa) else {}
     try:
@@ -118,6 +118,7 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
                            expert_dtype=torch.bfloat16 if hcfg.cpu_dtype == "bf16" else torch.float32,
                            experts_factory=make, progress=progress, mxfp4_experts=hcfg.cpu_dtype == "mxfp4",
                            cpu_format=(hcfg.cpu_dtype, hcfg.cpu_group),  # a GGUF's blocks this format holds exactly
+                           layer_formats=hcfg.layer_formats,  # a mixed GGUF's layers in formats of their own
                            gpu_dtypes=gpu_dtypes, experts_cached=None if cache is None else cache.holds, **views)
         if cache is not None:
             cache.commit()

@@ -25,6 +25,9 @@ class HybridConfig:
     cpu_dtype: str = "bf16"
     # False: cpu_dtype is the default, not the user's choice; an MXFP4 checkpoint then keeps its experts in mxfp4
     cpu_dtype_chosen: bool = True
+    # a GGUF file of mixed types whose format was chosen from its blocks (no --cpu-dtype): each layer keeps the format
+    # of its own gate and up blocks where one holds them (hybrid.models.gguf.repack.layer_format)
+    layer_formats: bool = False
     cpu_isa: str | None = None
     cpu_threads: int | None = None
     profile: str | None = None

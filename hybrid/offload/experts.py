@@ -125,7 +125,7 @@ class HybridExperts(nn.Module):
 
     def __init__(self, layer: int, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                  offload: "Offload", fn: ExpertFn = SILU, biases=None, cache: "PackedCache | None" = None,
-                 times: LoadTimes | None = None, down_dtype: str | None = None):
+                 times: LoadTimes | None = None, down_dtype: str | None = None, dtype: str | None = None):
         """fn: the experts' function (gpt-oss: clamped SwiGLU); biases: (b_gate [E, F], b_up [E, F], b_down
         [E, D]) or None. The CPU executor computes the same function; the GPU lanes keep the biases (fp32,
         E x (2F + D) values) on the device. w_gate, w_up, w_down may be published MXFP4 (blocks, scales) pairs
@@ -134,14 +134,15 @@ class HybridExperts(nn.Module):
         of 32, MXFP4 for mxfp4), which CpuMoE takes as they are.
         cache: the load's packed cache (hybrid.offload.packed_cache), which the executor is copied from where it
         holds this layer, and written to where it does not; times: the load's LoadTimes, which the seconds spent
-        converting, in the cache and on the device are added to. down_dtype: the down's CPU dtype where it differs
-        from the offload's (a GGUF layer whose down is of another type: cpu_kernels.CpuMoE down_dtype)."""
+        converting, in the cache and on the device are added to. dtype: this layer's CPU dtype where it differs from
+        the offload's (a GGUF file of mixed types loaded in its own formats); down_dtype: the down's where it differs
+        from the layer's (a GGUF layer whose down is of another type: cpu_kernels.CpuMoE down_dtype)."""
         super().__init__()
         self.layer = layer
         self.offload = offload
         self.fn = fn
         times = LoadTimes() if times is None else times
-        self.cpu_moe = self._cpu_executor(w_gate, w_up, w_down, biases, cache, times, down_dtype)
+        self.cpu_moe = self._cpu_executor(w_gate, w_up, w_down, biases, cache, times, down_dtype, dtype)
         self.num_experts, self.F, self.D = self.cpu_moe.E, self.cpu_moe.F, self.cpu_moe.D
         t0 = time.perf_counter()
         self.bias_dev = None if biases is None else tuple(t.float().to(offload.device) for t in biases)
@@ -159,15 +160,16 @@ class HybridExperts(nn.Module):
         offload.layers.append(self)
 
     def _cpu_executor(self, w_gate, w_up, w_down, biases, cache: "PackedCache | None", times: LoadTimes,
-                      down_dtype: str | None = None):
+                      down_dtype: str | None = None, dtype: str | None = None):
         """The CPU executor of this layer's experts: copied from the packed cache where it holds the layer (no
         conversion), else packed (and quantized) from the weights, then stored in the cache."""
         import cpu_kernels
 
         off = self.offload
-        kw = dict(dtype=off.cpu_dtype, group_size=off.group_size, threads=None if off.topology else off.threads,
+        dtype = dtype or off.cpu_dtype
+        kw = dict(dtype=dtype, group_size=off.group_size, threads=None if off.topology else off.threads,
                   topology=off.topology, isa=off.cpu_isa, **self.fn.cpu_kwargs(),
-                  **({"down_dtype": down_dtype} if down_dtype not in (None, off.cpu_dtype) else {}))
+                  **({"down_dtype": down_dtype} if down_dtype not in (None, dtype) else {}))
         mx = isinstance(w_gate, tuple)
         shape = None if w_gate is None else (
             (w_gate[0].shape[0], w_gate[0].shape[1], w_gate[0].shape[2] * 32) if mx else tuple(w_gate.shape))

@@ -519,12 +519,15 @@ def _finish_at_exit() -> None:
 atexit.register(_finish_at_exit)
 
 
-def open_for_load(model_dir, cfg, offload, times: LoadTimes) -> PackedCache | None:
-    """The packed cache of a load_hybrid: layout from the executor arguments HybridExperts will pass."""
+def open_for_load(model_dir, cfg, offload, times: LoadTimes, layer_formats: bool = False) -> PackedCache | None:
+    """The packed cache of a load_hybrid: layout from the executor arguments HybridExperts will pass (layer_formats:
+    a GGUF file's layers in formats of their own, another key than the same file in one format)."""
     from cpu_kernels.moe import packed_layout
 
     layout = packed_layout(cfg.expert_intermediate_size, offload.cpu_dtype, offload.group_size, isa=offload.cpu_isa,
                            topology=offload.topology, threads=None if offload.topology else offload.threads)
+    if layer_formats:
+        layout = {**layout, "layer_formats": True}
     try:
         return PackedCache.open(model_dir, layout, cfg.moe_layer_indices, times)
     except OSError as exc:  # the checkpoint's files or the cache folder cannot even be looked at

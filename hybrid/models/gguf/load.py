@@ -196,7 +196,7 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
               expert_device: str | torch.device | None = None, expert_dtype: torch.dtype | None = None,
               experts_factory: ExpertsFactory | None = None, progress: bool = True,
               gpu_dtypes: dict[str, str] | None = None, cpu_format: tuple[str, int] | None = None,
-              experts_cached=None) -> MoETransformer:
+              experts_cached=None, layer_formats: bool = False) -> MoETransformer:
     """The model in the GGUF checkpoint at `path` (a .gguf file, any part of a split one, or an open
     GgufCheckpoint), every
     parameter de-quantized to `dtype` on `device`; experts on `expert_device` in `expert_dtype` (default: the
@@ -204,7 +204,9 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     layer at a time, as hybrid.models.loader.load_model does. cpu_format: (dtype, int4 group) of the CPU executor
     the factory packs for; a layer whose expert blocks it holds exactly gets weight sources over the file's blocks
     (cpu_kernels.moe.gguf_blocks) instead of float stacks, and one line is logged; a layer whose down is better
-    held in a format of its own (repack.down_format) gets the factory's down_dtype= too. experts_cached(layer) True (a
+    held in a format of its own (repack.down_format) gets the factory's down_dtype= too; layer_formats (a file of
+    mixed types loaded in its own formats, no --cpu-dtype given): a layer whose gate and up blocks another format
+    holds exactly gets that format as the factory's dtype= (repack.layer_format). experts_cached(layer) True (a
     packed cache holds that layer's executor, hybrid.offload.packed_cache): its expert weights are not read, the
     factory gets None for them (and the biases, which the GPU lanes keep). See the module docstring."""
     from tqdm import tqdm
@@ -220,7 +222,7 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
     work = plan(ckpt, shapes)
     _log_skipped(ckpt)
     fmt = None if cpu_format is None else repack.cpu_format(*cpu_format)
-    choice = {} if fmt is None else repack.choose(ckpt, work.experts, fmt)
+    choice = {} if fmt is None else repack.choose(ckpt, work.experts, fmt, layer_formats)
     if choice:
         log.info("%s", repack.describe(choice, fmt))
     model = build_empty(cfg, device, dtype, expert_device, expert_dtype, build_experts=experts_factory is None,
@@ -264,6 +266,8 @@ def load_gguf(path: str | Path | GgufCheckpoint, device: str | torch.device = "c
             fill_experts(ckpt, stack, tensors)
         if experts_factory is not None:
             extra = {"biases": tuple(stack[3:])} if cfg.expert_fn.bias else {}
+            if layer in choice and choice[layer].fmt is not None:  # the layer in a format of its own
+                extra["dtype"] = choice[layer].fmt[0]
             if layer in choice and choice[layer].down is not None:  # the down in a dtype of its own
                 extra["down_dtype"] = choice[layer].down[0]
             model.layers[layer].moe.experts = experts_factory(layer, *stack[:3], **extra)

@@ -10,7 +10,8 @@ downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a wei
 layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
 format, which changes a block type's values; iq2_xxs, iq1_s and iq1_m have no quantizer, so a weight of another type in a
 layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down of a type of its own is kept in its format,
-down_format). One log line per load says which layers'
+down_format). A file of mixed layers loaded without --cpu-dtype keeps each layer in the format of its own gate and up
+blocks where one holds them (layer_format), so no layer is re-quantized. One log line per load says which layers'
 weights went which way and why.
 """
 
@@ -65,12 +66,14 @@ def weight_types(ckpt: GgufCheckpoint, tensors: list[ExpertTensor]) -> dict[str,
 class LayerChoice(NamedTuple):
     """How a layer's expert weights reach the CPU executor: `kept` (ExpertTensor.which) as the file's blocks, the
     others (`redone`, which -> GGUF type) de-quantized and re-quantized, `why` (None when none is); `down`: the
-    down's own format (dtype, group) where it is not the layer's (down_format), else None."""
+    down's own format (dtype, group) where it is not the layer's (down_format), else None; `fmt`: the layer's own
+    format where it is not the load's (layer_format: a file of mixed types loaded in its own formats), else None."""
 
     kept: tuple[str, ...]
     redone: dict[str, str]
     why: str | None
     down: tuple[str, int] | None = None
+    fmt: tuple[str, int] | None = None
 
 
 def why_not(kind: str) -> str:
@@ -93,20 +96,33 @@ def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
     return exact if exact is not None and exact[0] in DOWN_DTYPES else fmt
 
 
-def choose_layer(types: dict[str, str], fmt: tuple[str, int]) -> LayerChoice:
-    """A layer's expert weights (which -> GGUF type) under the load's format: the down in down_format's, each
-    weight kept where its format holds its type exactly."""
-    down = down_format(types["w_down"], fmt) if "w_down" in types else fmt
-    own = {w: (down if w == "w_down" else fmt) for w in types}
-    kept = tuple(w for w, t in types.items() if own[w] in exact_formats(t))
+def layer_format(types: dict[str, str], fmt: tuple[str, int], own: bool) -> tuple[str, int]:
+    """The format a layer's gate and up are packed in: with `own` (a file loaded in the formats of its own blocks,
+    no --cpu-dtype given) the exact one of their type where they share one that has it (a UD file's layers of Q4_K
+    gates among IQ1_S ones keep q4_k), else the load's."""
+    kinds = {t for w, t in types.items() if w != "w_down"}
+    if own and len(kinds) == 1 and (kind := kinds.pop()) in LOSSLESS:
+        return cpu_format(*LOSSLESS[kind])
+    return fmt
+
+
+def choose_layer(types: dict[str, str], fmt: tuple[str, int], own: bool = False) -> LayerChoice:
+    """A layer's expert weights (which -> GGUF type) under the load's format (or, `own`, the layer's: layer_format):
+    the down in down_format's, each weight kept where its format holds its type exactly."""
+    lf = layer_format(types, fmt, own)
+    down = down_format(types["w_down"], lf) if "w_down" in types else lf
+    held = {w: (down if w == "w_down" else lf) for w in types}
+    kept = tuple(w for w, t in types.items() if held[w] in exact_formats(t))
     redone = {w: t for w, t in types.items() if w not in kept}
     why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
-    return LayerChoice(kept, redone, why, down if down != fmt else None)
+    return LayerChoice(kept, redone, why, down if down != lf else None, lf if lf != fmt else None)
 
 
-def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int]) -> dict[int, LayerChoice]:
-    """MoE layer -> which of its expert weights are repacked as they are, which are de-quantized and why."""
-    return {i: choose_layer(weight_types(ckpt, tensors), fmt) for i, tensors in sorted(experts.items())}
+def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int],
+           own: bool = False) -> dict[int, LayerChoice]:
+    """MoE layer -> which of its expert weights are repacked as they are, which are de-quantized and why (`own`:
+    each layer in the format of its own gate and up blocks where one holds them, layer_format)."""
+    return {i: choose_layer(weight_types(ckpt, tensors), fmt, own) for i, tensors in sorted(experts.items())}
 
 
 def _ranges(layers: list[int]) -> str:
@@ -126,7 +142,8 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
     in which only some weights were kept (named, with the types of the others)."""
     groups: dict[tuple, list[int]] = {}
     for i, c in choice.items():
-        own = "" if c.down is None else f"; w_down in {format_name(c.down)}"
+        own = ("" if c.fmt is None else f"; in {format_name(c.fmt)}") + \
+            ("" if c.down is None else f"; w_down in {format_name(c.down)}")
         key = ("all", own) if c.why is None else ("none", c.why, own) if not c.kept else (
             "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why, own)
         groups.setdefault(key, []).append(i)
@@ -214,16 +231,23 @@ def expert_bytes_by_type(ckpt: GgufCheckpoint) -> dict[str, int]:
     return out
 
 
-def choose_file(ckpt: GgufCheckpoint, fmt: tuple[str, int]) -> dict[int, LayerChoice]:
+def choose_file(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool = False) -> dict[int, LayerChoice]:
     """choose over every MoE layer of the file (the expert tensors it has)."""
     cfg, have = ckpt.config, ckpt.tensors.__contains__
-    return choose(ckpt, {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}, fmt)
+    return choose(ckpt, {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}, fmt, own)
 
 
-def down_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int]) -> tuple[str, ...]:
-    """The CPU dtype of each MoE layer's down that gets one of its own under the load's format (down_format), one
-    entry per such layer: what `hybrid plan` and the DRAM check price beside the layers' format."""
-    return tuple(c.down[0] for c in choose_file(ckpt, fmt).values() if c.down is not None)
+def down_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool = False) -> tuple[str, ...]:
+    """The CPU dtype of each MoE layer's down that is not in the load's format (its own, down_format, or its layer's,
+    layer_format), one entry per such layer: what `hybrid plan` and the DRAM check price beside the load's format."""
+    downs = ((c.down or c.fmt or fmt)[0] for c in choose_file(ckpt, fmt, own).values())
+    return tuple(d for d in downs if d != fmt[0])
+
+
+def layer_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool) -> tuple[str, ...]:
+    """The CPU dtype of each MoE layer's gate and up that is not the load's format (layer_format), one entry per such
+    layer: priced beside the load's format as down_dtypes are."""
+    return tuple(c.fmt[0] for c in choose_file(ckpt, fmt, own).values() if c.fmt is not None)
 
 
 class DefaultFormat(NamedTuple):
