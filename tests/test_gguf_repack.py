@@ -660,6 +660,23 @@ def test_a_file_of_mixed_layers_keeps_each_layers_blocks(tmp_path, qwen3_256, ca
     assert len(keys) == 2
 
 
+def test_a_layer_of_another_type_in_an_iq_file_loads_in_its_own_format(tmp_path, qwen3_256, caplog):
+    """IQ1_S gates and ups with IQ2_XXS downs and one layer's gate and up in Q2_K (as UD-IQ1 files mix them): in one
+    format (--cpu-dtype iq1_s) the Q2_K layer would need a quantizer iq1_s does not have and the load is refused;
+    in the file's own formats (the default) that layer is q2_k and the model computes the file's values."""
+    path = tmp_path / "ud.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.IQ2_XXS if "ffn_down" in n else
+                Q.Q2_K if n.startswith("blk.1.") else Q.IQ1_S)
+    plain = single_logits(load_gguf(path, progress=False), PROMPT)
+    with pytest.raises(ValueError, match="iq1_s holds a GGUF file's IQ1_S blocks as they are; it has no quantizer"):
+        hybrid_logits(path, cpu_dtype="iq1_s", cpu_isa="ref")
+    got, off = hybrid_logits(path, caplog, cpu_dtype="iq1_s", layer_formats=True, cpu_isa="ref")
+    assert [(m.cpu_moe.dtype, m.cpu_moe.down_dtype) for m in off.layers] == [("iq1_s", "iq2_xxs"), ("q2_k", "iq2_xxs"),
+                                                                              ("iq1_s", "iq2_xxs")]
+    assert "de-quantized" not in caplog.text
+    assert (got - plain).abs().max().item() <= 1e-5
+
+
 def test_plan_and_dram_price_a_mixed_file_as_it_loads(tmp_path, qwen3_256, capsys):
     """`hybrid plan --model X.gguf` of a file of mixed layers prices each layer in the format the runtime gives it
     (its gate and up, its down), recorded in the plan; the DRAM check prices the same bytes."""
