@@ -15,6 +15,10 @@ difference (the conversion's staging), and VmHWM (peak resident memory, page cac
 included); and the process's CPU seconds (user + system, the whole run: a figure that other load on the machine
 does not inflate as it does the wall time).
 
+With --prompt-words N each process also runs a first prompt of N words and --decode-tokens after its warm-up
+(generate --json), so a restart's first prompt is timed beside a process that converted (its packed bytes just
+written): the last line per dtype gives the ratios.
+
 The checkpoint is read once before the runs (its GB/s is printed: the disk's, or the page cache's when the
 files were already cached), so every run reads it from the page cache alike. The packed caches go to a fresh
 HYBRID_CACHE under --scratch (this machine's calibrated profile.json is copied in), removed at the end.
@@ -40,6 +44,7 @@ import time
 from pathlib import Path
 
 RUNS = ("convert", "write", "hit")
+WORDS = "the quick brown fox jumps over the lazy dog while seven wise owls count their silver coins ".split()
 LOAD_LINE = re.compile(r"loaded in ([\d.]+) s: read ([\d.]+) s, convert ([\d.]+) s, upload ([\d.]+) s, cache .*")
 # generate's own line: the whole start a user waits for (the checkpoint's headers, the weights, the tokenizer, the
 # placement and the warm-up), where LOAD_LINE is the weights' part
@@ -84,12 +89,19 @@ def memory_kib(pid: int) -> dict[str, int]:
     return out
 
 
-def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
-    """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs."""
+def prompt_of(words: int) -> str:
+    """A prompt of `words` words (about a token each; "hello" for 0)."""
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words)) if words else "hello"
+
+
+def run_once(model: Path, dtype: str, no_cache: bool, env: dict, prompt_words: int = 0, decode: int = 1) -> dict:
+    """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs; with prompt_words,
+    the first prompt's prefill and decode tokens/s (generate --json, after its warm-up)."""
     chosen = ["--gpu-experts", "0"] if dtype == "default" else ["--cpu-dtype", dtype]  # default: the file's own
-    cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), *chosen, "-n", "1",
-           "--prompt", "hello"] + (["--no-cache"] if no_cache else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), *chosen, "-n", str(decode),
+           "--prompt", prompt_of(prompt_words)] + (["--no-cache"] if no_cache else []) + (["--json"] if prompt_words else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if prompt_words else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)
     peak = {k: 0 for k in FIELDS}
     state = {"settled": None, "line": None, "start": None, "tail": []}
 
@@ -115,6 +127,7 @@ def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
                 state["line"], state["settled"] = text, memory_kib(proc.pid)
             elif state["start"] is None and START_LINE.fullmatch(text):
                 state["start"] = float(START_LINE.fullmatch(text).group(1))
+    out = proc.stdout.read() if prompt_words else b""
     _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds: contention-proof beside the wall time
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
     running.clear()
@@ -124,7 +137,13 @@ def run_once(model: Path, dtype: str, no_cache: bool, env: dict) -> dict:
     total, read, convert, upload = (float(v) for v in LOAD_LINE.fullmatch(state["line"]).groups())
     gib = 1 / 2**20
     settled = state["settled"] or {}
-    return dict(load_s=total, start_s=state["start"], read_s=read, convert_s=convert, upload_s=upload,
+    first = {}
+    if prompt_words:  # the first prompt's speeds, as generate --json reports them
+        res = json.loads(out.decode().strip().splitlines()[-1])
+        first = dict(prefill_tokens=res["prefill_tokens"], prefill_tok_s=res["prefill_tokens_per_s"],
+                     decode_tok_s=res["decode_tokens_per_s"])
+        state["start"] = state["start"] if state["start"] is not None else res["load_s"]  # --json: the same figure
+    return dict(load_s=total, start_s=state["start"], read_s=read, convert_s=convert, upload_s=upload, **first,
                 line=state["line"],
                 process_cpu_s=usage.ru_utime + usage.ru_stime,
                 peak_anon_gib=peak["RssAnon"] * gib, settled_anon_gib=settled.get("RssAnon", 0) * gib,
@@ -152,6 +171,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     ap.add_argument("--scratch", type=Path, default=Path("~/.cache").expanduser(),
                     help="folder for the temporary packed caches (default ~/.cache; removed at the end)")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="also time each process's first prompt of this many words (generate --json, after its "
+                         "warm-up): a restart's first prompt beside a converting process's (default 0: a one-word "
+                         "prompt, not timed)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after that prompt (default 32)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
@@ -169,7 +193,8 @@ def main(argv=None) -> int:
             for run in runs:
                 if run == "hit" and "write" not in runs and not any(r["dtype"] == dtype for r in rows):
                     run_once(args.model, dtype, False, env)  # the cache a hit needs
-                r = dict(dtype=dtype, run=run, **run_once(args.model, dtype, run == "convert", env))
+                r = dict(dtype=dtype, run=run, **run_once(args.model, dtype, run == "convert", env, args.prompt_words,
+                                                           args.decode_tokens if args.prompt_words else 1))
                 r["gbps"] = total / 1e9 / max(r["load_s"], 1e-9)
                 rows.append(r)
                 extra = r["peak_anon_gib"] - r["settled_anon_gib"]
@@ -178,6 +203,16 @@ def main(argv=None) -> int:
                       f"process cpu {r['process_cpu_s']:5.1f} s)  anon peak "
                       f"{r['peak_anon_gib']:5.2f} GiB settled {r['settled_anon_gib']:5.2f} (+{extra:.2f})  "
                       f"VmHWM {r['peak_hwm_gib']:5.2f} GiB | {r['line']}", flush=True)
+                if args.prompt_words:
+                    print(f"      first prompt: {r['prefill_tokens']} tokens at {r['prefill_tok_s']:.1f} tok/s, "
+                          f"decode {r['decode_tok_s']:.2f} tok/s", flush=True)
+        if args.prompt_words:  # a restart's first prompt against a process that converted (its bytes just written)
+            for dtype in dict.fromkeys(r["dtype"] for r in rows):
+                by = {r["run"]: r for r in rows if r["dtype"] == dtype}
+                if "hit" in by and "convert" in by:
+                    h, c = by["hit"], by["convert"]
+                    print(f"{dtype}: a restart's first prompt: prefill {h['prefill_tok_s'] / c['prefill_tok_s']:.2f}x, "
+                          f"decode {h['decode_tok_s'] / c['decode_tok_s']:.2f}x the converting process's", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
