@@ -138,7 +138,8 @@ def run_box(args, preset: str, quant: str) -> dict:
         t0 = time.perf_counter()
         hcfg = HybridConfig(gpu_experts=0, schedule="cost", cpu_dtype=a.cpu_dtype, cpu_isa=a.isa,
                             cpu_group=getattr(a, "cpu_group", None) or HybridConfig.cpu_group,
-                            cpu_threads=a.cpu_threads, profile=hw)  # hw: hybrid_e2e.run's pricing_profile
+                            cpu_threads=a.cpu_threads, profile=hw,  # hw: hybrid_e2e.run's pricing_profile
+                            layer_formats=getattr(a, "layer_formats", False))  # a mixed GGUF's layers, as users load
         with AnonPeak() as anon:
             model, off = load_hybrid(ckpt, device, dtype, hcfg, progress=True)
         cur, peak = rss_bytes()

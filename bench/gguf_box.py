@@ -46,9 +46,10 @@ def arguments() -> argparse.ArgumentParser:
     return p
 
 
-def file_format(path: str, args) -> tuple[str, int, dict, str]:
+def file_format(path: str, args) -> tuple[str, int, dict, str, bool]:
     """(CPU dtype, int4 group, the file's expert bytes per GGUF type, the load's line saying which expert weights
-    it keeps as the file's blocks) of the load."""
+    it keeps as the file's blocks, whether each layer keeps its own blocks' format) of the load, as a user's
+    `hybrid --model X.gguf` makes it."""
     from hybrid.loading.parse import gguf_cpu_format
     from hybrid.models.gguf import open_gguf, repack
 
@@ -57,15 +58,16 @@ def file_format(path: str, args) -> tuple[str, int, dict, str]:
     fmt = gguf_cpu_format(path)
     dtype = args.cpu_dtype or (fmt.dtype if fmt is not None else "bf16")
     group = args.int4_group or (fmt.group if fmt is not None and fmt.group else 128)
+    own = args.cpu_dtype is None and fmt is not None and not fmt.only  # a mixed file, no --cpu-dtype
     fmt = repack.cpu_format(dtype, group)
-    return dtype, group, by_type, repack.describe(repack.choose_file(ckpt, fmt), fmt)
+    return dtype, group, by_type, repack.describe(repack.choose_file(ckpt, fmt, own), fmt), own
 
 
 def run_hybrid(path: str, args) -> dict:
     from bench.deepseek_box import run_box
 
-    dtype, group, by_type, kept = file_format(path, args)
-    box = argparse.Namespace(ckpt=path, layers=None, config=None, cpu_dtype=dtype, cpu_group=group,
+    dtype, group, by_type, kept, own = file_format(path, args)
+    box = argparse.Namespace(ckpt=path, layers=None, config=None, cpu_dtype=dtype, cpu_group=group, layer_formats=own,
                              profile=args.profile, isa=args.isa, cpu_threads=args.cpu_threads, resident=0,
                              graphs=torch.cuda.is_available(), prefill=args.prefill, decode_batch=args.decode_batch,
                              steps=args.steps, strategies=["cost"], out=args.out)
