@@ -658,6 +658,11 @@ def test_a_file_of_mixed_layers_keeps_each_layers_blocks(tmp_path, qwen3_256, ca
     cfg = read_config(str(path))[1]
     keys = {open_for_load(path, cfg, off, LoadTimes(), own).key for own in (False, True)}
     assert len(keys) == 2
+    # the q2_k layer's splits are priced at q2_k's bytes (and kernel), the others at the load's q4_k
+    main, own = off.scheduler_of("q4_k"), off.scheduler_of("q2_k")
+    assert main is off.scheduler and own is not main and own.strategy == main.strategy
+    assert own.shape.bytes_per_weight < main.shape.bytes_per_weight
+    assert off.scheduler_of("q2_k") is own  # built once
 
 
 def test_a_layer_of_another_type_in_an_iq_file_loads_in_its_own_format(tmp_path, qwen3_256, caplog):

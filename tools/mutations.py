@@ -832,6 +832,8 @@ MUTATIONS = [
       "    if False and own and len(kinds) == 1 and (kind := kinds.pop()) in LOSSLESS:", ["tests/test_gguf_repack.py"]),
     M("GGUF: a layer's own format not handed to the factory", 'extra["dtype"] = choice[layer].fmt[0]', 'pass',
       ["tests/test_gguf_repack.py"]),
+    M("a mixed GGUF's layer priced at the load's dtype", "if cpu_dtype == self.cpu_dtype or self.scheduler_factory is None:",
+      "if True:", ["tests/test_gguf_repack.py"]),
     M("plan: a mixed file's layers priced in the main format", "own_downs += sum(gate_up(d) - gate_up(s.cpu_dtype) for d in s.layer_dtypes) * cfg.num_experts",
       "own_downs += 0", ["tests/test_gguf_repack.py"]),
     M("plan: a GGUF file's experts priced in a checkpoint's default dtype, not the one its blocks default to", "mem = replace(mem, cpu_dtype=fmt.dtype,", "mem = replace(mem, cpu_dtype=default_cpu_dtype(raw),", ["tests/test_gguf_repack.py"]),

@@ -98,9 +98,18 @@ def load_hybrid(model_dir, device, dtype: torch.dtype, hcfg: HybridConfig, progr
     bar = tqdm(total=sum(cfg.moe_layers), unit="layer", desc=f"packing experts ({hcfg.cpu_dtype}) for the CPU",
                disable=not progress or knobs().no_progress)
 
+    def own_scheduler(cpu_dtype: str, strategy) -> LayerScheduler:
+        """A layer in another CPU dtype than the load's (a GGUF file of mixed layers): its expert bytes and kernel."""
+        return LayerScheduler(expert_shape(cfg, cpu_dtype, dtype), hw, strategy, can_ship=True, chunk=hcfg.ship_chunk,
+                              cpu_kernel=priced_kernel(hw, cpu_dtype, hcfg.cpu_group, _native.resolve_isa(hcfg.cpu_isa),
+                                                       note=lambda line: log.warning("%s", line)))
+
+    offload.scheduler_factory = own_scheduler
+
     def make(i, g, u, d, biases=None, down_dtype=None, dtype=None):
         layer = HybridExperts(i, g, u, d, offload, fn=cfg.expert_fn, biases=biases, cache=cache, times=times,
                               down_dtype=down_dtype, dtype=dtype)
+        offload.scheduler_of(layer.cpu_moe.dtype)  # built (and its tables compiled) at load, not in the first batch
         bar.update(1)
         return layer
 

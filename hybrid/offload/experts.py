@@ -374,7 +374,7 @@ class HybridExperts(nn.Module):
             replacer.before_batch(self)
         hist = torch.bincount(flat, minlength=self.num_experts).cpu().numpy()  # host sync: the split needs it
         t0 = time.perf_counter()
-        sched = off.scheduler
+        sched = off.scheduler_of(self.cpu_moe.dtype)  # priced for this layer's CPU dtype (a mixed GGUF's own)
         h_res, h_cold = hist[self.resident_ids], hist[self.cold_ids]
         split = sched.decide(h_cold, batch_tokens=T, gpu_busy=sched.gpu_time(h_res), rows=T)
         decide_s = time.perf_counter() - t0

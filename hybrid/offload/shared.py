@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -58,6 +58,21 @@ class Offload:
         # decode their CPU work runs beside the next layer's attention (KTransformers, SOSP'25).
         self.defer = defer
         self.pending = None  # the deferred output of the layer before: a callable giving [T, D]
+        # (CPU dtype, strategy) -> a LayerScheduler priced for layers in another CPU dtype than cpu_dtype (a GGUF
+        # file of mixed layers): the expert's bytes and the kernel curve of that dtype (scheduler_of)
+        self.scheduler_factory: Callable[[str, object], LayerScheduler] | None = None
+        self._schedulers: dict = {}
+
+    def scheduler_of(self, cpu_dtype: str) -> LayerScheduler:
+        """The scheduler of a layer whose experts are in `cpu_dtype`: the shared one for the load's dtype, else one
+        built once per dtype with the shared one's strategy (again when the shared one is replaced)."""
+        if cpu_dtype == self.cpu_dtype or self.scheduler_factory is None:
+            return self.scheduler
+        key = (cpu_dtype, id(self.scheduler))
+        if key not in self._schedulers:
+            self._schedulers = {k: v for k, v in self._schedulers.items() if k[1] == id(self.scheduler)}
+            self._schedulers[key] = self.scheduler_factory(cpu_dtype, self.scheduler.strategy)
+        return self._schedulers[key]
 
     def _split_cores(self, threads: int | None):
         """Give the CPU executor's pool all cores but one, leaving one for the GPU-launching thread.
