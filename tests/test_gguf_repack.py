@@ -839,3 +839,28 @@ def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, 
     with pytest.raises(ModelLoadError, match=r"'blk.1.ffn_up_exps.weight' in m.gguf: 1 block\(s\) with a NaN/Inf") as exc:
         hybrid_logits(path, cpu_dtype=dtype, cpu_group=32, cpu_isa="ref")
     assert "\n" not in str(exc.value)
+
+
+def test_a_mixed_files_restart_copies_each_layers_own_format(tmp_path, qwen3_256, monkeypatch):
+    """A file of mixed layers in its own formats restarts from the packed cache: each layer comes back in its own
+    format (the Q2_K layer as q2_k among q4_k ones), nothing converted, the same bytes and outputs; the same file in
+    one format is another cache."""
+    from test_packed_cache import folders, load, no_conversion, outputs, same_bytes
+
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path / "hycache"))
+    cpu_kernels.knobs.reset()
+    path = tmp_path / "mixed_layers.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, mixed_layers)
+    first = load(path, "q4_k", layer_formats=True)
+    with monkeypatch.context() as m:
+        no_conversion(m)
+        second = load(path, "q4_k", layer_formats=True)
+    assert second.load_times.convert_s == 0 and second.load_times.cache_bytes > 0
+    assert [layer.cpu_moe.dtype for layer in second.layers] == ["q4_k", "q2_k", "q4_k"]
+    assert [layer.cpu_moe.down_dtype for layer in second.layers] == ["q4_k", "q2_k", "q6_k"]
+    assert all(same_bytes(a, b) for a, b in zip(first.layers, second.layers))
+    for a, b in zip(outputs(first), outputs(second)):
+        assert torch.equal(a, b)
+    one = load(path, "q4_k")
+    assert [layer.cpu_moe.dtype for layer in one.layers] == ["q4_k"] * 3
+    assert len(folders(tmp_path / "hycache" / "packed")) == 2
