@@ -6,7 +6,7 @@ one checkpoint.
         [--tokens 4096] [--prompts 16] [--new 32] [--out FILE.json]
 
 Settings (the reference is `ref`: bf16 experts in the CPU executor, every GPU part in the compute dtype):
-    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4 | cpu:q8_0 | cpu:q4_0 | cpu:q2_k ... cpu:iq4_xs
+    cpu:bf16 | cpu:int8 | cpu:int4[:GROUP] | cpu:mxfp4 | cpu:q8_0 | cpu:q4_0 | cpu:q2_k ... cpu:iq4_xs | cpu:iq2_xxs
                                                           the routed experts' dtype in DRAM (GROUP: int4 inputs
                                                           per scale, default 128)
     defer:N                                               expert deferral of each token's N lowest experts
@@ -52,7 +52,7 @@ TEXT = ("The cost model decides, per batch and per layer, whether to ship an exp
         "its weights over PCIe to the GPU. A batch of tokens each choosing a few experts makes many assignments; "
         "compute is fixed by that number, weight traffic by how many distinct experts are touched.")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # bench.hf_to_gguf.TYPES, without importing gguf
-DEFAULT_SETTINGS = ("cpu:int8,cpu:q8_0,cpu:q4_0,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,cpu:q2_k,cpu:q3_k,cpu:q4_k,cpu:q5_k,cpu:q6_k,cpu:iq4_xs,defer:1,defer:2,"
+DEFAULT_SETTINGS = ("cpu:int8,cpu:q8_0,cpu:q4_0,cpu:int4:32,cpu:int4:64,cpu:int4:128,cpu:mxfp4,cpu:q2_k,cpu:q3_k,cpu:q4_k,cpu:q5_k,cpu:q6_k,cpu:iq4_xs,cpu:iq2_xxs,defer:1,defer:2,"
                     "gpu:int8,gpu:int4,gpu:fp8,kv:fp8")
 
 

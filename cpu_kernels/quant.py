@@ -92,8 +92,9 @@ iq2_xxs: llama.cpp's IQ2_XXS values: rows in super-blocks of 256 values with an 
       making the count of negatives even: KSIGNS): w = d (0.5 + ls) / 4 x magnitude x sign. Packed as the file holds a
       super-block's 64 bytes of qs: values uint8 [..., R, K/256 * 64] (per sub-block 8 bytes: the 4 group indices, then
       a little-endian uint32 of the 4 sign indices at bits 7 l and ls at bits 28-31) and heads uint8 [..., R, K/256,
-      2], d; 2.0625 bits a weight as the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer
-      from floats: IQ2_XXS values come from llama.cpp's importance-weighted search (llama-quantize makes such files).
+      2], d; 2.0625 bits a weight as the file's. Rows are zero padded to a multiple of 256 values (d = 0).
+      quantize_iq2_xxs rounds floats to the nearest codebook entry at a least-squares scale per 32 values, not
+      llama.cpp's importance-weighted search (which llama-quantize's IQ2_XXS files come from).
 iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
       3-bit scale ls and a delta sign, each 4 groups of 8 values with an 11-bit index into a 2048-entry codebook of 8
       values in {-1, 0, 1} (IQ1_GRID, the gguf package's table, which IQ1_M shares): w = d (2 ls + 1) (g + delta),
@@ -762,9 +763,57 @@ def dequantize_iq2_xxs(values: torch.Tensor, heads: torch.Tensor) -> torch.Tenso
     return (db[..., None, None] * mags * (1.0 - 2.0 * neg.float())).reshape(*lead, G * QK_K)
 
 
-def quantize_iq2_xxs(w: torch.Tensor):
-    """Refused: IQ2_XXS's values come from llama.cpp's importance-weighted codebook search (module doc)."""
-    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq2_xxs", type="IQ2_XXS"))
+# groups of 8 values whose codebook distances are scored at once by quantize_iq2_xxs ([n, 256] fp32 scores)
+IQ2_XXS_SEARCH_GROUPS = 1 << 16
+
+
+def _iq2_xxs_pick(a: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of 8 (a = |x| [n, 8], x [n, 8], the group's scale s [n]): the codebook entry nearest a / s and the
+    signs of x with an even count of negatives (the sign whose flip costs least, |x_j| g_j, flipped where the count is
+    odd). -> (entry index long [n], negatives bool [n, 8])."""
+    grid = _iq_grid("iq2_xxs").to(a.device)  # [256, 8]
+    t = a / s.clamp(min=1e-30)[:, None]
+    idx = torch.empty(a.shape[0], dtype=torch.long, device=a.device)
+    for i in range(0, a.shape[0], IQ2_XXS_SEARCH_GROUPS):  # argmin |t - g|^2 = argmin (|g|^2 - 2 t.g)
+        idx[i:i + IQ2_XXS_SEARCH_GROUPS] = ((grid * grid).sum(-1) - 2 * t[i:i + IQ2_XXS_SEARCH_GROUPS] @ grid.T).argmin(-1)
+    neg = x < 0
+    odd = (neg.sum(-1) & 1).bool()
+    flip = (a * grid[idx]).argmin(-1)
+    neg[odd, flip[odd]] = ~neg[odd, flip[odd]]
+    return idx, neg
+
+
+def quantize_iq2_xxs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] (K % 256 == 0) -> (values uint8 [..., R, K/256 * 64], heads uint8 [..., R, K/256, 2]) in
+    iq2_xxs's bytes (module doc). Round to the nearest codebook entry, not llama.cpp's importance-weighted search: each
+    sub-block's scale first from its largest magnitude (onto the codebook's 43), each group of 8 the entry nearest its
+    magnitudes with the signs' parity made even (_iq2_xxs_pick), then the sub-block's least-squares scale, d =
+    the largest / 3.875 in fp16 and the 4-bit ls nearest, and the entries picked again at the stored scale."""
+    *lead, R, K = w.shape
+    if K % QK_K:
+        raise ValueError(f"iq2_xxs rows must be whole super-blocks of {QK_K} values, got {K}")
+    G = K // QK_K
+    x = w.detach().float().reshape(-1, 8)  # groups of 8: super-block, sub-block (8), group (4) in order
+    a = x.abs()
+    grid = _iq_grid("iq2_xxs").to(x.device)
+    sub = a.reshape(-1, 32).amax(-1) / 43.0  # [n_sub] first scale: the largest magnitude onto 43
+    idx, neg = _iq2_xxs_pick(a, x, sub.repeat_interleave(4))
+    q = (grid[idx] * (1.0 - 2.0 * neg.float())).reshape(-1, 32)
+    xs = x.reshape(-1, 32)
+    sub = ((xs * q).sum(-1) / (q * q).sum(-1).clamp(min=1e-30)).clamp(min=0)  # least-squares sub-block scale
+    sub = sub.reshape(-1, 8)  # [super-blocks, 8]
+    d = (sub.amax(-1) / 3.875).to(torch.float16)  # db = d (0.5 + ls) / 4, ls <= 15
+    df = d.float()[:, None]
+    ls = torch.where(df > 0, torch.round(sub / (df * 0.25).clamp(min=1e-30) - 0.5), torch.zeros_like(sub)).clamp(0, 15)
+    db = (df * (0.5 + ls) * 0.25).reshape(-1)  # [n_sub] the stored scales
+    idx, neg = _iq2_xxs_pick(a, x, db.repeat_interleave(4))
+    bits = neg[:, :7].long() << torch.arange(7, device=x.device)  # a group's sign index: the signs of values 0-6
+    signs = bits.sum(-1).reshape(-1, 4)  # [n_sub, 4]
+    aux = (signs << torch.tensor([0, 7, 14, 21], device=x.device)).sum(-1) | (ls.reshape(-1).long() << 28)
+    sub_bytes = torch.cat([idx.reshape(-1, 4), torch.stack([(aux >> (8 * i)) & 0xFF for i in range(4)], -1)], -1)
+    values = sub_bytes.to(torch.uint8).reshape(*lead, R, G * IQ2_XXS_VALUE_BYTES)
+    heads = d.reshape(*lead, R, G, 1).contiguous().view(torch.uint8)
+    return values, heads
 
 
 FILE_ONLY_MESSAGE = ("{dtype} holds a GGUF file's {type} blocks as they are; it has no quantizer for other weights "

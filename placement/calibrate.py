@@ -169,7 +169,8 @@ def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_byte
     shape (as many as
     source_bytes hold, at least 2), and for mxfp4 CpuMoE.from_mxfp4 over blocks in the published layout (it has no
     compiled packer: torch re-orders the codes), for iq2_xxs, iq1_s and iq1_m CpuMoE.from_<dtype> over random
-    GGUF blocks (nothing else packs into them; _file_only_pack_rate). The packed copy rate: the bf16 executor's packed bytes, written
+    GGUF blocks (a file's blocks copied, what these dtypes mostly pack; iq2_xxs's quantizer from floats is slower:
+    _file_only_pack_rate). The packed copy rate: the bf16 executor's packed bytes, written
     to a file that stays in the page cache, memory-mapped and copied back by CpuMoE.from_packed as the packed
     cache copies them (its disk read is measure_disk's). Before each, the freed memory goes back to the kernel, so
     every one fills fresh pages as a load does; a load that holds far more memory may still find it slower to come

@@ -205,7 +205,7 @@ def test_sdist_other_than_the_pinned_one_is_refused(tmp_path):
 # scale, nibble or row) moves the perplexity by far more (towards the vocabulary size).
 QUALITY_BOUNDS = {"cpu:int8": 0.01, "cpu:q8_0": 0.01, "cpu:q6_k": 0.01, "cpu:q5_k": 0.02, "cpu:int4:32": 0.05,
                   "cpu:q4_k": 0.05, "cpu:q2_k": 0.05, "cpu:q3_k": 0.03, "cpu:iq4_xs": 0.02, "cpu:q4_0": 0.02,
-                  "gpu:int4": 0.05}
+                  "cpu:iq2_xxs": 0.05, "gpu:int4": 0.05}
 
 
 def test_lossy_formats_cost_little_perplexity_on_a_trained_model(qwen, corpus):

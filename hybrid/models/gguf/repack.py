@@ -8,7 +8,7 @@ experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.
 executor computes with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K
 downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a weight of another block type than the
 layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
-format, which changes a block type's values; iq2_xxs, iq1_s and iq1_m have no quantizer, so a weight of another type in a
+format, which changes a block type's values; iq1_s and iq1_m have no quantizer, so a weight of another type in a
 layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down of a type of its own is kept in its format,
 down_format). A file of mixed layers loaded without --cpu-dtype keeps each layer in the format of its own gate and up
 blocks where one holds them (layer_format), so no layer is re-quantized. One log line per load says which layers'
