@@ -102,7 +102,7 @@ iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16
       48 bytes after d: values uint8 [..., R, K/256 * 48] (qs, 32 bytes: the low 8 bits of group l's index; then qh,
       8 little-endian uint16, one per sub-block: bits 3 i .. 3 i + 2 the top 3 bits of its group i's index, bits 12-14
       ls, bit 15 the delta sign) and heads uint8 [..., R, K/256, 2], d; 1.5625 bits a weight as the file's. Rows are
-      zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
+      zero padded to a multiple of 256 values (d = 0). No quantizer from floats: a GGUF file's blocks only.
 iq1_m: llama.cpp's IQ1_M values: rows in super-blocks of 256 values, 56 bytes each: qs (32 bytes, the low 8 bits of
       group l's 11-bit codebook index), qh (16 bytes, byte j's low nibble for group 2 j, high nibble for 2 j + 1: bits
       0-2 the index's top 3 bits, bit 3 the delta sign) and 4 little-endian uint16 scales words (word w's bits
@@ -110,7 +110,7 @@ iq1_m: llama.cpp's IQ1_M values: rows in super-blocks of 256 values, 56 bytes ea
       super-block's fp16 d, which has no field of its own: iq1_m_d): w = d (2 ls + 1) (g + delta), g from IQ1_S's
       codebook, delta +-IQ1_DELTA per 8 values. Packed as the file holds them: values uint8 [..., R, K/256 * 48] (qs,
       then qh) and heads uint8 [..., R, K/256, 8] (the scales words, d's nibbles among them); 1.75 bits a weight as
-      the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq2_xxs.
+      the file's. Rows are zero padded to a multiple of 256 values (d = 0). No quantizer from floats, as iq1_s.
       dequantize_iq1_m takes the raw blocks, dequantize_iq1_m_packed the packed bytes.
 GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing them):
   Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes whose low nibbles are values 0-15 and high nibbles
