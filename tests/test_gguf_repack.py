@@ -708,6 +708,9 @@ def test_plan_and_dram_price_a_mixed_file_as_it_loads(tmp_path, qwen3_256, capsy
     # layers 0 and 2 in q4_k, layer 2's down in q6_k instead, layer 1 all in q2_k
     want = E * (2 * per("q4_k") + per("q2_k") + down_bytes(D, F, "q6_k", threads) - down_bytes(D, F, "q4_k", threads))
     assert plan["memory"]["cpu"]["experts"] == want
+    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+                 "ktransformers-paper-amx"]) == 0
+    assert "; own formats: gates and ups q2_k x1, downs q2_k x1, q6_k x1)" in capsys.readouterr().out
     need = model_dram(read_config(str(path))[1], False, 4, "q4_k", 64, 1, ("q2_k", "q6_k"), ("q2_k",))
     experts = [b for name, b in need.parts if "expert" in name]
     assert want in experts, need.parts

@@ -272,6 +272,19 @@ def staging_note(settings: dict) -> str:
     return f" ({slots} slot{'s' * (slots != 1)} x {chunk} expert{'s' * (chunk != 1)})"
 
 
+def own_formats_note(settings: dict) -> str:
+    """A GGUF file's layers whose gates and ups, or downs, the load keeps in CPU dtypes other than the plan's (each
+    priced in its own): "; own formats: gates and ups q2_k x1, downs q6_k x2"."""
+    from collections import Counter
+
+    parts = []
+    for key, what in (("layer_dtypes", "gates and ups"), ("down_dtypes", "downs")):
+        counts = Counter(settings.get(key) or ())
+        if counts:
+            parts.append(f"{what} " + ", ".join(f"{d} x{n}" for d, n in sorted(counts.items())))
+    return "; own formats: " + ", ".join(parts) if parts else ""
+
+
 def describe(p, model_dir: str) -> str:
     from placement.memory import gib
 
@@ -288,7 +301,7 @@ def describe(p, model_dir: str) -> str:
         f"{resident_note(p.settings)})",
         *gpu_weights_line(p),
         f"DRAM {gib(p.cpu_bytes)} of {gib(p.cpu_budget_bytes)}: experts {gib(c['experts'])} (cold "
-        f"{gib(c['cold_experts'])}), pinned buffers {gib(c['pinned_buffers'])}",
+        f"{gib(c['cold_experts'])}{own_formats_note(p.settings)}), pinned buffers {gib(c['pinned_buffers'])}",
         "resident experts per layer: " + " ".join(f"{lp.layer}:{len(lp.resident_experts)}" for lp in p.layers),
         "NUMA: " + "; ".join(f"node {n['node']} ({n['threads']} threads) F[{n['f_start']}:{n['f_end']}] "
                              f"{gib(n['bytes'])}" for n in p.numa),
