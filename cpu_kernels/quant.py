@@ -763,8 +763,8 @@ def dequantize_iq2_xxs(values: torch.Tensor, heads: torch.Tensor) -> torch.Tenso
     return (db[..., None, None] * mags * (1.0 - 2.0 * neg.float())).reshape(*lead, G * QK_K)
 
 
-# groups of 8 values whose codebook distances are scored at once by quantize_iq2_xxs: [n, 256] fp32 scores of 4 MiB
-# stay in the cache (65536 groups a call took 3.5x as long on the dev box)
+# groups of 8 values whose codebook distances are scored at once by quantize_iq2_xxs: [n, 256] fp32 scores of 4 MiB,
+# which stay in the cache (a larger call writes and re-reads its scores from DRAM)
 IQ2_XXS_SEARCH_GROUPS = 1 << 12
 
 

@@ -45,17 +45,16 @@ SMALLER_CPU_DTYPES = ("bf16", "int8", "int4")  # what --cpu-dtype can shrink the
 
 def gguf_expert_dtypes(model: str | None, cpu_dtype: str, group: int, own: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A GGUF file's layers whose down, and whose gate and up, the load puts in a dtype of their own (`own`: a file of
-    mixed types loaded in its own formats; hybrid.models.gguf.repack.down_dtypes and layer_dtypes): what the DRAM
+    mixed types loaded in its own formats; hybrid.models.gguf.repack.own_dtypes): what the DRAM
     check and `hybrid plan` price beside the load's format. ((), ()) for any other checkpoint."""
     from hybrid.models.gguf import is_gguf
 
     if not model or not is_gguf(model):
         return (), ()
     from hybrid.models.checkpoints import open_cached
-    from hybrid.models.gguf.repack import cpu_format, down_dtypes, layer_dtypes
+    from hybrid.models.gguf.repack import cpu_format, own_dtypes
 
-    ckpt, fmt = open_cached(model), cpu_format(cpu_dtype, group)
-    return down_dtypes(ckpt, fmt, own), layer_dtypes(ckpt, fmt, own)
+    return own_dtypes(open_cached(model), cpu_format(cpu_dtype, group), own)
 
 
 def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = None) -> None:

@@ -235,9 +235,8 @@ def _fill_on_device(name: str, file: Path, dst, src: torch.Tensor, scale_inv: to
                     block: tuple[int, int] | None) -> None:
     """dst (a GPU parameter, or a QWeight quantized on the GPU) from src [R, C] on the host, a slice of rows at a
     time: the slice crosses to the GPU in the file's dtype (FP8: 1 byte a weight, with its block scales) and is
-    de-quantized, checked for NaN/Inf and stored or quantized there. The host's float8-to-float conversion and
-    finite check ran at well under 1 GB/s and read four times the bytes (the load's "read" time on an FP8
-    checkpoint); on the GPU they take milliseconds, and no float copy of a whole matrix is made."""
+    de-quantized, checked for NaN/Inf and stored or quantized there, instead of the host converting float8 to fp32,
+    checking it and sending four times the bytes; no float copy of a whole matrix is made."""
     R, C = src.shape
     b0 = block[0] if block is not None else 1
     step = max(FP8_BLOCK[0], DEVICE_SLICE_VALUES // max(1, C) // FP8_BLOCK[0] * FP8_BLOCK[0])

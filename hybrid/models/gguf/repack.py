@@ -237,17 +237,13 @@ def choose_file(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool = False) -
     return choose(ckpt, {i: expert_tensors(cfg, i, have) for i in cfg.moe_layer_indices}, fmt, own)
 
 
-def down_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool = False) -> tuple[str, ...]:
-    """The CPU dtype of each MoE layer's down that is not in the load's format (its own, down_format, or its layer's,
-    layer_format), one entry per such layer: what `hybrid plan` and the DRAM check price beside the load's format."""
-    downs = ((c.down or c.fmt or fmt)[0] for c in choose_file(ckpt, fmt, own).values())
-    return tuple(d for d in downs if d != fmt[0])
-
-
-def layer_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool) -> tuple[str, ...]:
-    """The CPU dtype of each MoE layer's gate and up that is not the load's format (layer_format), one entry per such
-    layer: priced beside the load's format as down_dtypes are."""
-    return tuple(c.fmt[0] for c in choose_file(ckpt, fmt, own).values() if c.fmt is not None)
+def own_dtypes(ckpt: GgufCheckpoint, fmt: tuple[str, int], own: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(downs, gates and ups): the CPU dtype of each MoE layer's down that is not in the load's format (its own,
+    down_format, or its layer's, layer_format), and of each layer's gate and up that is not (layer_format), one entry
+    per such layer: what `hybrid plan` and the DRAM check price beside the load's format."""
+    choice = choose_file(ckpt, fmt, own).values()
+    downs = tuple(d for d in ((c.down or c.fmt or fmt)[0] for c in choice) if d != fmt[0])
+    return downs, tuple(c.fmt[0] for c in choice if c.fmt is not None)
 
 
 class DefaultFormat(NamedTuple):
