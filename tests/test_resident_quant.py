@@ -201,25 +201,29 @@ def test_quantized_residents_hold_fewer_bytes_and_swap_in_place():
         Offload("cpu", torch.float32, None, resident_dtype="fp8")
 
 
-def test_grouped_chunks_cover_every_expert(monkeypatch):
+@pytest.mark.parametrize("f, d, views", [(F_, D, True), (5, 6, False)])
+def test_grouped_chunks_cover_every_expert(monkeypatch, f, d, views):
     """Past GATHER_ROWS the residents are de-quantized a chunk at a time: with one expert per chunk every
-    expert's rows still go through its own weights."""
+    expert's rows still go through its own weights, its gate and up as views of one de-quantized tensor where the
+    up half stays 16-byte aligned (F x D x 4 bytes a multiple of 16), else copies."""
     monkeypatch.setattr(resident_mod, "DEQUANT_CHUNK_VALUES", 1)
-    q = QuantResidents("int8", 3, F_, D, "cpu")
-    ws = weights(1)
+    q = QuantResidents("int8", 3, f, d, "cpu")
+    torch.manual_seed(0)
+    ws = torch.randn(3, f, d) / d ** 0.5, torch.randn(3, f, d) / d ** 0.5, torch.randn(3, d, f) / f ** 0.5
     for r in range(3):
         q.set_(r, ws[0][r], ws[1][r], ws[2][r])
-    rows = torch.randn(70, D)
+    rows = torch.randn(70, d)
     counts, slots = np.array([30, 0, 40]), np.array([0, 1, 2])
     calls = []
 
-    def run(r, c, g, u, d, fn, b):
-        calls.append(g.shape[0])
+    def run(r, c, g, u, d_, fn, b):
+        calls.append((g.shape[0], g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()))
+        assert g.is_contiguous() and u.is_contiguous() and u.data_ptr() % 16 == 0
         offs = torch.from_numpy(np.cumsum(c).astype(np.int32))
-        return _looped(r, offs, (g, u, d))
+        return _looped(r, offs, (g, u, d_))
 
     out = q.grouped(rows, counts, slots, SILU, None, run)
-    assert calls == [1, 1]  # the expert without rows is skipped
+    assert calls == [(1, views), (1, views)]  # the expert without rows is skipped
     for a, b, r in ((0, 30, 0), (30, 70, 2)):
         g, u, d = q.weights(r, torch.float32)
         torch.testing.assert_close(out[a:b], F.linear(F.silu(rows[a:b] @ g.T) * (rows[a:b] @ u.T), d))

@@ -128,7 +128,11 @@ class QuantResidents:
             ids, cnt = slots[c:c + per], counts[c:c + per]
             m = int(cnt.sum())
             if m:
-                g, u, d = (torch.stack(t) for t in zip(*(self.weights(int(r), rows.dtype) for r in ids)))
+                parts = [self.weights(int(r), rows.dtype) for r in ids]
+                # one expert (a large one: DEQUANT_CHUNK_VALUES holds no two) as views, without stack's copy, where
+                # the up half's offset keeps the 16-byte alignment grouped GEMMs want
+                views = len(parts) == 1 and self.F * self.D * rows.element_size() % 16 == 0
+                g, u, d = (t[0][None] for t in zip(*parts)) if views else map(torch.stack, zip(*parts))
                 idx = None if biases is None else torch.from_numpy(ids).to(rows.device)
                 b = None if biases is None else tuple(t[idx] for t in biases)
                 out[a:a + m] = run_grouped(rows[a:a + m], cnt, g, u, d, fn, b)
