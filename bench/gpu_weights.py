@@ -91,7 +91,9 @@ def run_one(args, dtype: str) -> dict:
     return {"gpu_dtype": dtype, "gpu_weights": gpu_line, "load_s": out["load_s"],
             "prefill_tokens": out["prefill_tokens"], "prefill_tokens_per_s": out["prefill_tokens_per_s"],
             "decode_tokens": out["decode_tokens"], "decode_tokens_per_s": out["decode_tokens_per_s"],
-            "peak_vram_mib": vram.peak - base, "generated_token_ids": out["generated_token_ids"],
+            # the device's use before the process started beside it: another process's memory there (or freed
+            # while this one ran) makes the difference meaningless
+            "peak_vram_mib": vram.peak - base, "base_vram_mib": base, "generated_token_ids": out["generated_token_ids"],
             # the device's memory after each start-up step (hybrid.loading.session.vram_mark), bytes
             "phases": out.get("vram", []), "plan": planned(args, dtype),
             # generate's own lines (placement, load split, warnings), progress bars left out
