@@ -31,6 +31,7 @@ SHAPES = {  # name: (N, K) of W [N, K]
     "deepseek_o_proj": (7168, 16384),
     "q_b": (24576, 1536),
     "head": (32768, 2048),
+    "qwen3_head": (151936, 2048),  # Qwen3-30B-A3B's whole vocabulary: a decode step's largest GEMV
 }
 KINDS = ("int8", "int4", "fp8")
 
