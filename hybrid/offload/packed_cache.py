@@ -506,9 +506,9 @@ def _finish_at_exit() -> None:
     if not running:
         return
     left = sum(c.writing for c in running)
-    print(f"finishing the packed cache ({left / 1e9:.2f} GB left to write; Ctrl-C skips it)…", file=sys.stderr,
-          flush=True)
-    try:
+    try:  # the line inside: a Ctrl-C the moment it is read still stops the writers
+        print(f"finishing the packed cache ({left / 1e9:.2f} GB left to write; Ctrl-C skips it)…", file=sys.stderr,
+              flush=True)
         wait_for_writers()
     except KeyboardInterrupt:
         for c in running:
