@@ -568,6 +568,46 @@ def test_ctrl_c_at_exit_stops_the_write_and_leaves_no_folder(qwen, cache):
     assert folders(cache) == []
 
 
+def test_ctrl_c_taken_by_another_thread_at_exit_still_stops_the_write(qwen, cache):
+    """A process-directed Ctrl-C may reach a thread other than the main one, which then sits in the exit's wait:
+    the writer thread signals itself once the exit waits, and the process still stops the write and exits at
+    once (its wait is timed; an untimed one held until the writer gave up, 120 s later)."""
+    import time
+
+    proc = run_python("""
+        import signal, sys, threading, torch
+        from hybrid.offload import packed_cache as pc
+        from hybrid.offload.build import load_hybrid
+        from hybrid.offload.config import HybridConfig
+        real, exiting = pc.PackedCache._write_layer, threading.Event()
+        waits = pc.wait_for_writers
+
+        def marked(*a, **k):  # the exit's wait has begun
+            exiting.set()
+            return waits(*a, **k)
+        pc.wait_for_writers = marked
+
+        def until_stopped(self, *a):  # the writer holds layer 0; at exit it takes the Ctrl-C itself
+            assert exiting.wait(60)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+            assert self._cancel.wait(120)
+            return real(self, *a)
+        pc.PackedCache._write_layer = until_stopped
+        load_hybrid(sys.argv[1], "cpu", torch.float32,
+                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
+    """, qwen)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "finishing the packed cache" in err and folders(cache) == []
+    assert time.monotonic() - t0 < 90
+
+
 def test_a_second_process_converts_while_the_first_writes(qwen, cache, monkeypatch):
     """Process A has written layer 0 into its temporary folder and waits; this process starts meanwhile: it
     finds no cache (A's folder is left alone: A lives), converts and publishes its own; A's rename then loses

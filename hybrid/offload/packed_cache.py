@@ -498,6 +498,9 @@ def wait_for_writers(timeout: float | None = None) -> bool:
     return all([c.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for c in running])
 
 
+EXIT_POLL_S = 0.25
+
+
 def _finish_at_exit() -> None:
     """At interpreter exit: a cache still being written is finished (one line says so), so a one-shot command
     leaves it complete; Ctrl-C meanwhile stops it (its writer removes the temporary folder)."""
@@ -509,7 +512,10 @@ def _finish_at_exit() -> None:
     try:  # the line inside: a Ctrl-C the moment it is read still stops the writers
         print(f"finishing the packed cache ({left / 1e9:.2f} GB left to write; Ctrl-C skips it)…", file=sys.stderr,
               flush=True)
-        wait_for_writers()
+        # waits of a quarter second: a Ctrl-C the kernel hands to another thread does not wake a blocked main
+        # thread, which sees it only when it next runs
+        while not wait_for_writers(EXIT_POLL_S):
+            pass
     except KeyboardInterrupt:
         for c in running:
             c.stop()
