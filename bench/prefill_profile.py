@@ -64,13 +64,13 @@ def main(argv=None) -> int:
     from hybrid.loading.session import open_session
 
     gen = build_parser(["generate"]).parse_args(["generate", *model_args])
+    if max(lengths) >= gen.max_context:  # before a load that may take a minute
+        p.error(f"--tokens up to {max(lengths)} need --max-context above it (it is {gen.max_context})")
     t0 = time.perf_counter()
     session = open_session(gen, log=lambda m: print(m, file=sys.stderr))
     engine = session.engine
     chunk = engine.config.prefill_chunk
     print(f"loaded in {time.perf_counter() - t0:.1f} s; prefill passes of {chunk} tokens", flush=True)
-    if max(lengths) >= engine.max_context:
-        p.error(f"--tokens up to {max(lengths)} need --max-context above it (the session has {engine.max_context})")
     runs = []
     for n in lengths:
         for r in range(args.repeats):
