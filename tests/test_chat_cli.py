@@ -115,16 +115,23 @@ def test_a_refused_turn_is_dropped_and_the_next_one_runs(tok_dir):
     assert chat.history == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": REPLY}]
 
 
-def test_ctrl_c_stops_the_reply_and_keeps_the_history(tok_dir):
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT handled by Python, as in a terminal: a suite started in the background inherits it ignored, and the
+    chat rightly leaves an ignored SIGINT alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_history(tok_dir, terminal_sigint):
     tok = tokenizer(tok_dir)
     pressed = []
 
     def press_ctrl_c(k):  # a real SIGINT, as the terminal sends it, during the first reply
         if k == 2 and not pressed:
             pressed.append(k)
-            # to this (the main) thread: one sent to the process may reach a thread an earlier test left, whose
-            # C handler, on a busy machine, runs only after the reply has ended
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # to this thread, where the chat's handler runs
 
     handler = signal.getsignal(signal.SIGINT)
     chat, out, err = new_chat(tok, ScriptedEngine(tok, press_ctrl_c))

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -495,10 +496,16 @@ def tiny_with_tokenizer(folder: Path) -> Path:
     return path
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_python(script: str, *args, **kw) -> subprocess.Popen:
+    """The script in a child Python whose SIGINT is Python's own handler, as in a terminal (a suite started in the
+    background passes its children SIGINT ignored)."""
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(os.environ, HYBRID_NO_PROGRESS="1"), **kw)
+                            env=dict(os.environ, HYBRID_NO_PROGRESS="1"), preexec_fn=_sigint_default, **kw)
 
 
 def test_exit_finishes_the_cache_of_a_one_shot_generate(cache, tmp_path):
@@ -534,8 +541,6 @@ def test_exit_finishes_the_cache_of_a_one_shot_generate(cache, tmp_path):
 
 def test_ctrl_c_at_exit_stops_the_write_and_leaves_no_folder(qwen, cache):
     """Ctrl-C while the exit waits for the writer: the writer stops, its temporary folder goes, exit as usual."""
-    import signal
-
     proc = run_python("""
         import sys, torch
         from hybrid.offload import packed_cache as pc
