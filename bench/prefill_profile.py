@@ -25,8 +25,9 @@ import torch
 
 def prefill_seconds(engine, n: int) -> float:
     """One prefill of n tokens into a fresh slot, timed to the device's end."""
-    V = engine.model.cfg.vocab_size
-    ids = [(i * 7919 + 1) % V for i in range(n)]
+    from hybrid.runtime.engine import spread_ids
+
+    ids = spread_ids(n, engine.model.cfg.vocab_size)
     slot = engine.allocate_slot()
     try:
         engine._sync()

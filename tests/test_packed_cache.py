@@ -10,6 +10,7 @@ finishes it, a second process meanwhile converts (no half cache is read), and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import json
@@ -508,6 +509,32 @@ def run_python(script: str, *args, **kw) -> subprocess.Popen:
                             env=dict(os.environ, HYBRID_NO_PROGRESS="1"), preexec_fn=_sigint_default, **kw)
 
 
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """The child killed and reaped if the block leaves it running (a failed assertion, a timeout)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def run_load_with_writer(hook: str, path) -> subprocess.Popen:
+    """A child process loading `path` (int8 experts, every one in DRAM) whose packed-cache writer writes each layer
+    through `hook`'s function `writer(self, layer, *a)`; the hook may call `real`, the writer's own method, and use
+    sys, signal, threading and pc (hybrid.offload.packed_cache)."""
+    return run_python("import signal, sys, threading, torch\n"
+                      "from hybrid.offload import packed_cache as pc\n"
+                      "from hybrid.offload.build import load_hybrid\n"
+                      "from hybrid.offload.config import HybridConfig\n"
+                      "real = pc.PackedCache._write_layer\n"
+                      + textwrap.dedent(hook) +
+                      "\npc.PackedCache._write_layer = writer\n"
+                      "load_hybrid(sys.argv[1], 'cpu', torch.float32, HybridConfig(gpu_experts=0, cpu_dtype='int8', "
+                      "profile='ktransformers-paper-amx'), progress=False)\n", path)
+
+
 def test_exit_finishes_the_cache_of_a_one_shot_generate(cache, tmp_path):
     """`hybrid generate -n 1` whose writer is still at layer 0 when the command returns: the exit waits for it
     (one line), and `hybrid cache list` then shows a complete cache."""
@@ -541,22 +568,13 @@ def test_exit_finishes_the_cache_of_a_one_shot_generate(cache, tmp_path):
 
 def test_ctrl_c_at_exit_stops_the_write_and_leaves_no_folder(qwen, cache):
     """Ctrl-C while the exit waits for the writer: the writer stops, its temporary folder goes, exit as usual."""
-    proc = run_python("""
-        import sys, torch
-        from hybrid.offload import packed_cache as pc
-        from hybrid.offload.build import load_hybrid
-        from hybrid.offload.config import HybridConfig
-        real = pc.PackedCache._write_layer
-
-        def until_stopped(self, *a):  # the writer holds layer 0 until stop()
+    proc = run_load_with_writer("""
+        def writer(self, *a):  # the writer holds layer 0 until stop()
             print("holding", flush=True)
             assert self._cancel.wait(120)
             return real(self, *a)
-        pc.PackedCache._write_layer = until_stopped
-        load_hybrid(sys.argv[1], "cpu", torch.float32,
-                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
     """, qwen)
-    try:
+    with reaped(proc):
         assert proc.stdout.readline() == "holding\n"
         line = proc.stderr.readline()
         while line and "finishing the packed cache" not in line:
@@ -565,10 +583,6 @@ def test_ctrl_c_at_exit_stops_the_write_and_leaves_no_folder(qwen, cache):
         assert len(temporaries(cache, proc.pid)) == 1
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0 and "Traceback" not in err and "not written" not in err, err
     assert folders(cache) == []
 
@@ -579,35 +593,23 @@ def test_ctrl_c_taken_by_another_thread_at_exit_still_stops_the_write(qwen, cach
     once (its wait is timed; an untimed one held until the writer gave up, 120 s later)."""
     import time
 
-    proc = run_python("""
-        import signal, sys, threading, torch
-        from hybrid.offload import packed_cache as pc
-        from hybrid.offload.build import load_hybrid
-        from hybrid.offload.config import HybridConfig
-        real, exiting = pc.PackedCache._write_layer, threading.Event()
-        waits = pc.wait_for_writers
+    proc = run_load_with_writer("""
+        exiting, waits = threading.Event(), pc.wait_for_writers
 
         def marked(*a, **k):  # the exit's wait has begun
             exiting.set()
             return waits(*a, **k)
         pc.wait_for_writers = marked
 
-        def until_stopped(self, *a):  # the writer holds layer 0; at exit it takes the Ctrl-C itself
+        def writer(self, *a):  # the writer holds layer 0; at exit it takes the Ctrl-C itself
             assert exiting.wait(60)
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
             assert self._cancel.wait(120)
             return real(self, *a)
-        pc.PackedCache._write_layer = until_stopped
-        load_hybrid(sys.argv[1], "cpu", torch.float32,
-                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
     """, qwen)
     t0 = time.monotonic()
-    try:
+    with reaped(proc):
         _, err = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert "finishing the packed cache" in err and folders(cache) == []
     assert time.monotonic() - t0 < 90
@@ -617,23 +619,14 @@ def test_a_second_process_converts_while_the_first_writes(qwen, cache, monkeypat
     """Process A has written layer 0 into its temporary folder and waits; this process starts meanwhile: it
     finds no cache (A's folder is left alone: A lives), converts and publishes its own; A's rename then loses
     and A removes its folder, with no warning. The cache left reads back what this process converted."""
-    child = run_python("""
-        import sys, torch
-        from hybrid.offload import packed_cache as pc
-        from hybrid.offload.build import load_hybrid
-        from hybrid.offload.config import HybridConfig
-        real = pc.PackedCache._write_layer
-
-        def held(self, layer, *a):
+    child = run_load_with_writer("""
+        def writer(self, layer, *a):
             if layer == 1:  # layer 0 is on disk
                 print("held", flush=True)
                 sys.stdin.readline()
             return real(self, layer, *a)
-        pc.PackedCache._write_layer = held
-        load_hybrid(sys.argv[1], "cpu", torch.float32,
-                    HybridConfig(gpu_experts=0, cpu_dtype="int8", profile="ktransformers-paper-amx"), progress=False)
     """, qwen)
-    try:
+    with reaped(child):
         assert child.stdout.readline() == "held\n"
         (theirs,) = temporaries(cache, child.pid)
         assert (theirs / "layer-0.bin").is_file() and pc.list_caches(cache) == []
@@ -643,10 +636,6 @@ def test_a_second_process_converts_while_the_first_writes(qwen, cache, monkeypat
         child.stdin.write("\n")
         child.stdin.flush()
         _, err = child.communicate(timeout=120)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     assert child.returncode == 0 and "not written" not in err, err
     assert temporaries(cache) == [] and len(pc.list_caches(cache)) == 1
     assert_restart_hits(monkeypatch, cache, qwen, ours)

@@ -62,6 +62,12 @@ WARMUP_TOKENS_GPU = 2048 # prompt-sized shapes for the kernel selection and the 
 WARMUP_TOKENS_CPU = 8
 
 
+def spread_ids(n: int, vocab_size: int) -> list[int]:
+    """n token ids spread over the vocabulary (a stride prime to it), so that many experts see rows: the dummy
+    prompt of the warm-up and of the prefill benches."""
+    return [(i * 7919 + 1) % vocab_size for i in range(n)]
+
+
 @dataclass
 class Stats:
     prefill_tokens: int = 0
@@ -208,8 +214,7 @@ class Engine:
         if tokens is None:
             tokens = WARMUP_TOKENS_GPU if self.device.type == "cuda" else WARMUP_TOKENS_CPU
         tokens = max(1, min(tokens, self.max_context - 2))
-        V = self.model.cfg.vocab_size
-        ids = [(i * 7919 + 1) % V for i in range(tokens)]  # spread over the vocabulary: many experts see rows
+        ids = spread_ids(tokens, self.model.cfg.vocab_size)
         executors = [layer.moe.experts for layer in self.model.layers if layer.moe is not None]
         saved = [(x, copy.deepcopy(x.stats)) for x in executors if hasattr(x, "stats")]
         offloads = {id(x.offload): x.offload for x in executors if getattr(x, "offload", None) is not None}
