@@ -27,6 +27,9 @@ HYBRID_CACHE under --scratch (this machine's calibrated profile.json is copied i
     python -m bench.load_speed --model /data/q3-12l                              # bf16, int8, int4
     python -m bench.load_speed --model /data/dsv3-cut --cpu-dtype int8 --runs convert --json out.json
     python -m bench.load_speed --model /data/q3-q4_0.gguf --cpu-dtype default      # a GGUF file, its own format
+    python -m bench.load_speed --model /data/dsv3 --cpu-dtype int4 -- --gpu-dtype int4 --gpu-budget 24GiB
+
+Arguments after `--` go to every `hybrid generate` process as they are (GPU dtype, budget, context).
 """
 
 from __future__ import annotations
@@ -94,12 +97,13 @@ def prompt_of(words: int) -> str:
     return " ".join(WORDS[i % len(WORDS)] for i in range(words)) if words else "hello"
 
 
-def run_once(model: Path, dtype: str, no_cache: bool, env: dict, prompt_words: int = 0, decode: int = 1) -> dict:
+def run_once(model: Path, dtype: str, no_cache: bool, env: dict, prompt_words: int = 0, decode: int = 1,
+             extra: tuple[str, ...] = ()) -> dict:
     """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs; with prompt_words,
     the first prompt's prefill and decode tokens/s (generate --json, after its warm-up)."""
     chosen = ["--gpu-experts", "0"] if dtype == "default" else ["--cpu-dtype", dtype]  # default: the file's own
     cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), *chosen, "-n", str(decode),
-           "--prompt", prompt_of(prompt_words)] + (["--no-cache"] if no_cache else []) + (["--json"] if prompt_words else [])
+           "--prompt", prompt_of(prompt_words), *extra] + (["--no-cache"] if no_cache else []) + (["--json"] if prompt_words else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if prompt_words else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=env)
     peak = {k: 0 for k in FIELDS}
@@ -163,7 +167,9 @@ def scratch_cache(scratch: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.load_speed", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load_speed", description=__doc__.split("\n\n")[0],
+                                 epilog="arguments after `--` go to every `hybrid generate` process as they are, e.g. "
+                                        "`-- --gpu-dtype int4 --gpu-budget 24GiB`")
     ap.add_argument("--model", required=True, type=Path, help="checkpoint directory, or a GGUF file")
     ap.add_argument("--cpu-dtype", default="bf16,int8,int4",
                     help="comma-separated CPU dtypes (default bf16,int8,int4); `default`: none given, the checkpoint's "
@@ -177,7 +183,9 @@ def main(argv=None) -> int:
                          "prompt, not timed)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after that prompt (default 32)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, passed = ap.parse_args(argv[:cut]), tuple(argv[cut + 1:])
     runs = [r for r in args.runs.split(",") if r]
     is_gguf = args.model.suffix == ".gguf" and args.model.is_file()
     if not (args.model.is_dir() or is_gguf) or any(r not in RUNS for r in runs):
@@ -192,9 +200,9 @@ def main(argv=None) -> int:
         for dtype in [d for d in args.cpu_dtype.split(",") if d]:
             for run in runs:
                 if run == "hit" and "write" not in runs and not any(r["dtype"] == dtype for r in rows):
-                    run_once(args.model, dtype, False, env)  # the cache a hit needs
+                    run_once(args.model, dtype, False, env, extra=passed)  # the cache a hit needs
                 r = dict(dtype=dtype, run=run, **run_once(args.model, dtype, run == "convert", env, args.prompt_words,
-                                                           args.decode_tokens if args.prompt_words else 1))
+                                                           args.decode_tokens if args.prompt_words else 1, passed))
                 r["gbps"] = total / 1e9 / max(r["load_s"], 1e-9)
                 rows.append(r)
                 extra = r["peak_anon_gib"] - r["settled_anon_gib"]
@@ -217,7 +225,7 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(dict(model=str(args.model), checkpoint_bytes=total, cpus=os.cpu_count(),
-                                             rows=rows), indent=1))
+                                             generate_args=list(passed), rows=rows), indent=1))
     return 0
 
 
