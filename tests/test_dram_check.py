@@ -178,3 +178,49 @@ def test_e2e_bench_makes_no_resident_copies_without_cuda(tmp_path, monkeypatch, 
     assert run_main(lambda: hybrid_e2e.main(["--profile", "ktransformers-paper-amx", "--out", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "qwen3-30b-a3b x 8 layers (bf16 experts) needs about" in err[0] and "--layers" in err[0]
+
+
+def test_experts_read_in_place_stage_no_layer():
+    """Where the compiled packer converts the experts from the memory-mapped checkpoint, the loading part is the
+    largest tensor (the fp32 embedding), not a layer's float stack."""
+    cfg = preset_cfg()
+    staged = dict(dram.model_dram(cfg, True, 4, "int4", 4096, 1).parts)
+    in_place = dict(dram.model_dram(cfg, True, 4, "int4", 4096, 1, views=True).parts)
+    D, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    assert staged["loading"] == 3 * E * D * F * 4
+    assert in_place["loading"] == cfg.vocab_size * D * 4 < staged["loading"]
+    assert {k: v for k, v in in_place.items() if k != "loading"} == {k: v for k, v in staged.items() if k != "loading"}
+
+
+def test_reads_in_place_follows_the_packer(tiny):
+    from cpu_kernels import _native
+    from hybrid.loading.check import reads_in_place
+
+    compiled = _native.has_packer(_native.resolve_isa(None))
+    assert reads_in_place(session("--model", str(tiny), "--cpu-dtype", "int8"), "int8") is compiled
+    import dataclasses
+
+    plain = session("--model", str(tiny), "--cpu-dtype", "int8")
+    ref = dataclasses.replace(plain, hybrid=dataclasses.replace(plain.hybrid, cpu_isa="ref"))
+    assert not reads_in_place(ref, "int8")  # the PyTorch reference packer stages each layer
+    assert not reads_in_place(session("--model", str(tiny), "--cpu-dtype", "mxfp4"), "mxfp4")  # staged as published
+    assert not reads_in_place(session("--cpu-dtype", "int8"), "int8")  # no checkpoint named
+
+
+def test_fp32_weights_on_the_cpu_suggest_bf16_compute():
+    """DeepSeek-V3's first five layers on a CPU machine: halving the fp32 non-expert weights is what makes it fit,
+    so the refusal offers bf16 compute, with its total."""
+    from hybrid.loading.check import check_dram
+
+    cfg = preset_cfg("deepseek-v3", layers=5)
+    fp32 = dram.model_dram(cfg, True, 4, "int4", 4096, 1)
+    bf16 = dram.model_dram(cfg, True, 2, "int4", 4096, 1)
+    between = (fp32.total + bf16.total) // 2
+    with pytest.raises(TooLarge) as exc:
+        check_dram(cfg, session("--cpu-dtype", "int4"), available=(between, "MemAvailable"))
+    assert f"use --dtype bf16 (the non-expert weights, {dram.gib(dict(fp32.parts)['non-expert weights'])} in fp32 on " \
+           f"the CPU, halved: about {dram.gib(bf16.total)} in all)" in str(exc.value)
+    with pytest.raises(TooLarge) as exc:  # bf16 does not fit either: not offered
+        check_dram(cfg, session("--cpu-dtype", "int4"), available=(bf16.total - 1, "MemAvailable"))
+    assert "--dtype bf16" not in str(exc.value)
+    check_dram(cfg, session("--cpu-dtype", "int4", "--dtype", "bf16"), available=(bf16.total, "MemAvailable"))

@@ -69,7 +69,8 @@ def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = N
     cpu_dtype = config.hybrid.cpu_dtype if config.hybrid is not None else None
     downs, layers = gguf_expert_dtypes(config.model, cpu_dtype, config.hybrid.cpu_group,
                                        config.hybrid.layer_formats) if cpu_dtype else ((), ())
-    need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch, downs, layers)
+    need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch, downs, layers,
+                      reads_in_place(config, cpu_dtype))
     available = available or available_dram()
     if need.total <= available[0]:
         return
@@ -77,9 +78,18 @@ def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = N
     check_dram_fits(need, what, dram_change(cfg, config, need, available[0]), available)
 
 
+def reads_in_place(config: SessionConfig, cpu_dtype: str | None) -> bool:
+    """Whether the compiled packer will convert the experts from the memory-mapped checkpoint (no layer staged)."""
+    from hybrid.offload.build import packs_views
+
+    isa = config.hybrid.cpu_isa if config.hybrid is not None else None
+    return cpu_dtype is not None and config.model is not None and packs_views(config.model, cpu_dtype, isa)
+
+
 def dram_change(cfg, config: SessionConfig, need, available: int) -> str:
-    """What to change, most effective first: the first smaller --cpu-dtype that fits (said with its need), a
-    lower --max-context when the KV cache is a large part, fewer layers."""
+    """What to change, most effective first: the first smaller --cpu-dtype that fits (said with its need), bf16
+    compute on the CPU when halving the fp32 non-expert weights makes it fit, a lower --max-context when the KV
+    cache is a large part, fewer layers."""
     from hybrid.loading.dram import gib, model_dram
 
     dtype_bytes = torch.empty((), dtype=config.dtype).element_size()
@@ -89,10 +99,18 @@ def dram_change(cfg, config: SessionConfig, need, available: int) -> str:
     smaller = order if current is None else order[order.index(current) + 1:] if current in order else ()
     options = []
     for dt in smaller:
-        total = model_dram(cfg, on_cpu, dtype_bytes, dt, rt.max_context, rt.max_batch).total
+        total = model_dram(cfg, on_cpu, dtype_bytes, dt, rt.max_context, rt.max_batch,
+                           views=reads_in_place(config, dt)).total
         if total <= available:
             options.append(f"--cpu-dtype {dt} (experts packed for the CPU executor: about {gib(total)})")
             break
+    weights = dict(need.parts).get("non-expert weights", 0)
+    if on_cpu and dtype_bytes == 4 and weights:
+        half = model_dram(cfg, on_cpu, 2, current, rt.max_context, rt.max_batch,
+                          views=reads_in_place(config, current)).total
+        if half <= available:
+            options.append(f"--dtype bf16 (the non-expert weights, {gib(weights)} in fp32 on the CPU, halved: about "
+                           f"{gib(half)} in all)")
     kv = dict(need.parts).get("KV cache", 0)
     if kv > need.total // 10:
         options.append(f"a lower --max-context (the KV cache is {gib(kv)} at {rt.max_context} x {rt.max_batch})")

@@ -11,8 +11,10 @@ What lives in DRAM (the GPU's share is VRAM, checked elsewhere):
     experts                           the hybrid layer: every expert packed once in the CPU dtype; a plain
                                       model on the CPU: every expert in the compute dtype
     lane buffers, ship-lane staging   the hybrid layer's host buffers (staging is DRAM without CUDA)
-    loading                           what is read before it is placed: one MoE layer's expert stack (hybrid)
-                                      or one tensor (the embedding, the largest)
+    loading                           what is read before it is placed: one MoE layer's expert stack (hybrid,
+                                      where the experts are staged in a float stack first) or one tensor (the
+                                      embedding, the largest; also where the compiled packer reads the experts
+                                      in place, a row at a time)
     runtime                           torch's allocator, a prompt's activations, libraries: a margin
 
 Available: MemAvailable (/proc/meminfo), or the process's cgroup limit less its working set when lower.
@@ -51,11 +53,13 @@ class DramNeed:
 
 
 def model_dram(cfg, on_cpu: bool, dtype_bytes: int, cpu_dtype: str | None, max_context: int,
-               max_batch: int, down_dtypes: tuple[str, ...] = (), layer_dtypes: tuple[str, ...] = ()) -> DramNeed:
+               max_batch: int, down_dtypes: tuple[str, ...] = (), layer_dtypes: tuple[str, ...] = (),
+               views: bool = False) -> DramNeed:
     """Peak DRAM of model `cfg` (a hybrid.models.ModelConfig) loaded for the session: compute dtype of
     `dtype_bytes`, on the CPU (no CUDA) or not, with the hybrid layer's experts in `cpu_dtype` (None: a plain
     model, every expert on the model's device) and the downs, or gates and ups, of some layers in dtypes of their own
-    (`down_dtypes`, `layer_dtypes`: placement.memory.MemorySettings)."""
+    (`down_dtypes`, `layer_dtypes`: placement.memory.MemorySettings). views: the compiled packer converts the experts
+    from the memory-mapped checkpoint (hybrid.offload.build.packs_views), so no layer's stack is staged."""
     from placement.memory import MemorySettings, breakdown
 
     mem = breakdown(cfg, MemorySettings(max_context=max_context, max_batch=max_batch, cpu_dtype=cpu_dtype or "bf16",
@@ -68,9 +72,10 @@ def model_dram(cfg, on_cpu: bool, dtype_bytes: int, cpu_dtype: str | None, max_c
         experts = cfg.param_counts()["experts"] * dtype_bytes if on_cpu else 0
         parts += [(f"experts ({dtype_bytes * 8}-bit floats)", experts), ("loading", one_tensor)]
     else:
-        # hybrid.offload.build.load_hybrid reads a layer's experts in bf16 for bf16, mxfp4 as published, else fp32
+        # without views, hybrid.offload.build.load_hybrid reads a layer's experts in bf16 for bf16, mxfp4 as
+        # published, else fp32; with them, nothing larger than a row per packing thread
         stack_bytes = {"bf16": 2.0, "mxfp4": 0.53125}.get(cpu_dtype, 4.0)
-        stack = int(3 * E * D * F * stack_bytes)
+        stack = 0 if views else int(3 * E * D * F * stack_bytes)
         parts += [(f"experts ({cpu_dtype})", mem.dram_experts_all), ("lane buffers", mem.pinned_buffers),
                   ("ship-lane staging", mem.staging if on_cpu else 0), ("loading", max(stack, one_tensor))]
     parts.append(("runtime", RUNTIME_MARGIN))
