@@ -49,12 +49,15 @@ def test_decode_probe_fit_is_written(tmp_path):
 def test_decode_probe_pool_is_past_the_llc_for_the_smallest_dtype():
     D, F = decode_probe.SHAPES["qwen3-30b-a3b"]
     llc = 300 << 20  # the GPU box's L3
-    for dtypes in (["int4"], ["bf16", "int8", "int4"], ["bf16"], ["int8", "bf16"]):
+    from cpu_kernels.dtypes import CPU_DTYPES
+
+    for dtypes in (["int4"], ["bf16", "int8", "int4"], ["bf16"], ["int8", "bf16"], ["q4_k", "q8_0"], ["int4-natural"]):
         pool = decode_probe.pool_size(dtypes, D, F, llc)
-        per = 3 * D * F * min(decode_probe.BITS[d] for d in dtypes) / 8
+        per = 3 * D * F * min(CPU_DTYPES[d.split("-")[0]].bytes_per_weight(k=D) for d in dtypes)
         assert pool % 64 == 0 and pool >= 128 and pool * per >= 4 * llc
         assert pool == 128 or (pool - 64) * per < 4 * llc  # the smallest such multiple of 64
     assert decode_probe.pool_size(["int4"], D, F, 300 << 20) > decode_probe.pool_size(["bf16"], D, F, 300 << 20)
+    assert decode_probe.pool_size(["q4_k"], D, F, 300 << 20) > decode_probe.pool_size(["q8_0"], D, F, 300 << 20)
     assert decode_probe.pool_size(["bf16"], D, F, 0) == 128  # no LLC known: the old default
 
 
