@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -34,22 +36,25 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def expert_stacks(model_type: str, sd: dict, i: int) -> dict[str, torch.Tensor]:
-    """A layer's experts as the converter writes them: GGUF name -> [E, F, D] / [E, D, F] (+ gpt-oss biases)."""
-    p, out = f"model.layers.{i}.mlp.experts.", {}
-    gate_up, down = sd[p + "gate_up_proj"], sd[p + "down_proj"]
+def expert_stacks(model_type: str, sd, i: int) -> dict[str, "callable"]:
+    """A layer's experts as the converter writes them: GGUF name -> a function making [E, F, D] / [E, D, F] (+
+    gpt-oss biases), so that a streamed conversion holds one stack at a time."""
+    p = f"model.layers.{i}.mlp.experts."
     if model_type == "gpt_oss":  # [E, D, 2F] interleaved, down [E, F, D]
-        gu = gate_up.transpose(-1, -2)
-        out.update({"ffn_gate_exps.weight": gu[:, ::2], "ffn_up_exps.weight": gu[:, 1::2],
-                    "ffn_down_exps.weight": down.transpose(-1, -2)})
-        b = sd[p + "gate_up_proj_bias"]
-        out.update({"ffn_gate_exps.bias": b[:, ::2], "ffn_up_exps.bias": b[:, 1::2],
-                    "ffn_down_exps.bias": sd[p + "down_proj_bias"]})
+        out = {"ffn_gate_exps.weight": lambda: sd[p + "gate_up_proj"].transpose(-1, -2)[:, ::2],
+               "ffn_up_exps.weight": lambda: sd[p + "gate_up_proj"].transpose(-1, -2)[:, 1::2],
+               "ffn_down_exps.weight": lambda: sd[p + "down_proj"].transpose(-1, -2),
+               "ffn_gate_exps.bias": lambda: sd[p + "gate_up_proj_bias"][:, ::2],
+               "ffn_up_exps.bias": lambda: sd[p + "gate_up_proj_bias"][:, 1::2],
+               "ffn_down_exps.bias": lambda: sd[p + "down_proj_bias"]}
     else:  # [E, 2F, D]: gate rows, then up rows
-        F_ = gate_up.shape[1] // 2
-        out.update({"ffn_gate_exps.weight": gate_up[:, :F_], "ffn_up_exps.weight": gate_up[:, F_:],
-                    "ffn_down_exps.weight": down})
-    return {f"blk.{i}.{k}": v.contiguous() for k, v in out.items()}
+        def half(second: bool):
+            gate_up = sd[p + "gate_up_proj"]
+            F_ = gate_up.shape[1] // 2
+            return gate_up[:, F_:] if second else gate_up[:, :F_]
+        out = {"ffn_gate_exps.weight": lambda: half(False), "ffn_up_exps.weight": lambda: half(True),
+               "ffn_down_exps.weight": lambda: sd[p + "down_proj"]}
+    return {f"blk.{i}.{k}": (lambda f=f: f().contiguous()) for k, f in out.items()}
 
 
 def set_expert_stacks(model_type: str, hf, i: int, stacks: dict[str, torch.Tensor]) -> None:
@@ -69,52 +74,64 @@ def set_expert_stacks(model_type: str, hf, i: int, stacks: dict[str, torch.Tenso
 
 def gguf_tensors(model_type: str, hf, legacy_kv_b: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of the transformers model under its GGUF name, transformed as the converter does."""
-    cfg, sd = hf.config, hf.state_dict()
+    return {n: f() for n, f in gguf_sources(model_type, hf.config, hf.state_dict(), legacy_kv_b).items()}
+
+
+def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False) -> dict[str, "callable"]:
+    """GGUF name -> a function making that tensor (float32, contiguous) from `sd`, a state dict under transformers'
+    names (a transformers model's, or a checkpoint read lazily: Checkpoint), in the converter's order."""
     post = "post_attention_norm" if model_type in ("glm4_moe", "gpt_oss") else "ffn_norm"
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    out = {"token_embd.weight": lambda: sd["model.embed_tokens.weight"],
+           "output_norm.weight": lambda: sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
+        out["output.weight"] = lambda: sd["lm_head.weight"]
+
+    def take(n):
+        return lambda: sd[n]
+
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        out[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[b + post + ".weight"] = sd[p + "post_attention_layernorm.weight"]
-        for n, t in sd.items():
-            if not n.startswith(p + "self_attn."):
-                continue
+        out[b + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        out[b + post + ".weight"] = take(p + "post_attention_layernorm.weight")
+        for n in sorted(k for k in sd.keys() if k.startswith(p + "self_attn.")):  # one order whatever sd's is
             mod, _, kind = n[len(p + "self_attn."):].partition(".")
             if mod == "sinks":
-                out[b + "attn_sinks.weight"] = t
+                out[b + "attn_sinks.weight"] = take(n)
             elif mod == "kv_b_proj":
                 if legacy_kv_b:
-                    out[b + "attn_kv_b.weight"] = t
+                    out[b + "attn_kv_b.weight"] = take(n)
                 else:  # the converter's split for absorbed MLA: k_b [H, rank, nope] (transposed), v_b [H, v, rank]
                     H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-                    k_b, v_b = t.view(H, nope + v, t.shape[-1]).split([nope, v], dim=1)
-                    out[b + "attn_k_b.weight"], out[b + "attn_v_b.weight"] = k_b.transpose(1, 2), v_b
+
+                    def kv_b(n=n, k=True):
+                        t = sd[n]
+                        k_b, v_b = t.view(H, nope + v, t.shape[-1]).split([nope, v], dim=1)
+                        return k_b.transpose(1, 2) if k else v_b
+                    out[b + "attn_k_b.weight"], out[b + "attn_v_b.weight"] = kv_b, (lambda n=n: kv_b(n, False))
             elif model_type == "mixtral" and mod in ("q_proj", "k_proj"):
                 heads = cfg.num_attention_heads if mod == "q_proj" else cfg.num_key_value_heads
-                out[f"{b}{ATTN[mod]}.{kind}"] = llama_permute(t, heads)
+                out[f"{b}{ATTN[mod]}.{kind}"] = lambda n=n, heads=heads: llama_permute(sd[n], heads)
             else:
-                out[f"{b}{ATTN[mod]}.{kind}"] = t
+                out[f"{b}{ATTN[mod]}.{kind}"] = take(n)
         mlp = p + "mlp."
         if mlp + "gate_proj.weight" in sd:  # a dense layer
             for w in ("gate", "up", "down"):
-                out[f"{b}ffn_{w}.weight"] = sd[f"{mlp}{w}_proj.weight"]
+                out[f"{b}ffn_{w}.weight"] = take(f"{mlp}{w}_proj.weight")
             continue
         router = "router" if model_type == "gpt_oss" else "gate"
-        out[b + "ffn_gate_inp.weight"] = sd[f"{mlp}{router}.weight"]
+        out[b + "ffn_gate_inp.weight"] = take(f"{mlp}{router}.weight")
         if model_type == "gpt_oss":
-            out[b + "ffn_gate_inp.bias"] = sd[mlp + "router.bias"]
+            out[b + "ffn_gate_inp.bias"] = take(mlp + "router.bias")
         if mlp + "gate.e_score_correction_bias" in sd:
-            out[b + "exp_probs_b.bias"] = sd[mlp + "gate.e_score_correction_bias"]
+            out[b + "exp_probs_b.bias"] = take(mlp + "gate.e_score_correction_bias")
         for shared in ("shared_expert", "shared_experts"):
             for w in ("gate", "up", "down"):
                 if f"{mlp}{shared}.{w}_proj.weight" in sd:
-                    out[f"{b}ffn_{w}_shexp.weight"] = sd[f"{mlp}{shared}.{w}_proj.weight"]
+                    out[f"{b}ffn_{w}_shexp.weight"] = take(f"{mlp}{shared}.{w}_proj.weight")
         if mlp + "shared_expert_gate.weight" in sd:
-            out[b + "ffn_gate_inp_shexp.weight"] = sd[mlp + "shared_expert_gate.weight"]
+            out[b + "ffn_gate_inp_shexp.weight"] = take(mlp + "shared_expert_gate.weight")
         out.update(expert_stacks(model_type, sd, i))
-    return {n: t.detach().float().contiguous() for n, t in out.items()}
+    return {n: (lambda f=f: f().detach().float().contiguous()) for n, f in out.items()}
 
 
 def add_metadata(w, model_type: str, cfg, extra_layers: int = 0, legacy_mla: bool = False) -> None:
@@ -347,26 +364,133 @@ def load_hf(model_dir: str | Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32") -> Path:
+# families whose checkpoints keep one matrix per expert (experts.E.{gate,up,down}_proj.weight) under the names
+# transformers uses for the rest, which Checkpoint reads without transformers
+STREAMED = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+
+
+class Checkpoint(Mapping):
+    """A safetensors checkpoint folder as transformers' state dict, read lazily (memory-mapped): a layer's
+    per-expert matrices appear as the fused stacks transformers makes (experts.gate_up_proj [E, 2F, D], gate rows
+    first; experts.down_proj [E, D, F]), built when asked for (the last one kept, as a layer's gate and up are
+    asked for in turn). meta: tensors on the meta device (shapes and dtypes only, nothing read)."""
+
+    def __init__(self, model_dir: str | Path, meta: bool = False):
+        from safetensors import safe_open
+
+        d = Path(model_dir)
+        index = _json(d / "model.safetensors.index.json").get("weight_map")
+        files = sorted(set(index.values())) if index else [p.name for p in sorted(d.glob("*.safetensors"))]
+        self._open = {f: safe_open(str(d / f), "pt") for f in files}
+        where = index or {k: f for f, h in self._open.items() for k in h.keys()}
+        quantized = [k for k in where if k.endswith(("_scale_inv", "_blocks", "_scales"))]
+        if quantized:
+            raise ValueError(f"{d}: quantized tensors ({quantized[0]}, ...) are read through transformers, not here")
+        self._where, self._meta, self._fused, self._last = {}, meta, {}, (None, None)
+        for k, f in where.items():
+            m = EXPERT.fullmatch(k)
+            if m is None:
+                self._where[k] = f
+                continue
+            prefix, e, w = m.groups()
+            parts = self._fused.setdefault(prefix + ("down_proj" if w == "down" else "gate_up_proj"), {})
+            parts[(int(e), w)] = (k, f)
+        for name, parts in self._fused.items():
+            n = 1 + max(e for e, _ in parts)
+            kinds = ("down",) if name.endswith("down_proj") else ("gate", "up")
+            if set(parts) != {(e, w) for e in range(n) for w in kinds}:
+                raise ValueError(f"{d}: {name.rpartition('.')[0]}: some experts' matrices are missing")
+
+    def keys(self):
+        return list(self._where) + list(self._fused)
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self._where) + len(self._fused)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where or name in self._fused
+
+    def _read(self, name: str, f: str) -> torch.Tensor:
+        h = self._open[f]
+        if self._meta:
+            sl = h.get_slice(name)
+            return torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()], device="meta")
+        return h.get_tensor(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._where:
+            return self._read(name, self._where[name])
+        if name not in self._fused:
+            raise KeyError(name)
+        if self._last[0] == name:
+            return self._last[1]
+        self._last = (None, None)  # the previous stack freed before the next is built
+        parts = self._fused[name]
+        n = 1 + max(e for e, _ in parts)
+        kinds = ("down",) if name.endswith("down_proj") else ("gate", "up")
+        stack = torch.stack([torch.cat([self._read(*parts[(e, w)]) for w in kinds]) for e in range(n)])
+        self._last = (name, stack)
+        return stack
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_form(qtype: Q) -> np.dtype:
+    """The numpy dtype gguf-py's quantize gives for `qtype` (uint8 bytes for the block types)."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return np.float32 if qtype == Q.F32 else gguf.quants.quantize(np.zeros((1, block), np.float32), qtype).dtype
+
+
+def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", stream: bool | None = None) -> Path:
     """Writes the checkpoint folder `model_dir` as the GGUF file `out_path` with its weight matrices in `qtype`
-    (TYPES; see tensor_type for what stays F32) and its tokenizer; returns out_path."""
+    (TYPES; see tensor_type for what stays F32) and its tokenizer; returns out_path.
+    stream: read the safetensors one tensor (or one layer's expert stack) at a time and write as it goes, so that
+    the memory needed is one stack, not the model in float32 (None: where the family's checkpoint allows it,
+    STREAMED, unquantized); otherwise the transformers model is loaded whole. Both write the same bytes."""
+    import transformers
+
     qt = gguf_type(qtype)
-    hf = load_hf(model_dir)
-    model_type = hf.config.model_type
+    cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
+    model_type = cfg.model_type
     if model_type not in ARCH:
         raise ValueError(f"{model_dir}: model_type {model_type!r} has no GGUF architecture here (supported: "
                          f"{', '.join(sorted(ARCH))})")
+    if stream is None:
+        stream = model_type in STREAMED and getattr(cfg, "quantization_config", None) is None
+    if stream:
+        sources = gguf_sources(model_type, cfg, Checkpoint(model_dir))
+        shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, Checkpoint(model_dir, meta=True)).items()}
+    else:
+        hf = load_hf(model_dir)
+        cfg = hf.config
+        sources = gguf_sources(model_type, cfg, hf.state_dict())
+        shapes = {n: tuple(f().shape) for n, f in sources.items()}
     w = gguf.GGUFWriter(str(out_path), ARCH[model_type])
     w.add_name(Path(model_dir).resolve().name)
     w.add_file_type(FILE_TYPES[qtype])
-    add_metadata(w, model_type, hf.config)
-    add_tokenizer(w, tokenizer_metadata(model_dir, hf.config.vocab_size))
-    for name, t in gguf_tensors(model_type, hf).items():
-        arr = t.numpy()
-        add_tensor(w, name, arr, tensor_type(name, arr.shape, qt))
+    add_metadata(w, model_type, cfg)
+    add_tokenizer(w, tokenizer_metadata(model_dir, cfg.vocab_size))
+    types = {n: tensor_type(n, shape, qt) for n, shape in shapes.items()}
+    for n, shape in shapes.items():
+        form = np.dtype(stored_form(types[n]))
+        if form == np.uint8:
+            stored = gguf.quant_shape_to_byte_shape(shape, types[n])
+            w.add_tensor_info(n, stored, form, int(np.prod(stored)), raw_dtype=types[n])
+        else:
+            w.add_tensor_info(n, shape, form, int(np.prod(shape)) * form.itemsize,
+                              raw_dtype=None if types[n] == Q.F32 else types[n])
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for n, f in sources.items():
+        arr = f().numpy()
+        w.write_tensor_data(arr if types[n] == Q.F32 else gguf.quants.quantize(arr, types[n]))
+        del arr
     w.close()
     return Path(out_path)
 
@@ -376,8 +500,10 @@ def main(argv=None) -> int:
     p.add_argument("model", help="checkpoint folder (config.json, model.safetensors, tokenizer.json)")
     p.add_argument("out", help="the GGUF file to write")
     p.add_argument("--type", default="f32", choices=sorted(TYPES), help="the weight matrices' type (default f32)")
+    p.add_argument("--whole", action="store_true", help="load the transformers model whole instead of streaming "
+                   "the safetensors (the same bytes; streaming holds one layer's expert stack at a time)")
     a = p.parse_args(argv)
-    path = convert(a.model, a.out, a.type)
+    path = convert(a.model, a.out, a.type, stream=False if a.whole else None)
     print(f"{path}: {a.type}, {path.stat().st_size / 2**20:.1f} MiB")
     return 0
 

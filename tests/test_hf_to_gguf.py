@@ -1,0 +1,94 @@
+"""bench.hf_to_gguf's streamed conversion: a checkpoint folder read one tensor (one layer's expert stack) at a time
+writes the same GGUF bytes as the transformers model loaded whole, for every family whose checkpoint it reads
+(per-expert matrices as published, fused stacks as transformers saves them); quantized checkpoints and missing
+expert matrices are refused, and the default streams where it can."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from bench import hf_to_gguf  # noqa: E402
+from bench.hf_to_gguf import STREAMED, Checkpoint, convert  # noqa: E402
+from hybrid.runtime.demo import build_tokenizer, demo_checkpoint  # noqa: E402
+from tiny_models import VOCAB, make_checkpoint  # noqa: E402
+
+
+def folder(model_type: str, tmp_path):
+    path = tmp_path / model_type
+    extra = {"e_score_correction_bias": 0.5} if model_type in ("deepseek_v3", "glm4_moe") else None
+    make_checkpoint(model_type, path, seed=3, extra=extra)
+    build_tokenizer(path, vocab_size=VOCAB)
+    return path
+
+
+@pytest.mark.parametrize("model_type", STREAMED)
+def test_streamed_bytes_are_the_whole_models(model_type, tmp_path):
+    path = folder(model_type, tmp_path)
+    from safetensors import safe_open
+
+    on_disk = [k for f in path.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
+    assert any(k.endswith(".experts.0.gate_proj.weight") for k in on_disk)  # one matrix per expert, as published
+    assert not any(".experts.0." in k for k in Checkpoint(path).keys())  # seen as transformers' fused stacks
+    for qtype in ("bf16", "q8_0"):
+        streamed = convert(path, tmp_path / f"s-{qtype}.gguf", qtype, stream=True)
+        whole = convert(path, tmp_path / f"w-{qtype}.gguf", qtype, stream=False)
+        assert streamed.read_bytes() == whole.read_bytes(), (model_type, qtype)
+
+
+def test_fused_stacks_as_saved_stream_alike(tmp_path):
+    """The demo checkpoint keeps transformers' fused experts.gate_up_proj: read as it is."""
+    assert any(k.endswith("experts.gate_up_proj") for k in Checkpoint(demo_checkpoint()).keys())
+    a = convert(demo_checkpoint(), tmp_path / "s.gguf", "bf16", stream=True)
+    b = convert(demo_checkpoint(), tmp_path / "w.gguf", "bf16", stream=False)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_meta_reads_nothing_and_stacks_gate_rows_first(tmp_path):
+    import torch
+
+    path = folder("qwen3_moe", tmp_path)
+    lazy, meta = Checkpoint(path), Checkpoint(path, meta=True)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    stack = lazy[name]
+    assert meta[name].device.type == "meta" and meta[name].shape == stack.shape
+    from safetensors.torch import load_file
+
+    flat = {}
+    for f in path.glob("*.safetensors"):
+        flat.update(load_file(str(f)))
+    E = stack.shape[0]
+    for e in range(E):
+        g, u = flat[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"], flat[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        assert torch.equal(stack[e], torch.cat([g, u]))
+    assert lazy[name] is stack  # kept while asked for in turn
+
+
+def test_default_streams_and_refusals(tmp_path, monkeypatch):
+    path = folder("qwen3_moe", tmp_path)
+
+    def whole(_):
+        raise AssertionError("the default loaded the transformers model")
+    monkeypatch.setattr(hf_to_gguf, "load_hf", whole)
+    convert(path, tmp_path / "d.gguf", "bf16")
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    for f in broken.glob("*.safetensors"):
+        ts = {k: v for k, v in load_file(str(f)).items() if k != "model.layers.1.mlp.experts.2.up_proj.weight"}
+        save_file(ts, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts: some experts' matrices are missing"):
+        Checkpoint(broken)
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(path, fp8)
+    f = next(fp8.glob("*.safetensors"))
+    ts = load_file(str(f))
+    ts["model.layers.0.self_attn.q_proj.weight_scale_inv"] = ts["model.layers.0.self_attn.q_norm.weight"].clone()
+    save_file(ts, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="quantized tensors .* are read through transformers"):
+        Checkpoint(fp8)
