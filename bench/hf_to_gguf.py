@@ -77,9 +77,10 @@ def gguf_tensors(model_type: str, hf, legacy_kv_b: bool = False) -> dict[str, to
     return {n: f() for n, f in gguf_sources(model_type, hf.config, hf.state_dict(), legacy_kv_b).items()}
 
 
-def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False) -> dict[str, "callable"]:
+def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False, as_stored: bool = False) -> dict[str, "callable"]:
     """GGUF name -> a function making that tensor (float32, contiguous) from `sd`, a state dict under transformers'
-    names (a transformers model's, or a checkpoint read lazily: Checkpoint), in the converter's order."""
+    names (a transformers model's, or a checkpoint read lazily: Checkpoint), in the converter's order.
+    as_stored: in sd's dtype (contiguous), not float32."""
     post = "post_attention_norm" if model_type in ("glm4_moe", "gpt_oss") else "ffn_norm"
     out = {"token_embd.weight": lambda: sd["model.embed_tokens.weight"],
            "output_norm.weight": lambda: sd["model.norm.weight"]}
@@ -131,6 +132,8 @@ def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False) -> dict[st
         if mlp + "shared_expert_gate.weight" in sd:
             out[b + "ffn_gate_inp_shexp.weight"] = take(mlp + "shared_expert_gate.weight")
         out.update(expert_stacks(model_type, sd, i))
+    if as_stored:
+        return {n: (lambda f=f: f().detach().contiguous()) for n, f in out.items()}
     return {n: (lambda f=f: f().detach().float().contiguous()) for n, f in out.items()}
 
 
@@ -446,6 +449,15 @@ def stored_form(qtype: Q) -> np.dtype:
     return np.float32 if qtype == Q.F32 else gguf.quants.quantize(np.zeros((1, block), np.float32), qtype).dtype
 
 
+def stored(t: torch.Tensor, qtype: Q) -> np.ndarray:
+    """A tensor as `qtype`'s bytes: bf16 values as they are for BF16 (what rounding their float32 would give),
+    anything else through float32 and gguf-py's quantize."""
+    if qtype == Q.BF16 and t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    arr = t.float().contiguous().numpy()
+    return arr if qtype == Q.F32 else gguf.quants.quantize(arr, qtype)
+
+
 def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", stream: bool | None = None) -> Path:
     """Writes the checkpoint folder `model_dir` as the GGUF file `out_path` with its weight matrices in `qtype`
     (TYPES; see tensor_type for what stays F32) and its tokenizer; returns out_path.
@@ -463,7 +475,7 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     if stream is None:
         stream = model_type in STREAMED and getattr(cfg, "quantization_config", None) is None
     if stream:
-        sources = gguf_sources(model_type, cfg, Checkpoint(model_dir))
+        sources = gguf_sources(model_type, cfg, Checkpoint(model_dir), as_stored=True)
         shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, Checkpoint(model_dir, meta=True)).items()}
     else:
         hf = load_hf(model_dir)
@@ -479,8 +491,8 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     for n, shape in shapes.items():
         form = np.dtype(stored_form(types[n]))
         if form == np.uint8:
-            stored = gguf.quant_shape_to_byte_shape(shape, types[n])
-            w.add_tensor_info(n, stored, form, int(np.prod(stored)), raw_dtype=types[n])
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, types[n])
+            w.add_tensor_info(n, byte_shape, form, int(np.prod(byte_shape)), raw_dtype=types[n])
         else:
             w.add_tensor_info(n, shape, form, int(np.prod(shape)) * form.itemsize,
                               raw_dtype=None if types[n] == Q.F32 else types[n])
@@ -488,9 +500,7 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for n, f in sources.items():
-        arr = f().numpy()
-        w.write_tensor_data(arr if types[n] == Q.F32 else gguf.quants.quantize(arr, types[n]))
-        del arr
+        w.write_tensor_data(stored(f(), types[n]))
     w.close()
     return Path(out_path)
 

@@ -92,3 +92,21 @@ def test_default_streams_and_refusals(tmp_path, monkeypatch):
     save_file(ts, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="quantized tensors .* are read through transformers"):
         Checkpoint(fp8)
+
+
+def test_bf16_checkpoint_is_written_as_its_bits(tmp_path):
+    """A bf16 checkpoint's matrices go to a BF16 file as they are, without float32: the bytes that rounding their
+    float32 values gives (the whole model's path)."""
+    from loader_cases import TINY, write_tiny
+    from safetensors import safe_open
+
+    path = write_tiny(tmp_path / "m")
+    build_tokenizer(path, vocab_size=TINY["vocab_size"])
+    f = next(path.glob("*.safetensors"))
+    with safe_open(str(f), "pt") as h:
+        assert h.get_tensor(next(iter(h.keys()))).dtype.is_floating_point and "BF16" in {
+            h.get_slice(k).get_dtype() for k in h.keys()}
+    for qtype in ("bf16", "f16"):
+        a = convert(path, tmp_path / f"s-{qtype}.gguf", qtype, stream=True)
+        b = convert(path, tmp_path / f"w-{qtype}.gguf", qtype, stream=False)
+        assert a.read_bytes() == b.read_bytes(), qtype
