@@ -3,11 +3,14 @@ converter writes (its metadata keys, tensor names, the llama q/k row permutation
 experts), for the tests that compare hybrid's GGUF loader with transformers and for bench.quality's gguf:TYPE
 settings, which measure what a GGUF type costs on a trained checkpoint.
 
-    python -m bench.hf_to_gguf DIR OUT.gguf [--type f32|f16|bf16|q8_0|q4_0]
+    python -m bench.hf_to_gguf DIR OUT.gguf [--type f32|f16|bf16|q8_0|q4_0] [--whole]
 
 convert() writes a checkpoint folder (config.json, model.safetensors, tokenizer.json) as one GGUF file: its weight
-matrices in the chosen type, everything llama.cpp's quantizer leaves alone in F32 (module QUANTIZED), and the
-byte-level BPE tokenizer as the converter's GPT-2 vocabulary.
+matrices in the chosen type, everything llama.cpp's quantizer leaves alone in F32 (KEEP_F32), and the byte-level
+BPE tokenizer as the converter's GPT-2 vocabulary. Families whose checkpoints hold one matrix per expert (STREAMED)
+are read a tensor at a time (Checkpoint: one layer's expert stack is the most held), so a real-width layer of 256
+DeepSeek-V3 experts converts on a machine that could not hold the model in float32; the rest load the transformers
+model whole. For the K-quants, llama.cpp's llama-quantize makes them from a bf16 file written here.
 """
 
 from __future__ import annotations
