@@ -480,6 +480,10 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     if stream:
         sources = gguf_sources(model_type, cfg, Checkpoint(model_dir), as_stored=True)
         shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, Checkpoint(model_dir, meta=True)).items()}
+        E = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+        short = [n for n, shape in shapes.items() if "_exps." in n and shape[0] != E]
+        if short:
+            raise ValueError(f"{model_dir}: {short[0]} holds {shapes[short[0]][0]} experts, config.json says {E}")
     else:
         hf = load_hf(model_dir)
         cfg = hf.config

@@ -84,6 +84,16 @@ def test_default_streams_and_refusals(tmp_path, monkeypatch):
         save_file(ts, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.experts: some experts' matrices are missing"):
         Checkpoint(broken)
+    last = tmp_path / "last"  # the last expert's matrices all gone: the stacks are one short of config.json's count
+    shutil.copytree(path, last)
+    import transformers
+
+    E = transformers.AutoConfig.from_pretrained(str(path)).num_experts
+    for f in last.glob("*.safetensors"):
+        ts = {k: v for k, v in load_file(str(f)).items() if f".mlp.experts.{E - 1}." not in k}
+        save_file(ts, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"blk.0.ffn_gate_exps.weight holds {E - 1} experts, config.json says {E}"):
+        convert(last, tmp_path / "l.gguf", "bf16")
     fp8 = tmp_path / "fp8"
     shutil.copytree(path, fp8)
     f = next(fp8.glob("*.safetensors"))
