@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -39,7 +39,7 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def expert_stacks(model_type: str, sd, i: int) -> dict[str, "callable"]:
+def expert_stacks(model_type: str, sd, i: int) -> dict[str, Callable[[], torch.Tensor]]:
     """A layer's experts as the converter writes them: GGUF name -> a function making [E, F, D] / [E, D, F] (+
     gpt-oss biases), so that a streamed conversion holds one stack at a time."""
     p = f"model.layers.{i}.mlp.experts."
@@ -80,7 +80,8 @@ def gguf_tensors(model_type: str, hf, legacy_kv_b: bool = False) -> dict[str, to
     return {n: f() for n, f in gguf_sources(model_type, hf.config, hf.state_dict(), legacy_kv_b).items()}
 
 
-def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False, as_stored: bool = False) -> dict[str, "callable"]:
+def gguf_sources(model_type: str, cfg, sd, legacy_kv_b: bool = False,
+                 as_stored: bool = False) -> dict[str, Callable[[], torch.Tensor]]:
     """GGUF name -> a function making that tensor (float32, contiguous) from `sd`, a state dict under transformers'
     names (a transformers model's, or a checkpoint read lazily: Checkpoint), in the converter's order.
     as_stored: in sd's dtype (contiguous), not float32."""
