@@ -35,6 +35,7 @@ import torch
 import cpu_kernels
 from cpu_kernels import CpuMoE, _native
 from cpu_kernels.bandwidth import default_read_bytes, llc_bytes
+from cpu_kernels.dtypes import CPU_DTYPES
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3-235b-a22b": (4096, 1536), "tiny": (512, 256)}
 
@@ -42,8 +43,6 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3-235b-a22b": (4096, 1536), "tiny":
 def pool_size(dtypes: list[str], D: int, F: int, llc: int, least: int = 128) -> int:
     """Experts in the pool: at least `least`, and enough that the smallest dtype's pool is >= 4 x the LLC,
     in multiples of 64 (a layer call reads at most 64 distinct experts at 8 tokens x top-8)."""
-    from cpu_kernels.dtypes import CPU_DTYPES
-
     per = 3 * D * F * min(CPU_DTYPES[d.partition("-")[0]].bytes_per_weight(k=D) for d in dtypes)
     need = int(-(-4 * llc // per))
     return max(least, -(-need // 64) * 64)
@@ -185,8 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--experts", type=int, help="experts in the pool (reads rotate over them; default: at least 128 "
                    "and 4 x the LLC of the smallest dtype)")
-    p.add_argument("--dtypes", default="bf16,int8,int4", help="any CPU dtype (bf16, int8, int4, mxfp4, q8_0, q4_k, ...); int4-natural / "
-                   "int4-interleaved: int4 in that stored order (CpuMoE int4_order; plain int4: the ISA's default)")
+    p.add_argument("--dtypes", default="bf16,int8,int4",
+                   help="any CPU dtype (bf16, int8, int4, mxfp4, q8_0, q4_k, ...); int4-natural / int4-interleaved: "
+                   "int4 in that stored order (CpuMoE int4_order; plain int4: the ISA's default)")
     p.add_argument("--group", type=int, default=128, help="int4 group size (32, 64 or 128)")
     p.add_argument("--cases", default="1x8,2x8,4x8,8x8,8x1,4x8same",
                    help="TxK[same]: T tokens x K experts each (same: every token the same K)")

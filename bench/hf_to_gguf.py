@@ -16,6 +16,7 @@ model whole. For the K-quants, llama.cpp's llama-quantize makes them from a bf16
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -374,6 +375,7 @@ def load_hf(model_dir: str | Path):
 # families whose checkpoints keep one matrix per expert (experts.E.{gate,up,down}_proj.weight) under the names
 # transformers uses for the rest, which Checkpoint reads without transformers
 STREAMED = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -403,11 +405,12 @@ class Checkpoint(Mapping):
             prefix, e, w = m.groups()
             parts = self._fused.setdefault(prefix + ("down_proj" if w == "down" else "gate_up_proj"), {})
             parts[(int(e), w)] = (k, f)
-        for name, parts in self._fused.items():
+        for name, parts in self._fused.items():  # -> per expert, its (name, file) pairs in stacking order
             n = 1 + max(e for e, _ in parts)
             kinds = ("down",) if name.endswith("down_proj") else ("gate", "up")
             if set(parts) != {(e, w) for e in range(n) for w in kinds}:
                 raise ValueError(f"{d}: {name.rpartition('.')[0]}: some experts' matrices are missing")
+            self._fused[name] = [[parts[(e, w)] for w in kinds] for e in range(n)]
 
     def keys(self):
         return list(self._where) + list(self._fused)
@@ -436,17 +439,12 @@ class Checkpoint(Mapping):
         if self._last[0] == name:
             return self._last[1]
         self._last = (None, None)  # the previous stack freed before the next is built
-        parts = self._fused[name]
-        n = 1 + max(e for e, _ in parts)
-        kinds = ("down",) if name.endswith("down_proj") else ("gate", "up")
-        stack = torch.stack([torch.cat([self._read(*parts[(e, w)]) for w in kinds]) for e in range(n)])
+        stack = torch.stack([torch.cat([self._read(*m) for m in expert]) for expert in self._fused[name]])
         self._last = (name, stack)
         return stack
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-
-
+@functools.cache
 def stored_form(qtype: Q) -> np.dtype:
     """The numpy dtype gguf-py's quantize gives for `qtype` (uint8 bytes for the block types)."""
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -479,17 +477,17 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     if stream is None:
         stream = model_type in STREAMED and getattr(cfg, "quantization_config", None) is None
     if stream:
-        sources = gguf_sources(model_type, cfg, Checkpoint(model_dir), as_stored=True)
-        shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, Checkpoint(model_dir, meta=True)).items()}
-        E = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
-        short = [n for n, shape in shapes.items() if "_exps." in n and shape[0] != E]
-        if short:
-            raise ValueError(f"{model_dir}: {short[0]} holds {shapes[short[0]][0]} experts, config.json says {E}")
+        sd, meta = Checkpoint(model_dir), Checkpoint(model_dir, meta=True)
     else:
         hf = load_hf(model_dir)
-        cfg = hf.config
-        sources = gguf_sources(model_type, cfg, hf.state_dict())
-        shapes = {n: tuple(f().shape) for n, f in sources.items()}
+        cfg, sd = hf.config, hf.state_dict()
+        meta = {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
+    sources = gguf_sources(model_type, cfg, sd, as_stored=True)
+    shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, meta).items()}  # nothing computed
+    E = next(getattr(cfg, a) for a in ("num_experts", "n_routed_experts", "num_local_experts") if hasattr(cfg, a))
+    short = [n for n, shape in shapes.items() if "_exps." in n and shape[0] != E]
+    if short:
+        raise ValueError(f"{model_dir}: {short[0]} holds {shapes[short[0]][0]} experts, config.json says {E}")
     w = gguf.GGUFWriter(str(out_path), ARCH[model_type])
     w.add_name(Path(model_dir).resolve().name)
     w.add_file_type(FILE_TYPES[qtype])

@@ -98,12 +98,14 @@ def prompt_of(words: int) -> str:
 
 
 def run_once(model: Path, dtype: str, no_cache: bool, env: dict, prompt_words: int = 0, decode: int = 1,
-             extra: tuple[str, ...] = ()) -> dict:
+             generate_args: tuple[str, ...] = ()) -> dict:
     """One `hybrid generate` process: its load line and its memory (GiB), sampled while it runs; with prompt_words,
-    the first prompt's prefill and decode tokens/s (generate --json, after its warm-up)."""
+    the first prompt's prefill and decode tokens/s (generate --json, after its warm-up). generate_args: more of
+    generate's options, as they are."""
     chosen = ["--gpu-experts", "0"] if dtype == "default" else ["--cpu-dtype", dtype]  # default: the file's own
     cmd = [sys.executable, "-m", "hybrid", "generate", "--model", str(model), *chosen, "-n", str(decode),
-           "--prompt", prompt_of(prompt_words), *extra] + (["--no-cache"] if no_cache else []) + (["--json"] if prompt_words else [])
+           "--prompt", prompt_of(prompt_words), *generate_args] + (["--no-cache"] if no_cache else []) + \
+        (["--json"] if prompt_words else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if prompt_words else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=env)
     peak = {k: 0 for k in FIELDS}
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    args, passed = ap.parse_args(argv[:cut]), tuple(argv[cut + 1:])
+    args, generate_args = ap.parse_args(argv[:cut]), tuple(argv[cut + 1:])
     runs = [r for r in args.runs.split(",") if r]
     is_gguf = args.model.suffix == ".gguf" and args.model.is_file()
     if not (args.model.is_dir() or is_gguf) or any(r not in RUNS for r in runs):
@@ -200,9 +202,10 @@ def main(argv=None) -> int:
         for dtype in [d for d in args.cpu_dtype.split(",") if d]:
             for run in runs:
                 if run == "hit" and "write" not in runs and not any(r["dtype"] == dtype for r in rows):
-                    run_once(args.model, dtype, False, env, extra=passed)  # the cache a hit needs
+                    run_once(args.model, dtype, False, env, generate_args=generate_args)  # the cache a hit needs
+                decode = args.decode_tokens if args.prompt_words else 1
                 r = dict(dtype=dtype, run=run, **run_once(args.model, dtype, run == "convert", env, args.prompt_words,
-                                                           args.decode_tokens if args.prompt_words else 1, passed))
+                                                           decode, generate_args))
                 r["gbps"] = total / 1e9 / max(r["load_s"], 1e-9)
                 rows.append(r)
                 extra = r["peak_anon_gib"] - r["settled_anon_gib"]
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(dict(model=str(args.model), checkpoint_bytes=total, cpus=os.cpu_count(),
-                                             generate_args=list(passed), rows=rows), indent=1))
+                                             generate_args=list(generate_args), rows=rows), indent=1))
     return 0
 
 

@@ -11,7 +11,7 @@ class Started(Exception):
     pass
 
 
-def test_run_once_puts_the_extra_arguments_on_generates_command(monkeypatch, tmp_path):
+def test_run_once_puts_generate_args_on_generates_command(monkeypatch, tmp_path):
     seen = {}
 
     def popen(cmd, **kw):
@@ -20,7 +20,7 @@ def test_run_once_puts_the_extra_arguments_on_generates_command(monkeypatch, tmp
 
     monkeypatch.setattr(load_speed.subprocess, "Popen", popen)
     with pytest.raises(Started):
-        load_speed.run_once(tmp_path, "int4", True, {}, extra=("--gpu-dtype", "int4", "--gpu-budget", "24GiB"))
+        load_speed.run_once(tmp_path, "int4", True, {}, generate_args=("--gpu-dtype", "int4", "--gpu-budget", "24GiB"))
     cmd = seen["cmd"]
     assert cmd[cmd.index("--cpu-dtype") + 1] == "int4" and "--no-cache" in cmd
     i = cmd.index("--gpu-dtype")
@@ -33,8 +33,8 @@ def test_main_splits_its_own_options_from_generates(monkeypatch, tmp_path):
     (model / "model.safetensors").write_bytes(b"\0" * 4096)
     calls = []
 
-    def run_once(model, dtype, no_cache, env, prompt_words=0, decode=1, extra=()):
-        calls.append((dtype, no_cache, extra))
+    def run_once(model, dtype, no_cache, env, prompt_words=0, decode=1, generate_args=()):
+        calls.append((dtype, no_cache, generate_args))
         return dict(load_s=1.0, start_s=2.0, read_s=0.5, convert_s=0.4, upload_s=0.1, line="loaded", process_cpu_s=1.0,
                     peak_anon_gib=1.5, settled_anon_gib=1.0, peak_hwm_gib=2.0, settled_rss_gib=1.2)
 

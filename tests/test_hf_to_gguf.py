@@ -63,7 +63,7 @@ def test_meta_reads_nothing_and_stacks_gate_rows_first(tmp_path):
         flat.update(load_file(str(f)))
     E = stack.shape[0]
     for e in range(E):
-        g, u = flat[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"], flat[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        g, u = (flat[f"model.layers.0.mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up"))
         assert torch.equal(stack[e], torch.cat([g, u]))
     assert lazy[name] is stack  # kept while asked for in turn
 
@@ -120,3 +120,20 @@ def test_bf16_checkpoint_is_written_as_its_bits(tmp_path):
         a = convert(path, tmp_path / f"s-{qtype}.gguf", qtype, stream=True)
         b = convert(path, tmp_path / f"w-{qtype}.gguf", qtype, stream=False)
         assert a.read_bytes() == b.read_bytes(), qtype
+
+
+def test_other_families_load_the_transformers_model(tmp_path, monkeypatch):
+    """Mixtral's checkpoint names its experts otherwise (w1 / w2 / w3): the default loads the transformers model,
+    and its expert stacks hold config.json's count."""
+    import gguf
+    import transformers
+
+    path = folder("mixtral", tmp_path)
+
+    def lazy(*a, **kw):
+        raise AssertionError("streamed a family Checkpoint does not read")
+    monkeypatch.setattr(hf_to_gguf, "Checkpoint", lazy)
+    out = convert(path, tmp_path / "m.gguf", "bf16")
+    E = transformers.AutoConfig.from_pretrained(str(path)).num_local_experts
+    stacks = [t for t in gguf.GGUFReader(str(out)).tensors if "_exps." in t.name]
+    assert stacks and all(int(t.shape[-1]) == E for t in stacks)

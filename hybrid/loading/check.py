@@ -70,7 +70,7 @@ def check_dram(cfg, config: SessionConfig, available: tuple[int, str] | None = N
     downs, layers = gguf_expert_dtypes(config.model, cpu_dtype, config.hybrid.cpu_group,
                                        config.hybrid.layer_formats) if cpu_dtype else ((), ())
     need = model_dram(cfg, on_cpu, dtype_bytes, cpu_dtype, rt.max_context, rt.max_batch, downs, layers,
-                      reads_in_place(config, cpu_dtype))
+                      views=reads_in_place(config, cpu_dtype))
     available = available or available_dram()
     if need.total <= available[0]:
         return
@@ -104,8 +104,8 @@ def dram_change(cfg, config: SessionConfig, need, available: int) -> str:
         if total <= available:
             options.append(f"--cpu-dtype {dt} (experts packed for the CPU executor: about {gib(total)})")
             break
-    weights = dict(need.parts).get("non-expert weights", 0)
-    if on_cpu and dtype_bytes == 4 and weights:
+    if on_cpu and dtype_bytes == 4:  # the non-expert weights are in DRAM, in fp32
+        weights = dict(need.parts)["non-expert weights"]
         half = model_dram(cfg, on_cpu, 2, current, rt.max_context, rt.max_batch,
                           views=reads_in_place(config, current)).total
         if half <= available:
