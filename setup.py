@@ -83,10 +83,10 @@ if __name__ == "__main__":  # pip's build backend runs this file as __main__; te
     setup(
         ext_modules=[
             lib("probe", "probe.cpp", []),
-            lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma"]),
+            lib("avx2", "lib_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"]),
             lib("avx512", "lib_avx512.cpp", AVX512),
             lib("amx", "lib_amx.cpp", AVX512 + AMX),
-            lib("amxemu", "lib_amxemu.cpp", ["-mavx2", "-mfma"]),  # tests: AMX path with emulated tiles
+            lib("amxemu", "lib_amxemu.cpp", ["-mavx2", "-mfma", "-mf16c"]),  # tests: AMX path with emulated tiles
         ],
         cmdclass={"build_ext": LoudBuildExt},
     )

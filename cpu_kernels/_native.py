@@ -27,9 +27,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Bits returned by hy_cpu_features (cpu_kernels/csrc/probe.cpp).
 F = dict(avx2=1 << 0, fma=1 << 1, avx512f=1 << 2, avx512bw=1 << 3, avx512vl=1 << 4, avx512dq=1 << 5,
          avx512vnni=1 << 6, avx512bf16=1 << 7, amx_tile=1 << 8, amx_bf16=1 << 9, amx_int8=1 << 10,
-         os_avx=1 << 11, os_avx512=1 << 12, os_amx=1 << 13)
+         os_avx=1 << 11, os_avx512=1 << 12, os_amx=1 << 13, f16c=1 << 14)
 _NEEDS = {
-    "avx2": ("avx2", "fma", "os_avx"),
+    "avx2": ("avx2", "fma", "f16c", "os_avx"),  # F16C: every AVX2 CPU has it (Intel and AMD alike)
     "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "os_avx512"),
 }
 _NEEDS["amx"] = _NEEDS["avx512_bf16"] + ("amx_tile", "amx_bf16", "amx_int8", "os_amx")

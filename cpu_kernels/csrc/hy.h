@@ -298,7 +298,7 @@ constexpr int kq_head_bytes(int kind) { return kind == KQ_Q5 ? 48 : kind == KQ_I
 
 // An iq4_xs head -> its 8 sub-blocks' scales d (ls - 32) as fp32 lanes 0-7 (exact in fp32): each lane's 4 low bits
 // from scales_l shifted by 4 i, its 2 high bits from scales_h shifted by 2 i (one variable shift each); d by the scalar
-// fp16 conversion (the AVX2 build has no F16C; once per super-block and row).
+// fp16 conversion (once per super-block and row).
 inline __m256 iq4_scales8(const uint8_t* h) {
   uint16_t dh, sh;
   uint32_t sl;

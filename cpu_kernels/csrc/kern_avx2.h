@@ -242,7 +242,7 @@ void mx4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 
 // q8_0 (hy.h q8_scales): per 32-value block and row one load, |w| as the unsigned operand and the activations with
 // w's sign as the signed one (maddubs pair sums <= 2 x 128 x 127: exact, w = -128 included, whose |w| is 128 as a
-// byte), the exact block dot converted and multiplied by the block's fp16 scale (hy.h f16_to_f32). Prefetch as the
+// byte), the exact block dot converted and multiplied by the block's fp16 scale (F16C). Prefetch as the
 // other kernels: 8 rows down, into L2, once per 64-byte line.
 template <int MT>
 void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc) {
@@ -257,7 +257,7 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int j = 0; j < 4; ++j) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + j * ldw + g * 32));
       const __m256i wa = _mm256_abs_epi8(wv);
-      const __m256 sv = _mm256_set1_ps(f16_to_f32(sw[j * G + g]));
+      const __m256 sv = _mm256_set1_ps(_cvtsh_ss(sw[j * G + g]));
       for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_fmadd_ps(dot_u8s8(wa, _mm256_sign_epi8(a[t], wv)), sv, acc[j][t]);
     }
   }
@@ -265,25 +265,12 @@ void q8_block(const int8_t* w, int64_t ldw, int k, const uint8_t* const* rows, c
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
-// 8 IEEE fp16 values -> fp32 in vector code (this build has no F16C): each exponent and mantissa moved into an fp32's
-// place (<< 13) and the result scaled by 2^112, exact for normal and subnormal values alike (hy.h f16_to_f32's values);
-// Inf and NaN (exponent 31) set apart.
-inline __m256 f16x8_to_f32(__m128i h) {
-  const __m256i v = _mm256_cvtepu16_epi32(h);
-  const __m256i em = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7FFF)), 13);
-  const __m256i top = _mm256_set1_epi32(0x0F800000);  // exponent 31, where em holds it
-  const __m256 big = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(em, top), top));
-  __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(em), _mm256_set1_ps(0x1p112f));
-  f = _mm256_blendv_ps(f, _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x70000000))), big);
-  return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16)));
-}
-
 // q4_0 (hy.h), per 64-value chunk (two 32-value blocks, 16 bytes each) and row one 32-byte load: its low nibbles are
 // values 0-15 of both blocks (lanes 0-3 the first block, 4-7 the second), its high nibbles values 16-31 of both. The
 // token's activations are brought into the same two orders once per chunk (two VPERM2I128 of its halves, shared by the
 // 4 rows); maddubs of each nibble half with them (pair sums <= 2 x 15 x 127), added in int16 (<= 4 x 15 x 127), less
 // the same pairs' activation sums times 8 (maddubs of 8s, once per token and chunk), widened by madd: the exact dot of
-// q - 8 per lane, converted and multiplied by its block's fp16 scale (8 blocks' scales converted at once per row, f16x8_to_f32, and each
+// q - 8 per lane, converted and multiplied by its block's fp16 scale (8 blocks' scales converted at once per row by F16C, and each
 // chunk's pair picked by one VPERMPS). Prefetch as the other kernels: 8 rows down, into L2, once per 64-byte line.
 template <int MT>
 void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint16_t* sw, float* C, int ldc) {
@@ -296,12 +283,12 @@ void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     __m256 s8[4];  // scales of blocks 2 c0 .. 2 c0 + 7 of each row
     for (int j = 0; j < 4; ++j) {
       if (nb == 8) {
-        s8[j] = f16x8_to_f32(_mm_loadu_si128((const __m128i*)(sw + j * G + 2 * c0)));
+        s8[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sw + j * G + 2 * c0)));
         continue;
       }
       alignas(16) uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // a row's last blocks: no read past them
       std::memcpy(h, sw + j * G + 2 * c0, 2 * (size_t)nb);
-      s8[j] = f16x8_to_f32(_mm_load_si128((const __m128i*)h));
+      s8[j] = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)h));
     }
     for (int c = c0; c < std::min(nc, c0 + 4); ++c) {
       const int i = 2 * (c - c0);
@@ -332,84 +319,113 @@ void q40_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
-// A q4_k head (hy.h) -> its sub-blocks' scales d sc and minimums dmin m as two vectors of 8 lanes (scalar stores
-// read back as vectors would stall on store forwarding; ggml's get_scale_min_k4): the 6-bit fields gathered by byte
-// shuffles (a lane's low bits from byte P[l], its top two from byte Q[l]), widened, shifted, masked and converted;
-// d and dmin by the scalar fp16 conversion (this build has no F16C).
-inline void q4k_scales(const uint8_t* h, __m256& S, __m256& Mn) {
+// A q4_k / q5_k head (hy.h) -> its 8 sub-blocks' 6-bit scales sc and minimums m as 16 bytes [sc 0-7, m 0-7] in both
+// 128-bit halves (ggml's get_scale_min_k4: each byte's low bits from byte P[l], masked or its high nibble, its top two
+// from byte Q[l]), the super-block's d, and its minimums dmin m as fp32 lanes; d and dmin by F16C.
+inline __m256i q4k_scales(const uint8_t* h, float& d, __m256& Mn) {
+  int32_t d2;
+  std::memcpy(&d2, h, 4);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d2));  // d, dmin
+  d = _mm_cvtss_f32(dd);
   const __m128i b = _mm_loadu_si128((const __m128i*)h);
-  const __m256i low = _mm256_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15);
-  const __m256i ps = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
-  const __m256i pm = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
-  const __m256i qs = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0)));
-  const __m256i qm = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0)));
-  const __m256i sc = _mm256_or_si256(_mm256_and_si256(ps, low), _mm256_slli_epi32(_mm256_srli_epi32(qs, 6), 4));
-  const __m256i m = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(pm, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low),
-                                    _mm256_slli_epi32(_mm256_srli_epi32(qm, 6), 4));
-  uint16_t dh, mh;
-  std::memcpy(&dh, h, 2);
-  std::memcpy(&mh, h + 2, 2);
-  S = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_set1_ps(f16_to_f32(dh)));
-  Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(f16_to_f32(mh)));
+  const __m128i P = _mm_shuffle_epi8(b, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i Q = _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i low = _mm_or_si128(_mm_and_si128(P, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                                   _mm_and_si128(_mm_srli_epi16(P, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+  const __m128i v = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(Q, 2), _mm_set1_epi8(0x30)));
+  Mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_broadcastss_ps(_mm_movehdup_ps(dd)));
+  return _mm256_broadcastsi128_si256(v);
 }
 
-// One sub-block piece's dot with its activations, 8 int32 lanes of 4 products: q4_k, q5_k: the values (0..31) as
-// maddubs' unsigned operand (pair sums <= 2 x 31 x 127); iq4_xs: the indices mapped by VPSHUFB to the signed codebook
-// values, whose magnitudes are the unsigned operand and whose signs go onto the activations (q8_0's sign trick: pair
-// sums <= 2 x 127 x 127, exact).
-template <int KIND>
-inline __m256i kq_dot(__m256i q, __m256i a) {
-  if constexpr (KIND == KQ_IQ4) {
-    const __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_setr_epi8(HY_IQ4_VALUES)), q);
-    return dot_u8s8_i32(_mm256_abs_epi8(v), _mm256_sign_epi8(a, v));
-  }
-  return dot_u8s8_i32(q, a);
-}
-
-// q4_k (hy.h q4k_heads), q5_k (hy.h q5k_heads) and iq4_xs (hy.h iq4_heads): per 256-value super-block and row the head
-// unpacked to the 8 sub-blocks' scales (q4_k, q5_k: and minimums; iq4_xs: iq4_scales8); per 64-value chunk the low and
-// high nibbles (sub-blocks 2c and 2c + 1; q5_k: each value's fifth bit OR'ed on from the head's 32 qh bytes, bit 2 cc
-// for the low nibbles and 2 cc + 1 for the high ones, by a 16-bit shift whose crossing bits the mask drops, moved to
-// bit 4) each dotted with their activations (kq_dot), converted and multiplied by their scale; q4_k's and q5_k's
-// minimums subtracted once per super-block, row and token as - sum_j (dmin m_j) x (activation sum of sub-block j).
+// q4_k (hy.h q4k_heads) and q5_k (hy.h q5k_heads): per 256-value super-block and row the head unpacked to the 8
+// sub-blocks' scales as bytes and the minimums (q4k_scales); per 64-value chunk the low and high nibbles (sub-blocks
+// 2c and 2c + 1; q5_k: each value's fifth bit OR'ed on from the head's 32 qh bytes, bit 2 cc for the low nibbles and
+// 2 cc + 1 for the high ones, by a 16-bit shift whose crossing bits the mask drops, moved to bit 4) maddubs'd with
+// their activations (pair sums <= 2 x 31 x 127) and multiplied by their sub-block's scale as madd widens them (the
+// scale's byte zero-extended into every int16 lane by one VPSHUFB): the super-block's dot stays in int32 (lane totals
+// <= 8 x 2 x 7874 x 63 < 2^31), converted and scaled by d once per super-block, row and token. The minimums are
+// subtracted once per super-block, row and token as - sum_j (dmin m_j) x (activation sum of sub-block j). Rows in
+// turn, each through all of k: its accumulators in registers for every token count, prefetching 8 rows down.
 template <int MT, int KIND>
 void kq_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  static_assert(KIND == KQ_Q4 || KIND == KQ_Q5, "iq4_xs: iq4_block");
   const int nsb = k / 256;
   constexpr int HB = kq_head_bytes(KIND);  // head bytes a super-block
   const int64_t hst = (int64_t)nsb * HB;
   const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int j = 0; j < 4; ++j) {
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint8_t* h = hd + j * hst + sb * HB;
+      const uint8_t* wr = w + j * ldw + sb * 128;
+      _mm_prefetch((const char*)(wr + 8 * ldw), _MM_HINT_T1);
+      _mm_prefetch((const char*)(wr + 8 * ldw + 64), _MM_HINT_T1);
+      float d;
+      __m256 Mn;
+      const __m256i sc = q4k_scales(h, d, Mn);
+      for (int t = 0; t < MT; ++t)
+        acc[t] = _mm256_fnmadd_ps(Mn, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8))),
+                                  acc[t]);
+      __m256i qh;
+      if constexpr (KIND == KQ_Q5) qh = _mm256_loadu_si256((const __m256i*)(h + 16));
+      __m256i ia[MT];
+      for (int t = 0; t < MT; ++t) ia[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int cc = 0; cc < 4; ++cc) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wr + cc * 32));
+        __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        if constexpr (KIND == KQ_Q5) {
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * cc)), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * cc + 1)), one), 4));
+        }
+        const __m256i slo = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x8000 | (2 * cc))));
+        const __m256i shi = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x8000 | (2 * cc + 1))));
+        const int c = sb * 4 + cc;
+        for (int t = 0; t < MT; ++t) {
+          const __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
+          const __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
+          ia[t] = _mm256_add_epi32(ia[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, alo), slo),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ahi), shi)));
+        }
+      }
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int t = 0; t < MT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), dv, acc[t]);
+    }
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[t]) * act_scale(rows[t], k);
+  }
+}
+
+// iq4_xs (hy.h iq4_heads): per 256-value super-block and row the 8 sub-blocks' scales d (ls - 32) (hy.h iq4_scales8);
+// per 64-value chunk the low and high nibbles (sub-blocks 2c and 2c + 1) mapped by VPSHUFB to the signed codebook
+// values, whose magnitudes are maddubs' unsigned operand and whose signs go onto the activations (q8_0's sign trick:
+// pair sums <= 2 x 127 x 127, exact), widened, converted and multiplied by their scale. Unlike q4_k's kernel the 4 rows
+// go in turn within each chunk, interleaving their longer per-token work (codebook, signs): q4_k's order, with each
+// sub-block's dot kept in int32, is the slower one for this format (BENCHMARKS.md, Choices behind the defaults).
+template <int MT>
+void iq4_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
+  const int nsb = k / 256;
+  const int64_t hst = (int64_t)nsb * kq_head_bytes(KQ_IQ4);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(HY_IQ4_VALUES));
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
-    __m256 S[4], Mn[4];
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (KIND == KQ_IQ4) S[j] = iq4_scales8(hd + j * hst + sb * HB);
-      else q4k_scales(hd + j * hst + sb * HB, S[j], Mn[j]);
-    }
-    if constexpr (KIND != KQ_IQ4)
-      for (int t = 0; t < MT; ++t) {
-        const __m256 gs = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(act_gsum(rows[t], k) + sb * 8)));
-        for (int j = 0; j < 4; ++j) acc[j][t] = _mm256_fnmadd_ps(Mn[j], gs, acc[j][t]);
-      }
+    __m256 S[4];
+    for (int j = 0; j < 4; ++j) S[j] = iq4_scales8(hd + j * hst + sb * kq_head_bytes(KQ_IQ4));
     for (int c = sb * 4; c < sb * 4 + 4; ++c) {
       if (c % 2 == 0) for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + c * 32), _MM_HINT_T1);
       const int g = 2 * (c - sb * 4);
-      const __m128i blo = _mm_cvtsi32_si128(g), bhi = _mm_cvtsi32_si128(g + 1);  // q5_k: the fifth bits' shifts
       for (int j = 0; j < 4; ++j) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + j * ldw + c * 32));
-        __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-        if constexpr (KIND == KQ_Q5) {
-          const __m256i qh = _mm256_loadu_si256((const __m256i*)(hd + j * hst + sb * HB + 16));
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, blo), one), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, bhi), one), 4));
-        }
+        const __m256i vlo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, lo4));
+        const __m256i vhi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4));
         const __m256 slo = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g));
         const __m256 shi = _mm256_permutevar8x32_ps(S[j], _mm256_set1_epi32(g + 1));
         for (int t = 0; t < MT; ++t) {
           const __m256i alo = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64));
           const __m256i ahi = _mm256_loadu_si256((const __m256i*)(rows[t] + c * 64 + 32));
-          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot<KIND>(lo, alo)), slo, acc[j][t]);
-          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot<KIND>(hi, ahi)), shi, acc[j][t]);
+          acc[j][t] = _mm256_fmadd_ps(dot_u8s8(_mm256_abs_epi8(vlo), _mm256_sign_epi8(alo, vlo)), slo, acc[j][t]);
+          acc[j][t] = _mm256_fmadd_ps(dot_u8s8(_mm256_abs_epi8(vhi), _mm256_sign_epi8(ahi, vhi)), shi, acc[j][t]);
         }
       }
     }
@@ -437,7 +453,7 @@ void q2k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       uint16_t dh, mh;
       std::memcpy(&dh, h + 16, 2);
       std::memcpy(&mh, h + 18, 2);
-      const __m256 d = _mm256_set1_ps(f16_to_f32(dh)), dm = _mm256_set1_ps(f16_to_f32(mh));
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh)), dm = _mm256_set1_ps(_cvtsh_ss(mh));
       for (int g = 0; g < 2; ++g) {
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(h + 8 * g)));
         S[j][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(sc, lo4)), d);
@@ -489,7 +505,7 @@ void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
       const uint8_t* h = hd + j * hst + sb * 14;
       uint16_t dh;
       std::memcpy(&dh, h + 12, 2);
-      const __m256 d = _mm256_set1_ps(f16_to_f32(dh));
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
       const __m128i sc = q3k_scales(h);
       Sc[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
       Sc[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
@@ -525,46 +541,42 @@ void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
     for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
-// q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales times d as two vectors of 8; each
-// 32-value piece is one 32-byte ql load's low or high nibbles OR'ed with its bit pair of a 32-byte qh load
-// moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there), q in 0..63; maddubs with the activations
-// (pair sums <= 2 x 63 x 127) minus the same with 32s (once per token and piece, shared by the 4 rows) is the exact
-// dot of (q - 32) per lane of 4 values; lanes 0-3 belong to the piece's first 16-value group, 4-7 to its second.
+// q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales, each in both 16-bit halves of its
+// 32-bit lane (madd's operand), as two vectors of 8; each 32-value piece is one 32-byte ql load's low or high nibbles
+// OR'ed with its bit pair of a 32-byte qh load moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there),
+// q in 0..63; maddubs with the activations (pair sums <= 2 x 63 x 127) less the same with 32s (once per token and
+// piece and super-block, kept for the 4 rows) is the exact pair sum of (q - 32) in int16 (|.| <= 2 x 32 x 127), which
+// madd multiplies by its 16-value group's scale as it widens (lanes 0-3 the piece's first group, 4-7 its second):
+// the super-block's dot stays in int32 (lane totals <= 8 x 2 x 8128 x 128 < 2^31) and is converted and scaled by d
+// once per super-block, row and token (a float conversion and multiply-add per piece before). A row's super-block is
+// walked whole before the next row's.
 template <int MT>
 void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;
   const int64_t hst = (int64_t)nsb * 18;
   const __m256i lo4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
-  __m256 acc[4][MT];
-  for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
-  for (int sb = 0; sb < nsb; ++sb) {
-    __m256 S[4][2];
-    for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < 4; ++j) {
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
       const uint8_t* h = hd + j * hst + sb * 18;
+      const uint8_t* base = w + j * ldw + sb * 192;
+      _mm_prefetch((const char*)(base + 8 * ldw), _MM_HINT_T1);
+      _mm_prefetch((const char*)(base + 8 * ldw + 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(base + 8 * ldw + 128), _MM_HINT_T1);
       uint16_t dh;
       std::memcpy(&dh, h + 16, 2);
-      const __m256 d = _mm256_set1_ps(f16_to_f32(dh));
       const __m128i sc = _mm_loadu_si128((const __m128i*)h);
-      S[j][0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
-      S[j][1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
-    }
-    for (int j = 8; j < 12; ++j) {
-      const uint8_t* p = w + j * ldw + sb * 192;
-      _mm_prefetch((const char*)p, _MM_HINT_T1);
-      _mm_prefetch((const char*)(p + 64), _MM_HINT_T1);
-      _mm_prefetch((const char*)(p + 128), _MM_HINT_T1);
-    }
-    for (int p = 0; p < 8; ++p) {  // 32-value pieces: half p / 4, its values 32 (p % 4) .. 32 (p % 4) + 31
-      const int half = p / 4, part = p % 4;
-      __m256i a[MT], off[MT];
-      for (int t = 0; t < MT; ++t) {
-        a[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + p * 32));
-        off[t] = dot_u8s8_i32(c32, a[t]);
+      __m256i S[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m256i s32 = _mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc);
+        S[half] = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s32, 16));
       }
-      const __m256i idx = _mm256_setr_epi32(2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4), 2 * (p % 4) + 1,
-                                            2 * (p % 4) + 1, 2 * (p % 4) + 1, 2 * (p % 4) + 1);
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t* base = w + j * ldw + sb * 192;
+      __m256i ia[MT];
+      for (int t = 0; t < MT; ++t) ia[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {  // 32-value pieces: half p / 4, its values 32 (p % 4) .. 32 (p % 4) + 31
+        const int half = p / 4, part = p % 4;
         const __m256i ql = _mm256_loadu_si256((const __m256i*)(base + half * 64 + (part % 2) * 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i*)(base + 128 + half * 32));
         __m256i q;
@@ -576,14 +588,20 @@ void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
             q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), lo4),
                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
         }
-        const __m256 sv = _mm256_permutevar8x32_ps(S[j][half], idx);  // groups 2p, 2p + 1 of the super-block
-        for (int t = 0; t < MT; ++t)
-          acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot_u8s8_i32(q, a[t]), off[t])), sv, acc[j][t]);
+        const __m256i idx = _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1, 2 * part + 1,
+                                              2 * part + 1, 2 * part + 1);
+        const __m256i sv = _mm256_permutevar8x32_epi32(S[half], idx);  // groups 2p, 2p + 1 of the super-block
+        for (int t = 0; t < MT; ++t) {
+          const __m256i a = _mm256_loadu_si256((const __m256i*)(rows[t] + sb * 256 + p * 32));
+          const __m256i pq = _mm256_sub_epi16(_mm256_maddubs_epi16(q, a), _mm256_maddubs_epi16(c32, a));
+          ia[t] = _mm256_add_epi32(ia[t], _mm256_madd_epi16(pq, sv));
+        }
       }
+      const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dh));
+      for (int t = 0; t < MT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), dv, acc[t]);
     }
+    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[t]) * act_scale(rows[t], k);
   }
-  for (int j = 0; j < 4; ++j)
-    for (int t = 0; t < MT; ++t) C[t * ldc + j] = hsum8(acc[j][t]) * act_scale(rows[t], k);
 }
 
 // iq2_xxs (hy.h iq2xxs_heads): per 32-value sub-block and row its 4 codebook entries (hy.h g_iq_grids) as the
@@ -606,7 +624,7 @@ void iq2xxs_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* ro
     for (int j = 0; j < 4; ++j) {
       uint16_t dh;
       std::memcpy(&dh, hd + j * hst + sb * 2, 2);
-      d[j] = f16_to_f32(dh) * 0.125f;
+      d[j] = _cvtsh_ss(dh) * 0.125f;
     }
     for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + sb * 64), _MM_HINT_T1);
     for (int ib = 0; ib < 8; ++ib) {
@@ -649,7 +667,7 @@ void iq1s_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     for (int j = 0; j < 4; ++j) {
       uint16_t dh;
       std::memcpy(&dh, hd + j * hst + sb * 2, 2);
-      d[j] = f16_to_f32(dh) * 0.125f;
+      d[j] = _cvtsh_ss(dh) * 0.125f;
     }
     for (int j = 8; j < 12; ++j) _mm_prefetch((const char*)(w + j * ldw + sb * 48), _MM_HINT_T1);
     for (int ib = 0; ib < 8; ++ib) {
@@ -698,7 +716,7 @@ void iq1m_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows
     alignas(32) float scl[4][16];  // row j: piece p's d (2 ls + 1) / 8
     for (int j = 0; j < 4; ++j) {
       const uint8_t* h = hd + j * hst + sb * 8;
-      const __m256 d = _mm256_set1_ps(f16_to_f32(iq1m_d(h)) * 0.125f);
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(iq1m_d(h)) * 0.125f);
       const __m256i w4 = _mm256_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)h));  // lanes 0-3: the words
       for (int hf = 0; hf < 2; ++hf) {  // pieces 8 hf .. 8 hf + 7: words 2 hf, 2 hf + 1
         const __m256i x = _mm256_permutevar8x32_epi32(w4, _mm256_add_epi32(pair, _mm256_set1_epi32(2 * hf)));
@@ -758,7 +776,7 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
     kq_block<MT, KQ_Q5>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, q5k_heads(M, e, r), C,
                         ldc);
   } else if (M.dtype == HY_IQ4_XS) {
-    kq_block<MT, KQ_IQ4>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, iq4_heads(M, e, r), C,
+    iq4_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 2), M.ldk / 2, M.ldk, rows, iq4_heads(M, e, r), C,
                          ldc);
   } else if (M.dtype == HY_Q2_K) {
     q2k_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, q2k_heads(M, e, r), C, ldc);

@@ -12,7 +12,7 @@
 enum {
   F_AVX2 = 1 << 0, F_FMA = 1 << 1, F_AVX512F = 1 << 2, F_AVX512BW = 1 << 3, F_AVX512VL = 1 << 4,
   F_AVX512DQ = 1 << 5, F_AVX512VNNI = 1 << 6, F_AVX512BF16 = 1 << 7, F_AMX_TILE = 1 << 8,
-  F_AMX_BF16 = 1 << 9, F_AMX_INT8 = 1 << 10, F_OS_AVX = 1 << 11, F_OS_AVX512 = 1 << 12, F_OS_AMX = 1 << 13,
+  F_AMX_BF16 = 1 << 9, F_AMX_INT8 = 1 << 10, F_OS_AVX = 1 << 11, F_OS_AVX512 = 1 << 12, F_OS_AMX = 1 << 13, F_F16C = 1 << 14,
 };
 
 static uint64_t xgetbv0() {
@@ -27,6 +27,7 @@ HY_API int hy_cpu_features() {
   if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
   bool osxsave = c & (1u << 27);
   if (c & (1u << 12)) f |= F_FMA;
+  if (c & (1u << 29)) f |= F_F16C;
   if (osxsave) {
     uint64_t x = xgetbv0();
     if ((x & 0x6) == 0x6) f |= F_OS_AVX;
