@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile-decode", type=int, default=-1,
                    help="greedy tokens decoded after each profiling prompt of --prompt tokens (default: --steps, the "
                         "measured workload's shape; 0: prefill-only statistics from prompts of max-context - 1 tokens)")
-    p.add_argument("--reserve", default="512MiB", help="the plan's VRAM reserve (CUDA context etc.)")
+    p.add_argument("--reserve", default="1GiB", help="the plan's VRAM reserve (CUDA context etc.)")
     p.add_argument("--device", default="auto")
     p.add_argument("--cpu-isa", help="CPU kernel ISA (default: the best available)")
     p.add_argument("--out", help="directory for plan_eval.json")

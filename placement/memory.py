@@ -24,7 +24,9 @@ GPU (VRAM):
                         router logits, one expert group's gathered rows, outputs and fp32 products
                         (HybridExperts._gpu_lane), MLA's keys and values expanded per head for all C keys, a
                         later pass's mask over the cache; an upper estimate from the tensors live at once
-    reserve             CUDA context, cuBLAS workspaces, allocator slack: a guess, not measured
+    reserve             CUDA context, cuBLAS workspaces, loaded Triton modules, allocator slack: what nvidia-smi
+                        counts beyond the tensors above (1 GiB: on an H100 with CUDA 13 the context alone was 700-790
+                        MiB after warm-up, and a run's whole-process peak 570-900 MiB above the modeled tensors)
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
 and row sums, int4 group scales, mxfp4 one exponent byte per 32 values, q8_0 and q4_0 one fp16 scale per 32, q4_k a 16-byte
@@ -45,7 +47,7 @@ from placement.errors import UsageError
 MXFP4_BLOCK = 32  # cpu_kernels.quant.MXFP4_BLOCK: values per shared exponent
 ROW_ALIGN = 32  # cpu_kernels.moe._ROW_ALIGN
 INT4_GROUP = CPU_DTYPE_TABLE["int4"].default_group  # hybrid.offload.Offload default group size
-DEFAULT_RESERVE = 512 * 2**20  # CUDA context + cuBLAS workspace + fragmentation: an unmeasured guess
+DEFAULT_RESERVE = 2**30  # CUDA context, workspaces, modules, allocator slack (measured: see the docstring)
 GRAPH_MAX_ROWS = 512  # hybrid.offload.host_lane.HostFnLane.MAX_ROWS
 GPU_KINDS = ("bf16", "int8", "int4", "fp8")  # per part: the compute dtype, or hybrid.models.qweight's kinds
 KV_DTYPES = ("bf16", "fp8")  # --kv-dtype: the compute dtype, or float8 e4m3 (hybrid.runtime.kv_cache)

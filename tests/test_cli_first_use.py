@@ -103,7 +103,7 @@ def test_an_install_without_the_demo_files_is_one_line(tmp_path, monkeypatch, ca
     shutil.copytree(demo.demo_checkpoint(), broken)
     (broken / "model.safetensors").unlink()
     monkeypatch.setattr(demo, "DEMO_DIR", broken)
-    for argv in (["generate", "-n", "1", "--prompt", "hi"], ["plan", "--gpu-budget", "1GiB", "--cpu-budget", "8GiB"]):
+    for argv in (["generate", "-n", "1", "--prompt", "hi"], ["plan", "--gpu-budget", "2GiB", "--cpu-budget", "8GiB"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "Traceback" not in err[0], err

@@ -111,7 +111,7 @@ def test_calibrate_unwritable_out_before_measuring(tmp_path):
 def test_non_utf8_files(tiny, tmp_path, flag):
     bad = tmp_path / "bad.json"
     bad.write_bytes(b'{"kind": "\xff\xfe"}')
-    one_line_exit_2(hybrid("plan", "--model", str(tiny), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", flag, str(bad)),
+    one_line_exit_2(hybrid("plan", "--model", str(tiny), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", flag, str(bad)),
                     "not UTF-8")
 
 
@@ -136,14 +136,14 @@ def test_absurd_stats_counts(tiny, stats, tmp_path, count):
     data["layers"][0]["counts"][0] = count
     f = tmp_path / "s.json"
     f.write_text(json.dumps(data))
-    r = hybrid("plan", "--model", str(tiny), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--stats", str(f))
+    r = hybrid("plan", "--model", str(tiny), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--stats", str(f))
     one_line_exit_2(r, "routing stats")
 
 
 @pytest.fixture(scope="module")
 def plan(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("pl") / "plan.json"
-    r = hybrid("plan", "--model", str(tiny), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--out", str(out))
+    r = hybrid("plan", "--model", str(tiny), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--out", str(out))
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())
 

@@ -81,17 +81,17 @@ def test_server_runtime_reports_its_device():
 
 def test_plan_prediction_names_its_profile_and_is_hypothetical_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--reserve", "0",
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--reserve", "0",
                  "--profile", "ktransformers-paper-amx"]) == 0
     out = capsys.readouterr().out
     assert "predicted on a hypothetical GPU: decode" in out
     assert "HYPOTHETICAL: this machine has no CUDA device" in out and "profile ktransformers-paper-amx's" in out
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--reserve", "0",
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--reserve", "0",
                  "--profile", "ktransformers-paper-amx", "--json"]) == 0
     basis = json.loads(capsys.readouterr().out)["prediction_basis"]
     assert basis["hypothetical"] and basis["profile"] == "ktransformers-paper-amx" and not basis["cuda_device_here"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # with a GPU: the profile's figures, said so
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--reserve", "0",
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--reserve", "0",
                  "--profile", "ktransformers-paper-amx"]) == 0
     out = capsys.readouterr().out
     assert "\npredicted: decode" in out and "assumes profile ktransformers-paper-amx's (built-in) GPU figures" in out
@@ -105,7 +105,7 @@ def test_plan_takes_a_profile_without_gpu_figures_and_says_what_it_borrows(tmp_p
     hw = dataclasses.replace(BUILTIN_PROFILES["ktransformers-paper-amx"], name="cpu-box", gpu_flops=None,
                              hbm_bw=None, link_bw=None, alpha=None, source="calibrated")
     path = hw.save(tmp_path / "cpu.json")
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--profile", str(path)]) == 0
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--profile", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "cpu-box" in err and "ktransformers-paper-amx" in err  # whose GPU figures are borrowed
     assert "profile cpu-box+ktransformers-paper-amx" in out and "CPU calibrated without a GPU" in out

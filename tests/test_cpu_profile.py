@@ -70,7 +70,7 @@ def test_calibrated_cpu_only_profile_is_the_default_everywhere(capsys):
         assert main(["cost", "--experts", "2", "--tokens", "1,64", "--json"]) == 0
         out, err = capsys.readouterr()
         assert json.loads(out)["profile"] == f"cpu-box+{FALLBACK_PROFILE}" and "no GPU figures" in err
-        assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--reserve", "0", "--json"]) == 0
+        assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--reserve", "0", "--json"]) == 0
         out, err = capsys.readouterr()
         basis = json.loads(out)["prediction_basis"]
         assert basis["profile"] == f"cpu-box+{FALLBACK_PROFILE}" and f"built-in {FALLBACK_PROFILE}" in basis["note"]
@@ -99,7 +99,7 @@ def test_explicit_cpu_only_profile_in_cost_and_plan(cpu_json, capsys):
                  "--link-bw", "2e10", "--alpha", "1e-5", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["profile"] == "cpu-box" and err == ""
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--reserve", "0", "--profile",
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--reserve", "0", "--profile",
                  str(cpu_json)]) == 0
     out = capsys.readouterr().out
     assert f"the built-in {FALLBACK_PROFILE}'s GPU figures (profile cpu-box+{FALLBACK_PROFILE}: CPU calibrated" in out

@@ -562,7 +562,7 @@ def test_plan_prices_a_q4_0_file_as_the_runtime_loads_it(tmp_path, qwen3_ragged,
 
     path = tmp_path / "m.gguf"
     write_typed(path, "qwen3_moe", qwen3_ragged, lambda n: Q.Q4_0)
-    argv = ["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+    argv = ["plan", "--model", str(path), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile",
             "ktransformers-paper-amx", "--json"]
     assert main(argv) == 0
     plan = _json.loads(capsys.readouterr().out)
@@ -590,7 +590,7 @@ def test_plan_prices_a_files_exact_format(tmp_path, qwen3_256, capsys, kind, dty
 
     path = tmp_path / "m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: kind)
-    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+    assert main(["plan", "--model", str(path), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile",
                  "ktransformers-paper-amx", "--json"]) == 0
     plan = _json.loads(capsys.readouterr().out)
     cfg, threads = qwen3_256.config, plan["settings"]["node_threads"]
@@ -609,7 +609,7 @@ def test_plan_prices_the_downs_of_their_own_dtype(tmp_path, qwen3_256, capsys):
 
     path = tmp_path / "m.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: Q.Q6_K if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
-    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+    assert main(["plan", "--model", str(path), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile",
                  "ktransformers-paper-amx", "--json"]) == 0
     plan = _json.loads(capsys.readouterr().out)
     cfg, threads = qwen3_256.config, plan["settings"]["node_threads"]
@@ -694,7 +694,7 @@ def test_plan_and_dram_price_a_mixed_file_as_it_loads(tmp_path, qwen3_256, capsy
 
     path = tmp_path / "mixed_layers.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, mixed_layers)
-    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+    assert main(["plan", "--model", str(path), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile",
                  "ktransformers-paper-amx", "--json"]) == 0
     plan = _json.loads(capsys.readouterr().out)
     st = plan["settings"]
@@ -708,7 +708,7 @@ def test_plan_and_dram_price_a_mixed_file_as_it_loads(tmp_path, qwen3_256, capsy
     # layers 0 and 2 in q4_k, layer 2's down in q6_k instead, layer 1 all in q2_k
     want = E * (2 * per("q4_k") + per("q2_k") + down_bytes(D, F, "q6_k", threads) - down_bytes(D, F, "q4_k", threads))
     assert plan["memory"]["cpu"]["experts"] == want
-    assert main(["plan", "--model", str(path), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile",
+    assert main(["plan", "--model", str(path), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile",
                  "ktransformers-paper-amx"]) == 0
     assert "; own formats: gates and ups q2_k x1, downs q2_k x1, q6_k x1)" in capsys.readouterr().out
     need = model_dram(read_config(str(path))[1], False, 4, "q4_k", 64, 1, ("q2_k", "q6_k"), ("q2_k",))
@@ -726,7 +726,7 @@ def test_a_plans_int4_group_is_what_the_run_loads(tmp_path):
     from placement.errors import UsageError
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "--gpu-budget", "1GiB", "--cpu-budget", "4GiB", "--profile", "ktransformers-paper-amx",
+    assert main(["plan", "--gpu-budget", "2GiB", "--cpu-budget", "4GiB", "--profile", "ktransformers-paper-amx",
                  "--cpu-dtype", "int4", "--int4-group", "64", "--out", str(out)]) == 0
     assert _json.loads(out.read_text())["settings"]["int4_group"] == 64
     parse = build_parser().parse_args

@@ -45,8 +45,8 @@ def test_plan_json_schema(ckpt, capsys):
 
 
 def test_budget_units(ckpt, capsys):
-    a = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", "1GiB", "--cpu-budget", "1000MB", "--max-context", "64")
-    b = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", str(2**30), "--cpu-budget", "1000000000",
+    a = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", "2GiB", "--cpu-budget", "1000MB", "--max-context", "64")
+    b = plan_json(capsys, "--model", str(ckpt), "--gpu-budget", str(2**31), "--cpu-budget", "1000000000",
                   "--max-context", "64")
     assert a == b and a["cpu_budget_bytes"] == 10**9
 
@@ -66,18 +66,18 @@ def test_plan_reads_no_weights(ckpt, tmp_path, capsys):
     only_config = tmp_path / "cfg_only"
     only_config.mkdir()
     shutil.copy(ckpt / "config.json", only_config / "config.json")
-    out = plan_json(capsys, "--model", str(only_config), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB")
+    out = plan_json(capsys, "--model", str(only_config), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB")
     assert out["model"]["num_experts"] == 16
 
 
 @pytest.mark.parametrize("argv, needles", [
     (["--gpu-budget", "1MiB", "--cpu-budget", "1GiB"], ["--gpu-budget 1.0 MiB is too small", "the GPU needs",
-                                                        "reserve 512.0 MiB", "raise --gpu-budget to at least"]),
-    (["--gpu-budget", "1GiB", "--cpu-budget", "1MB"], ["--cpu-budget", "DRAM needs", "raise --cpu-budget to at least"]),
+                                                        "reserve 1.00 GiB", "raise --gpu-budget to at least"]),
+    (["--gpu-budget", "2GiB", "--cpu-budget", "1MB"], ["--cpu-budget", "DRAM needs", "raise --cpu-budget to at least"]),
     (["--gpu-budget", "lots", "--cpu-budget", "1GiB"], ["cannot read 'lots' as a size"]),
-    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--max-context", "1"], ["--max-context must be at least 2"]),
-    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--stats", "/nonexistent.json"], ["--stats: no such file"]),
-    (["--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--numa-threads", "2,x"], ["--numa-threads"]),
+    (["--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--max-context", "1"], ["--max-context must be at least 2"]),
+    (["--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--stats", "/nonexistent.json"], ["--stats: no such file"]),
+    (["--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--numa-threads", "2,x"], ["--numa-threads"]),
 ])
 def test_impossible_or_bad_settings_exit_2(ckpt, capsys, argv, needles):
     assert main(["plan", "--model", str(ckpt), "--profile", PROFILE, *argv]) == 2
@@ -115,7 +115,7 @@ def test_generate_fails_before_loading(ckpt, capsys, monkeypatch, tmp_path):
     cfg["num_experts"] = 8
     (other / "config.json").write_text(json.dumps(cfg))
     plan_file = tmp_path / "other.json"
-    assert main(["plan", "--model", str(other), "--profile", PROFILE, "--gpu-budget", "1GiB", "--cpu-budget", "1GiB",
+    assert main(["plan", "--model", str(other), "--profile", PROFILE, "--gpu-budget", "2GiB", "--cpu-budget", "1GiB",
                  "--out", str(plan_file)]) == 0
     capsys.readouterr()
     assert main(["generate", "--model", str(ckpt), "--plan", str(plan_file), "-n", "2"]) == 2

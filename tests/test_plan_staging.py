@@ -127,7 +127,7 @@ def test_a_given_staging_is_kept(extra, want, capsys):
 ])
 def test_bad_staging_is_one_line_exit_2(argv, needle, capsys):
     try:
-        rc = main(["plan", "--preset", "demo", "--gpu-budget", "1GiB", "--cpu-budget", "1GiB", "--profile", PROFILE,
+        rc = main(["plan", "--preset", "demo", "--gpu-budget", "2GiB", "--cpu-budget", "1GiB", "--profile", PROFILE,
                    *argv])
     except SystemExit as exc:  # argparse's own refusal (one line: hybrid.cli's parser)
         rc = exc.code

@@ -75,7 +75,7 @@ def test_cli_writes_the_documented_format(ckpt, tmp_path, capsys):
     stats = load_stats(out)  # what `hybrid plan --stats` reads
     assert stats.tokens == data["tokens"] and stats.decode_tokens == 6
     assert np.allclose(stats.decode_shares().sum(axis=1), 4) and np.allclose(stats.prefill_shares().sum(axis=1), 4)
-    assert main(["plan", "--model", str(ckpt), "--stats", str(out), "--gpu-budget", "1GiB", "--cpu-budget", "1GiB",
+    assert main(["plan", "--model", str(ckpt), "--stats", str(out), "--gpu-budget", "2GiB", "--cpu-budget", "1GiB",
                  "--profile", "ktransformers-paper-amx", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["stats"]["kind"] == "measured"
     empty = tmp_path / "empty.txt"
