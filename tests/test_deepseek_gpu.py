@@ -47,3 +47,33 @@ def test_cuda_graph_decode_hybrid_experts(ckpt):
         layer.set_resident([0, 5])
     eager, graphs, eng = eager_and_graph_tokens(model, PROMPTS)
     assert graphs == eager
+
+
+def _mla_logits(path, device, dtype, mode: str, prompt: list[int]) -> torch.Tensor:
+    """A prompt prefilled in two passes (fresh, then over the cache), then three decode steps, every MLA layer
+    attending in `mode`: the stacked logits (fp32, CPU)."""
+    from hybrid.models.mla import MLAttention
+    from hybrid.runtime import Engine
+
+    model = load_model(path, device=device, dtype=dtype, progress=False)
+    for layer in model.layers:
+        if isinstance(layer.attn, MLAttention):
+            layer.attn.mode = mode
+    eng = Engine(model, max_batch=1, max_context=len(prompt) + 8, eager=True)
+    slot = eng.allocate_slot()
+    outs = [eng.prefill(slot, prompt[:40]), eng.prefill(slot, prompt[40:])]
+    outs += [eng.decode_step([slot], [t])[0] for t in (3, 99, 180)]
+    return torch.stack([o.float().cpu() for o in outs])
+
+
+def test_absorbed_bf16_decode_over_a_long_cache_is_as_close_as_expanded(tmp_path):
+    """The absorbed decode's fp32-output matrix products on CUDA in bf16, over a 300-key cache, against the fp32
+    expanded form on the CPU: no further from it than the bf16 expanded form (SDPA) is. Every layer dense: a
+    routed layer's top-k would turn a rounding difference into another expert's output."""
+    path = tmp_path / "dsv3"
+    make_checkpoint("deepseek_v3", path, seed=8, first_k_dense_replace=3)
+    prompt = [(i * 37 + 11) % 250 for i in range(300)]
+    truth = _mla_logits(path, "cpu", torch.float32, "expanded", prompt)
+    err = {mode: (_mla_logits(path, "cuda", torch.bfloat16, mode, prompt) - truth).abs().max().item()
+           for mode in ("expanded", "absorbed")}
+    assert err["absorbed"] <= 2 * err["expanded"] + 1e-2, err

@@ -162,14 +162,14 @@ def test_dequant_linear_in_row_chunks(monkeypatch):
 
     g = torch.Generator().manual_seed(2)
     w, b, x = torch.randn(300, 96, generator=g), torch.randn(300, generator=g), torch.randn(5, 96, generator=g)
-    real = qweight._dequant
+    real = qweight.dequantize_on_device
     for kind in ("int8", "int4", "fp8"):
         qw = QWeight.from_float(w, kind)
         ref = torch.nn.functional.linear(x, qw.dequantize(torch.float32), b)
         # 96 * 200 values: 200 rows would fit, a chunk takes 128 (whole multiples of 128): 3 chunks, the last ragged
         monkeypatch.setattr(qweight, "DEQUANT_CHUNK_VALUES", 96 * 200)
         rows = []
-        monkeypatch.setattr(qweight, "_dequant", lambda w_, dt, r0, r1: rows.append(r1 - r0) or real(w_, dt, r0, r1))
+        monkeypatch.setattr(qweight, "dequantize_on_device", lambda w_, dt, r0, r1: rows.append(r1 - r0) or real(w_, dt, r0, r1))
         torch.testing.assert_close(qweight.dequant_linear(x, qw, b), ref, rtol=1e-5, atol=1e-5)
         assert rows == [128, 128, 44], rows
 

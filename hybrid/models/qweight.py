@@ -226,13 +226,16 @@ def dequant_linear(x: torch.Tensor, w: QWeight, b: torch.Tensor | None) -> torch
     # takes kernels several times slower than the aligned GEMM's
     rows = max(CHUNK_ROW_ALIGN, DEQUANT_CHUNK_VALUES // max(1, w.k) // CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN)
     if rows >= w.n:
-        return F.linear(x, _dequant(w, x.dtype, 0, w.n), b)
-    outs = [F.linear(x, _dequant(w, x.dtype, r, min(r + rows, w.n)), None if b is None else b[r:r + rows])
+        return F.linear(x, dequantize_on_device(w, x.dtype, 0, w.n), b)
+    outs = [F.linear(x, dequantize_on_device(w, x.dtype, r, min(r + rows, w.n)), None if b is None else b[r:r + rows])
             for r in range(0, w.n, rows)]
     return torch.cat(outs, dim=-1)
 
 
-def _dequant(w: QWeight, dtype, r0: int, r1: int) -> torch.Tensor:
+def dequantize_on_device(w: QWeight, dtype, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    """Rows r0:r1 of w in dtype: one Triton kernel on CUDA (qgemv.dequantize_rows, equal bit for bit), else
+    QWeight.dequantize."""
+    r1 = w.n if r1 is None else r1
     if w.device.type == "cuda":
         from hybrid.gpu_kernels.qgemv import dequantize_rows
 
