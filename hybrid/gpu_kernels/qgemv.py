@@ -74,13 +74,14 @@ class QGemvConfig:
 
 
 # (max N, max K, config): the first row that fits is taken, for every T (the dot pads T to 8 columns anyway).
-# One warp per 16 rows (mma.sync's tile; more warps than that only duplicate the widening). Sized from the sm_90
-# build (instructions per weight, registers, shared memory, no spills) for 128 programs or more on the decoder
-# shapes: q/k/v 5120 x 2048 -> 320, o_proj 2048 x 4096 -> 128, DeepSeek's o_proj 7168 x 16384 -> 448,
-# q_b 24576 x 1536 -> 768, a 32768-row head -> 1024. Not yet timed: bench/qgemv.py --configs compares others.
+# One warp per 16 rows (mma.sync's tile; more warps than that only duplicate the widening). Timed by bench/qgemv.py
+# on an H100 (int4, T = 1): up to 8192 rows a 16-row block with K split in four gives 4 x N / 16 programs, which
+# o_proj 2048 x 4096 needs (128 programs unsplit on 132 SMs: 14.1 us, split 8.2 us, bf16 7.5 us), qkv 5120 x 2048
+# (10.5 -> 8.5 us) and DeepSeek's o_proj 7168 x 16384 (74 -> 52 us) gain from; the 152K-row head takes 64-row
+# blocks of four warps (95 -> 87 us), where a split only adds its partial sums' traffic (213 us).
 TABLE: tuple[tuple[int, int, QGemvConfig], ...] = (
-    (8192, BIG, QGemvConfig(block_n=16, block_k=256, num_warps=1, num_stages=6)),
-    (BIG, BIG, QGemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=4)),
+    (8192, BIG, QGemvConfig(block_n=16, block_k=256, num_warps=1, num_stages=4, split=4)),
+    (BIG, BIG, QGemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)),
 )
 
 
