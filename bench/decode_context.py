@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
 
-from bench.prefill_profile import top_ops
+from bench.prefill_profile import build_generate_args, open_engine, split_at_dashes, top_ops
 
 
 def decode_ms(engine, slot: int, steps: int) -> float:
@@ -35,9 +34,7 @@ def decode_ms(engine, slot: int, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    model_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    own, model_args = split_at_dashes(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="1024,8192", help="comma-separated prompt lengths (default %(default)s)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per length (default %(default)s)")
@@ -52,17 +49,14 @@ def main(argv=None) -> int:
     if min(contexts) < 1 or args.steps < 1:
         p.error("--contexts and --steps must be positive")
 
-    from hybrid.cli import build_parser
-    from hybrid.loading.session import open_session
     from hybrid.runtime.engine import spread_ids
 
-    gen = build_parser(["generate"]).parse_args(["generate", *model_args])
+    gen = build_generate_args(model_args)
     need = max(contexts) + args.warm + args.steps + args.profiled
     if need >= gen.max_context:  # before a load that may take a minute
         p.error(f"--contexts up to {max(contexts)} and their steps need --max-context above {need} "
                 f"(it is {gen.max_context})")
-    session = open_session(gen, log=lambda m: print(m, file=sys.stderr))
-    engine = session.engine
+    engine = open_engine(model_args)
     device = engine.device.type
     print(f"decode with {'CUDA graphs' if engine.graphs is not None else 'no graphs (eager)'}", flush=True)
     rows = []

@@ -47,10 +47,31 @@ def top_ops(prof, device: str, rows: int) -> list[dict]:
             for e in events[:rows] if getattr(e, key, 0.0) > 0]
 
 
-def main(argv=None) -> int:
+def split_at_dashes(argv) -> tuple[list[str], list[str]]:
+    """(the bench's own arguments, `hybrid generate`'s model arguments after `--`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    model_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def open_engine(model_args: list[str]):
+    """The engine of a session loaded as `hybrid generate` loads it from its model arguments (lines to stderr)."""
+    from hybrid.loading.session import open_session
+
+    gen = build_generate_args(model_args)
+    return open_session(gen, log=lambda m: print(m, file=sys.stderr)).engine
+
+
+def build_generate_args(model_args: list[str]):
+    from hybrid.cli import build_parser
+
+    return build_parser(["generate"]).parse_args(["generate", *model_args])
+
+
+def main(argv=None) -> int:
+    own, model_args = split_at_dashes(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="4096", help="comma-separated prompt lengths (default %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="timed prefills per length (default %(default)s)")
@@ -61,15 +82,11 @@ def main(argv=None) -> int:
     if not model_args:
         p.error("give the model's arguments after --, e.g. -- --model DIR")
 
-    from hybrid.cli import build_parser
-    from hybrid.loading.session import open_session
-
-    gen = build_parser(["generate"]).parse_args(["generate", *model_args])
+    gen = build_generate_args(model_args)
     if max(lengths) >= gen.max_context:  # before a load that may take a minute
         p.error(f"--tokens up to {max(lengths)} need --max-context above it (it is {gen.max_context})")
     t0 = time.perf_counter()
-    session = open_session(gen, log=lambda m: print(m, file=sys.stderr))
-    engine = session.engine
+    engine = open_engine(model_args)
     chunk = engine.config.prefill_chunk
     print(f"loaded in {time.perf_counter() - t0:.1f} s; prefill passes of {chunk} tokens", flush=True)
     runs = []
