@@ -25,9 +25,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hybrid.models.config import ModelConfig
-from hybrid.models.layers import Linear, RMSNorm, folded_causal_mask, query_block
+from hybrid.models.layers import TAIL, Linear, RMSNorm, folded_causal_mask, query_block
 from hybrid.models.qweight import QWeight, dequantize_on_device
 from hybrid.models.rope import apply_rotary
 
@@ -134,12 +135,14 @@ class MLAttention(nn.Module):
         B, T, H = q_nope.shape[0], q_nope.shape[1], self.H
         L, gb, qk = lat.shape[1], q_nope.element_size(), self.nope + self.rope
         pad = q_nope.is_cuda and self.vd != qk
+        tail = positions is not None and TAIL in masks  # rows end at key L - 1: a causal bias, no mask
         # per head and key: kv_b_proj's output, k, and v (padded to k's width on CUDA)
         g = query_block(H, B * L * (self.nope + self.vd + qk + (qk if pad else self.vd)) * gb)
         c = T if positions is None else query_block(T, B * L * (1 + gb))
         q = torch.cat((q_nope, q_rope), dim=-1)
         if g >= H and c >= T:  # one call
-            mask = None if positions is None else folded_causal_mask(positions, L, 1, None, masks)
+            mask = causal_lower_right(T, L) if tail else \
+                None if positions is None else folded_causal_mask(positions, L, 1, None, masks)
             return self._attend_heads(q, self.kv_b_proj(lat[..., :self.rank]), lat, mask, pad).reshape(B, T, H * self.vd)
         w = self.kv_b_proj.weight
         w = (dequantize_on_device(w, q.dtype) if isinstance(w, QWeight) else w).view(H, self.nope + self.vd, self.rank)
@@ -147,13 +150,20 @@ class MLAttention(nn.Module):
         for h0 in range(0, H, g):
             kv = F.linear(lat[..., :self.rank], w[h0:h0 + g].reshape(-1, self.rank))
             for t0 in range(0, T, c):
-                mask = None if positions is None else folded_causal_mask(positions[:, t0:t0 + c], L, 1, None, {})
-                out[:, t0:t0 + c, h0:h0 + g] = self._attend_heads(q[:, t0:t0 + c, h0:h0 + g], kv, lat, mask, pad)
+                t1 = min(T, t0 + c)
+                if tail:  # the block's last query sees key L - T + t1 - 1 and none after it
+                    n = L - T + t1
+                    out[:, t0:t1, h0:h0 + g] = self._attend_heads(q[:, t0:t1, h0:h0 + g], kv[:, :n], lat[:, :n],
+                                                                  causal_lower_right(t1 - t0, n), pad)
+                    continue
+                mask = None if positions is None else folded_causal_mask(positions[:, t0:t1], L, 1, None, {})
+                out[:, t0:t1, h0:h0 + g] = self._attend_heads(q[:, t0:t1, h0:h0 + g], kv, lat, mask, pad)
         return out.reshape(B, T, H * self.vd)
 
     def _attend_heads(self, q, kv, lat, mask, pad: bool):
         """q [B, t, h, nope + rope] of h heads, kv [B, L, h * (nope + v)] their rows of kv_b_proj's output,
-        lat [B, L, rank + rope], mask None (causal, fresh) or [B, 1, t, L] -> [B, t, h, v]."""
+        lat [B, L, rank + rope], mask None (causal, fresh), [B, 1, t, L], or a causal bias aligned to the last key
+        (torch's causal_lower_right: no mask is built, and flash kernels take it) -> [B, t, h, v]."""
         B, t, h = q.shape[:3]
         L = lat.shape[1]
         kv = kv.view(B, L, h, self.nope + self.vd)
@@ -190,8 +200,10 @@ class MLAttention(nn.Module):
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b accumulated and returned in fp32: cuBLAS writes fp32 from bf16 / fp16 operands on CUDA; elsewhere the
-    operands are widened first."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    """a @ b accumulated and returned in fp32 at least: cuBLAS writes fp32 from bf16 / fp16 operands on CUDA;
+    elsewhere 16-bit operands are widened first; fp32 and fp64 stay as they are."""
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b)
+    if a.is_cuda:
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
