@@ -97,3 +97,37 @@ def test_the_memory_model_prices_one_block_not_the_whole_context():
     # a small pass over a short context: the whole mask (rep x T x L, bool and bf16)
     rep = q235.num_heads // q235.num_kv_heads
     assert memory.context_bytes(q235, 16, 64, 2) == rep * 16 * 64 * 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [None, 4096])
+def test_mla_passes_over_the_cache_attend_aligned_to_the_last_key_as_the_mask_does(device, block, tmp_path,
+                                                                                    monkeypatch):
+    """A prompt's later prefill passes (Engine.prefill: rows end at the last key) attend in MLA's expanded form with a
+    causal bias aligned to the last key (no mask built; flash kernels on CUDA): the logits of the masked form, in one
+    call and in head groups and query blocks (each block's keys cut at its last query)."""
+    from tiny_models import make_checkpoint
+
+    from hybrid.models import mla
+
+    make_checkpoint("deepseek_v3", tmp_path, bf16_values=True)
+    model = load_model(tmp_path, device=device, dtype=torch.float32, progress=False)
+    for layer in model.layers:
+        layer.attn.mode = "expanded"  # every pass over the cache, short ones too
+    if block is not None:
+        monkeypatch.setattr(layers, "ATTENTION_BLOCK_BYTES", block)
+    prompt = [(5 * i + 1) % 200 + 2 for i in range(70)]
+    biases = []
+    real = mla.causal_lower_right
+    monkeypatch.setattr(mla, "causal_lower_right", lambda t, n: biases.append((t, n)) or real(t, n))
+    aligned = _run(model, prompt, chunk=24)
+    assert biases and all(n >= t for t, n in biases)
+    if block is not None:
+        assert any(n < 48 for t, n in biases if t < 24), "no block's keys were cut"
+    monkeypatch.setattr(mla, "TAIL", "not this step's key")  # the masked form
+    del biases[:]
+    masked = _run(model, prompt, chunk=24)
+    assert not biases
+    tol = 1e-5 if device == "cpu" else 2e-4
+    for a, m in zip(aligned, masked):
+        torch.testing.assert_close(a, m, rtol=tol, atol=tol)

@@ -121,6 +121,9 @@ def query_block(T: int, per_query: int) -> int:
     return max(1, min(T, ATTENTION_BLOCK_BYTES // max(1, per_query)))
 
 
+TAIL = "tail"  # a step's masks key: its rows end at the last key without gaps (MoETransformer.forward's tail)
+
+
 def folded_causal_mask(positions: torch.Tensor, L: int, rep: int, window: int | None, masks: dict) -> torch.Tensor:
     """[B, 1, rep*T, L] bool: query t (its `rep` heads folded into the query axis, head-major) sees cache
     positions <= its own (and inside the sliding window). Built once per step and shape, kept in `masks`."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybrid.models.config import ModelConfig
-from hybrid.models.layers import Attention, GatedMLP, RMSNorm, param, sdpa_backends
+from hybrid.models.layers import TAIL, Attention, GatedMLP, RMSNorm, param, sdpa_backends
 from hybrid.models.mla import MLAttention
 from hybrid.models.moe import MoEBlock, StackedExperts
 from hybrid.models.qweight import QWeight, embedding, linear, quantize_rows
@@ -79,16 +79,19 @@ class MoETransformer(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, input_ids, positions, slots, cache, last_only: bool = False,
-                kv_len: int | None = None, fresh: bool = False) -> torch.Tensor:
+                kv_len: int | None = None, fresh: bool = False, tail: bool = False) -> torch.Tensor:
+        """tail: every row's positions run without a gap or padding to kv_len - 1 (one prompt's later prefill
+        pass, Engine.prefill), so a pass over the cache may attend causally aligned to the last key instead of
+        through a mask (MLA's expanded passes: flash kernels take that, not a mask)."""
         B, T = input_ids.shape
         window = self.cfg.smallest_window
         if fresh and window is not None and T > window and not self.cfg.attention_sinks:
             fresh = False  # the fast path has no window; take the masked path (sink attention masks either way)
         h = embedding(input_ids, self.embed, self.dtype)  # [B, T, D]
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
-        masks = {}  # attention masks of this step, built once and shared by the layers
+        masks = {TAIL: True} if tail and not fresh else {}  # this step's attention masks, built once for the layers
         pending = None  # the last layer's MLP output, not yet added to h
-        with sdpa_backends(h, fresh):
+        with sdpa_backends(h, fresh or TAIL in masks):
             for layer in self.layers:
                 h, pending = layer(h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         if pending is not None:

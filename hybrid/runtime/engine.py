@@ -324,7 +324,7 @@ class Engine:
                 ids = torch.tensor([token_ids[a:b]], dtype=torch.long, device=dev)  # [1, T]
                 pos = torch.arange(start + a, start + b, device=dev)[None]  # [1, T]
                 logits = self.model(ids, pos, torch.tensor([slot], device=dev), self.cache, last_only=True,
-                                    kv_len=start + b, fresh=start + a == 0)  # [1, V]
+                                    kv_len=start + b, fresh=start + a == 0, tail=True)  # [1, V]
             self._sync()
         self.lengths[slot] += n
         self._fed = None  # the graphs' fed inputs are not this slot's next token any more
