@@ -26,15 +26,17 @@ from hybrid.models.rope import apply_rotary
 # model was ~20% slower with the memory-efficient kernel: 87 vs 109 tok/s at batch 1 in one session).
 _SDPA_CAUSAL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 _SDPA_MASKED = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # flash takes no mask; cuDNN: see above
+# a prompt's later pass (rows ending at the last key): flash for a causal bias aligned to it, masks as above
+_SDPA_TAIL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_backends(x: torch.Tensor, fresh: bool):
+def sdpa_backends(x: torch.Tensor, fresh: bool, tail: bool = False):
     """The SDPA backend choice for one forward step (entered once per step, not per layer: entering costs
     tens of microseconds of host time). CUDA only: on the CPU torch's own choice (its flash kernel takes
     masks, the memory-efficient one does not exist there)."""
     if not x.is_cuda or torch.cuda.is_current_stream_capturing():  # captured: one plan, built at capture
         return contextlib.nullcontext()
-    return sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_MASKED, set_priority=True)
+    return sdpa_kernel(_SDPA_CAUSAL if fresh else _SDPA_TAIL if tail else _SDPA_MASKED, set_priority=True)
 
 
 def param(*shape: int) -> nn.Parameter:

@@ -91,7 +91,7 @@ class MoETransformer(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)  # [B, T, hd] each
         masks = {TAIL: True} if tail and not fresh else {}  # this step's attention masks, built once for the layers
         pending = None  # the last layer's MLP output, not yet added to h
-        with sdpa_backends(h, fresh or TAIL in masks):
+        with sdpa_backends(h, fresh, TAIL in masks):
             for layer in self.layers:
                 h, pending = layer(h, pending, cos, sin, positions, slots, cache, kv_len, fresh, masks)
         if pending is not None:
