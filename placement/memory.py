@@ -398,7 +398,10 @@ def breakdown(cfg, s: MemorySettings) -> MemoryBreakdown:
     # and the device copy of out [T, D]; decode-sized buffers kept across growth (graphs point at them:
     # at most 2 x GRAPH_MAX_ROWS rows in all), larger ones grown by doubling (at most 2 x rows).
     lane_rows = 2 * rows + 2 * GRAPH_MAX_ROWS
-    graph = (16 * B * width * gb + 2 * B * cfg.num_heads * (s.max_context + 1) * 4 + 2 * B * cfg.vocab_size * 4
+    # per head and key: fp32 scores and probabilities; MLA's absorbed decode (hybrid.models.mla) also holds the
+    # inverted mask and the probabilities rounded to the compute dtype
+    score = 8 if cfg.mla is None else 8 + 1 + gb
+    graph = (16 * B * width * gb + B * cfg.num_heads * (s.max_context + 1) * score + 2 * B * cfg.vocab_size * 4
              + lane_rows * D * gb)
     if any(k != "bf16" for k in s.gpu_dtypes.values()):  # one de-quantized row chunk (or MLA's kv_b) at a time
         kv_b = 0 if cfg.mla is None else cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim) * cfg.mla.kv_lora_rank
