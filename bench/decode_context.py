@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     if need >= gen.max_context:  # before a load that may take a minute
         p.error(f"--contexts up to {max(contexts)} and their steps need --max-context above {need} "
                 f"(it is {gen.max_context})")
-    engine = open_engine(model_args)
+    engine = open_engine(gen)
     device = engine.device.type
     print(f"decode with {'CUDA graphs' if engine.graphs is not None else 'no graphs (eager)'}", flush=True)
     rows = []

@@ -56,11 +56,10 @@ def split_at_dashes(argv) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1:]
 
 
-def open_engine(model_args: list[str]):
-    """The engine of a session loaded as `hybrid generate` loads it from its model arguments (lines to stderr)."""
+def open_engine(gen):
+    """The engine of a session loaded as `hybrid generate` loads it, from its parsed arguments (lines to stderr)."""
     from hybrid.loading.session import open_session
 
-    gen = build_generate_args(model_args)
     return open_session(gen, log=lambda m: print(m, file=sys.stderr)).engine
 
 
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
     if max(lengths) >= gen.max_context:  # before a load that may take a minute
         p.error(f"--tokens up to {max(lengths)} need --max-context above it (it is {gen.max_context})")
     t0 = time.perf_counter()
-    engine = open_engine(model_args)
+    engine = open_engine(gen)
     chunk = engine.config.prefill_chunk
     print(f"loaded in {time.perf_counter() - t0:.1f} s; prefill passes of {chunk} tokens", flush=True)
     runs = []

@@ -544,8 +544,8 @@ void q3k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 // q6_k (hy.h q6k_heads): per 256-value super-block and row the 16 int8 scales, each in both 16-bit halves of its
 // 32-bit lane (madd's operand), as two vectors of 8; each 32-value piece is one 32-byte ql load's low or high nibbles
 // OR'ed with its bit pair of a 32-byte qh load moved to bits 4-5 (16-bit shifts: no bit crossing a byte lands there),
-// q in 0..63; maddubs with the activations (pair sums <= 2 x 63 x 127) less the same with 32s (once per token and
-// piece and super-block, kept for the 4 rows) is the exact pair sum of (q - 32) in int16 (|.| <= 2 x 32 x 127), which
+// q in 0..63; maddubs with the activations (pair sums <= 2 x 63 x 127) less the same with 32s (per token, piece and
+// row: rows go in turn) is the exact pair sum of (q - 32) in int16 (|.| <= 2 x 32 x 127), which
 // madd multiplies by its 16-value group's scale as it widens (lanes 0-3 the piece's first group, 4-7 its second):
 // the super-block's dot stays in int32 (lane totals <= 8 x 2 x 8128 x 128 < 2^31) and is converted and scaled by d
 // once per super-block, row and token (a float conversion and multiply-add per piece before). A row's super-block is

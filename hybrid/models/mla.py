@@ -123,8 +123,7 @@ class MLAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, lat, positions, masks)
         else:
             lat = latent if fresh else cache.read(self.layer, slots, kv_len)[0]
-            mask = folded_causal_mask(positions, lat.shape[1], H, None, masks)  # [B, 1, H*T, L]
-            out = self._absorbed(q_nope, q_rope, lat, mask)
+            out = self._absorbed(q_nope, q_rope, lat, hidden_keys(positions, lat.shape[1], H, masks))
         return self.o_proj(out)
 
     def _expanded(self, q_nope, q_rope, lat, positions, masks: dict):
@@ -177,12 +176,14 @@ class MLAttention(nn.Module):
                                              attn_mask=mask, is_causal=mask is None, scale=self.scale)  # [B, h, t, v]
         return out[..., :self.vd].transpose(1, 2)
 
-    def _absorbed(self, q_nope, q_rope, lat, mask):
-        """Attention in latent space over lat [B, L, rank + rope] with mask [B, 1, H*T, L] (or None): every head is a
-        query of the one shared latent "head" (heads folded into the query axis). -> [B, T, H * v].
+    def _absorbed(self, q_nope, q_rope, lat, hidden):
+        """Attention in latent space over lat [B, L, rank + rope], hidden [B, H*T, L] the keys each query may not
+        see (or None): every head is a query of the one shared latent "head" (heads folded into the query axis).
+        -> [B, T, H * v].
         Two batched matrix products around an fp32 softmax, not SDPA: a 576-wide key and 512-wide value leave
         SDPA only its memory-efficient kernel, whose tiles keep the output in global memory (0.83 ms a layer at 8K
-        keys on an H100, where these products take a 61-layer decode step from 146 to 32 ms). The scores
+        keys on an H100; with these products, kv_b_proj de-quantized in one kernel and the retimed qgemv table a
+        61-layer decode step went from 146 to 32 ms). The scores
         [B, H*T, L] are fp32 (a decode step's are in the graph buffers; a pass of up to ABSORB_MAX_T tokens holds
         less than a long pass's expanded keys), the probabilities rounded once to the input dtype as a flash
         kernel rounds them."""
@@ -191,12 +192,22 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, H, T, rank]
         qg = torch.cat((q_lat, q_rope.transpose(1, 2)), dim=-1).reshape(B, H * T, self.rank + self.rope)
         scores = _bmm_fp32(qg, lat.transpose(1, 2)).mul_(self.scale)  # [B, H*T, L]
-        if mask is not None:
-            scores.masked_fill_(~mask[:, 0], float("-inf"))
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(lat.dtype)
         o = _bmm_fp32(p, lat[..., :self.rank]).to(lat.dtype)  # [B, H*T, rank]
         out = torch.einsum("bhtc,hvc->bthv", o.view(B, H, T, self.rank), w_uv)  # [B, T, H, v]
         return out.reshape(B, T, H * self.vd)
+
+
+def hidden_keys(positions: torch.Tensor, L: int, H: int, masks: dict) -> torch.Tensor:
+    """[B, H*T, L] bool: the cache positions each folded query (head-major) may not see, folded_causal_mask
+    inverted; built once per step and kept in `masks` for the step's other layers."""
+    key = ("hidden", H, L)
+    hidden = masks.get(key)
+    if hidden is None:
+        hidden = masks[key] = ~folded_causal_mask(positions, L, H, None, {})[:, 0]
+    return hidden
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
