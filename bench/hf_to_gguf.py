@@ -219,10 +219,12 @@ def _deepseek_metadata(w, cfg, rope, legacy: bool) -> None:
 
 
 def write_gguf(path, model_type: str, hf, expert_type=Q.F32, tensors=None, split_max_tensors: int = 0,
-               extra=None, legacy_kv_b: bool = False, extra_layers: int = 0, arch=None) -> dict[str, np.ndarray]:
-    """Writes the GGUF of `hf` at `path`; returns the bytes written for expert stacks (by name) when quantized.
+               extra=None, legacy_kv_b: bool = False, extra_layers: int = 0, arch=None,
+               types=None) -> dict[str, np.ndarray]:
+    """Writes the GGUF of `hf` at `path`; returns the bytes written for each quantized tensor (by name).
     tensors: name -> tensor replacements (None drops one); extra(writer): more metadata; arch: another
-    general.architecture."""
+    general.architecture; types: name -> the type of that tensor (gguf-py's quantizer; expert stacks default to
+    expert_type, the rest to F32)."""
     ts = gguf_tensors(model_type, hf, legacy_kv_b)
     ts.update(tensors or {})
     w = gguf.GGUFWriter(str(path), arch or ARCH[model_type], split_max_tensors=split_max_tensors)
@@ -234,10 +236,11 @@ def write_gguf(path, model_type: str, hf, expert_type=Q.F32, tensors=None, split
         if t is None:
             continue
         arr = t.numpy()
-        if expert_type != Q.F32 and "_exps.weight" in name:
-            q = gguf.quants.quantize(arr, expert_type)
+        qtype = (types or {}).get(name, expert_type if "_exps.weight" in name else Q.F32)
+        if qtype != Q.F32:
+            q = gguf.quants.quantize(arr, qtype)
             written[name] = q
-            w.add_tensor(name, q, raw_dtype=expert_type)
+            w.add_tensor(name, q, raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()

@@ -167,9 +167,32 @@ def test_unknown_architecture_is_refused_naming_the_supported(tmp_path, qwen3):
     assert all(a in msg for a in ARCH.values())
 
 
-def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path, qwen3):
-    write_gguf(tmp_path / "x.gguf", "qwen3_moe", qwen3[0], expert_type=Q.Q4_1)
-    _refused(tmp_path / "x.gguf", r"tensor 'blk\.0\.ffn_gate_exps\.weight' .*type Q4_1 is not supported")
+def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path, tmp_path_factory):
+    wide, _ = hf_model("qwen3_moe", tmp_path_factory, hidden_size=256, moe_intermediate_size=256)  # whole TQ2_0 rows
+    write_gguf(tmp_path / "x.gguf", "qwen3_moe", wide, expert_type=Q.TQ2_0)
+    _refused(tmp_path / "x.gguf", r"tensor 'blk\.0\.ffn_gate_exps\.weight' .*type TQ2_0 is not supported")
+
+
+@pytest.mark.parametrize("t", [Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
+def test_fallback_types_load_as_their_dequantized_values(tmp_path, qwen3, t):
+    """The 32-value types llama-quantize falls back to where a row is not whole 256-value blocks (a Q4_K_M file's
+    128-column MLA attn_k_b is Q5_0) load as gguf-py de-quantizes them: a file whose attention matrices are of the
+    type gives transformers' logits on those values (IQ4_NL, which gguf-py cannot quantize, is checked bit for bit
+    above)."""
+    hf = qwen3[0]
+    ours_to_hf = {f"blk.{i}.attn_{g}.weight": f"model.layers.{i}.self_attn.{h}_proj.weight"
+                  for i in range(hf.config.num_hidden_layers)
+                  for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))}
+    written = write_gguf(tmp_path / "x.gguf", "qwen3_moe", hf, types=dict.fromkeys(ours_to_hf, t))
+    assert set(written) == set(ours_to_hf)
+    ref = copy.deepcopy(hf)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, q in written.items():
+            p = params[ours_to_hf[name]]
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(q, t)).reshape(p.shape))
+    assert (ours(tmp_path / "x.gguf") - hf_logits(ref, PROMPT)).abs().max().item() <= 1e-4
+    assert (hf_logits(ref, PROMPT) - hf_logits(hf, PROMPT)).abs().max().item() > 1e-4  # the type really changed them
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -194,9 +217,9 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 
 # -- de-quantizers: bit for bit against gguf-py -----------------------------------------------------------------
 BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S,
-               Q.IQ1_M)
+               Q.IQ1_M, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)
 FP16_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
-           Q.IQ2_XXS: (0,), Q.IQ1_S: (0,)}
+           Q.IQ2_XXS: (0,), Q.IQ1_S: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,)}
 
 
 def valid_blocks(t, n: int, rng) -> np.ndarray:

@@ -58,6 +58,41 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return _f16(b[:, :2]) * q
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes per row -> 32 nibbles (the low nibbles are values 0-15, the high ones 16-31), uint8."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 1, 16) >> _u8([0, 4], qs).reshape(1, 2, 1)) & 0x0F).reshape(n, 32)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """4 bytes per row (a little-endian uint32: bit j is value j's fifth bit) -> 32 bits, uint8."""
+    n = qh.shape[0]
+    return ((qh.reshape(n, 4, 1) >> _u8(range(8), qh).reshape(1, 1, 8)) & 0x01).reshape(n, 32)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    """20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; x = d * q + m."""
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    """22 bytes: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; x = d * (q - 16)."""
+    q = (_nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)).view(torch.int8) - 16
+    return _f16(b[:, :2]) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    """24 bytes: fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of nibbles; x = d * q + m."""
+    q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    """18 bytes: fp16 d, 16 bytes of codebook nibbles; x = d * IQ4_VALUES[q]."""
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=b.device)[_nibbles(b[:, 2:]).long()]
+    return _f16(b[:, :2]) * values.float()
+
+
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     """17 bytes: e8m0 exponent e, 16 bytes of e2m1 nibbles (low: 0-15, high: 16-31); x = value * 2^(e-127)
     (the doubled codebook times half the scale, as ggml_e8m0_to_fp32_half)."""
@@ -191,7 +226,10 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
 
 _BLOCK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.MXFP4: _mxfp4, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k,
           T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs,
-          T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
+          T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
+          # the legacy 32-value types llama-quantize falls back to where a row is not whole 256-value blocks (a
+          # K-type file's MLA attn_k_b of 128 columns: Q4_K -> Q5_0, Q5_K -> Q5_1, Q2_K / Q3_K / IQ4_XS -> IQ4_NL)
+          T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.IQ4_NL: _iq4_nl}
 SUPPORTED = tuple(_FLOAT) + tuple(_BLOCK)
 
 
