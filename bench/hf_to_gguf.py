@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -471,31 +472,42 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
     STREAMED, unquantized); otherwise the transformers model is loaded whole. Both write the same bytes."""
     import transformers
 
-    qt = gguf_type(qtype)
     cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
-    model_type = cfg.model_type
-    if model_type not in ARCH:
-        raise ValueError(f"{model_dir}: model_type {model_type!r} has no GGUF architecture here (supported: "
-                         f"{', '.join(sorted(ARCH))})")
+    _check_family(cfg, model_dir)
     if stream is None:
-        stream = model_type in STREAMED and getattr(cfg, "quantization_config", None) is None
+        stream = cfg.model_type in STREAMED and getattr(cfg, "quantization_config", None) is None
     if stream:
         sd, meta = Checkpoint(model_dir), Checkpoint(model_dir, meta=True)
     else:
         hf = load_hf(model_dir)
         cfg, sd = hf.config, hf.state_dict()
         meta = {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
+    return write_file(out_path, cfg, sd, meta, qtype, model_dir, Path(model_dir).resolve().name)
+
+
+def _check_family(cfg, origin) -> None:
+    if cfg.model_type not in ARCH:
+        raise ValueError(f"{origin}: model_type {cfg.model_type!r} has no GGUF architecture here (supported: "
+                         f"{', '.join(sorted(ARCH))})")
+
+
+def write_file(out_path: str | Path, cfg, sd, meta, qtype: str, tokenizer_dir: str | Path, name: str) -> Path:
+    """Writes the GGUF file `out_path` from `sd` (transformers' names -> tensors, read as the file is written, one
+    tensor or expert stack at a time) whose shapes `meta` gives without computing anything: `qtype`'s weight
+    matrices, the folder `tokenizer_dir`'s tokenizer."""
+    qt = gguf_type(qtype)
+    model_type = cfg.model_type
     sources = gguf_sources(model_type, cfg, sd, as_stored=True)
     shapes = {n: tuple(f().shape) for n, f in gguf_sources(model_type, cfg, meta).items()}  # nothing computed
     E = next(getattr(cfg, a) for a in ("num_experts", "n_routed_experts", "num_local_experts") if hasattr(cfg, a))
     short = [n for n, shape in shapes.items() if "_exps." in n and shape[0] != E]
     if short:
-        raise ValueError(f"{model_dir}: {short[0]} holds {shapes[short[0]][0]} experts, config.json says {E}")
+        raise ValueError(f"{name}: {short[0]} holds {shapes[short[0]][0]} experts, config.json says {E}")
     w = gguf.GGUFWriter(str(out_path), ARCH[model_type])
-    w.add_name(Path(model_dir).resolve().name)
+    w.add_name(name)
     w.add_file_type(FILE_TYPES[qtype])
     add_metadata(w, model_type, cfg)
-    add_tokenizer(w, tokenizer_metadata(model_dir, cfg.vocab_size))
+    add_tokenizer(w, tokenizer_metadata(tokenizer_dir, cfg.vocab_size))
     types = {n: tensor_type(n, shape, qt) for n, shape in shapes.items()}
     for n, shape in shapes.items():
         form = np.dtype(stored_form(types[n]))
@@ -512,6 +524,70 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
         w.write_tensor_data(stored(f(), types[n]))
     w.close()
     return Path(out_path)
+
+
+class RandomWeights(Mapping):
+    """A transformers model's state dict with random weights drawn when a tensor is asked for (norms 1, biases and
+    score biases 0, the rest N(0, std) in bf16, one generator seeded per name, so a tensor asked for twice is the
+    same; the last one kept, as a layer's gate and up are read from one stack in turn): what a GGUF of a
+    preset's shape needs, with no checkpoint on disk first. meta: the model's tensors on the meta device."""
+
+    def __init__(self, meta: dict, std: float = 0.02, seed: int = 0, device: str = "cpu"):
+        self._meta, self._std, self._seed, self._device, self._last = meta, std, seed, device, (None, None)
+
+    def keys(self):
+        return self._meta.keys()
+
+    def __iter__(self):
+        return iter(self._meta)
+
+    def __len__(self):
+        return len(self._meta)
+
+    def __contains__(self, name) -> bool:
+        return name in self._meta
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last[0] == name:
+            return self._last[1]
+        self._last = (None, None)
+        shape = tuple(self._meta[name].shape)
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith("bias"):
+            t = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            t = torch.empty(shape, dtype=torch.bfloat16)
+            g = torch.Generator(device=self._device).manual_seed(self._seed + zlib.crc32(name.encode()))
+            rows = t.view(-1, shape[-1]) if t.dim() > 1 else t.view(1, -1)
+            step = max(1, (1 << 26) // rows.shape[1])  # 64 Mi values (256 MiB of fp32) drawn at a time
+            for a in range(0, rows.shape[0], step):
+                chunk = torch.empty((min(step, rows.shape[0] - a), rows.shape[1]), device=self._device)
+                rows[a:a + len(chunk)] = chunk.normal_(0.0, self._std, generator=g).to(torch.bfloat16).cpu()
+        self._last = (name, t)
+        return t
+
+
+def write_random(raw_config: dict, out_path: str | Path, qtype: str = "bf16", seed: int = 0,
+                 device: str = "cpu") -> Path:
+    """The GGUF file of a config (a preset's config.json, cut as bench.make_checkpoint cuts it) with random weights
+    (RandomWeights) and the generic byte-level BPE tokenizer make_checkpoint writes, streamed: one tensor or expert
+    stack in memory at a time, nothing else on disk. llama.cpp's llama-quantize makes the K-quants from it."""
+    import tempfile
+
+    import transformers
+
+    from bench.make_checkpoint import write_tokenizer
+
+    cfg = transformers.AutoConfig.for_model(**raw_config)
+    _check_family(cfg, "config")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    meta = dict(model.state_dict())
+    with tempfile.TemporaryDirectory() as tok:
+        write_tokenizer(tok, cfg.vocab_size)
+        return write_file(out_path, cfg, RandomWeights(meta, seed=seed, device=device), meta, qtype, tok,
+                          Path(out_path).stem)
 
 
 def main(argv=None) -> int:

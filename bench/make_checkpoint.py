@@ -4,6 +4,7 @@
     python -m bench.make_checkpoint --preset deepseek-v3 --layers 5 --fp8 --device cuda --out /tmp/dsv3-5l
     python -m bench.make_checkpoint --preset gpt-oss-120b --layers 4 --mxfp4 --device cuda --out /tmp/gpt-oss-4l
     python -m bench.make_checkpoint --preset deepseek-v3 --fp8 --experts 8 --top-k 4 --device cuda --out /tmp/dsv3-full
+    python -m bench.make_checkpoint --preset deepseek-v3 --layers 5 --device cuda --gguf bf16 --out /tmp/dsv3-5l.gguf
     python -m bench.make_checkpoint --list
 
 Presets (hybrid/models/presets.py) copy the published config.json of Qwen3-30B-A3B, Qwen3-235B-A22B,
@@ -15,7 +16,10 @@ a generic byte-level BPE tokenizer (hybrid.runtime.demo.build_tokenizer: ~1k tok
 preset's vocabulary) is written in and padded with placeholder tokens `<idN>` up to the preset's vocab_size,
 so `hybrid generate --model OUT` runs and every id the random model generates shows as text (without the
 padding, ids past the ~1k real tokens decoded to nothing: empty output); --tokenizer none skips it. The
-weights are N(0, 0.02): throughput is meaningful, the text is not.
+weights are N(0, 0.02): throughput is meaningful, the text is not. --gguf TYPE writes the same shape as one GGUF
+file instead (bench.hf_to_gguf.write_random: llama.cpp's converter's names and metadata, the tokenizer in it, a
+tensor at a time with no checkpoint first), e.g. a bf16 file for llama.cpp's llama-quantize to make any of its
+types from, for side by sides on one file.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is much faster)")
     p.add_argument("--tokenizer", default="demo", choices=["demo", "none"],
                    help="write a ~1k-token byte-level BPE tokenizer padded to the vocabulary (default) or none")
+    p.add_argument("--gguf", metavar="TYPE", choices=("bf16", "f16", "f32", "q8_0", "q4_0"),
+                   help="write --out as one GGUF file with its weight matrices in TYPE (bf16, f16, f32, q8_0, q4_0)")
     p.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     args = p.parse_args(argv)
     from hybrid.models.families import family_for
@@ -105,6 +111,15 @@ def main(argv=None) -> int:
         raise UsageError(f"--layers: {exc}") from None
     cut_experts(raw, args.experts, args.top_k)
     t0 = time.perf_counter()
+    if args.gguf:
+        if args.fp8 or args.mxfp4 or args.tokenizer == "none":
+            p.error("--gguf writes its own matrix type and tokenizer: no --fp8, --mxfp4 or --tokenizer none")
+        from bench.hf_to_gguf import write_random
+
+        out = write_random(raw, args.out, args.gguf, seed=args.seed, device=args.device)
+        print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.gguf} GGUF, random weights, "
+              f"{out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+        return 0
     out = write_random_checkpoint(args.out, raw, seed=args.seed, dtype=getattr(torch, args.dtype),
                                   device=args.device, progress=True, fp8_block=(128, 128) if args.fp8 else None,
                                   mxfp4=args.mxfp4)

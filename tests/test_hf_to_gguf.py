@@ -137,3 +137,32 @@ def test_other_families_load_the_transformers_model(tmp_path, monkeypatch):
     E = transformers.AutoConfig.from_pretrained(str(path)).num_local_experts
     stacks = [t for t in gguf.GGUFReader(str(out)).tensors if "_exps." in t.name]
     assert stacks and all(int(t.shape[-1]) == E for t in stacks)
+
+
+def test_random_weights_file_is_the_transformers_model_on_those_weights(tmp_path):
+    """write_random (bench.make_checkpoint --gguf) streams a config's random weights into a GGUF file that loads as
+    transformers' model on the same weights, and RandomWeights gives a tensor the same values whenever asked."""
+    import torch
+    import transformers
+
+    from bench.hf_to_gguf import RandomWeights, write_random
+    from hybrid.models.gguf import load_gguf
+    from tiny_models import hf_config, hf_logits, single_logits
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # one mscale, as GGUF says
+    cfg = hf_config("deepseek_v3", vocab_size=1100, rope_parameters=rope)  # the generic tokenizer's ~1k tokens fit
+    path = write_random(cfg.to_dict(), tmp_path / "r.gguf", "f32", seed=7)
+    with torch.device("meta"):
+        meta = dict(transformers.AutoModelForCausalLM.from_config(cfg).state_dict())
+    weights = RandomWeights(meta, seed=7)
+    first = weights["model.embed_tokens.weight"].clone()
+    assert not torch.equal(weights["lm_head.weight"], first[: weights["lm_head.weight"].shape[0]])
+    assert torch.equal(weights["model.embed_tokens.weight"], first)  # drawn again after another: the same
+    assert torch.equal(weights["model.norm.weight"], torch.ones_like(weights["model.norm.weight"]))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.load_state_dict({k: weights[k].float() for k in meta}, strict=True)
+    ids = list(range(3, 40, 3))
+    with torch.no_grad():
+        want = hf_logits(hf, ids)
+    assert (single_logits(load_gguf(path, progress=False), ids) - want).abs().max().item() <= 1e-4
