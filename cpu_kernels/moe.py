@@ -251,15 +251,26 @@ _SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ1S, _IQ1M)
 _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block format of their own, never staged in floats
 
 
+_AS_Q8_0 = {"Q5_0": quant.q8_0_blocks_from_q5_0, "IQ4_NL": quant.q8_0_blocks_from_iq4_nl}
+
+
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype q4_0, or int4 with
     group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]), "IQ1_M" (dtype iq1_m; [E, R, K/256, 56]) or
-    "MXFP4" (dtype mxfp4). Sliceable like
-    [E, R, K] (a fused gate_up's row halves are two views)."""
+    "MXFP4" (dtype mxfp4), or "Q5_0" / "IQ4_NL" (dtype q8_0: their values are Q8_0 blocks' with the same fp16 d, so
+    they are converted to Q8_0's bytes, a copy of 34 bytes a block for 22 / 18, quant.q8_0_blocks_from_q5_0 /
+    _iq4_nl). Sliceable like [E, R, K] (a fused gate_up's row halves are two views)."""
     kind = next((k for k in (_Q40, _Q80, *_SUPER_BLOCKS) if k.TYPE == ggml_type), None)
     if kind is not None:
         return kind(name, raw)
+    if ggml_type in _AS_Q8_0:  # a lossless repack into Q8_0's blocks (a copy: the file's bytes are not Q8_0's)
+        convert = _AS_Q8_0[ggml_type]
+        _check_tensor(f"{name} {ggml_type} blocks", raw, 4, (torch.uint8,), contiguous=False)
+        out = torch.empty((*raw.shape[:-1], quant.Q8_0_BLOCK_BYTES), dtype=torch.uint8)
+        for e in range(raw.shape[0]):  # an expert at a time: the conversion's temporaries stay one expert's
+            out[e] = convert(raw[e])
+        return _Q80(name, out)
     if ggml_type == "MXFP4":
         _check_tensor(f"{name} MXFP4 blocks", raw, 4, (torch.uint8,), contiguous=False)
         if raw.shape[-1] != quant.GGUF_MXFP4_BLOCK_BYTES:
@@ -267,7 +278,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M, MXFP4)")
+                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M, MXFP4; Q5_0 and IQ4_NL as Q8_0)")
 
 
 def _align(v: int, a: int) -> int:

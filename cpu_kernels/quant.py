@@ -339,6 +339,42 @@ def q8_0_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return raw[..., 2:].contiguous().view(torch.int8).reshape(*lead, G * Q8_0_BLOCK), d
 
 
+
+Q5_0_BLOCK_BYTES = 22  # GGUF Q5_0: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles per 32 values
+IQ4_NL_BLOCK_BYTES = 18  # GGUF IQ4_NL: fp16 d, 16 bytes of codebook indices per 32 values
+
+
+def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] uint8: value j < 16 in byte j's low nibble, value j + 16 in its high one (the
+    32-value GGUF blocks' order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q8_0_blocks(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """fp16 d bytes [..., 2] and int8 values [..., 32] -> GGUF Q8_0 blocks uint8 [..., 34]."""
+    return torch.cat([d.contiguous(), q.contiguous().view(torch.uint8)], dim=-1)
+
+
+def q8_0_blocks_from_q5_0(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q5_0 blocks uint8 [..., 22] (any strides) -> the Q8_0 blocks [..., 34] holding the same values: Q5_0's
+    w = d (q - 16), q in 0..31 (nibble j | fifth bit j << 4), is Q8_0's d times the int8 q - 16, exactly (q8_0 holds a
+    Q5_0 tensor without error at 34 bytes a block for 22)."""
+    if raw.dtype != torch.uint8 or raw.shape[-1] != Q5_0_BLOCK_BYTES:
+        raise ValueError(f"Q5_0 blocks must be uint8 [..., {Q5_0_BLOCK_BYTES}], got {raw.dtype} {tuple(raw.shape)}")
+    bits = (raw[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # bit j of the little-endian uint32
+    q = _low_high_nibbles(raw[..., 6:]) | (bits.flatten(-2) << 4)
+    return _q8_0_blocks(raw[..., :2], (q.to(torch.int16) - 16).to(torch.int8))
+
+
+def q8_0_blocks_from_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_NL blocks uint8 [..., 18] (any strides) -> the Q8_0 blocks [..., 34] holding the same values: w =
+    d IQ4_VALUES[i] is Q8_0's d times the int8 IQ4_VALUES[i] (all in -127..113), exactly."""
+    if raw.dtype != torch.uint8 or raw.shape[-1] != IQ4_NL_BLOCK_BYTES:
+        raise ValueError(f"IQ4_NL blocks must be uint8 [..., {IQ4_NL_BLOCK_BYTES}], got {raw.dtype} {tuple(raw.shape)}")
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int8)[_low_high_nibbles(raw[..., 2:]).long()]
+    return _q8_0_blocks(raw[..., :2], values)
+
+
 QK_K = 256  # values per q4_k / GGUF K-quant super-block
 Q4_K_HEAD_BYTES = 16  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums
 Q4_K_BLOCK_BYTES = 144  # GGUF Q4_K: the head, then 128 bytes of nibbles

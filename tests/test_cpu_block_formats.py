@@ -800,7 +800,7 @@ def test_refusals(fmt, isa):
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
     with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ1_S, IQ1_M, MXFP4"):
-        moe_mod.gguf_blocks("w", raws[0], "Q5_0")
+        moe_mod.gguf_blocks("w", raws[0], "Q5_1")
 
 
 @pytest.mark.parametrize("fmt", FMTS)

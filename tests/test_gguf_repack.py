@@ -219,8 +219,10 @@ def test_q4_0_sources_slice_and_refuse():
         CpuMoE.from_q4_0(raw, up[0], down[0], dtype="int4", group_size=64)
     with pytest.raises(ValueError, match="int4"):
         CpuMoE(gate, src[:, 96:], gguf_blocks("d", down[0], "Q4_0"), dtype="int8")
-    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q5_0"):
-        gguf_blocks("x", raw, "Q5_0")
+    with pytest.raises(ValueError, match="no CPU executor format holds GGUF Q5_1"):
+        gguf_blocks("x", raw, "Q5_1")
+    with pytest.raises(ValueError, match=r"Q5_0 blocks must be uint8 \[\.\.\., 22\]"):
+        gguf_blocks("x", raw, "Q5_0")  # Q4_0's 18-byte blocks are not Q5_0's
 
 
 # -- the executor over GGUF MXFP4 blocks ------------------------------------------------------------------------
@@ -475,6 +477,34 @@ def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_
         values = file_values(path, 1)
         for name in ("gate", "up", "down"):
             assert torch.equal(held(moe, name), values[name])
+
+
+@pytest.mark.parametrize("down_kind", [Q.Q5_0, Q.IQ4_NL], ids=lambda t: t.name)
+def test_a_fallback_down_is_held_exactly_in_q8_0(tmp_path, qwen3_256, caplog, down_kind):
+    """The 32-value types llama-quantize falls back to for a down whose rows are not whole 256-value blocks (Q4_K ->
+    Q5_0, IQ4_XS -> IQ4_NL) beside Q4_K gates and ups: their blocks converted to q8_0's, which hold their values
+    exactly (the same fp16 d, an int8 per value), not re-quantized into q4_k; the load's line says so."""
+    path = tmp_path / "fallback.gguf"
+    write_typed(path, "qwen3_moe", qwen3_256, lambda n: down_kind if n == "blk.1.ffn_down_exps.weight" else Q.Q4_K)
+    _, off = hybrid_logits(path, caplog, cpu_dtype="q4_k", cpu_isa=COMPILED[0] if COMPILED else "ref")
+    assert ("layers 0, 2 repacked losslessly (the file's blocks as they are); layers 1 repacked losslessly (the "
+            f"file's blocks as they are; w_down in q8_0, its {down_kind.name} values as q8_0 blocks)") in caplog.text
+    moe = off.layers[1].cpu_moe
+    assert (moe.dtype, moe.down_dtype) == ("q4_k", "q8_0")
+    if COMPILED:
+        values = file_values(path, 1)
+        for name in ("gate", "up", "down"):
+            assert torch.equal(held(moe, name), values[name])
+
+
+@pytest.mark.parametrize("kind, convert", [(Q.Q5_0, quant.q8_0_blocks_from_q5_0),
+                                           (Q.IQ4_NL, quant.q8_0_blocks_from_iq4_nl)], ids=["Q5_0", "IQ4_NL"])
+def test_fallback_blocks_convert_to_q8_0_blocks_of_the_same_values(kind, convert):
+    raw = valid_blocks(kind, 40, np.random.default_rng(int(kind)))
+    q8 = convert(torch.from_numpy(raw.copy()))
+    assert q8.shape == (40, quant.Q8_0_BLOCK_BYTES)
+    want = gguf.quants.dequantize(raw, kind)
+    assert np.array_equal(gguf.quants.dequantize(q8.numpy(), Q.Q8_0), want) and np.abs(want).sum() > 0
 
 
 def test_a_down_of_a_type_no_down_format_holds_is_re_quantized_into_the_layers(tmp_path, qwen3_256, caplog):

@@ -32,8 +32,11 @@ LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q
             "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
             "MXFP4": ("mxfp4", 32)}
 # GGUF type -> the other formats that hold its blocks exactly too: Q4_0's nibbles and fp16 scales are int4's in groups of
-# 32 (at 5 bits a weight, its scales in fp32)
-ALSO_EXACT = {"Q4_0": (("int4", 32),)}
+# 32 (at 5 bits a weight, its scales in fp32); the 32-value types llama-quantize falls back to where a row is not whole
+# 256-value blocks (a Q4_K_M file's downs of 1408 columns, Qwen1.5-MoE's, DeepSeek-V2-Lite's, GLM-4.5-Air's), Q5_0 and
+# IQ4_NL, are q8_0's blocks with the same fp16 d (at 8.5 bits a weight for 5.5 / 4.5: exact, not the file's size)
+ALSO_EXACT = {"Q4_0": (("int4", 32),), "Q5_0": (("q8_0", 32),), "IQ4_NL": (("q8_0", 32),)}
+_CONVERTED = ("Q5_0", "IQ4_NL")  # types whose blocks are converted into their format's bytes (cpu_kernels.moe.gguf_blocks)
 # GGUF type -> the CPU executor's format a file of it defaults to: every block type's exact one (Q8_0's, Q6_K's, Q5_K's,
 # Q4_0's, Q4_K's, IQ4_XS's, Q3_K's, Q2_K's, IQ2_XXS's, IQ1_M's and IQ1_S's are the file's 8.5, 6.56, 5.5, 4.5, 4.5,
 # 4.25, 3.44, 2.63, 2.06, 1.75 and 1.56 bits), so
@@ -74,11 +77,12 @@ class LayerChoice(NamedTuple):
     why: str | None
     down: tuple[str, int] | None = None
     fmt: tuple[str, int] | None = None
+    converted: str | None = None  # the down's GGUF type where its blocks are converted to its format's (ALSO_EXACT)
 
 
 def why_not(kind: str) -> str:
     """Why a GGUF type's blocks are not held by the load's format (a short clause)."""
-    if kind in LOSSLESS:
+    if exact_formats(kind):
         return f"{kind} blocks are held exactly by --cpu-dtype {' or '.join(map(format_name, exact_formats(kind)))} only"
     return f"no CPU format holds {kind} as stored"
 
@@ -92,7 +96,7 @@ def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
 
     if fmt[0] == "bf16" or fmt in exact_formats(kind):
         return fmt
-    exact = LOSSLESS.get(kind)
+    exact = next(iter(exact_formats(kind)), None)
     return exact if exact is not None and exact[0] in DOWN_DTYPES else fmt
 
 
@@ -115,7 +119,9 @@ def choose_layer(types: dict[str, str], fmt: tuple[str, int], own: bool = False)
     kept = tuple(w for w, t in types.items() if held[w] in exact_formats(t))
     redone = {w: t for w, t in types.items() if w not in kept}
     why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
-    return LayerChoice(kept, redone, why, down if down != lf else None, lf if lf != fmt else None)
+    kind = types.get("w_down")
+    converted = kind if "w_down" in kept and kind in _CONVERTED and down != lf else None
+    return LayerChoice(kept, redone, why, down if down != lf else None, lf if lf != fmt else None, converted)
 
 
 def choose(ckpt: GgufCheckpoint, experts: dict[int, list[ExpertTensor]], fmt: tuple[str, int],
@@ -143,7 +149,8 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
     groups: dict[tuple, list[int]] = {}
     for i, c in choice.items():
         own = ("" if c.fmt is None else f"; in {format_name(c.fmt)}") + \
-            ("" if c.down is None else f"; w_down in {format_name(c.down)}")
+            ("" if c.down is None else f"; w_down in {format_name(c.down)}") + \
+            ("" if c.converted is None else f", its {c.converted} values as {format_name(c.down)} blocks")
         key = ("all", own) if c.why is None else ("none", c.why, own) if not c.kept else (
             "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why, own)
         groups.setdefault(key, []).append(i)
@@ -163,7 +170,7 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
 # no d field: _block_scales rebuilds it from its scales words)
 _SCALE_BYTES = {"Q4_0": slice(0, 2), "Q8_0": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
                 "Q6_K": slice(208, 210), "Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2),
-                "IQ2_XXS": slice(0, 2), "IQ1_S": slice(0, 2)}
+                "IQ2_XXS": slice(0, 2), "IQ1_S": slice(0, 2), "Q5_0": slice(0, 2), "IQ4_NL": slice(0, 2)}
 
 
 def _block_scales(kind: str, raw: torch.Tensor) -> torch.Tensor:
