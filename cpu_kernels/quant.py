@@ -361,7 +361,7 @@ def q8_0_blocks_from_q5_0(raw: torch.Tensor) -> torch.Tensor:
     Q5_0 tensor without error at 34 bytes a block for 22)."""
     if raw.dtype != torch.uint8 or raw.shape[-1] != Q5_0_BLOCK_BYTES:
         raise ValueError(f"Q5_0 blocks must be uint8 [..., {Q5_0_BLOCK_BYTES}], got {raw.dtype} {tuple(raw.shape)}")
-    bits = (raw[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # bit j of the little-endian uint32
+    bits = (raw[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8, device=raw.device)) & 1  # bit j of the little-endian uint32
     q = _low_high_nibbles(raw[..., 6:]) | (bits.flatten(-2) << 4)
     return _q8_0_blocks(raw[..., :2], (q.to(torch.int16) - 16).to(torch.int8))
 
@@ -371,7 +371,7 @@ def q8_0_blocks_from_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
     d IQ4_VALUES[i] is Q8_0's d times the int8 IQ4_VALUES[i] (all in -127..113), exactly."""
     if raw.dtype != torch.uint8 or raw.shape[-1] != IQ4_NL_BLOCK_BYTES:
         raise ValueError(f"IQ4_NL blocks must be uint8 [..., {IQ4_NL_BLOCK_BYTES}], got {raw.dtype} {tuple(raw.shape)}")
-    values = torch.tensor(IQ4_VALUES, dtype=torch.int8)[_low_high_nibbles(raw[..., 2:]).long()]
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=raw.device)[_low_high_nibbles(raw[..., 2:]).long()]
     return _q8_0_blocks(raw[..., :2], values)
 
 
