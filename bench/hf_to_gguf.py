@@ -464,7 +464,8 @@ def stored(t: torch.Tensor, qtype: Q) -> np.ndarray:
     return arr if qtype == Q.F32 else gguf.quants.quantize(arr, qtype)
 
 
-def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", stream: bool | None = None) -> Path:
+def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", stream: bool | None = None,
+            progress: bool = False) -> Path:
     """Writes the checkpoint folder `model_dir` as the GGUF file `out_path` with its weight matrices in `qtype`
     (TYPES; see tensor_type for what stays F32) and its tokenizer; returns out_path.
     stream: read the safetensors one tensor (or one layer's expert stack) at a time and write as it goes, so that
@@ -482,7 +483,7 @@ def convert(model_dir: str | Path, out_path: str | Path, qtype: str = "f32", str
         hf = load_hf(model_dir)
         cfg, sd = hf.config, hf.state_dict()
         meta = {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
-    return write_file(out_path, cfg, sd, meta, qtype, model_dir, Path(model_dir).resolve().name)
+    return write_file(out_path, cfg, sd, meta, qtype, model_dir, Path(model_dir).resolve().name, progress)
 
 
 def _check_family(cfg, origin) -> None:
@@ -491,10 +492,13 @@ def _check_family(cfg, origin) -> None:
                          f"{', '.join(sorted(ARCH))})")
 
 
-def write_file(out_path: str | Path, cfg, sd, meta, qtype: str, tokenizer_dir: str | Path, name: str) -> Path:
+def write_file(out_path: str | Path, cfg, sd, meta, qtype: str, tokenizer_dir: str | Path, name: str,
+               progress: bool = False) -> Path:
     """Writes the GGUF file `out_path` from `sd` (transformers' names -> tensors, read as the file is written, one
     tensor or expert stack at a time) whose shapes `meta` gives without computing anything: `qtype`'s weight
-    matrices, the folder `tokenizer_dir`'s tokenizer."""
+    matrices, the folder `tokenizer_dir`'s tokenizer; `progress`: a bar over the bytes written."""
+    from tqdm import tqdm
+
     qt = gguf_type(qtype)
     model_type = cfg.model_type
     sources = gguf_sources(model_type, cfg, sd, as_stored=True)
@@ -520,8 +524,12 @@ def write_file(out_path: str | Path, cfg, sd, meta, qtype: str, tokenizer_dir: s
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for n, f in sources.items():
-        w.write_tensor_data(stored(f(), types[n]))
+    with tqdm(total=sum(ti.nbytes for ti in w.tensors[0].values()), desc=f"writing {Path(out_path).name}", unit="B",
+              unit_scale=True, disable=not progress) as bar:
+        for n, f in sources.items():
+            arr = stored(f(), types[n])
+            w.write_tensor_data(arr)
+            bar.update(arr.nbytes)
     w.close()
     return Path(out_path)
 
@@ -569,7 +577,7 @@ class RandomWeights(Mapping):
 
 
 def write_random(raw_config: dict, out_path: str | Path, qtype: str = "bf16", seed: int = 0,
-                 device: str = "cpu") -> Path:
+                 device: str = "cpu", progress: bool = False) -> Path:
     """The GGUF file of a config (a preset's config.json, cut as bench.make_checkpoint cuts it) with random weights
     (RandomWeights) and the generic byte-level BPE tokenizer make_checkpoint writes, streamed: one tensor or expert
     stack in memory at a time, nothing else on disk. llama.cpp's llama-quantize makes the K-quants from it."""
@@ -587,7 +595,7 @@ def write_random(raw_config: dict, out_path: str | Path, qtype: str = "bf16", se
     with tempfile.TemporaryDirectory() as tok:
         write_tokenizer(tok, cfg.vocab_size)
         return write_file(out_path, cfg, RandomWeights(meta, seed=seed, device=device), meta, qtype, tok,
-                          Path(out_path).stem)
+                          Path(out_path).stem, progress)
 
 
 def main(argv=None) -> int:
@@ -598,7 +606,7 @@ def main(argv=None) -> int:
     p.add_argument("--whole", action="store_true", help="load the transformers model whole instead of streaming "
                    "the safetensors (the same bytes; streaming holds one layer's expert stack at a time)")
     a = p.parse_args(argv)
-    path = convert(a.model, a.out, a.type, stream=False if a.whole else None)
+    path = convert(a.model, a.out, a.type, stream=False if a.whole else None, progress=True)
     print(f"{path}: {a.type}, {path.stat().st_size / 2**20:.1f} MiB")
     return 0
 
