@@ -110,6 +110,23 @@ def check_budgets(cfg, settings: PlanSettings) -> MemoryBreakdown:
     return mem
 
 
+FITTED_CPU_DTYPES = ("bf16", "int8", "int4")  # the order a plan tries when the user names no CPU dtype
+
+
+def fit_cpu_dtype(cfg, settings: PlanSettings) -> tuple[str, str | None]:
+    """(dtype, why): the most precise of FITTED_CPU_DTYPES whose DRAM part (every expert packed, pinned buffers) fits
+    settings.cpu_budget, and a line saying why it is not the first (None when it is, or when none fits: the first
+    then, and check_budgets says why)."""
+    totals = {d: breakdown(cfg, replace(settings.memory, cpu_dtype=d)).cpu_total for d in FITTED_CPU_DTYPES}
+    fits = [d for d, total in totals.items() if total <= settings.cpu_budget]
+    if not fits or fits[0] == FITTED_CPU_DTYPES[0]:
+        return FITTED_CPU_DTYPES[0], None
+    tried = ", ".join(f"{d} {gib(totals[d])}" for d in FITTED_CPU_DTYPES[:FITTED_CPU_DTYPES.index(fits[0])])
+    return fits[0], (f"CPU dtype {fits[0]} ({gib(totals[fits[0]])} of DRAM): the most precise of "
+                     f"{', '.join(FITTED_CPU_DTYPES)} whose experts fit --cpu-budget {gib(settings.cpu_budget)} ({tried} "
+                     f"do not); --cpu-dtype chooses another, and `hybrid generate --plan` loads the plan's")
+
+
 def choose_resident(savings: np.ndarray, expert_bytes: int, budget_bytes: int) -> np.ndarray:
     """bool [L, E]: the experts with the largest saving per byte that fit in `budget_bytes`, for savings
     that add up (each expert's alone, as decode_savings gives them). The planner does not use it: a

@@ -229,15 +229,19 @@ def test_glm45_preset_parses_to_the_published_size():
 
 def test_plan_and_cost_for_the_glm45_preset(capsys):
     """`hybrid plan --preset glm-4.5` (only the config) and `hybrid cost layer --shape glm-4.5`. At bf16 the
-    experts (336B parameters, 626 GiB) do not fit a 512 GiB DRAM budget: refused in one line naming int8."""
+    experts (336B parameters, 626 GiB) do not fit a 512 GiB DRAM budget: named, refused in one line naming int8;
+    unnamed, the plan takes int8 and says so."""
     from hybrid.cli import main
 
     argv = ["plan", "--profile", "ktransformers-paper-amx", "--preset", "glm-4.5", "--gpu-budget", "80GiB",
             "--cpu-budget", "512GiB"]
-    assert main(argv) == 2
+    assert main([*argv, "--cpu-dtype", "bf16"]) == 2
     assert "--cpu-dtype int8" in capsys.readouterr().err
-    assert main([*argv, "--cpu-dtype", "int8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "note: CPU dtype int8" in captured.err
+    out = json.loads(captured.out)
+    assert out["settings"]["cpu_dtype"] == "int8"
     assert out["model"]["num_experts"] == 160 and len(out["layers"]) == 89
     assert out["memory"]["gpu"]["per_resident_expert"] == 3 * 5120 * 1536 * 2
     assert 0 < out["gpu_bytes"] <= out["gpu_budget_bytes"]

@@ -195,3 +195,23 @@ def test_serve_and_chat_accept_a_plan(ckpt, tmp_path, capsys):
     assert [sorted(x.resident_ids.tolist()) for x in layers] == [sorted(p.resident_of(x.layer)) if cuda else []
                                                                   for x in layers]
     assert build_parser().parse_args(["chat", "--plan", str(plan_file)]).plan == str(plan_file)
+
+
+def test_default_cpu_dtype_is_the_most_precise_that_fits_the_dram_budget(ckpt, capsys):
+    """No --cpu-dtype: bf16 where every expert fits --cpu-budget, else int8, else int4 (said on stderr, kept in the
+    plan for `generate --plan`); a named dtype that does not fit is refused as before."""
+    base = ["--model", str(ckpt), "--gpu-budget", "16MiB", "--max-context", "64"]
+    need = {d: plan_json(capsys, *base, "--cpu-budget", "64GiB", "--cpu-dtype", d)["cpu_bytes"]
+            for d in ("bf16", "int8", "int4")}
+    assert need["bf16"] > need["int8"] > need["int4"]
+    for budget, want in ((need["bf16"], "bf16"), (need["bf16"] - 1, "int8"), (need["int8"] - 1, "int4")):
+        assert main(["plan", "--profile", PROFILE, "--reserve", "0", "--json", *base, "--cpu-budget", str(budget)]) == 0
+        captured = capsys.readouterr()
+        out, err = json.loads(captured.out), captured.err
+        assert out["settings"]["cpu_dtype"] == want and out["cpu_bytes"] == need[want]
+        assert (f"note: CPU dtype {want}" in err) == (want != "bf16")
+    assert main(["plan", "--profile", PROFILE, "--reserve", "0", *base, "--cpu-budget", str(need["bf16"] - 1),
+                 "--cpu-dtype", "bf16"]) == 2
+    assert "DRAM needs" in capsys.readouterr().err
+    assert main(["plan", "--profile", PROFILE, "--reserve", "0", *base, "--cpu-budget", str(need["int4"] - 1)]) == 2
+    assert "packed as bf16" in capsys.readouterr().err  # none fits: the default's error

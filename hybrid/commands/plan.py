@@ -42,7 +42,9 @@ def register(subparsers) -> None:
     add_max_context_argument(p)
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (default %(default)s)")
     p.add_argument("--cpu-dtype", default=None, choices=CPU_DTYPE_NAMES,
-                   help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16, or mxfp4 for "
+                   help="dtype of the experts in DRAM (default: what `hybrid generate` loads, bf16 where every expert "
+                   "fits --cpu-budget so (else the most precise of int8 and int4 that fits, said on stderr; `hybrid "
+                   "generate --plan` then loads that), or mxfp4 for "
                    "checkpoints published in MXFP4 such as gpt-oss, or for a GGUF file the format nearest its expert "
                    "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight, q8_0 1.0625, q4_0 0.5625, q4_k 0.5625, q5_k 0.6875, q6_k 0.8203, q2_k 0.3281, q3_k 0.4297, iq4_xs 0.5312, iq2_xxs 0.2578, iq1_s 0.1953, iq1_m 0.2188)")
     p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
@@ -145,6 +147,13 @@ def build_plan(args):
                           else mem.group)
         else:
             mem = replace(mem, cpu_dtype=default_cpu_dtype(raw))
+            if mem.cpu_dtype == "bf16":  # bf16 where it fits the DRAM budget, else the most precise dtype that does
+                from placement.planner import fit_cpu_dtype
+
+                fitted, why = fit_cpu_dtype(cfg, replace(settings, memory=mem))
+                if why is not None:
+                    print(f"note: {why}", file=sys.stderr)
+                    mem = replace(mem, cpu_dtype=fitted)
         settings = replace(settings, memory=mem)
     if not args.preset:  # a GGUF file's layers whose down (or gate and up) the load puts in a dtype of their own
         from hybrid.loading.check import gguf_expert_dtypes
