@@ -120,7 +120,7 @@ def choose_layer(types: dict[str, str], fmt: tuple[str, int], own: bool = False)
     redone = {w: t for w, t in types.items() if w not in kept}
     why = "; ".join(why_not(t) for t in sorted(set(redone.values()))) or None
     kind = types.get("w_down")
-    converted = kind if "w_down" in kept and kind in _CONVERTED and down != lf else None
+    converted = kind if "w_down" in kept and kind in _CONVERTED else None
     return LayerChoice(kept, redone, why, down if down != lf else None, lf if lf != fmt else None, converted)
 
 
@@ -150,7 +150,8 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
     for i, c in choice.items():
         own = ("" if c.fmt is None else f"; in {format_name(c.fmt)}") + \
             ("" if c.down is None else f"; w_down in {format_name(c.down)}") + \
-            ("" if c.converted is None else f", its {c.converted} values as {format_name(c.down)} blocks")
+            ("" if c.converted is None else f"{', its' if c.down else '; w_down'} {c.converted} values as "
+             f"{format_name(ALSO_EXACT[c.converted][0])} blocks")
         key = ("all", own) if c.why is None else ("none", c.why, own) if not c.kept else (
             "some", c.kept, tuple(f"{w} {t}" for w, t in c.redone.items()), c.why, own)
         groups.setdefault(key, []).append(i)
