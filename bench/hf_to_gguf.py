@@ -576,16 +576,15 @@ class RandomWeights(Mapping):
         return t
 
 
-def write_random(raw_config: dict, out_path: str | Path, qtype: str = "bf16", seed: int = 0,
-                 device: str = "cpu", progress: bool = False) -> Path:
+def write_random(raw_config: dict, out_path: str | Path, write_tokenizer: Callable[[str, int], object],
+                 qtype: str = "bf16", seed: int = 0, device: str = "cpu", progress: bool = False) -> Path:
     """The GGUF file of a config (a preset's config.json, cut as bench.make_checkpoint cuts it) with random weights
-    (RandomWeights) and the generic byte-level BPE tokenizer make_checkpoint writes, streamed: one tensor or expert
-    stack in memory at a time, nothing else on disk. llama.cpp's llama-quantize makes the K-quants from it."""
+    (RandomWeights) and the tokenizer write_tokenizer(folder, vocab_size) writes (make_checkpoint's generic byte-level
+    BPE), streamed: one tensor or expert stack in memory at a time, nothing else on disk. llama.cpp's llama-quantize
+    makes the K-quants from it."""
     import tempfile
 
     import transformers
-
-    from bench.make_checkpoint import write_tokenizer
 
     cfg = transformers.AutoConfig.for_model(**raw_config)
     _check_family(cfg, "config")

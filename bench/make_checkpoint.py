@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             p.error("--gguf writes its own matrix type and tokenizer: no --fp8, --mxfp4 or --tokenizer none")
         from bench.hf_to_gguf import write_random
 
-        out = write_random(raw, args.out, args.gguf, seed=args.seed, device=args.device, progress=True)
+        out = write_random(raw, args.out, write_tokenizer, args.gguf, seed=args.seed, device=args.device, progress=True)
         print(f"wrote {out} ({raw['num_hidden_layers']} layers of {args.preset}, {args.gguf} GGUF, random weights, "
               f"{out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
         return 0

@@ -146,13 +146,14 @@ def test_random_weights_file_is_the_transformers_model_on_those_weights(tmp_path
     import transformers
 
     from bench.hf_to_gguf import RandomWeights, write_random
+    from bench.make_checkpoint import write_tokenizer
     from hybrid.models.gguf import load_gguf
     from tiny_models import hf_config, hf_logits, single_logits
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # one mscale, as GGUF says
     cfg = hf_config("deepseek_v3", vocab_size=1100, rope_parameters=rope)  # the generic tokenizer's ~1k tokens fit
-    path = write_random(cfg.to_dict(), tmp_path / "r.gguf", "f32", seed=7)
+    path = write_random(cfg.to_dict(), tmp_path / "r.gguf", write_tokenizer, "f32", seed=7)
     with torch.device("meta"):
         meta = dict(transformers.AutoModelForCausalLM.from_config(cfg).state_dict())
     weights = RandomWeights(meta, seed=7)
