@@ -76,9 +76,11 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    """22 bytes: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; x = d * (q - 16)."""
-    q = (_nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)).view(torch.int8) - 16
-    return _f16(b[:, :2]) * q.float()
+    """22 bytes: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; x = d * (q - 16): Q8_0's values of the blocks
+    the CPU executor converts it to (cpu_kernels.quant.q8_0_blocks_from_q5_0)."""
+    from cpu_kernels import quant
+
+    return _q8_0(quant.q8_0_blocks_from_q5_0(b))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
@@ -88,9 +90,11 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    """18 bytes: fp16 d, 16 bytes of codebook nibbles; x = d * IQ4_VALUES[q]."""
-    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=b.device)[_nibbles(b[:, 2:]).long()]
-    return _f16(b[:, :2]) * values.float()
+    """18 bytes: fp16 d, 16 bytes of codebook nibbles; x = d * IQ4_VALUES[q]: Q8_0's values of the blocks the CPU
+    executor converts it to (cpu_kernels.quant.q8_0_blocks_from_iq4_nl)."""
+    from cpu_kernels import quant
+
+    return _q8_0(quant.q8_0_blocks_from_iq4_nl(b))
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
