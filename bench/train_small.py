@@ -12,9 +12,9 @@ groups, a dense first layer, routed_scaling_factor), with a byte-level BPE token
 `tokenizers` library. Training: AdamW, linear warmup then cosine decay, gradient clipping, bf16 autocast and TF32
 on CUDA (fp32 master weights); Qwen3-MoE adds transformers' load-balancing loss, DeepSeek-V3 balances its experts
 the way DeepSeek-V3 does, without a loss: each step moves every router's e_score_correction_bias towards the
-experts that got fewer tokens. --size small trains for a time budget (--budget-s, measured on the first steps)
-and keeps the weights of the step with the best loss on a validation slice cut from the end of the training
-text; held-out documents are only read for the final report.
+experts that got fewer tokens. --size small (and wide, Qwen3-30B-A3B's widths in 4 layers) trains for a time
+budget (--budget-s, measured on the first steps) and keeps the weights of the step with the best loss on a
+validation slice cut from the end of the training text; held-out documents are only read for the final report.
 
 The report (stdout and OUT/training.json) gives the held-out perplexity and the unigram baseline's (a unigram
 model of the training tokens with add-one smoothing, on the same held-out tokens). OUT holds config.json,
@@ -93,6 +93,16 @@ SIZES = {
                   qwen3=dict(num_key_value_heads=4, head_dim=64),
                   deepseek=dict(n_group=8, topk_group=4, intermediate_size=1024, q_lora_rank=256, kv_lora_rank=128,
                                 qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)),
+    # Qwen3-30B-A3B's MoE and attention widths (hidden 2048, 128 experts of 768 top-8, 32 query / 4 KV heads of
+    # 128) in 4 layers: experts of the real size, so that decode on it reads DRAM as the full model's does (4.5 GiB
+    # of bf16 experts, far past a last-level cache), with routing that was learned (bench.resident_trained).
+    # ~40 GiB of GPU memory with AdamW's state; one H100 for a budget of 100 s of steps.
+    "wide": Size(vocab=8192, hidden=2048, layers=4, heads=32, experts=128, top_k=8, expert_ffn=768, seq_len=512,
+                 batch=16, lr=6e-4, warmup=50, steps=None, max_steps=6000, max_epochs=8, budget_s=100.0,
+                 val_tokens=32768, eval_every=250,
+                 qwen3=dict(num_key_value_heads=4, head_dim=128),
+                 deepseek=dict(n_group=8, topk_group=4, intermediate_size=6144, q_lora_rank=768, kv_lora_rank=512,
+                               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)),
 }
 
 
@@ -528,7 +538,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     p.add_argument("--size", choices=sorted(SIZES), help="default: small on CUDA, tiny on the CPU")
     p.add_argument("--steps", type=int, help="training steps (default: the size's, or small's time budget)")
-    p.add_argument("--budget-s", type=float, help="seconds of training steps when --steps is not given (small)")
+    p.add_argument("--budget-s", type=float, help="seconds of training steps when --steps is not given (small, wide)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if there is one)")
     p.add_argument("--corpus", type=Path, help="corpus folder from bench.corpus (default $HYBRID_CACHE/corpus, "
                    "built on first use)")

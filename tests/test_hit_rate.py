@@ -120,3 +120,30 @@ def test_bad_budgets_and_a_foreign_corpus_are_one_line_errors(trained, tmp_path)
     (other / "manifest.json").write_text('{"source": "stdlib", "heldout": ["argparse"]}')
     with pytest.raises(UsageError, match="not the ones"):
         check_heldout(trained, other)
+
+
+def test_resident_trained_runs_both_models_and_plans_the_share(trained, corpus, tmp_path):
+    """bench.resident_trained without llama-bench: ours at every-expert-in-DRAM and at the planned quarter, on the
+    trained model and on its random-weight copy (same config and tokenizer, other weights)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from bench import resident_trained
+
+    copy = resident_trained.write_random_copy(trained, tmp_path / "random", seed=1)
+    assert json.loads((copy / "config.json").read_text())["moe_intermediate_size"] == TINY.expert_ffn
+    assert (copy / "tokenizer.json").read_bytes() == (Path(trained) / "tokenizer.json").read_bytes()
+    ours, theirs = load_file(next(copy.glob("*.safetensors"))), load_file(f"{trained}/model.safetensors")
+    assert ours.keys() == theirs.keys()
+    name = next(k for k in ours if ".experts." in k)
+    assert not ours[name].equal(theirs[name])  # drawn, not copied
+    out = tmp_path / "rows.json"
+    assert resident_trained.main(["--model", trained, "--corpus", str(corpus), "--prompts", "2", "--prompt-tokens",
+                                  "32", "--decode-tokens", "4", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["label"] == "trained" and "llama" not in row and row["plan"]["residents_asked"] == 8
+    for key in ("none", "share"):
+        assert row["ours"][key]["tok_s"] > 0 and len(row["ours"][key]["per_prompt"]) == 2
+    assert row["ours"]["none"]["flags"] == ["--gpu-experts", "0"] and row["ours"]["share"]["flags"][0] == "--plan"
