@@ -14,6 +14,10 @@ routing is what decode would compute for it, since routing depends only on its o
                     measure of Mixtral's routing analysis, Jiang et al. 2024, arXiv 2401.04088, Table 5)
     within8         share of a token's experts used by any of the 8 tokens before (uniform: 1 - (1 - K/E)^8)
     reuse_median    median positions since an expert was last used, over reused (token, expert) pairs
+    early_guess     share of a token's K experts that the layer's router picks from the layer's input, before its
+                    attention (the MLP norm of the residual stream as the layer receives it, routed as the layer
+                    routes; uniform: K/E): how much of a step's expert reads could be known, and started, while the
+                    GPU computes the layer's attention
 """
 
 from __future__ import annotations
@@ -30,39 +34,59 @@ from hybrid.errors import UsageError
 
 
 @contextlib.contextmanager
-def expert_choices(model):
+def expert_choices(model, early: dict | None = None):
     """Within the block, every MoE layer's expert choices are recorded: yields {model layer index: [[T, K] int
     tensors on the CPU], one per forward}. Every routing path (the fused router GEMV's at decode sizes too) hands
-    its choice to the layer's _experts_out, which is what is wrapped."""
+    its choice to the layer's _experts_out, which is what is wrapped. With `early` (a dict), the layer's early guess
+    is recorded into it the same way: its router applied to the MLP norm of the residual stream the layer received,
+    taken where the layer adds attention's output to that stream (its MLP norm's add_norm)."""
     seen: dict[int, list] = {}
-    moes = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
-    for i, moe in moes:
-        def recording(x, chosen, weights, into, _out=moe._experts_out, _i=i):
+    moes = [(i, layer) for i, layer in enumerate(model.layers) if layer.moe is not None]
+    for i, layer in moes:
+        def recording(x, chosen, weights, into, _out=layer.moe._experts_out, _i=i):
             seen.setdefault(_i, []).append(chosen.detach().cpu())
             return _out(x, chosen, weights, into)
-        moe._experts_out = recording
+
+        def guessing(h, delta, _add_norm=layer.mlp_norm.add_norm, _layer=layer, _i=i):
+            guess, _ = _layer.moe.route(_layer.mlp_norm(h).reshape(-1, h.shape[-1]))
+            early.setdefault(_i, []).append(guess.detach().cpu())
+            return _add_norm(h, delta)
+        layer.moe._experts_out = recording
+        if early is not None:
+            layer.mlp_norm.add_norm = guessing
     try:
         yield seen
     finally:
-        for _, moe in moes:
-            del moe._experts_out  # the instance attribute goes; the class's method is back
+        for _, layer in moes:
+            del layer.moe._experts_out  # the instance attributes go; the classes' methods are back
+            if early is not None:
+                del layer.mlp_norm.add_norm
 
 
-def record_routing(model, ids: list[int], window: int) -> list[np.ndarray]:
-    """[L][T, K] int expert ids each MoE layer chose for each token, in text order."""
+def record_routing(model, ids: list[int], window: int, early: dict | None = None) -> list[np.ndarray]:
+    """[L][T, K] int expert ids each MoE layer chose for each token, in text order; with `early` (a dict), its
+    entry "chosen" gets the same for the layers' early guesses (expert_choices)."""
     from hybrid.runtime.kv_cache import StaticKVCache
 
     cache = StaticKVCache.for_model(model, 1, window + 1)
-    with expert_choices(model) as seen, torch.no_grad():
+    guesses = {} if early is not None else None
+    with expert_choices(model, guesses) as seen, torch.no_grad():
         for start in range(0, len(ids), window):
             chunk = ids[start:start + window]
             x = torch.tensor([chunk], device=model.device)
             model(x, torch.arange(len(chunk), device=model.device)[None], torch.tensor([0], device=model.device),
                   cache)
+    if early is not None:
+        early["chosen"] = [torch.cat(guesses[i]).numpy() for i in sorted(guesses)]
     return [torch.cat(seen[i]).numpy() for i in sorted(seen)]
 
 
-def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:
+def set_overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over rows of |a_t & b_t| / K for [T, K] id arrays."""
+    return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / a.shape[1] for x, y in zip(a, b)]))
+
+
+def layer_figures(chosen: np.ndarray, num_experts: int, early: np.ndarray | None = None) -> dict:
     T, K = chosen.shape
     load = np.bincount(chosen.ravel(), minlength=num_experts).astype(np.float64)
     share = load / load.sum()
@@ -82,13 +106,15 @@ def layer_figures(chosen: np.ndarray, num_experts: int) -> dict:
             "entropy": float(-(nz * np.log(nz)).sum() / np.log(num_experts)), "lag1": lag[1], "lag8": lag[8],
             "top1_repeat": float(np.mean(chosen[1:, 0] == chosen[:-1, 0])) if T > 1 else None,
             "within8": float(np.mean(within)) if within else None,
-            "reuse_median": float(np.median(gaps)) if gaps else None}
+            "reuse_median": float(np.median(gaps)) if gaps else None,
+            "early_guess": set_overlap(early, chosen) if early is not None else None}
 
 
 def uniform_figures(num_experts: int, k: int) -> dict:
     p = k / num_experts
     return {"top10_share": 0.10, "max_over_mean": 1.0, "entropy": 1.0, "lag1": p, "lag8": p,
-            "top1_repeat": 1 / num_experts, "within8": 1 - (1 - p) ** 8, "reuse_median": None}
+            "top1_repeat": 1 / num_experts, "within8": 1 - (1 - p) ** 8, "reuse_median": None,
+            "early_guess": p}
 
 
 def main(argv=None) -> int:
@@ -116,9 +142,11 @@ def main(argv=None) -> int:
     ids = encoder(a.model)(text)[:a.tokens]
     model = load_model(a.model, progress=False)
     cfg = model.cfg
-    chosen = record_routing(model, ids, a.window)
+    guessed: dict = {}
+    chosen = record_routing(model, ids, a.window, early=guessed)
+    early = guessed["chosen"]
     base = uniform_figures(cfg.num_experts, cfg.experts_per_token)
-    layers = [layer_figures(c, cfg.num_experts) for c in chosen]
+    layers = [layer_figures(c, cfg.num_experts, g) for c, g in zip(chosen, early)]
     print(f"# routing realism | {a.model} | {len(ids)} tokens | {cfg.num_experts} experts, top-{cfg.experts_per_token}")
     keys = list(base)
     print("layer  " + "  ".join(f"{k:>13}" for k in keys))

@@ -34,3 +34,37 @@ def test_top1_repeat_reads_the_first_ranked_expert_only():
     f = layer_figures(chosen, num_experts=8)
     assert f["top1_repeat"] == 6 / 12 and f["lag1"] == (6 * 1.0 + 6 * 0.5) / 12
     assert uniform_figures(8, 2)["top1_repeat"] == 1 / 8
+
+
+def test_early_guess_overlap_is_per_token_set_overlap():
+    chosen = np.array([[0, 1], [2, 3], [4, 5]])
+    guess = np.array([[1, 0], [2, 7], [6, 7]])  # order within a row does not matter
+    assert layer_figures(chosen, 8, guess)["early_guess"] == (1.0 + 0.5 + 0.0) / 3
+    assert layer_figures(chosen, 8)["early_guess"] is None and uniform_figures(8, 2)["early_guess"] == 0.25
+
+
+def test_early_guess_of_a_model_is_exact_where_attention_adds_nothing():
+    """The guess routes the stream the layer received; with every attention output projection zeroed the stream
+    the router sees is that one, so the guess is the choice; with them in place the guess is not always it."""
+    import torch
+
+    from bench.routing_realism import record_routing
+    from hybrid.models import build_empty, init_random_
+    from hybrid.models.families import family_for
+    from hybrid.models.presets import hf_config
+
+    raw = hf_config("demo", layers=2)
+    model = init_random_(build_empty(family_for(raw).parse_config(raw), "cpu", torch.float32), seed=0, std=0.1)
+    ids = torch.randint(0, model.cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    early: dict = {}
+    chosen = record_routing(model, ids, 16, early=early)
+    figures = [layer_figures(c, model.cfg.num_experts, g)["early_guess"] for c, g in zip(chosen, early["chosen"])]
+    assert len(figures) == len(chosen) >= 2 and all(0 <= f < 1 for f in figures), figures
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.o_proj.weight.zero_()
+    early = {}
+    chosen = record_routing(model, ids, 16, early=early)
+    assert all(np.array_equal(c, g) for c, g in zip(chosen, early["chosen"]))
+    for layer in model.layers:  # the wrappers are gone: the classes' methods are back
+        assert "add_norm" not in vars(layer.mlp_norm) and "_experts_out" not in vars(layer.moe)
