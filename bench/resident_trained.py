@@ -13,8 +13,8 @@ full model does). For each model (the trained one; with --random, its random-wei
    way to hold part of the experts in VRAM (the experts of the first layers stay on the CPU, the last
    round(share x L) layers' go to the GPU). llama-bench decodes tokens it draws at random, which routes unlike
    text; a whole-layer placement is hit by every token whatever its routing, so its speed does not depend on it.
-2. ours, as a user runs it: `hybrid profile-routing` on --prompts prompts cut from the corpus's training documents
-   (bench.hit_rate's steps), `hybrid plan --stats` at the VRAM budget that holds round(share x E) experts per MoE
+2. ours, as a user runs it: `hybrid profile-routing` on 4 x --prompts prompts cut from the corpus's training
+   documents (bench.hit_rate's steps), `hybrid plan --stats` at the VRAM budget that holds round(share x E) experts per MoE
    layer beside the fixed part (the planner may hold fewer where one more shortens no layer's decode), saved; then
    `hybrid generate`'s session opened with --plan FILE and with --gpu-experts 0 (every expert in DRAM); each of
    --prompts held-out prompts is prefilled and decoded greedily for --decode-tokens at batch 1 (CUDA graphs); the
