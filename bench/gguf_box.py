@@ -73,7 +73,9 @@ def run_hybrid(path: str, args) -> dict:
                              steps=args.steps, strategies=["cost"], out=args.out)
     res = run_box(box, Path(path).name, "")
     r = res["results"][0]
-    keep = {k: v for k, v in r.items() if k.startswith(("decode_b", "prefill_")) and not isinstance(v, dict)}
+    # every decode and prefill figure, the schedule's split of each (the *_sched entries: experts a layer on the
+    # CPU and shipped, predicted time) included
+    keep = {k: v for k, v in r.items() if k.startswith(("decode_b", "prefill_"))}
     return dict(cpu_dtype=dtype, int4_group=group if dtype == "int4" else None, expert_bytes_by_type=by_type,
                 experts_kept=kept, load=res["load"], header=res.get("header"), strategy=r["strategy"], **keep)
 

@@ -30,6 +30,8 @@ def test_each_file_loads_in_its_own_format_and_is_measured(tmp_path):
         assert h["strategy"] == "cost"  # the scheduler a user's run gets
         assert "repacked losslessly" in h["experts_kept"] and "de-quantized" not in h["experts_kept"]
         assert h["decode_b1_tok_s"] > 0 and h["prefill_32_tok_s"] > 0 and h["load"]["dram_expert_bytes"] > 0
+        split = h["prefill_32_sched"]  # the schedule's split of the prefill: experts a layer on each lane
+        assert split["cpu_experts_per_layer"] + split["shipped_experts_per_layer"] > 0, split
     # the executor holds the file's bytes: q8_0 8.5 bits a weight, q4_0 4.5
     assert q8["hybrid"]["load"]["dram_expert_bytes"] == pytest.approx(q4["hybrid"]["load"]["dram_expert_bytes"] * 8.5 / 4.5,
                                                                        rel=0.02)
