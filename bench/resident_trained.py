@@ -52,7 +52,6 @@ def write_random_copy(model: str, out: Path, seed: int) -> Path:
     for name in TOKENIZER_FILES:
         if (Path(model) / name).is_file():
             shutil.copy(Path(model) / name, out / name)
-    del m
     return out
 
 

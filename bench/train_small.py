@@ -93,17 +93,15 @@ SIZES = {
                   qwen3=dict(num_key_value_heads=4, head_dim=64),
                   deepseek=dict(n_group=8, topk_group=4, intermediate_size=1024, q_lora_rank=256, kv_lora_rank=128,
                                 qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)),
-    # Qwen3-30B-A3B's MoE and attention widths (hidden 2048, 128 experts of 768 top-8, 32 query / 4 KV heads of
-    # 128) in 4 layers: experts of the real size, so that decode on it reads DRAM as the full model's does (4.5 GiB
-    # of bf16 experts, far past a last-level cache), with routing that was learned (bench.resident_trained).
-    # ~40 GiB of GPU memory with AdamW's state; one H100 for a budget of 100 s of steps.
-    "wide": Size(vocab=8192, hidden=2048, layers=4, heads=32, experts=128, top_k=8, expert_ffn=768, seq_len=512,
-                 batch=16, lr=6e-4, warmup=50, steps=None, max_steps=6000, max_epochs=8, budget_s=100.0,
-                 val_tokens=32768, eval_every=250,
-                 qwen3=dict(num_key_value_heads=4, head_dim=128),
-                 deepseek=dict(n_group=8, topk_group=4, intermediate_size=6144, q_lora_rank=768, kv_lora_rank=512,
-                               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)),
 }
+# Qwen3-30B-A3B's MoE and attention widths (hidden 2048, 128 experts of 768 top-8, 32 query / 4 KV heads of 128) in 4
+# layers, trained as small is: experts of the real size, so that decode on it reads DRAM as the full model's does
+# (4.5 GiB of bf16 experts, far past a last-level cache), with routing that was learned (bench.resident_trained).
+# ~40 GiB of GPU memory with AdamW's state; one H100 for a budget of 100 s of steps.
+SIZES["wide"] = replace(SIZES["small"], hidden=2048, layers=4, heads=32, experts=128, expert_ffn=768, lr=6e-4,
+                        warmup=50, budget_s=100.0, qwen3=dict(num_key_value_heads=4, head_dim=128),
+                        deepseek=dict(n_group=8, topk_group=4, intermediate_size=6144, q_lora_rank=768,
+                                      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
 
 
 # -- tokenizer and data ---------------------------------------------------------------------------------------------
