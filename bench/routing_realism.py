@@ -18,6 +18,9 @@ routing is what decode would compute for it, since routing depends only on its o
                     attention (the MLP norm of the residual stream as the layer receives it, routed as the layer
                     routes; uniform: K/E): how much of a step's expert reads could be known, and started, while the
                     GPU computes the layer's attention
+    ahead_guess     share of a token's K experts that the layer's router picks from the input of the MoE layer
+                    before it (that layer's experts' input, routed as this layer routes; uniform: K/E): a guess the
+                    CPU lane could make itself when the earlier layer's call ends, with no help from the GPU
 """
 
 from __future__ import annotations
@@ -34,17 +37,24 @@ from hybrid.errors import UsageError
 
 
 @contextlib.contextmanager
-def expert_choices(model, early: dict | None = None):
+def expert_choices(model, early: dict | None = None, ahead: dict | None = None):
     """Within the block, every MoE layer's expert choices are recorded: yields {model layer index: [[T, K] int
     tensors on the CPU], one per forward}. Every routing path (the fused router GEMV's at decode sizes too) hands
     its choice to the layer's _experts_out, which is what is wrapped. With `early` (a dict), the layer's early guess
     is recorded into it the same way: its router applied to the MLP norm of the residual stream the layer received,
-    taken where the layer adds attention's output to that stream (its MLP norm's add_norm)."""
+    taken where the layer adds attention's output to that stream (its MLP norm's add_norm). With `ahead` (a dict),
+    each MoE layer's ahead guess, keyed by its index: its router applied to the experts' input of the MoE layer
+    before it, taken in that layer's _experts_out."""
     seen: dict[int, list] = {}
     moes = [(i, layer) for i, layer in enumerate(model.layers) if layer.moe is not None]
+    following = {i: nxt for (i, _), nxt in zip(moes, moes[1:])}  # MoE layer -> (index, layer) of the next one
     for i, layer in moes:
         def recording(x, chosen, weights, into, _out=layer.moe._experts_out, _i=i):
             seen.setdefault(_i, []).append(chosen.detach().cpu())
+            if ahead is not None and _i in following:
+                j, nxt = following[_i]
+                guess, _ = nxt.moe.route(x.reshape(-1, x.shape[-1]))
+                ahead.setdefault(j, []).append(guess.detach().cpu())
             return _out(x, chosen, weights, into)
 
         def guessing(h, delta, _add_norm=layer.mlp_norm.add_norm, _layer=layer, _i=i):
@@ -63,14 +73,17 @@ def expert_choices(model, early: dict | None = None):
                 del layer.mlp_norm.add_norm
 
 
-def record_routing(model, ids: list[int], window: int, early: dict | None = None) -> list[np.ndarray]:
+def record_routing(model, ids: list[int], window: int, early: dict | None = None,
+                   ahead: dict | None = None) -> list[np.ndarray]:
     """[L][T, K] int expert ids each MoE layer chose for each token, in text order; with `early` (a dict), its
-    entry "chosen" gets the same for the layers' early guesses (expert_choices)."""
+    entry "chosen" gets the same for the layers' early guesses (expert_choices); with `ahead`, its entry "chosen"
+    the ahead guesses, None for the first MoE layer (it has no MoE layer before it)."""
     from hybrid.runtime.kv_cache import StaticKVCache
 
     cache = StaticKVCache.for_model(model, 1, window + 1)
     guesses = {} if early is not None else None
-    with expert_choices(model, guesses) as seen, torch.no_grad():
+    aheads = {} if ahead is not None else None
+    with expert_choices(model, guesses, aheads) as seen, torch.no_grad():
         for start in range(0, len(ids), window):
             chunk = ids[start:start + window]
             x = torch.tensor([chunk], device=model.device)
@@ -78,6 +91,8 @@ def record_routing(model, ids: list[int], window: int, early: dict | None = None
                   cache)
     if early is not None:
         early["chosen"] = [torch.cat(guesses[i]).numpy() for i in sorted(guesses)]
+    if ahead is not None:
+        ahead["chosen"] = [torch.cat(aheads[i]).numpy() if i in aheads else None for i in sorted(seen)]
     return [torch.cat(seen[i]).numpy() for i in sorted(seen)]
 
 
@@ -86,7 +101,8 @@ def set_overlap(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / a.shape[1] for x, y in zip(a, b)]))
 
 
-def layer_figures(chosen: np.ndarray, num_experts: int, early: np.ndarray | None = None) -> dict:
+def layer_figures(chosen: np.ndarray, num_experts: int, early: np.ndarray | None = None,
+                  ahead: np.ndarray | None = None) -> dict:
     T, K = chosen.shape
     load = np.bincount(chosen.ravel(), minlength=num_experts).astype(np.float64)
     share = load / load.sum()
@@ -107,14 +123,15 @@ def layer_figures(chosen: np.ndarray, num_experts: int, early: np.ndarray | None
             "top1_repeat": float(np.mean(chosen[1:, 0] == chosen[:-1, 0])) if T > 1 else None,
             "within8": float(np.mean(within)) if within else None,
             "reuse_median": float(np.median(gaps)) if gaps else None,
-            "early_guess": set_overlap(early, chosen) if early is not None else None}
+            "early_guess": set_overlap(early, chosen) if early is not None else None,
+            "ahead_guess": set_overlap(ahead, chosen) if ahead is not None else None}
 
 
 def uniform_figures(num_experts: int, k: int) -> dict:
     p = k / num_experts
     return {"top10_share": 0.10, "max_over_mean": 1.0, "entropy": 1.0, "lag1": p, "lag8": p,
             "top1_repeat": 1 / num_experts, "within8": 1 - (1 - p) ** 8, "reuse_median": None,
-            "early_guess": p}
+            "early_guess": p, "ahead_guess": p}
 
 
 def main(argv=None) -> int:
@@ -142,11 +159,10 @@ def main(argv=None) -> int:
     ids = encoder(a.model)(text)[:a.tokens]
     model = load_model(a.model, progress=False)
     cfg = model.cfg
-    guessed: dict = {}
-    chosen = record_routing(model, ids, a.window, early=guessed)
-    early = guessed["chosen"]
+    guessed, ahead = {}, {}
+    chosen = record_routing(model, ids, a.window, early=guessed, ahead=ahead)
     base = uniform_figures(cfg.num_experts, cfg.experts_per_token)
-    layers = [layer_figures(c, cfg.num_experts, g) for c, g in zip(chosen, early)]
+    layers = [layer_figures(c, cfg.num_experts, g, h) for c, g, h in zip(chosen, guessed["chosen"], ahead["chosen"])]
     print(f"# routing realism | {a.model} | {len(ids)} tokens | {cfg.num_experts} experts, top-{cfg.experts_per_token}")
     keys = list(base)
     print("layer  " + "  ".join(f"{k:>13}" for k in keys))

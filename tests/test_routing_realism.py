@@ -68,3 +68,37 @@ def test_early_guess_of_a_model_is_exact_where_attention_adds_nothing():
     assert all(np.array_equal(c, g) for c, g in zip(chosen, early["chosen"]))
     for layer in model.layers:  # the wrappers are gone: the classes' methods are back
         assert "add_norm" not in vars(layer.mlp_norm) and "_experts_out" not in vars(layer.moe)
+
+
+def test_ahead_guess_of_a_model_is_exact_where_nothing_changes_the_stream_between_two_routers():
+    """The ahead guess routes, with a layer's router, the experts' input of the MoE layer before it. Where that layer's
+    experts add nothing, the next layer's attention adds nothing and its MLP norm is the earlier one's, the next
+    router sees that input, so the guess is the choice; the first MoE layer has none; an untouched model's guess
+    is not always right."""
+    import torch
+
+    from bench.routing_realism import record_routing
+    from hybrid.models import build_empty, init_random_
+    from hybrid.models.families import family_for
+    from hybrid.models.presets import hf_config
+
+    raw = hf_config("demo", layers=2)
+    model = init_random_(build_empty(family_for(raw).parse_config(raw), "cpu", torch.float32), seed=1, std=0.1)
+    ids = torch.randint(0, model.cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    ahead: dict = {}
+    chosen = record_routing(model, ids, 16, ahead=ahead)
+    assert len(chosen) == 2 and ahead["chosen"][0] is None
+    first = layer_figures(chosen[1], model.cfg.num_experts, ahead=ahead["chosen"][1])["ahead_guess"]
+    assert 0 <= first < 1 and layer_figures(chosen[0], 8)["ahead_guess"] is None
+    a, b = model.layers
+    with torch.no_grad():
+        for name, p in a.moe.named_parameters():
+            if name.startswith("experts."):
+                p.zero_()
+        b.attn.o_proj.weight.zero_()
+        b.mlp_norm.weight.copy_(a.mlp_norm.weight)
+    ahead = {}
+    chosen = record_routing(model, ids, 16, ahead=ahead)
+    assert np.array_equal(chosen[1], ahead["chosen"][1])
+    assert layer_figures(chosen[1], model.cfg.num_experts, ahead=ahead["chosen"][1])["ahead_guess"] == 1.0
+    assert "_experts_out" not in vars(a.moe) and "_experts_out" not in vars(b.moe)
