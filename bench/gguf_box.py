@@ -42,6 +42,11 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=hybrid_e2e.ints, default=[8192], help="prompt lengths (default 8192)")
     p.add_argument("--decode-batch", type=hybrid_e2e.ints, default=[1])
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--tune", type=hybrid_e2e.knobs, default={}, metavar="KNOB=V[,KNOB=V]",
+                   help="CPU executor knobs set before hybrid's timings (as bench.hybrid_e2e --tune)")
+    p.add_argument("--ab", type=hybrid_e2e.ab_values, metavar="KNOB=V1/V2",
+                   help="after hybrid's decode timings, an in-process A/B of one CPU knob (as bench.hybrid_e2e --ab)")
+    p.add_argument("--ab-rounds", type=int, default=4, metavar="N", help="rounds of --ab (default 4)")
     p.add_argument("--out", default="bench/results")
     return p
 
@@ -70,7 +75,8 @@ def run_hybrid(path: str, args) -> dict:
     box = argparse.Namespace(ckpt=path, layers=None, config=None, cpu_dtype=dtype, cpu_group=group, layer_formats=own,
                              profile=args.profile, isa=args.isa, cpu_threads=args.cpu_threads, resident=0,
                              graphs=torch.cuda.is_available(), prefill=args.prefill, decode_batch=args.decode_batch,
-                             steps=args.steps, strategies=["cost"], out=args.out)
+                             steps=args.steps, strategies=["cost"], out=args.out, tune=args.tune, ab=args.ab,
+                             ab_rounds=args.ab_rounds)
     res = run_box(box, Path(path).name, "")
     r = res["results"][0]
     # every decode and prefill figure, the schedule's split of each (the *_sched entries: experts a layer on the

@@ -44,3 +44,14 @@ def test_table_puts_llama_cpp_beside_hybrid():
            "llama": {"decode": {"tok_s": 12.0}, "prefill_8192": {"tok_s": 100.0}}}
     text = gguf_box.table([row], [8192])
     assert "| f.gguf | q4_k | 30.0 / 12.0 | 2.50x | 0.90 | 600 / 100 | 6.00x |" in text
+
+
+def test_a_knob_ab_runs_on_the_loaded_file(tmp_path):
+    """--ab hands hybrid_e2e's in-process knob A/B the file's model: both values timed, the result in the row."""
+    path = convert(demo_checkpoint(), tmp_path / "demo-q8_0.gguf", "q8_0")
+    out = tmp_path / "out"
+    assert gguf_box.main(["--gguf", str(path), "--profile", "ktransformers-paper-amx", "--prefill", "16", "--steps",
+                          "2", "--ab", "task_min=1/2", "--ab-rounds", "1", "--out", str(out)]) == 0
+    ab = json.loads((out / "gguf_box.json").read_text())["rows"][0]["hybrid"]["decode_b1_ab"]
+    assert ab["knob"] == "task_min" and ab["values"] == [1, 2]
+    assert all(len(ab["tok_s"][v]) == 1 and ab["tok_s"][v][0] > 0 for v in ("1", "2"))
