@@ -17,7 +17,8 @@ AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
           "-mavx2", "-mf16c"]
 AMX = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 CSRC = "cpu_kernels/csrc/"
-DEPS = [CSRC + f for f in ("hy.h", "pool.h", "driver.h", "fused.h", "lane.h", "pack.h", "api.h", "kern_avx2.h", "kern_avx512.h", "kern_amx.h")]
+DEPS = [CSRC + f for f in ("hy.h", "pool.h", "driver.h", "fused.h", "lane.h", "pack.h", "api.h", "kern_avx2.h", "kern_avx512.h", "kern_amx.h",
+                                 "kern_iq256.h")]
 
 
 def lib(name, source, flags):

@@ -95,6 +95,13 @@ iq2_xxs: llama.cpp's IQ2_XXS values: rows in super-blocks of 256 values with an 
       2], d; 2.0625 bits a weight as the file's. Rows are zero padded to a multiple of 256 values (d = 0).
       quantize_iq2_xxs rounds floats to the nearest codebook entry at a least-squares scale per 32 values, not
       llama.cpp's importance-weighted search (which llama-quantize's IQ2_XXS files come from).
+iq3_xxs: llama.cpp's IQ3_XXS values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
+      4-bit scale ls, each 8 groups of 4 values with an 8-bit index into a 256-entry codebook of 4 magnitudes (4 to 62;
+      the gguf package's table), and per 8 values a 7-bit sign index as iq2_xxs's (KSIGNS): w = d (0.5 + ls) / 2 x
+      magnitude x sign. Packed as the file holds a super-block's 96 bytes of qs: values uint8 [..., R, K/256 * 96]
+      (64 bytes of group indices, 8 per sub-block, then per sub-block a little-endian uint32 of its 4 sign indices at
+      bits 7 l and ls at bits 28-31) and heads uint8 [..., R, K/256, 2], d; 3.0625 bits a weight as the file's. Rows
+      are zero padded to a multiple of 256 values (d = 0). A GGUF file's blocks only: no quantizer from floats.
 iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
       3-bit scale ls and a delta sign, each 4 groups of 8 values with an 11-bit index into a 2048-entry codebook of 8
       values in {-1, 0, 1} (IQ1_GRID, the gguf package's table, which IQ1_M shares): w = d (2 ls + 1) (g + delta),
@@ -129,6 +136,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       values 0-15 and high nibbles 16-31: iq4_xs above exactly (iq4_xs_parts re-pairs the nibbles into int4's chunk
       layout, values j and 32 + j of each 64 in byte j).
   IQ2_XXS: 66 bytes per 256 values, d then the 64 bytes of qs: iq2_xxs above exactly (iq2_xxs_parts).
+  IQ3_XXS: 98 bytes per 256 values, d then the 96 bytes of qs: iq3_xxs above exactly (iq3_xxs_parts).
   IQ1_S: 50 bytes per 256 values, d then qs and qh: iq1_s above exactly (iq1_s_parts).
   IQ1_M: 56 bytes per 256 values, qs, qh, then the scales words: iq1_m above exactly (iq1_m_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
@@ -620,7 +628,7 @@ def q3_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_parts(raw: torch.Tensor, kind: str, block: int, hbytes: int, head_first: bool) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
-    """GGUF blocks of `block` bytes: an `hbytes` head and the values, the head first (Q4_K, IQ2_XXS, IQ1_S) or last
+    """GGUF blocks of `block` bytes: an `hbytes` head and the values, the head first (Q4_K, IQ2_XXS, IQ3_XXS, IQ1_S) or last
     (Q3_K, Q6_K, IQ1_M) -> (values uint8 [..., R, G * (block - hbytes)], heads uint8 [..., R, G, hbytes]), the
     bytes as the file holds them."""
     if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != block:
@@ -767,19 +775,19 @@ KSIGNS = tuple(s | (bin(s).count("1") & 1) << 7 for s in range(128))
 
 @functools.lru_cache(maxsize=None)
 def _iq_grid(kind: str) -> torch.Tensor:
-    """The codebook of an IQ type as the gguf package ships it (gguf.quants.<TYPE>.grid, llama.cpp's table): float32
-    [entries, 8], the values of each entry in order."""
+    """The codebook of an IQ type as the gguf package ships it (gguf.quants.<TYPE>.grid, llama.cpp's table; kind: the
+    type's name in lower case, "iq1" for IQ1_S's and IQ1_M's): float32 [entries, values per entry], in order."""
     from gguf import quants
 
-    cls = {"iq2_xxs": quants.IQ2_XXS, "iq1": quants.IQ1_S}[kind]
+    cls = getattr(quants, "IQ1_S" if kind == "iq1" else kind.upper())
     cls.init_grid()
-    return torch.from_numpy(cls.grid.reshape(-1, 8).copy())
+    return torch.from_numpy(cls.grid.reshape(-1, cls.grid_shape[1]).copy())
 
 
 def iq_grid_bytes(kind: str) -> bytes:
     """The codebook the compiled kernels read (csrc/hy.h IqGrids, set at load by _native): iq2_xxs 256 entries of 8
-    bytes, each the magnitude of one value (8, 25 or 43); iq1 (IQ1_S's and IQ1_M's) 2048 entries of 8 int8 values
-    (-1, 0 or 1); the entry's first value first."""
+    bytes, each the magnitude of one value (8, 25 or 43); iq3_xxs 256 entries of 4 (4 to 62); iq1 (IQ1_S's and
+    IQ1_M's) 2048 entries of 8 int8 values (-1, 0 or 1); the entry's first value first."""
     return _iq_grid(kind).to(torch.int8).numpy().tobytes()
 
 
@@ -861,6 +869,39 @@ def iq2_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF IQ2_XXS blocks raw uint8 [..., R, G, 66] (any strides) -> (values uint8 [..., R, G * 64], heads uint8
     [..., R, G, 2]): iq2_xxs's bytes as the file holds them (module doc)."""
     return _block_parts(raw, "IQ2_XXS", IQ2_XXS_BLOCK_BYTES, IQ2_XXS_HEAD_BYTES, head_first=True)
+
+
+IQ3_XXS_HEAD_BYTES = 2  # fp16 d
+IQ3_XXS_VALUE_BYTES = 96  # qs: 64 bytes of codebook indices (8 per 32 values), then per 32 values the signs and scale
+IQ3_XXS_BLOCK_BYTES = 98  # GGUF IQ3_XXS: d, then qs
+
+
+def dequantize_iq3_xxs(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 96], heads uint8 [..., R, K/256, 2]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes IQ3_XXS: d (0.5 + ls) / 2 x magnitude x sign per 4 values (module doc)."""
+    *lead, B = values.shape
+    G, dev = B // IQ3_XXS_VALUE_BYTES, values.device
+    v = values.reshape(*lead, G, IQ3_XXS_VALUE_BYTES)
+    w = v[..., 64:].reshape(*lead, G, 8, 4)  # per sub-block its uint32 of signs and scale
+    aux = sum(w[..., i].long() << (8 * i) for i in range(4))  # [.., G, 8]
+    signs = torch.tensor(KSIGNS, dtype=torch.long, device=dev)[
+        (aux[..., None] >> torch.tensor([0, 7, 14, 21], device=dev)) & 127]  # [.., G, 8, 4]: per 8 values
+    neg = (signs[..., None] >> torch.arange(8, device=dev)) & 1  # [.., G, 8, 4, 8]
+    mags = _iq_grid("iq3_xxs").to(dev)[v[..., :64].long()].reshape(*lead, G, 8, 4, 8)  # 8 entries of 4 a sub-block
+    d = heads[..., 0:2].contiguous().view(torch.float16).float()  # [.., G, 1]
+    db = d * (0.5 + (aux >> 28).float()) * 0.5  # [.., G, 8]
+    return (db[..., None, None] * mags * (1.0 - 2.0 * neg.float())).reshape(*lead, G * QK_K)
+
+
+def quantize_iq3_xxs(w: torch.Tensor):
+    """Refused: IQ3_XXS's values come from llama.cpp's importance-weighted codebook search (module doc)."""
+    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq3_xxs", type="IQ3_XXS"))
+
+
+def iq3_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ3_XXS blocks raw uint8 [..., R, G, 98] (any strides) -> (values uint8 [..., R, G * 96], heads uint8
+    [..., R, G, 2]): iq3_xxs's bytes as the file holds them (module doc)."""
+    return _block_parts(raw, "IQ3_XXS", IQ3_XXS_BLOCK_BYTES, IQ3_XXS_HEAD_BYTES, head_first=True)
 
 
 IQ1_S_HEAD_BYTES = 2  # fp16 d
@@ -956,7 +997,7 @@ def packed_dequantizers() -> dict:
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
             "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs,
-            "iq1_s": dequantize_iq1_s, "iq1_m": dequantize_iq1_m_packed}
+            "iq3_xxs": dequantize_iq3_xxs, "iq1_s": dequantize_iq1_s, "iq1_m": dequantize_iq1_m_packed}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

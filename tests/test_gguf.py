@@ -167,10 +167,11 @@ def test_unknown_architecture_is_refused_naming_the_supported(tmp_path, qwen3):
     assert all(a in msg for a in ARCH.values())
 
 
-def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path, tmp_path_factory):
-    wide, _ = hf_model("qwen3_moe", tmp_path_factory, hidden_size=256, moe_intermediate_size=256)  # whole TQ2_0 rows
-    write_gguf(tmp_path / "x.gguf", "qwen3_moe", wide, expert_type=Q.TQ2_0)
-    _refused(tmp_path / "x.gguf", r"tensor 'blk\.0\.ffn_gate_exps\.weight' .*type TQ2_0 is not supported")
+def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path, qwen3):
+    name = "blk.0.ffn_gate_exps.weight"  # F64 (the writer's type for float64 values): no de-quantizer
+    write_gguf(tmp_path / "x.gguf", "qwen3_moe", qwen3[0],
+               tensors={name: gguf_tensors("qwen3_moe", qwen3[0])[name].double()})
+    _refused(tmp_path / "x.gguf", r"tensor 'blk\.0\.ffn_gate_exps\.weight' .*type F64 is not supported")
 
 
 @pytest.mark.parametrize("t", [Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
@@ -216,10 +217,12 @@ def test_not_a_gguf_file_is_refused(tmp_path):
 
 
 # -- de-quantizers: bit for bit against gguf-py -----------------------------------------------------------------
-BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ1_S,
+BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ1_S,
+               Q.IQ2_XS, Q.IQ2_S, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0,
                Q.IQ1_M, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)
 FP16_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
-           Q.IQ2_XXS: (0,), Q.IQ1_S: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,)}
+           Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_S: (0,), Q.TQ1_0: (52,), Q.TQ2_0: (64,),  # TQ: d last
+           Q.IQ2_XXS: (0,), Q.IQ3_XXS: (0,), Q.IQ1_S: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,)}
 
 
 def valid_blocks(t, n: int, rng) -> np.ndarray:

@@ -12,7 +12,7 @@
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
        HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12, HY_IQ1_S = 13,
-       HY_IQ1_M = 14 };
+       HY_IQ1_M = 14, HY_IQ3_XXS = 15 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -34,7 +34,8 @@ typedef struct {
                          // q4_0: fp16 [E, rows_p, ldk/32] as q8_0's (read through q8_scales; s_estride in fp16 values);
                          // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes);
                          // iq1_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq1s_heads; s_estride in bytes);
-                         // iq1_m: uint8 heads [E, rows_p, ldk/256, 8] (read through iq1m_heads; s_estride in bytes)
+                         // iq1_m: uint8 heads [E, rows_p, ldk/256, 8] (read through iq1m_heads; s_estride in bytes);
+                         // iq3_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -325,14 +326,23 @@ inline __m256 iq4_scales8(const uint8_t* h) {
 inline const uint8_t* iq2xxs_heads(const HyMat& M, int e, int r) {
   return (const uint8_t*)M.scale + e * M.s_estride + (int64_t)r * (M.ldk / 256) * 2;
 }
+// iq3_xxs (cpu_kernels/quant.py, module doc): per 256-value super-block of a row the file's 96 bytes of qs as they are
+// [rows_p, ldk/256 * 96] and its fp16 d as the head [rows_p, ldk/256, 2] (iq2xxs_heads reads it). Bytes 0-63 are the
+// codebook indices of the 64 groups of 4 values in order (sub-block ib's: bytes 8 ib .. 8 ib + 7); bytes 64 + 4 ib ..
+// 67 + 4 ib a little-endian uint32 as iq2_xxs's fourth-to-seventh bytes (the sign indices of its 4 groups of 8 values
+// at bits 7 l, the scale ls at bits 28-31); w = d (2 ls + 1) / 4 x the codebook entry's magnitude x its sign. ldk is a
+// multiple of 256.
 // The IQ2_XXS codebook, set once per library at load by hy_set_grids (api.h) from the table the gguf package ships
 // (gguf.quants.IQ2_XXS.grid; cpu_kernels/_native.py load): entry i's 8 bytes are its 8 magnitudes (8, 25 or 43), the
 // first value in the lowest byte. All zero until set, so a kernel never reads an unset table.
 // The IQ1 codebook (IQ1_S's and IQ1_M's: gguf.quants.IQ1_S.grid), set likewise by hy_set_iq1_grid: entry i's 8 values
 // g in {-1, 0, 1} kept as the bytes 8 g + 8 (0, 8 or 16), the unsigned operand the kernels add a group's delta to
 // (hy.h iq1s_heads).
+// The IQ3_XXS codebook, set likewise by hy_set_iq3_grid (gguf.quants.IQ3_XXS.grid): entry i's 4 bytes are its 4
+// magnitudes (4 to 62), the first value in the lowest byte.
 struct IqGrids {
   alignas(64) uint64_t iq2xxs[256];
+  alignas(64) uint32_t iq3xxs[256];
   alignas(64) uint64_t iq1[2048];
 };
 IqGrids g_iq_grids{};

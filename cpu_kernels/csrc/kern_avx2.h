@@ -5,6 +5,7 @@
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
+#include "kern_iq256.h"
 
 namespace {
 
@@ -605,18 +606,14 @@ void q6k_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows,
 }
 
 // iq2_xxs (hy.h iq2xxs_heads): per 32-value sub-block and row its 4 codebook entries (hy.h g_iq_grids) as the
-// unsigned operand, and its 4 sign bytes (hy.h g_iq_signs) spread to one byte per value (VPSHUFB of the broadcast
-// pattern, a test of each byte's bit) as +-1, put onto the activations (VPSIGNB; maddubs pair sums <= 2 x 43 x 127,
+// unsigned operand, and its 4 sign bytes (hy.h g_iq_signs) spread to one byte per value (kern_iq256.h iq_signs_pm1)
+// as +-1, put onto the activations (VPSIGNB; maddubs pair sums <= 2 x 43 x 127,
 // exact); the exact dot converted and multiplied by d (2 ls + 1) / 8.
 template <int MT>
 void iq2xxs_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* rows, const uint8_t* hd, float* C, int ldc) {
   const int nsb = k / 256;
   const int64_t hst = (int64_t)nsb * 2;
   const uint64_t* grid = g_iq_grids.iq2xxs;
-  const uint8_t* ks = g_iq_signs.v;
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL), one = _mm256_set1_epi8(1);
   __m256 acc[4][MT];
   for (int j = 0; j < 4; ++j) for (int t = 0; t < MT; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int sb = 0; sb < nsb; ++sb) {
@@ -636,10 +633,7 @@ void iq2xxs_block(const uint8_t* w, int64_t ldw, int k, const uint8_t* const* ro
         std::memcpy(&aux, q + 4, 4);
         const __m256i g = _mm256_setr_epi64x((long long)grid[q[0]], (long long)grid[q[1]], (long long)grid[q[2]],
                                              (long long)grid[q[3]]);
-        const uint32_t pat = ks[aux & 127] | (uint32_t)ks[(aux >> 7) & 127] << 8 | (uint32_t)ks[(aux >> 14) & 127] << 16 |
-                             (uint32_t)ks[(aux >> 21) & 127] << 24;
-        const __m256i sbits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)pat), spread), bits);
-        const __m256i sg = _mm256_or_si256(_mm256_cmpeq_epi8(sbits, bits), one);  // -1 where negative, else +1
+        const __m256i sg = iq_signs_pm1(aux);  // kern_iq256.h
         const __m256 sc = _mm256_set1_ps(d[j] * (float)(2 * (aux >> 28) + 1));
         for (int t = 0; t < MT; ++t)
           acc[j][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_i32(g, _mm256_sign_epi8(a[t], sg))), sc, acc[j][t]);
@@ -786,6 +780,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ2_XXS) {
     iq2xxs_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, iq2xxs_heads(M, e, r), C,
                      ldc);
+  } else if (M.dtype == HY_IQ3_XXS) {
+    iq3xxs_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96), M.ldk / 256 * 96, M.ldk, rows,
+                     iq2xxs_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                    iq1s_heads(M, e, r), C, ldc);

@@ -24,6 +24,7 @@
 #pragma once
 #include <immintrin.h>
 #include "hy.h"
+#include "kern_iq256.h"
 
 namespace {
 
@@ -987,6 +988,14 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ2_XXS) {
     iq2xxs_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 4), M.ldk / 4, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc,
                     pf_lo, pf_rows);
+  } else if (M.dtype == HY_IQ3_XXS) {  // the 256-bit kernel (kern_iq256.h), up to 2 tokens a call
+    const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96);
+    if constexpr (MT <= 2) {
+      iq3xxs_block<MT>(w, M.ldk / 256 * 96, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc);
+    } else {
+      iq3xxs_block<2>(w, M.ldk / 256 * 96, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc);
+      iq3xxs_block<MT - 2>(w, M.ldk / 256 * 96, M.ldk, rows + 2, iq2xxs_heads(M, e, r), C + 2 * ldc, ldc);
+    }
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                   iq1s_heads(M, e, r), C, ldc, pf_lo, pf_rows);

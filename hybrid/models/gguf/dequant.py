@@ -202,14 +202,105 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * values.float()).reshape(n, QK_K)
 
 
-# ggml type -> (whole-tensor float decoder | per-block decoder). Float types read the raw bytes as they are.
-_FLOAT = {T.F32: _f32, T.F16: _f16_values, T.BF16: _bf16}
+def _grid(kind: str, like: torch.Tensor) -> torch.Tensor:
+    """The codebook of IQ type `kind` as the gguf package ships it (cpu_kernels.quant reads it): float32 [entries,
+    values per entry], on like's device."""
+    from cpu_kernels import quant
+
+    return quant._iq_grid(kind.lower()).to(like.device)
+
+
+def _sign_bits(signs: torch.Tensor) -> torch.Tensor:
+    """uint8 [...] -> +1.0 / -1.0 [..., 8]: bit j of each byte set is value j negative."""
+    bits = (signs[..., None] >> _u8(range(8), signs)) & 1
+    return torch.where(bits == 0, 1.0, -1.0)
+
+
+def _iq2_scales(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS / IQ2_S: fp32 d [n, 1] and 8 scale bytes (a 4-bit ls per 16 values, low nibble first) ->
+    d (0.5 + ls) / 4 as [n, 16, 1, 1]."""
+    n = scales.shape[0]
+    ls = ((scales.reshape(n, -1, 1) >> _u8([0, 4], scales).reshape(1, 1, 2)) & 0x0F).reshape(n, -1)
+    return (d * (0.5 + ls.float()) * 0.25).reshape(n, -1, 1, 1)
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    """74 bytes: fp16 d, 32 little-endian uint16 (per 8 values a 9-bit index into a 512-entry codebook of
+    magnitudes and a 7-bit sign index, KSIGNS), 8 scale bytes; x = d (0.5 + ls) / 4 x magnitude x sign."""
+    from cpu_kernels.quant import KSIGNS
+
+    n = b.shape[0]
+    db = _iq2_scales(_f16(b[:, :2]), b[:, 66:74])
+    qs = b[:, 2:66].reshape(n, 32, 2).long()
+    qs = qs[..., 0] | (qs[..., 1] << 8)  # [n, 32]
+    signs = _sign_bits(torch.tensor(KSIGNS, dtype=torch.uint8, device=b.device)[qs >> 9]).reshape(n, -1, 2, 8)
+    grid = _grid("IQ2_XS", b)[qs & 511].reshape(n, -1, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    """82 bytes: fp16 d, 32 low bytes of 10-bit indices into a 1024-entry codebook of magnitudes (per 8 values),
+    32 sign bytes (a bit a value), 8 bytes of the indices' top 2 bits, 8 scale bytes;
+    x = d (0.5 + ls) / 4 x magnitude x sign."""
+    n = b.shape[0]
+    db = _iq2_scales(_f16(b[:, :2]), b[:, 74:82])
+    qh = ((b[:, 66:74].reshape(n, 8, 1) >> _u8([0, 2, 4, 6], b).reshape(1, 1, 4)) & 0x03).reshape(n, 32)
+    idx = b[:, 2:34].long() | (qh.long() << 8)
+    signs = _sign_bits(b[:, 34:66]).reshape(n, -1, 2, 8)
+    grid = _grid("IQ2_S", b)[idx].reshape(n, -1, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    """110 bytes: fp16 d, 64 low bytes of 9-bit indices into a 512-entry codebook of 4 magnitudes, 8 bytes of the
+    indices' top bits, 32 sign bytes (a bit a value), 4 scale bytes (a 4-bit ls per 32 values, low nibble first);
+    x = d (1 + 2 ls) x magnitude x sign."""
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    ls = ((b[:, 106:110].reshape(n, 4, 1) >> _u8([0, 4], b).reshape(1, 1, 2)) & 0x0F).reshape(n, 8)
+    db = (d * (1 + 2 * ls).float()).reshape(n, -1, 1, 1)
+    qh = ((b[:, 66:74].reshape(n, 8, 1) >> _u8(range(8), b).reshape(1, 1, 8)) & 0x01).reshape(n, 64)
+    idx = b[:, 2:66].long() | (qh.long() << 8)
+    signs = _sign_bits(b[:, 74:106]).reshape(n, -1, 4, 8)
+    grid = _grid("IQ3_S", b)[idx].reshape(n, -1, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _tq1_0(b: torch.Tensor) -> torch.Tensor:
+    """54 bytes: 48 bytes of 5 base-3 digits each (the first 32 bytes' i-th digits are values 32 i .. 32 i + 31,
+    then the next 16 bytes' 16 at a time), 4 bytes of 4 digits each, fp16 d last; a digit is the top of byte x 3^i
+    (mod 256) x 3 / 256; x = d (digit - 1)."""
+    n = b.shape[0]
+    pow3 = _u8([1, 3, 9, 27, 81], b)
+    q = torch.cat([(b[:, :32].reshape(n, 1, 32) * pow3.reshape(1, 5, 1)).reshape(n, 160),
+                   (b[:, 32:48].reshape(n, 1, 16) * pow3.reshape(1, 5, 1)).reshape(n, 80),
+                   (b[:, 48:52].reshape(n, 1, 4) * pow3[:4].reshape(1, 4, 1)).reshape(n, 16)], dim=-1)
+    q = ((q.int() * 3) >> 8) - 1
+    return _f16(b[:, 52:54]) * q.float()
+
+
+def _tq2_0(b: torch.Tensor) -> torch.Tensor:
+    """66 bytes: 64 bytes of 2-bit codes (per 128 values: 32 bytes, bits 2 i of them values 32 i .. 32 i + 31),
+    fp16 d last; x = d (q - 1)."""
+    n = b.shape[0]
+    q = (b[:, :64].reshape(n, 2, 1, 32) >> _u8([0, 2, 4, 6], b).reshape(1, 1, 4, 1)) & 0x03
+    return _f16(b[:, 64:66]) * (q.reshape(n, QK_K).int() - 1).float()
+
+
 def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     """IQ2_XXS (66 bytes per 256 values: d, then qs) by the CPU executor's reference, cpu_kernels.quant (gguf-py's
     formula; its codebook from the gguf package)."""
     from cpu_kernels import quant
 
     return quant.dequantize_iq2_xxs(b[:, 2:], b[:, None, :2])
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    """IQ3_XXS (98 bytes per 256 values: d, then qs) by the CPU executor's reference, cpu_kernels.quant (gguf-py's
+    formula; its codebook from the gguf package)."""
+    from cpu_kernels import quant
+
+    return quant.dequantize_iq3_xxs(b[:, 2:], b[:, None, :2])
 
 
 def _iq1_s(b: torch.Tensor) -> torch.Tensor:
@@ -228,9 +319,13 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return quant.dequantize_iq1_m(b)
 
 
+# ggml type -> (whole-tensor float decoder | per-block decoder). Float types read the raw bytes as they are.
+_FLOAT = {T.F32: _f32, T.F16: _f16_values, T.BF16: _bf16}
 _BLOCK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.MXFP4: _mxfp4, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k,
-          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs,
+          T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs, T.IQ3_XXS: _iq3_xxs,
           T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
+          # no CPU format holds these: the loader de-quantizes them and packs the floats (repack.NEAREST)
+          T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_S: _iq3_s, T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0,
           # the legacy 32-value types llama-quantize falls back to where a row is not whole 256-value blocks (a
           # K-type file's MLA attn_k_b of 128 columns: Q4_K -> Q5_0, Q5_K -> Q5_1, Q2_K / Q3_K / IQ4_XS -> IQ4_NL)
           T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.IQ4_NL: _iq4_nl}
