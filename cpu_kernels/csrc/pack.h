@@ -32,8 +32,8 @@
 // nearest codebook entry to w / (d (ls - 32)), the number of midpoints between entries below it (index 0 where
 // d (ls - 32) is 0).
 // A GGUF IQ2_XXS source (66-byte super-blocks: fp16 d, then 64 bytes of qs) is iq2_xxs exactly: its d as the head, its
-// qs as the values, as they are. iq2_xxs from floats would need llama.cpp's search over the codebook: refused here and
-// by cpu_kernels/moe.py (the file's blocks only).
+// qs as the values, as they are. iq2_xxs from floats is quantized in torch (cpu_kernels/quant.py quantize_iq2_xxs):
+// refused here.
 // A GGUF IQ3_XXS source (98-byte super-blocks: fp16 d, then 96 bytes of qs) is iq3_xxs exactly likewise; from floats
 // refused (no quantizer anywhere: the file's blocks only).
 // A GGUF IQ1_S source (50-byte super-blocks: fp16 d, then 32 bytes of qs and 16 of qh) is iq1_s exactly: its d as the

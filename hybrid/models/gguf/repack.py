@@ -8,9 +8,9 @@ experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.
 executor computes with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K
 downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a weight of another block type than the
 layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
-format, which changes a block type's values; iq3_xxs, iq1_s and iq1_m have no quantizer, so a weight of another type in a
-layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down of a type of its own is kept in its format,
-down_format). A file of mixed layers loaded without --cpu-dtype keeps each layer in the format of its own gate and up
+format, which changes a block type's values; iq3_xxs, iq1_s and iq1_m have no quantizer, so a gate or up of another
+type in a layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down takes a format of
+its own, down_format). A file of mixed layers loaded without --cpu-dtype keeps each layer in the format of its own gate and up
 blocks where one holds them (layer_format), so no layer is re-quantized. One log line per load says which layers'
 weights went which way and why.
 """
@@ -28,8 +28,8 @@ from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly at the file's size
 LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
-            "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32), "IQ2_XXS": ("iq2_xxs", 32), "IQ3_XXS": ("iq3_xxs", 32),
-            "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
+            "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32), "IQ2_XXS": ("iq2_xxs", 32),
+            "IQ3_XXS": ("iq3_xxs", 32), "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
             "MXFP4": ("mxfp4", 32)}
 # GGUF type -> the other formats that hold its blocks exactly too: Q4_0's nibbles and fp16 scales are int4's in groups of
 # 32 (at 5 bits a weight, its scales in fp32); the 32-value types llama-quantize falls back to where a row is not whole
