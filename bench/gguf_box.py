@@ -6,7 +6,7 @@
 For each file:
   hybrid     `hybrid --model X.gguf` as a user runs it: the CPU experts in the format the file's expert blocks
              default to (the exact one where there is one: q8_0 for Q8_0, q4_k for Q4_K, q5_k for Q5_K, q6_k for
-             Q6_K, iq4_xs for IQ4_XS, iq2_xxs for IQ2_XXS, iq1_s for IQ1_S, iq1_m for IQ1_M, q4_0 for Q4_0; --cpu-dtype overrides), every expert in DRAM (no resident expert), the default scheduler
+             Q6_K, iq4_xs for IQ4_XS, iq2_xxs for IQ2_XXS, iq3_xxs for IQ3_XXS, iq1_s for IQ1_S, iq1_m for IQ1_M, q4_0 for Q4_0; --cpu-dtype overrides), every expert in DRAM (no resident expert), the default scheduler
              (the cost model ships a large prefill's experts to the GPU), then bench.hybrid_e2e's measurements
              on the loaded model: prefill and decode tok/s against the roofline of the bytes the
              executor holds (bench.deepseek_box.run_box, which also reports the load's time and memory);
