@@ -93,6 +93,7 @@ PACK_SRC_IQ2_XXS = 12  # HY_SRC_IQ2_XXS: GGUF IQ2_XXS super-blocks, packed as iq
 PACK_SRC_IQ1_S = 13  # HY_SRC_IQ1_S: GGUF IQ1_S super-blocks, packed as iq1_s as they are
 PACK_SRC_IQ1_M = 14  # HY_SRC_IQ1_M: GGUF IQ1_M super-blocks, packed as iq1_m as they are
 PACK_SRC_IQ3_XXS = 15  # HY_SRC_IQ3_XXS: GGUF IQ3_XXS super-blocks, packed as iq3_xxs as they are
+PACK_SRC_IQ3_S = 16  # HY_SRC_IQ3_S: GGUF IQ3_S super-blocks, packed as iq3_s as they are
 PACK_NONFINITE = -5  # hy_pack_mat's HY_ENONFINITE
 
 
@@ -238,17 +239,24 @@ def load(isa: str) -> ctypes.CDLL:
         lib.hy_set_iq3_grid.restype = ctypes.c_int
         if lib.hy_set_iq3_grid(iq_grid_bytes("iq3_xxs"), 256) != 0:
             raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ3_XXS codebook")
+    if hasattr(lib, "hy_set_iq3s_grid"):  # IQ3_S's codebook (csrc/hy.h IqGrids iq3s)
+        from .quant import iq_grid_bytes
+
+        lib.hy_set_iq3s_grid.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.hy_set_iq3s_grid.restype = ctypes.c_int
+        if lib.hy_set_iq3s_grid(iq_grid_bytes("iq3_s"), 512) != 0:
+            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ3_S codebook")
     return lib
 
 
 # the entry point that sets each IQ format's codebook: a library without it was built before the format (iq1_m reads
 # IQ1_S's codebook)
 _IQ_GRID_SETTERS = {"iq2_xxs": "hy_set_grids", "iq1_s": "hy_set_iq1_grid", "iq1_m": "hy_set_iq1_grid",
-                    "iq3_xxs": "hy_set_iq3_grid"}
+                    "iq3_xxs": "hy_set_iq3_grid", "iq3_s": "hy_set_iq3s_grid"}
 
 
 def has_iq_grids(isa: str, dtypes=("iq2_xxs",)) -> bool:
-    """Whether `isa`'s library runs the IQ formats among `dtypes` (iq2_xxs, iq3_xxs, iq1_s, iq1_m): a library built before one has
+    """Whether `isa`'s library runs the IQ formats among `dtypes` (iq2_xxs, iq3_xxs, iq3_s, iq1_s, iq1_m): a library built before one has
     no codebook for it and refuses it."""
     return isa == "ref" or all(hasattr(load(isa), _IQ_GRID_SETTERS[d]) for d in dtypes if d in _IQ_GRID_SETTERS)
 

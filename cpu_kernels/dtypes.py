@@ -83,6 +83,11 @@ CPU_DTYPES = {d.name: d for d in (
     # value_bytes), so a GGUF file's IQ3_XXS experts (llama-quantize's IQ3_XXS type, and the 3-bit layers of mixed
     # IQ quantizations) are held exactly; the file's blocks only
     CpuDtype("iq3_xxs", 15, 0.3828125, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
+    # llama.cpp's IQ3_S: per 4 values a 9-bit index into a 512-entry codebook of odd magnitudes, a sign bit per value, a
+    # 4-bit scale per 32 and an fp16 d per 256 (3.4375 bits a weight, the 2-byte head of each 256 values counted in
+    # value_bytes), so a GGUF file's IQ3_S experts (llama-quantize's IQ3_S and IQ3_M types) are held exactly; the
+    # file's blocks only
+    CpuDtype("iq3_s", 16, 0.4296875, group_sizes=(32,), default_group=32, isas=VECTOR_ISAS),
     # llama.cpp's IQ1_S: per 8 values an 11-bit index into a 2048-entry codebook of 8 values in {-1, 0, 1}, per 32 a
     # 3-bit scale and the sign of a +-1/8 shift of the values, an fp16 d per 256 (1.5625 bits a weight, the 2-byte head
     # of each 256 values counted in value_bytes), so a GGUF file's IQ1_S experts (the gates and ups of unsloth's
@@ -97,11 +102,11 @@ CPU_DTYPES = {d.name: d for d in (
 # down_dtype): every quantized dtype reads int8 activation rows with block sums, so each matrix's kernels take the
 # rows made for that matrix; int4 stays the gate's and up's (one group size and stored order per layer).
 DOWN_DTYPES = ("int8", "mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq3_xxs",
-               "iq1_s", "iq1_m")
-NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q8_0", "q4_0", "q2_k", ..., "iq4_xs", "iq2_xxs", "iq3_xxs", "iq1_s", "iq1_m"): the CLI's --cpu-dtype choices
+               "iq3_s", "iq1_s", "iq1_m")
+NAMES = tuple(CPU_DTYPES)  # ("bf16", ..., "q8_0", "q4_0", "q2_k", ..., "iq4_xs", "iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"): the CLI's --cpu-dtype choices
 # The dtypes that hold a GGUF file's blocks only: their values come from llama.cpp's importance-weighted search over a
 # codebook, which the executor does not do, so float weights are refused in them (cpu_kernels.CpuMoE).
-FILE_ONLY_DTYPES = ("iq3_xxs", "iq1_s", "iq1_m")
+FILE_ONLY_DTYPES = ("iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 AMX_DTYPES = tuple(n for n, d in CPU_DTYPES.items() if "amx" in d.isas)  # the dtypes with an AMX path
 
 

@@ -30,11 +30,12 @@ from .topology import Topology
 DTYPES = {name: d.code for name, d in CPU_DTYPES.items()}  # cpu_kernels.dtypes: the one table
 # the block formats: one scale (or exponent, or head) per block, activation block sums per 32 values
 _BLOCK_DTYPES = ("mxfp4", "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "iq2_xxs", "iq3_xxs",
-                 "iq1_s", "iq1_m")
+                 "iq3_s", "iq1_s", "iq1_m")
 # the super-block formats' head bytes per 256 values
 _HEAD_BYTES = {"q2_k": quant.Q2_K_HEAD_BYTES, "q3_k": quant.Q3_K_HEAD_BYTES, "q4_k": quant.Q4_K_HEAD_BYTES,
                "q5_k": quant.Q5_K_HEAD_BYTES, "q6_k": quant.Q6_K_HEAD_BYTES, "iq4_xs": quant.IQ4_XS_HEAD_BYTES,
-               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES, "iq3_xxs": quant.IQ3_XXS_HEAD_BYTES, "iq1_s": quant.IQ1_S_HEAD_BYTES,
+               "iq2_xxs": quant.IQ2_XXS_HEAD_BYTES, "iq3_xxs": quant.IQ3_XXS_HEAD_BYTES,
+               "iq3_s": quant.IQ3_S_HEAD_BYTES, "iq1_s": quant.IQ1_S_HEAD_BYTES,
                "iq1_m": quant.IQ1_M_HEAD_BYTES}
 log = logging.getLogger("cpu_kernels")
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -232,6 +233,14 @@ class _IQ3X(_SuperBlocks):
     SRC = _native.PACK_SRC_IQ3_XXS
 
 
+class _IQ3S(_SuperBlocks):
+    """IQ3_S: fp16 d + 64 bytes of codebook index low bits, 8 of their 9th bits, 32 of sign bits, 4 of scales per 256
+    values."""
+
+    TYPE, BYTES, DTYPE, PARTS, D_AT = "IQ3_S", quant.IQ3_S_BLOCK_BYTES, "iq3_s", quant.iq3_s_parts, slice(0, 2)
+    SRC = _native.PACK_SRC_IQ3_S
+
+
 class _IQ1S(_SuperBlocks):
     """IQ1_S: fp16 d + 32 bytes of codebook index low bits + 8 uint16 of their high bits, scales and delta signs per
     256 values."""
@@ -252,7 +261,7 @@ class _IQ1M(_SuperBlocks):
         return quant.iq1_m_d(heads)
 
 
-_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ3X, _IQ1S, _IQ1M)
+_SUPER_BLOCKS = (_Q2K, _Q3K, _Q4K, _Q5K, _Q6K, _IQ4, _IQ2X, _IQ3X, _IQ3S, _IQ1S, _IQ1M)
 
 
 _BLOCK_SOURCES = (_Mx4, _Q40, _Q80, *_SUPER_BLOCKS)  # weights kept in a block format of their own, never staged in floats
@@ -264,7 +273,7 @@ _AS_Q8_0 = {"Q5_0": quant.q8_0_blocks_from_q5_0, "IQ4_NL": quant.q8_0_blocks_fro
 def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
     """A GGUF tensor's expert blocks as a weight source CpuMoE packs without de-quantizing them: raw uint8
     [E, R, K/32, bytes per block] (a view of the file: no copy) of ggml_type "Q4_0" (dtype q4_0, or int4 with
-    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ3_XXS" (dtype iq3_xxs; [E, R, K/256, 98]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]), "IQ1_M" (dtype iq1_m; [E, R, K/256, 56]) or
+    group_size 32), "Q8_0" (dtype q8_0), "Q4_K" (dtype q4_k; [E, R, K/256, 144]), "Q5_K" (dtype q5_k; [E, R, K/256, 176]), "Q2_K" (dtype q2_k; [E, R, K/256, 84]), "Q3_K" (dtype q3_k; [E, R, K/256, 110]), "Q6_K" (dtype q6_k; [E, R, K/256, 210]), "IQ4_XS" (dtype iq4_xs; [E, R, K/256, 136]), "IQ2_XXS" (dtype iq2_xxs; [E, R, K/256, 66]), "IQ3_XXS" (dtype iq3_xxs; [E, R, K/256, 98]), "IQ3_S" (dtype iq3_s; [E, R, K/256, 110]), "IQ1_S" (dtype iq1_s; [E, R, K/256, 50]), "IQ1_M" (dtype iq1_m; [E, R, K/256, 56]) or
     "MXFP4" (dtype mxfp4), or "Q5_0" / "IQ4_NL" (dtype q8_0: their values are Q8_0 blocks' with the same fp16 d, so
     they are converted to Q8_0's bytes, a copy of 34 bytes a block for 22 / 18, quant.q8_0_blocks_from_q5_0 /
     _iq4_nl). Sliceable like [E, R, K] (a fused gate_up's row halves are two views)."""
@@ -285,7 +294,7 @@ def gguf_blocks(name: str, raw: torch.Tensor, ggml_type: str):
                              f"{tuple(raw.shape)}")
         return _Mx4(name, raw[..., 1:], raw[..., 0], order="gguf")
     raise ValueError(f"{name}: no CPU executor format holds GGUF {ggml_type} blocks as they are (Q4_0, Q8_0, "
-                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M, MXFP4; Q5_0 and IQ4_NL as "
+                     "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, MXFP4; Q5_0 and IQ4_NL as "
                      "Q8_0)")
 
 
@@ -856,6 +865,16 @@ class CpuMoE:
         return cls._from_gguf(_IQ3X, (gate, up, down), {"dtype": "iq3_xxs"}, kwargs)
 
     @classmethod
+    def from_iq3_s(cls, gate, up, down, **kwargs) -> "CpuMoE":
+        """The executor over GGUF IQ3_S experts, packed as iq3_s without de-quantizing them: the file's d, qs, qh,
+        signs and scales are iq3_s's bytes exactly (cpu_kernels.quant, module doc).
+
+        gate, up: raw blocks uint8 [E, F, D/256, 110]; down: [E, D, F/256, 110] (views of the file, any strides).
+        kwargs: CpuMoE's; dtype, if given, must be "iq3_s".
+        """
+        return cls._from_gguf(_IQ3S, (gate, up, down), {"dtype": "iq3_s"}, kwargs)
+
+    @classmethod
     def from_iq1_s(cls, gate, up, down, **kwargs) -> "CpuMoE":
         """The executor over GGUF IQ1_S experts, packed as iq1_s without de-quantizing them: the file's d, qs and qh are
         iq1_s's bytes exactly (cpu_kernels.quant, module doc).
@@ -934,6 +953,7 @@ class CpuMoE:
                 "iq4_xs": (quant.iq4_xs_parts, quant.quantize_iq4_xs, 128),
                 "iq2_xxs": (quant.iq2_xxs_parts, quant.quantize_iq2_xxs, quant.IQ2_XXS_VALUE_BYTES),
                 "iq3_xxs": (quant.iq3_xxs_parts, quant.quantize_iq3_xxs, quant.IQ3_XXS_VALUE_BYTES),
+                "iq3_s": (quant.iq3_s_parts, quant.quantize_iq3_s, quant.IQ3_S_VALUE_BYTES),
                 "iq1_s": (quant.iq1_s_parts, quant.quantize_iq1_s, quant.IQ1_S_VALUE_BYTES),
                 "iq1_m": (quant.iq1_m_parts, quant.quantize_iq1_m, quant.IQ1_M_VALUE_BYTES),
                 "q4_k": (quant.q4_k_parts, quant.quantize_q4_k, 128),
@@ -1272,9 +1292,9 @@ class CpuMoE:
                 qdtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
                           "q8_0": torch.int8, "q4_k": torch.uint8, "q5_k": torch.uint8, "q6_k": torch.uint8, "q2_k": torch.uint8,
                           "q3_k": torch.uint8, "iq4_xs": torch.uint8, "q4_0": torch.uint8, "iq2_xxs": torch.uint8,
-                          "iq3_xxs": torch.uint8, "iq1_s": torch.uint8, "iq1_m": torch.uint8}[dt]
+                          "iq3_xxs": torch.uint8, "iq3_s": torch.uint8, "iq1_s": torch.uint8, "iq1_m": torch.uint8}[dt]
                 cols = mm.ldk // 2 if dt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "iq4_xs") else mm.ldk // 4 * 3 if dt == "q6_k" else mm.ldk // 4 if dt in ("q2_k", "iq2_xxs") \
-                    else mm.ldk // 256 * 96 if dt in ("q3_k", "iq3_xxs") else mm.ldk // 256 * 48 if dt in ("iq1_s", "iq1_m") else mm.ldk
+                    else mm.ldk // 256 * 96 if dt in ("q3_k", "iq3_xxs") else mm.ldk // 256 * 108 if dt == "iq3_s" else mm.ldk // 256 * 48 if dt in ("iq1_s", "iq1_m") else mm.ldk
                 off = mm.w - blk.data_ptr()
                 q = blk[:, off:off + self._q_bytes(mm.rows_p, mm.ldk, 1, dt)].view(qdtype).view(self.E, mm.rows_p, cols)
                 if dt == "mxfp4":  # uint8 exponents, one per 32-value block

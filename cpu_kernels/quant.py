@@ -102,6 +102,14 @@ iq3_xxs: llama.cpp's IQ3_XXS values: rows in super-blocks of 256 values with an 
       (64 bytes of group indices, 8 per sub-block, then per sub-block a little-endian uint32 of its 4 sign indices at
       bits 7 l and ls at bits 28-31) and heads uint8 [..., R, K/256, 2], d; 3.0625 bits a weight as the file's. Rows
       are zero padded to a multiple of 256 values (d = 0). A GGUF file's blocks only: no quantizer from floats.
+iq3_s: llama.cpp's IQ3_S values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
+      4-bit scale ls, each 8 groups of 4 values with a 9-bit index into a 512-entry codebook of 4 odd magnitudes (1 to
+      15; the gguf package's table), and a sign bit per value: w = d (1 + 2 ls) x magnitude x sign. Packed as the file
+      holds a super-block's 108 bytes after d: values uint8 [..., R, K/256 * 108] (64 bytes of the indices' low 8
+      bits, then 8 bytes of their 9th bits, bit j of byte ib for group 8 ib + j; 32 bytes of sign bits, bit j of byte
+      i for value 8 i + j; 4 bytes of scales, sub-block 2 i's in byte i's low nibble, 2 i + 1's in its high one) and
+      heads uint8 [..., R, K/256, 2], d; 3.4375 bits a weight as the file's. Rows are zero padded to a multiple of 256
+      values (d = 0). A GGUF file's blocks only: no quantizer from floats.
 iq1_s: llama.cpp's IQ1_S values: rows in super-blocks of 256 values with an fp16 d, each 8 sub-blocks of 32 with a
       3-bit scale ls and a delta sign, each 4 groups of 8 values with an 11-bit index into a 2048-entry codebook of 8
       values in {-1, 0, 1} (IQ1_GRID, the gguf package's table, which IQ1_M shares): w = d (2 ls + 1) (g + delta),
@@ -137,6 +145,7 @@ GGUF blocks held exactly (a GGUF file's experts repacked without de-quantizing t
       layout, values j and 32 + j of each 64 in byte j).
   IQ2_XXS: 66 bytes per 256 values, d then the 64 bytes of qs: iq2_xxs above exactly (iq2_xxs_parts).
   IQ3_XXS: 98 bytes per 256 values, d then the 96 bytes of qs: iq3_xxs above exactly (iq3_xxs_parts).
+  IQ3_S: 110 bytes per 256 values, d then qs, qh, the signs and the scales: iq3_s above exactly (iq3_s_parts).
   IQ1_S: 50 bytes per 256 values, d then qs and qh: iq1_s above exactly (iq1_s_parts).
   IQ1_M: 56 bytes per 256 values, qs, qh, then the scales words: iq1_m above exactly (iq1_m_parts).
   MXFP4: 17 bytes per 32 values, the e8m0 exponent then 16 bytes whose low nibbles are values 0-15 and high
@@ -628,7 +637,7 @@ def q3_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_parts(raw: torch.Tensor, kind: str, block: int, hbytes: int, head_first: bool) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
-    """GGUF blocks of `block` bytes: an `hbytes` head and the values, the head first (Q4_K, IQ2_XXS, IQ3_XXS, IQ1_S) or last
+    """GGUF blocks of `block` bytes: an `hbytes` head and the values, the head first (Q4_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S) or last
     (Q3_K, Q6_K, IQ1_M) -> (values uint8 [..., R, G * (block - hbytes)], heads uint8 [..., R, G, hbytes]), the
     bytes as the file holds them."""
     if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] != block:
@@ -786,7 +795,8 @@ def _iq_grid(kind: str) -> torch.Tensor:
 
 def iq_grid_bytes(kind: str) -> bytes:
     """The codebook the compiled kernels read (csrc/hy.h IqGrids, set at load by _native): iq2_xxs 256 entries of 8
-    bytes, each the magnitude of one value (8, 25 or 43); iq3_xxs 256 entries of 4 (4 to 62); iq1 (IQ1_S's and
+    bytes, each the magnitude of one value (8, 25 or 43); iq3_xxs 256 entries of 4 (4 to 62); iq3_s 512 entries of 4
+    (1 to 15); iq1 (IQ1_S's and
     IQ1_M's) 2048 entries of 8 int8 values (-1, 0 or 1); the entry's first value first."""
     return _iq_grid(kind).to(torch.int8).numpy().tobytes()
 
@@ -904,6 +914,39 @@ def iq3_xxs_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _block_parts(raw, "IQ3_XXS", IQ3_XXS_BLOCK_BYTES, IQ3_XXS_HEAD_BYTES, head_first=True)
 
 
+IQ3_S_HEAD_BYTES = 2  # fp16 d
+IQ3_S_VALUE_BYTES = 108  # qs (64), qh (8), signs (32), scales (4)
+IQ3_S_BLOCK_BYTES = 110  # GGUF IQ3_S: d, then the values
+
+
+def dequantize_iq3_s(values: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """(values uint8 [..., R, K/256 * 108], heads uint8 [..., R, K/256, 2]) -> fp32 [..., R, K], as
+    gguf.quants.dequantize computes IQ3_S: d (1 + 2 ls) x magnitude x sign per 4 values (module doc)."""
+    *lead, B = values.shape
+    G, dev = B // IQ3_S_VALUE_BYTES, values.device
+    v = values.reshape(*lead, G, IQ3_S_VALUE_BYTES)
+    bit8 = torch.arange(8, device=dev)
+    qh = ((v[..., 64:72, None] >> bit8) & 1).reshape(*lead, G, 64)  # the 9th bit of each index
+    idx = v[..., :64].long() | (qh.long() << 8)
+    neg = ((v[..., 72:104, None] >> bit8) & 1).reshape(*lead, G, 8, 32)  # [.., G, sub-block, value]
+    ls = ((v[..., 104:108, None] >> torch.tensor([0, 4], device=dev)) & 0x0F).reshape(*lead, G, 8)
+    d = heads[..., 0:2].contiguous().view(torch.float16).float()  # [.., G, 1]
+    db = d * (1 + 2 * ls).float()  # [.., G, 8]
+    mags = _iq_grid("iq3_s").to(dev)[idx].reshape(*lead, G, 8, 32)
+    return (db[..., None] * mags * (1.0 - 2.0 * neg.float())).reshape(*lead, G * QK_K)
+
+
+def quantize_iq3_s(w: torch.Tensor):
+    """Refused: IQ3_S's values come from llama.cpp's importance-weighted codebook search (module doc)."""
+    raise ValueError(FILE_ONLY_MESSAGE.format(dtype="iq3_s", type="IQ3_S"))
+
+
+def iq3_s_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ3_S blocks raw uint8 [..., R, G, 110] (any strides) -> (values uint8 [..., R, G * 108], heads uint8
+    [..., R, G, 2]): iq3_s's bytes as the file holds them (module doc)."""
+    return _block_parts(raw, "IQ3_S", IQ3_S_BLOCK_BYTES, IQ3_S_HEAD_BYTES, head_first=True)
+
+
 IQ1_S_HEAD_BYTES = 2  # fp16 d
 IQ1_S_VALUE_BYTES = 48  # qs (the low 8 bits of 32 group indices), then qh (8 uint16; module doc)
 IQ1_S_BLOCK_BYTES = 50  # GGUF IQ1_S: d, qs, qh
@@ -997,7 +1040,7 @@ def packed_dequantizers() -> dict:
     return {"int8": dequantize_int8, "mxfp4": dequantize_mxfp4_packed, "q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0_packed,
             "q2_k": dequantize_q2_k, "q3_k": dequantize_q3_k, "q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k,
             "q6_k": dequantize_q6_k, "iq4_xs": dequantize_iq4_xs, "iq2_xxs": dequantize_iq2_xxs,
-            "iq3_xxs": dequantize_iq3_xxs, "iq1_s": dequantize_iq1_s, "iq1_m": dequantize_iq1_m_packed}
+            "iq3_xxs": dequantize_iq3_xxs, "iq3_s": dequantize_iq3_s, "iq1_s": dequantize_iq1_s, "iq1_m": dequantize_iq1_m_packed}
 
 
 def mxfp4_pairs_from_gguf(qs: torch.Tensor) -> torch.Tensor:

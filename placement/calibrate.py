@@ -168,7 +168,7 @@ def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_byte
     executor's threads, q4_k's torch quantizer) over a page-cached safetensors file's memory-mapped experts of this
     shape (as many as
     source_bytes hold, at least 2), and for mxfp4 CpuMoE.from_mxfp4 over blocks in the published layout (it has no
-    compiled packer: torch re-orders the codes), for iq2_xxs, iq3_xxs, iq1_s and iq1_m CpuMoE.from_<dtype> over random
+    compiled packer: torch re-orders the codes), for iq2_xxs, iq3_xxs, iq3_s, iq1_s and iq1_m CpuMoE.from_<dtype> over random
     GGUF blocks (a file's blocks copied, what these dtypes mostly pack; iq2_xxs's quantizer from floats is slower:
     _file_only_pack_rate). The packed copy rate: the bf16 executor's packed bytes, written
     to a file that stays in the page cache, memory-mapped and copied back by CpuMoE.from_packed as the packed
@@ -205,20 +205,20 @@ def measure_pack_rates(hidden: int, intermediate: int, folder: Path, source_byte
             seconds.append(time.perf_counter() - t0)
         rates["mxfp4"] = reps * weights / sum(seconds)
         del pairs
-    for dtype in ("iq2_xxs", "iq3_xxs", "iq1_s", "iq1_m"):
+    for dtype in ("iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"):
         rates[dtype] = _file_only_pack_rate(dtype, D, F, source_bytes, reps)
     release_free_memory()
     return rates, _packed_copy_rate(_pack_views(path, E, "bf16")[0], folder / "packed.bin", reps)
 
 
 # a file-only dtype -> the bytes of its GGUF block per 256 values, the byte holding its fp16 d's top exponent bits and
-# the mask that keeps d finite (IQ2_XXS, IQ3_XXS, IQ1_S: d the first two bytes; IQ1_M: d's bits 12-15 the last byte's top nibble)
-_FILE_ONLY_BLOCKS = {"iq2_xxs": (66, 1, 0x3B), "iq3_xxs": (98, 1, 0x3B), "iq1_s": (50, 1, 0x3B),
-                     "iq1_m": (56, 55, 0xBF)}
+# the mask that keeps d finite (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S: d the first two bytes; IQ1_M: d's bits 12-15 the last byte's top nibble)
+_FILE_ONLY_BLOCKS = {"iq2_xxs": (66, 1, 0x3B), "iq3_xxs": (98, 1, 0x3B), "iq3_s": (110, 1, 0x3B),
+                     "iq1_s": (50, 1, 0x3B), "iq1_m": (56, 55, 0xBF)}
 
 
 def _file_only_pack_rate(dtype: str, D: int, F: int, source_bytes: int, reps: int) -> float:
-    """Bytes/s (as bf16 weights) of CpuMoE.from_<dtype> (iq2_xxs, iq3_xxs, iq1_s, iq1_m) over random GGUF blocks of its type of this
+    """Bytes/s (as bf16 weights) of CpuMoE.from_<dtype> (iq2_xxs, iq3_xxs, iq3_s, iq1_s, iq1_m) over random GGUF blocks of its type of this
     shape (D and F rounded up to whole 256-value super-blocks): the compiled packer's copy of a file's blocks, the only
     way into that dtype."""
     import cpu_kernels

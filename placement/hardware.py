@@ -242,13 +242,14 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
 # step): NOT measured, round figures for a many-core server with a PCIe 4.0 NVMe drive. Disk: 2 GB/s sequential
 # read, 1 GB/s write with fsync. Packer: the compiled packer (bf16, int8, int4, q8_0, q4_0) at 2 / 2 / 1.5 / 2 / 2 GB/s
 # of bf16 weights, iq4_xs (its codebook search per value) at 1, mxfp4 (published blocks re-ordered with torch) and the K-quants (torch's quantizers) at 0.3,
-# iq2_xxs, iq3_xxs, iq1_s and iq1_m (a GGUF file's blocks copied by the compiled packer; iq2_xxs's quantizer from floats, a
+# iq2_xxs, iq3_xxs, iq3_s, iq1_s and iq1_m (a GGUF file's blocks copied by the compiled packer; iq2_xxs's quantizer from floats, a
 # codebook search in torch, is slower) at 2; packed copy-back
 # 5 GB/s. Every CPU dtype of cpu_kernels.dtypes has one. placement/load_time.py says "defaults, not measured"
 # whenever it prices with them.
 LOAD_DEFAULTS = dict(pack_rates={"bf16": 2e9, "int8": 2e9, "int4": 1.5e9, "mxfp4": 0.3e9, "q8_0": 2e9, "q4_0": 2e9,
                                  "q4_k": 0.3e9, "q5_k": 0.3e9, "q6_k": 0.3e9, "q2_k": 0.3e9, "q3_k": 0.3e9, "iq4_xs": 1e9,
-                                 "iq2_xxs": 2e9, "iq3_xxs": 2e9, "iq1_s": 2e9, "iq1_m": 2e9},
+                                 "iq2_xxs": 2e9, "iq3_xxs": 2e9, "iq3_s": 2e9, "iq1_s": 2e9,
+                                 "iq1_m": 2e9},
                      packed_copy_bw=5e9, disk_read_bw=2e9, disk_write_bw=1e9)
 _PAPER = dict(dram_bw=220e9, gpu_flops=156e12, hbm_bw=778e9, link_bw=25e9, alpha=5e-6, **LOAD_DEFAULTS,
               machine={"cpu": "Xeon Platinum 8452Y (1 socket)", "gpu": "A100 40GB PCIe",

@@ -30,7 +30,7 @@ GPU (VRAM):
 
 DRAM: every expert, packed in the CPU dtype (cpu_kernels.CpuMoE: rows and K padded, int8 per-row scales
 and row sums, int4 group scales, mxfp4 one exponent byte per 32 values, q8_0 and q4_0 one fp16 scale per 32, q4_k a 16-byte
-head per 256, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte one, q3_k a 14-byte one, iq4_xs an 8-byte one, iq2_xxs, iq3_xxs and iq1_s a 2-byte one, iq1_m an 8-byte one), including the resident ones: the runtime keeps one packed copy of
+head per 256, q5_k a 48-byte one, q6_k an 18-byte one, q2_k a 20-byte one, q3_k a 14-byte one, iq4_xs an 8-byte one, iq2_xxs, iq3_xxs, iq3_s and iq1_s a 2-byte one, iq1_m an 8-byte one), including the resident ones: the runtime keeps one packed copy of
 every expert so that eviction and re-placement never reload from disk; plus the CPU lanes' pinned
 activation buffers.
 
@@ -96,7 +96,7 @@ def _align(v: int, a: int) -> int:
 
 def _kpad(cpu_dtype: str, group: int) -> int:
     return max(64, group) if cpu_dtype == "int4" else 256 if cpu_dtype in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
-                                                                               "iq2_xxs", "iq3_xxs", "iq1_s", "iq1_m") else 64  # CpuMoE._kpad
+                                                                               "iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m") else 64  # CpuMoE._kpad
 
 
 def f_slices(F: int, node_threads: list[int], cpu_dtype: str = "bf16", group: int = INT4_GROUP) -> list[tuple[int, int]]:
@@ -143,6 +143,8 @@ def packed_matrix_bytes(rows: int, k: int, cpu_dtype: str, row_align: int, group
         return rows_p * ldk // 4 + rows_p * (ldk // 256) * 2  # 64 bytes of qs, fp16 d per 256: 0.2578 B
     if cpu_dtype == "iq3_xxs":
         return rows_p * (ldk // 256) * 98  # 96 bytes of qs, fp16 d per 256: 0.3828 B
+    if cpu_dtype == "iq3_s":
+        return rows_p * (ldk // 256) * 110  # 108 bytes of qs, qh, signs and scales, fp16 d per 256: 0.4297 B
     if cpu_dtype == "iq1_s":
         return rows_p * (ldk // 256) * 50  # 48 bytes of qs and qh, fp16 d per 256: 0.1953 B
     if cpu_dtype == "iq1_m":

@@ -13,6 +13,8 @@ emulated AMX build, and GGUF blocks of those types packed as they are:
       from floats run the others, and the file-only formats have block-based tests of their own);
   iq3_xxs: per 4 values an index into a 256-entry codebook of magnitudes, per 8 values 7 sign bits, a 4-bit scale per
       32 and an fp16 d per 256 (IQ3_XXS), file-only likewise;
+  iq3_s: per 4 values a 9-bit index into a 512-entry codebook of odd magnitudes, a sign bit per value, a 4-bit scale
+      per 32 and an fp16 d per 256 (IQ3_S), file-only likewise;
   iq1_s: per 8 values an 11-bit index into a 2048-entry codebook of values in {-1, 0, 1}, a 3-bit scale and a delta
       sign per 32 and an fp16 d per 256 (IQ1_S), file-only likewise;
   iq1_m: IQ1_S's codebook indices with a delta sign per 8 values, a 3-bit scale per 16 and an fp16 d per 256 spread
@@ -108,7 +110,7 @@ def iq4_raw(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 def d_first_raw(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """(values uint8 [..., K/256 * n], heads [..., K/256, 2]) -> GGUF blocks uint8 [..., K/256, 2 + n], d then the
-    values: IQ2_XXS (n 64: qs), IQ3_XXS (96: qs), IQ1_S (48: qs and qh)."""
+    values: IQ2_XXS (n 64: qs), IQ3_XXS (96: qs), IQ3_S (108: qs, qh, signs, scales), IQ1_S (48: qs and qh)."""
     return torch.cat([h, v.reshape(*h.shape[:-1], -1)], -1).contiguous()
 
 
@@ -149,6 +151,8 @@ FORMATS = {
                    quant.iq2_xxs_parts, d_first_raw, CpuMoE.from_iq2_xxs, "IQ2_XXS"),
     "iq3_xxs": Fmt("iq3_xxs", 256, 98, 768, 512, 0.3828125, quant.quantize_iq3_xxs, quant.dequantize_iq3_xxs,
                    quant.iq3_xxs_parts, d_first_raw, CpuMoE.from_iq3_xxs, "IQ3_XXS"),
+    "iq3_s": Fmt("iq3_s", 256, 110, 768, 512, 0.4296875, quant.quantize_iq3_s, quant.dequantize_iq3_s,
+                 quant.iq3_s_parts, d_first_raw, CpuMoE.from_iq3_s, "IQ3_S"),
     "iq1_s": Fmt("iq1_s", 256, 50, 768, 512, 0.1953125, quant.quantize_iq1_s, quant.dequantize_iq1_s,
                  quant.iq1_s_parts, d_first_raw, CpuMoE.from_iq1_s, "IQ1_S"),
     "iq1_m": Fmt("iq1_m", 256, 56, 768, 512, 0.21875, quant.quantize_iq1_m, quant.dequantize_iq1_m_packed,
@@ -197,7 +201,7 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
     over 2^-16 .. 2^-8; q2_k every 2-bit value and every 4-bit scale and minimum, d and dmin likewise; q3_k every
     3-bit value (every hmask bit) and every 6-bit scale, d of either sign likewise; iq4_xs every index and every 6-bit
     scale (both signs of ls - 32), d likewise; iq2_xxs random qs bytes (every codebook index, sign index and 4-bit
-    scale), d of either sign likewise; iq3_xxs likewise; iq1_s random qs and qh bytes (every codebook index, 3-bit scale and delta
+    scale), d of either sign likewise; iq3_xxs and iq3_s likewise; iq1_s random qs and qh bytes (every codebook index, 3-bit scale and delta
     sign), d of either sign likewise; iq1_m random qs and qh bytes (every codebook index and delta sign), random 3-bit
     scales, d of either sign likewise written into the scales words' top nibbles."""
     f, d = f or fmt.F, d or fmt.D
@@ -222,7 +226,7 @@ def random_blocks(fmt, seed, e=E, f=None, d=None):
             dd = (2.0 ** torch.randint(-16, -8, (*shape[:2], G, 2), generator=g) *
                   (1 + torch.rand(*shape[:2], G, 2, generator=g))).half()
             raws.append(q2k_raw(v, torch.cat([sc, dd.view(torch.uint8)], -1)))
-        elif fmt.name in ("iq2_xxs", "iq3_xxs", "iq1_s"):  # d, then random bytes
+        elif fmt.name in ("iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s"):  # d, then random bytes
             qs = torch.randint(0, 256, (*shape[:2], G, fmt.block_bytes - 2), dtype=torch.uint8, generator=g)
             dd = ((2.0 ** torch.randint(-16, -8, (*shape[:2], G, 1), generator=g) *
                    (1 + torch.rand(*shape[:2], G, 1, generator=g))) *
@@ -473,9 +477,10 @@ def test_iq4_xs_quantize_roundtrip_and_format():
 
 
 @pytest.mark.parametrize("fmt, at", [("q4_0", 0), ("q4_k", 2), ("q5_k", 0), ("q6_k", 208), ("q2_k", 82), ("q3_k", 108),
-                                     ("iq4_xs", 0), ("iq2_xxs", 0), ("iq3_xxs", 0), ("iq1_s", 0), ("iq1_m", None)],
+                                     ("iq4_xs", 0), ("iq2_xxs", 0), ("iq3_xxs", 0), ("iq3_s", 0), ("iq1_s", 0),
+                                     ("iq1_m", None)],
                          ids=["q4_0-d", "q4_k-dmin", "q5_k-d", "q6_k-d", "q2_k-dmin", "q3_k-d", "iq4_xs-d", "iq2_xxs-d",
-                              "iq3_xxs-d", "iq1_s-d", "iq1_m-d"])
+                              "iq3_xxs-d", "iq3_s-d", "iq1_s-d", "iq1_m-d"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_quant_blocks_refuse_a_non_finite_scale_on_the_torch_packer(fmt, at, isa):
     """K-quant blocks copied by the PyTorch packer (packer="torch"; the compiled one is tested above): the same bytes
@@ -511,6 +516,7 @@ def test_gguf_bytes_and_gguf_py_dequantization(fmt):
 
 IQ_FIELDS = {"iq2_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16)),
              "iq3_xxs": (("codebook index", 256), ("sign index", 128), ("scale", 16)),
+             "iq3_s": (("codebook index", 512), ("sign", 2), ("scale", 16)),
              "iq1_s": (("codebook index", 2048), ("scale", 8), ("delta sign", 2)),
              "iq1_m": (("codebook index", 2048), ("scale", 8), ("delta sign", 2), ("d sign", 2))}
 
@@ -530,6 +536,11 @@ def iq_fields(fmt: str, raw: torch.Tensor) -> list[torch.Tensor]:
         qh = qh[..., 0] | qh[..., 1] << 8
         idx = raw[..., 2:34].reshape(*raw.shape[:-1], 8, 4).long() | ((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7) << 8
         return [idx, (qh >> 12) & 7, qh >> 15]
+    if fmt == "iq3_s":
+        bit8 = torch.arange(8)
+        hi = ((raw[..., 66:74, None].long() >> bit8) & 1).reshape(*raw.shape[:-1], 64)
+        nib = (raw[..., 106:110, None].long() >> torch.tensor([0, 4])) & 15
+        return [raw[..., 2:66].long() | hi << 8, (raw[..., 74:106, None].long() >> bit8) & 1, nib]
     if fmt == "iq3_xxs":
         idx, words = raw[..., 2:66].long(), raw[..., 66:].reshape(*raw.shape[:-1], 8, 4).long()
     else:
@@ -741,7 +752,8 @@ def test_packed_weights_are_the_file_values(fmt, isa):
             assert torch.equal(held[:, :rows, :k], want) and not held[:, rows:].any() and not held[:, :, k:].any()
             blocks = raw[cut] if name != "down" else raw[:, :, f0 // fm.block:f1 // fm.block]
             cols = {"q4_0": k // 2, "q4_k": k // 2, "q5_k": k // 2, "iq4_xs": k // 2, "q6_k": k // 4 * 3, "q2_k": k // 4,
-                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4, "iq3_xxs": k // 256 * 96, "iq1_s": k // 256 * 48,
+                    "q3_k": k // 256 * 96, "iq2_xxs": k // 4, "iq3_xxs": k // 256 * 96, "iq3_s": k // 256 * 108,
+                    "iq1_s": k // 256 * 48,
                     "iq1_m": k // 256 * 48}.get(fmt, k)  # the q bytes of k values
             got = fm.to_raw(p["q"][:, :rows, :cols], p["scale"][:, :rows, :k // fm.block])
             assert torch.equal(got, blocks)  # the file's bytes, regrouped
@@ -796,7 +808,7 @@ def test_refusals(fmt, isa):
         CpuMoE(src, other, floats(fm, e=2)[2], dtype=fmt, isa=isa)
     with pytest.raises(ValueError, match=f"on {fm.block}-value blocks"):
         src[:, :, fm.block // 2:]
-    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M, MXFP4"):
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, MXFP4"):
         moe_mod.gguf_blocks("w", raws[0], "Q5_1")
 
 
@@ -833,9 +845,9 @@ def test_planner_prices_the_format_at_its_bytes(fmt):
 
 @pytest.mark.parametrize("fmt, at", [("q8_0", 0), ("q4_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 0), ("q5_k", 2),
                                      ("q6_k", 208), ("q2_k", 80), ("q2_k", 82), ("q3_k", 108), ("iq4_xs", 0),
-                                     ("iq2_xxs", 0), ("iq3_xxs", 0), ("iq1_s", 0), ("iq1_m", None)],
+                                     ("iq2_xxs", 0), ("iq3_xxs", 0), ("iq3_s", 0), ("iq1_s", 0), ("iq1_m", None)],
                          ids=["q8_0-d", "q4_0-d", "q4_k-d", "q4_k-dmin", "q5_k-d", "q5_k-dmin", "q6_k-d", "q2_k-d", "q2_k-dmin",
-                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d", "iq3_xxs-d", "iq1_s-d", "iq1_m-d"])
+                              "q3_k-d", "iq4_xs-d", "iq2_xxs-d", "iq3_xxs-d", "iq3_s-d", "iq1_s-d", "iq1_m-d"])
 @pytest.mark.parametrize("isa", COMPILED)
 def test_compiled_packer_copies_blocks_and_refuses_a_non_finite_scale(fmt, at, isa):
     """GGUF blocks go through the compiled packer (a copy on the node's threads), and a block whose fp16 d (q4_k:
@@ -907,7 +919,8 @@ def check_down_beside(moe, ws, fd, gate, down, isa, fused_knob, D, seed):
                                         ("iq2_xxs", "int8"), ("iq2_xxs", "iq1_s"), ("q4_k", "iq1_s"), ("q2_k", "iq1_s"),
                                         ("iq1_s", "int8"), ("iq2_xxs", "iq1_m"), ("q4_k", "iq1_m"), ("iq1_m", "int8"),
                                         ("iq1_m", "iq1_s"), ("iq3_xxs", "iq2_xxs"), ("iq2_xxs", "iq3_xxs"),
-                                        ("q4_k", "iq3_xxs"), ("iq3_xxs", "int8")])
+                                        ("q4_k", "iq3_xxs"), ("iq3_xxs", "int8"), ("iq3_s", "iq3_xxs"),
+                                        ("iq3_xxs", "iq3_s"), ("q4_k", "iq3_s")])
 @pytest.mark.parametrize("isa", ISAS + ["ref"])
 def test_a_super_block_down_beside_other_gates_and_ups(down, gate, isa, fused_knob):
     """A layer whose down is GGUF blocks kept in a format of their own (a Q3_K down as Q2_K and Q3_K_M files have

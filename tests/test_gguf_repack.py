@@ -323,11 +323,12 @@ def test_hybrid_load_computes_the_files_values(tmp_path, qwen3_ragged, caplog, k
 
 
 @pytest.mark.parametrize("kind, dtype", [(Q.Q4_K, "q4_k"), (Q.IQ4_XS, "iq4_xs"), (Q.IQ2_XXS, "iq2_xxs"),
-                                         (Q.IQ3_XXS, "iq3_xxs"), (Q.IQ1_S, "iq1_s"), (Q.IQ1_M, "iq1_m")],
-                         ids=["q4_k", "iq4_xs", "iq2_xxs", "iq3_xxs", "iq1_s", "iq1_m"])
+                                         (Q.IQ3_XXS, "iq3_xxs"), (Q.IQ3_S, "iq3_s"), (Q.IQ1_S, "iq1_s"),
+                                         (Q.IQ1_M, "iq1_m")],
+                         ids=["q4_k", "iq4_xs", "iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["split", "fused"])
 def test_hybrid_load_computes_the_files_super_block_values(tmp_path, qwen3_256, caplog, kind, dtype, fuse):
-    """As above for Q4_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ1_S and IQ1_M blocks (valid random super-blocks: every nibble,
+    """As above for Q4_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M blocks (valid random super-blocks: every nibble,
     scale and minimum; every codebook index, sign index, delta sign and scale), on experts 256 wide; the IQ types
     re-quantized into int4 go through the reference de-quantizer (cpu_kernels.quant)."""
     files_values_are_computed(tmp_path, qwen3_256, caplog, kind, dtype, fuse)
@@ -461,10 +462,12 @@ def test_mixed_layers_keep_what_the_formats_hold_and_the_log_says_why(tmp_path, 
     (Q.IQ3_XXS, Q.Q4_K, "ffn_down", "iq3_xxs",
      "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in q4_k)"),
     (Q.IQ2_XXS, Q.IQ3_XXS, "blk.1.ffn_down_exps.weight", "iq2_xxs", "layers 0, 2 repacked losslessly (the file's "
-     "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in iq3_xxs)")],
+     "blocks as they are); layers 1 repacked losslessly (the file's blocks as they are; w_down in iq3_xxs)"),
+    (Q.IQ3_S, Q.IQ3_XXS, "ffn_down", "iq3_s",
+     "layers 0-2 repacked losslessly (the file's blocks as they are; w_down in iq3_xxs)")],
     ids=["q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_xs-downs", "q4_0-down", "iq2_xxs-q4_k-downs", "iq2_xxs-q2_k-down",
          "iq1_s-iq2_xxs-downs", "iq1_s-q4_k-down", "iq1_m-iq2_xxs-downs", "iq1_m-q4_k-down", "iq3_xxs-q4_k-downs",
-         "iq2_xxs-iq3_xxs-down"])
+         "iq2_xxs-iq3_xxs-down", "iq3_s-iq3_xxs-downs"])
 def test_a_k_m_like_file_keeps_every_weight_as_the_files_blocks(tmp_path, qwen3_256, caplog, main, down_kind, down,
                                                                dtype, said):
     """Q4_K (Q5_K) gates and ups with downs in Q6_K, one layer's as Q4_K_M files keep some (every layer's, as Q5_K_M
@@ -548,12 +551,13 @@ def qwen3_256(tmp_path_factory):
     (Q.Q4_0, [], ("q4_0", 128)), (Q.MXFP4, [], ("mxfp4", 128)), (Q.Q8_0, [], ("q8_0", 128)),
     (Q.Q4_K, [], ("q4_k", 128)), (Q.Q5_K, [], ("q5_k", 128)), (Q.Q6_K, [], ("q6_k", 128)),
     (Q.Q2_K, [], ("q2_k", 128)), (Q.Q3_K, [], ("q3_k", 128)), (Q.IQ4_XS, [], ("iq4_xs", 128)),
-    (Q.IQ2_XXS, [], ("iq2_xxs", 128)), (Q.IQ3_XXS, [], ("iq3_xxs", 128)), (Q.IQ1_S, [], ("iq1_s", 128)),
+    (Q.IQ2_XXS, [], ("iq2_xxs", 128)), (Q.IQ3_XXS, [], ("iq3_xxs", 128)), (Q.IQ3_S, [], ("iq3_s", 128)),
+    (Q.IQ1_S, [], ("iq1_s", 128)),
     (Q.IQ1_M, [], ("iq1_m", 128)),
     ("mixed", [], ("q4_k", 128)), (Q.F32, [], ("bf16", 128)),
     (Q.Q4_0, ["--cpu-dtype", "int8"], ("int8", 128)), (Q.Q4_0, ["--cpu-dtype", "int4", "--int4-group", "32"], ("int4", 32)),
     (Q.Q4_K, ["--cpu-dtype", "bf16"], ("bf16", 128))],
-    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq3_xxs", "iq1_s", "iq1_m", "mixed", "f32", "asked-int8",
+    ids=["q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mixed", "f32", "asked-int8",
          "asked-group", "asked-bf16"])
 def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog, kind, argv, want):
     """Without --cpu-dtype a GGUF file's CPU experts take the format nearest the type of most of its expert bytes
@@ -578,7 +582,7 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
         assert not said  # the user's choice, or bf16 as for any checkpoint: nothing to say
     else:  # (the file's blocks kept where all are of one type: every block type here has a format of its own)
         exact = kind in (Q.Q4_0, Q.MXFP4, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS,
-                        Q.IQ1_S, Q.IQ1_M)
+                        Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
         how = "the file's blocks as they are" if exact else "re-quantized from the file's values"
         fmt = f"int4 group {want[1]}" if want[0] == "int4" else want[0]
         what = "mostly Q4_K" if kind == "mixed" else f"all {kind.name}"
@@ -590,13 +594,13 @@ def test_default_cpu_dtype_follows_the_files_blocks(tmp_path, qwen3_256, caplog,
 
 # the GGUF types no CPU format holds -> the format a file of them defaults to (repack.NEAREST: the smallest of at
 # least their bits with a quantizer from floats)
-UNHELD = {Q.IQ3_S: "q3_k", Q.IQ2_XS: "q2_k", Q.IQ2_S: "q2_k", Q.TQ2_0: "iq2_xxs", Q.TQ1_0: "iq2_xxs"}
+UNHELD = {Q.IQ2_XS: "q2_k", Q.IQ2_S: "q2_k", Q.TQ2_0: "iq2_xxs", Q.TQ1_0: "iq2_xxs"}
 
 
 @pytest.mark.parametrize("kind", list(UNHELD), ids=lambda t: t.name)
 def test_a_type_no_format_holds_defaults_to_its_nearest_format(tmp_path, qwen3_256, caplog, kind):
-    """Without --cpu-dtype a file whose experts are all of a type no CPU format holds (IQ3_S, IQ2_XS, IQ2_S, TQ2_0,
-    TQ1_0) takes repack.NEAREST's format for it, and the line before loading says the values are re-quantized."""
+    """Without --cpu-dtype a file whose experts are all of a type no CPU format holds (IQ2_XS, IQ2_S, TQ2_0, TQ1_0)
+    takes repack.NEAREST's format for it, and the line before loading says the values are re-quantized."""
     from hybrid.cli import build_parser
     from hybrid.loading.check import check_before_load
     from hybrid.loading.parse import session_config_from_args
@@ -612,9 +616,9 @@ def test_a_type_no_format_holds_defaults_to_its_nearest_format(tmp_path, qwen3_2
                     "re-quantized from the file's values (--cpu-dtype chooses one for all)"]
 
 
-@pytest.mark.parametrize("kind", [Q.IQ3_S, Q.IQ2_XS, Q.TQ1_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", [Q.IQ2_S, Q.IQ2_XS, Q.TQ1_0], ids=lambda t: t.name)
 def test_a_type_no_format_holds_loads_re_quantized_into_its_nearest_format(tmp_path, qwen3_256, caplog, kind):
-    """IQ3_S (IQ2_XS, TQ1_0) experts (valid random blocks) load into their default format, q3_k (q2_k, iq2_xxs): every
+    """IQ2_S (IQ2_XS, TQ1_0) experts (valid random blocks) load into their default format, q2_k (q2_k, iq2_xxs): every
     layer de-quantized (bit for bit gguf-py's values) and re-quantized, the load's line naming why; the executor holds
     the format's quantization of the file's values."""
     from hybrid.models.gguf.repack import NEAREST
@@ -899,9 +903,10 @@ def test_a_dequantized_gguf_layer_is_read_a_chunk_of_experts_at_a_time(tmp_path,
                                              (Q.Q4_K, "q4_k", 2), (Q.Q5_K, "q5_k", 2), (Q.Q6_K, "q6_k", 208),
                                              (Q.Q2_K, "q2_k", 82), (Q.Q3_K, "q3_k", 108), (Q.IQ4_XS, "iq4_xs", 0),
                                              (Q.IQ2_XXS, "iq2_xxs", 0), (Q.IQ3_XXS, "iq3_xxs", 0), (Q.IQ1_S, "iq1_s", 0),
-                                             (Q.IQ1_M, "iq1_m", None), (Q.MXFP4, "mxfp4", 0)],
+                                             (Q.IQ3_S, "iq3_s", 0), (Q.IQ1_M, "iq1_m", None), (Q.MXFP4, "mxfp4", 0)],
                          ids=["q4_0-d", "q8_0-d", "q4_k-d", "q4_k-dmin", "q5_k-dmin", "q6_k-d", "q2_k-dmin", "q3_k-d",
-                              "iq4_xs-d", "iq2_xxs-d", "iq3_xxs-d", "iq1_s-d", "iq1_m-d", "mxfp4-exponent"])
+                              "iq4_xs-d", "iq2_xxs-d", "iq3_xxs-d", "iq1_s-d", "iq3_s-d", "iq1_m-d",
+                              "mxfp4-exponent"])
 def test_blocks_kept_as_they_are_refuse_a_non_finite_scale(tmp_path, qwen3_256, kind, dtype, at):
     """A file whose expert blocks would be repacked as they are, with one block's scale made NaN (Q4_K: its d or its
     dmin, Q5_K likewise; Q6_K: its d, the block's last two bytes; Q2_K: its dmin, the last two; Q3_K: its d, the last two; IQ4_XS: its d, the first two; IQ1_M: its d, the top nibbles of its
@@ -952,18 +957,18 @@ def test_a_mixed_files_restart_copies_each_layers_own_format(tmp_path, qwen3_256
     assert len(folders(tmp_path / "hycache" / "packed")) == 2
 
 
-@pytest.mark.parametrize("down", [Q.IQ3_S, Q.F32], ids=["iq3_s", "f32"])
+@pytest.mark.parametrize("down", [Q.IQ2_S, Q.F32], ids=["iq2_s", "f32"])
 def test_a_down_no_format_holds_beside_file_only_gates_takes_a_format_with_a_quantizer(tmp_path, qwen3_256, caplog,
                                                                                       down):
     """IQ3_XXS gates and ups (iq3_xxs: the file's blocks only, no quantizer) with one layer's down of a type no format
-    holds (IQ3_S) or in floats: that down is re-quantized into its type's nearest format (q3_k; q8_0 for floats)
+    holds (IQ2_S) or in floats: that down is re-quantized into its type's nearest format (q2_k; q8_0 for floats)
     instead of the layer's, which would refuse it; every other weight stays the file's blocks: the executor holds the
     file's values, and that down's quantization of them."""
     path = tmp_path / "iq3.gguf"
     write_typed(path, "qwen3_moe", qwen3_256, lambda n: (down if down != Q.F32 else None)
                 if n == "blk.1.ffn_down_exps.weight" else Q.IQ3_XXS)
     got, off = hybrid_logits(path, caplog, cpu_dtype="iq3_xxs", cpu_isa=COMPILED[0] if COMPILED else "ref")
-    want = "q3_k" if down == Q.IQ3_S else "q8_0"
+    want = "q2_k" if down == Q.IQ2_S else "q8_0"
     assert [(m.cpu_moe.dtype, m.cpu_moe.down_dtype) for m in off.layers] == [("iq3_xxs", "iq3_xxs"), ("iq3_xxs", want),
                                                                               ("iq3_xxs", "iq3_xxs")]
     kind = down.name

@@ -70,6 +70,15 @@ HY_API int hy_set_iq3_grid(const uint32_t* grid, int n) {
   return HY_OK;
 }
 
+// Sets the IQ3_S codebook (hy.h IqGrids iq3s) from the caller's copy: 512 entries of 4 magnitude bytes. Called once
+// per library when it loads (cpu_kernels/_native.py), before any layer call. Returns HY_OK or HY_EARG.
+HY_API int hy_set_iq3s_grid(const uint32_t* grid, int n) {
+  if (!grid || n != 512) return HY_EARG;
+  std::lock_guard<std::mutex> lk(g_job_mu);
+  std::memcpy(g_iq_grids.iq3s, grid, sizeof(g_iq_grids.iq3s));
+  return HY_OK;
+}
+
 // Sets the IQ1 codebook (hy.h IqGrids iq1, IQ1_S's and IQ1_M's) from the caller's copy: 2048 entries of 8 int8 values
 // in {-1, 0, 1}, kept as the bytes 8 g + 8. Called once per library when it loads (cpu_kernels/_native.py), before any
 // layer call. Returns HY_OK or HY_EARG (a value outside -1..1).

@@ -212,9 +212,10 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
       // q4_k, q5_k, iq4_xs: whole super-blocks, activation sums per sub-block
       if ((M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_IQ4_XS) && (M->ldk % 256 || M->group != 32))
         return HY_EARG;
-      // q6_k, q2_k, q3_k, iq2_xxs, iq3_xxs, iq1_s, iq1_m: whole super-blocks
+      // q6_k, q2_k, q3_k, iq2_xxs, iq3_xxs, iq3_s, iq1_s, iq1_m: whole super-blocks
       if ((M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K || M->dtype == HY_IQ2_XXS ||
-           M->dtype == HY_IQ3_XXS || M->dtype == HY_IQ1_S || M->dtype == HY_IQ1_M) && M->ldk % 256)
+           M->dtype == HY_IQ3_XXS || M->dtype == HY_IQ3_S || M->dtype == HY_IQ1_S || M->dtype == HY_IQ1_M) &&
+          M->ldk % 256)
         return HY_EARG;
       // q4_0: whole 64-value chunks (two blocks a load), activation sums per block
       if (M->dtype == HY_Q4_0 && (M->ldk % 64 || M->group != 32)) return HY_EARG;
@@ -267,7 +268,7 @@ int forward(const HyLayer* L, const void* x, int x_dtype, int T, int K, const in
     // for a layer whose down has a dtype of its own: the vector path.
     int amx = HY_HAS_AMX && dt != HY_MXFP4 && dt != HY_Q8_0 && dt != HY_Q4_K && dt != HY_Q5_K && dt != HY_Q6_K && dt != HY_Q2_K &&
               dt != HY_Q3_K && dt != HY_IQ4_XS && dt != HY_Q4_0 && dt != HY_IQ2_XXS && dt != HY_IQ1_S && dt != HY_IQ1_M &&
-              dt != HY_IQ3_XXS &&
+              dt != HY_IQ3_XXS && dt != HY_IQ3_S &&
               (dt != HY_INT4 || G0.group >= 64) &&
               L->nodes[0].down.dtype == dt && m >= L->knee;
     act[na++] = {e, m, off[e], amx, 0};

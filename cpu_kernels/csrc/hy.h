@@ -12,7 +12,7 @@
 
 enum { HY_BF16 = 0, HY_INT8 = 1, HY_INT4 = 2, HY_MXFP4 = 3, HY_Q8_0 = 4, HY_Q4_K = 5, HY_Q6_K = 6, HY_Q5_K = 7, HY_Q2_K = 8,
        HY_Q3_K = 9, HY_IQ4_XS = 10, HY_Q4_0 = 11, HY_IQ2_XXS = 12, HY_IQ1_S = 13,
-       HY_IQ1_M = 14, HY_IQ3_XXS = 15 };
+       HY_IQ1_M = 14, HY_IQ3_XXS = 15, HY_IQ3_S = 16 };
 enum { HY_X_F32 = 0, HY_X_BF16 = 1 };
 enum { HY_ACT_SILU = 0, HY_ACT_GELU = 1, HY_ACT_SWIGLU_OAI = 2 };
 enum { HY_OK = 0, HY_EID = -1, HY_EARG = -2, HY_ENOMEM = -3, HY_EEXC = -4 };  // EEXC: a C++ exception
@@ -35,7 +35,8 @@ typedef struct {
                          // iq2_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes);
                          // iq1_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq1s_heads; s_estride in bytes);
                          // iq1_m: uint8 heads [E, rows_p, ldk/256, 8] (read through iq1m_heads; s_estride in bytes);
-                         // iq3_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes)
+                         // iq3_xxs: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes);
+                         // iq3_s: uint8 heads [E, rows_p, ldk/256, 2] (read through iq2xxs_heads; s_estride in bytes)
   const int32_t* rsum;   // int8: [E, rows_p] sum of each row's int8 values (AVX-512 VNNI offset correction)
   const float* bias;     // fp32 [E, rows_p] added to the GEMM result (zero padded), nullptr: none. gate/up: this
                          // node's F slice; down: set on node 0 only, so the node sum adds it once
@@ -332,6 +333,11 @@ inline const uint8_t* iq2xxs_heads(const HyMat& M, int e, int r) {
 // 67 + 4 ib a little-endian uint32 as iq2_xxs's fourth-to-seventh bytes (the sign indices of its 4 groups of 8 values
 // at bits 7 l, the scale ls at bits 28-31); w = d (2 ls + 1) / 4 x the codebook entry's magnitude x its sign. ldk is a
 // multiple of 256.
+// iq3_s (cpu_kernels/quant.py, module doc): per super-block the file's 108 bytes after d as they are [rows_p, ldk/256 *
+// 108] and d as the head (iq2xxs_heads reads it): bytes 0-63 the low 8 bits of the 64 groups' 9-bit codebook indices,
+// 64-71 their 9th bits (bit j of byte ib: group 8 ib + j), 72-103 a sign bit per value (bit j of byte i: value 8 i + j),
+// 104-107 the 4-bit scales (sub-block 2 i in byte i's low nibble, 2 i + 1 in its high one); w = d (2 ls + 1) x the
+// entry's magnitude x its sign. ldk is a multiple of 256.
 // The IQ2_XXS codebook, set once per library at load by hy_set_grids (api.h) from the table the gguf package ships
 // (gguf.quants.IQ2_XXS.grid; cpu_kernels/_native.py load): entry i's 8 bytes are its 8 magnitudes (8, 25 or 43), the
 // first value in the lowest byte. All zero until set, so a kernel never reads an unset table.
@@ -340,9 +346,12 @@ inline const uint8_t* iq2xxs_heads(const HyMat& M, int e, int r) {
 // (hy.h iq1s_heads).
 // The IQ3_XXS codebook, set likewise by hy_set_iq3_grid (gguf.quants.IQ3_XXS.grid): entry i's 4 bytes are its 4
 // magnitudes (4 to 62), the first value in the lowest byte.
+// The IQ3_S codebook, set likewise by hy_set_iq3s_grid (gguf.quants.IQ3_S.grid): entry i's 4 bytes are its 4
+// magnitudes (1 to 15, odd), the first value in the lowest byte.
 struct IqGrids {
   alignas(64) uint64_t iq2xxs[256];
   alignas(64) uint32_t iq3xxs[256];
+  alignas(64) uint32_t iq3s[512];
   alignas(64) uint64_t iq1[2048];
 };
 IqGrids g_iq_grids{};

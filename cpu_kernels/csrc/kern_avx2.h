@@ -783,6 +783,9 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
   } else if (M.dtype == HY_IQ3_XXS) {
     iq3xxs_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 96), M.ldk / 256 * 96, M.ldk, rows,
                      iq2xxs_heads(M, e, r), C, ldc);
+  } else if (M.dtype == HY_IQ3_S) {
+    iq3s_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 108), M.ldk / 256 * 108, M.ldk, rows,
+                   iq2xxs_heads(M, e, r), C, ldc);
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_block<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                    iq1s_heads(M, e, r), C, ldc);

@@ -996,6 +996,14 @@ void vec_block(const HyMat& M, int e, int r, const uint8_t* const* rows, float* 
       iq3xxs_block<2>(w, M.ldk / 256 * 96, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc);
       iq3xxs_block<MT - 2>(w, M.ldk / 256 * 96, M.ldk, rows + 2, iq2xxs_heads(M, e, r), C + 2 * ldc, ldc);
     }
+  } else if (M.dtype == HY_IQ3_S) {  // the 256-bit kernel (kern_iq256.h), up to 2 tokens a call
+    const uint8_t* w = M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 108);
+    if constexpr (MT <= 2) {
+      iq3s_block<MT>(w, M.ldk / 256 * 108, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc);
+    } else {
+      iq3s_block<2>(w, M.ldk / 256 * 108, M.ldk, rows, iq2xxs_heads(M, e, r), C, ldc);
+      iq3s_block<MT - 2>(w, M.ldk / 256 * 108, M.ldk, rows + 2, iq2xxs_heads(M, e, r), C + 2 * ldc, ldc);
+    }
   } else if (M.dtype == HY_IQ1_S) {
     iq1s_rows<MT>(M.w + e * M.w_estride + (int64_t)r * (M.ldk / 256 * 48), M.ldk / 256 * 48, M.ldk, rows,
                   iq1s_heads(M, e, r), C, ldc, pf_lo, pf_rows);

@@ -34,8 +34,9 @@
 // A GGUF IQ2_XXS source (66-byte super-blocks: fp16 d, then 64 bytes of qs) is iq2_xxs exactly: its d as the head, its
 // qs as the values, as they are. iq2_xxs from floats is quantized in torch (cpu_kernels/quant.py quantize_iq2_xxs):
 // refused here.
-// A GGUF IQ3_XXS source (98-byte super-blocks: fp16 d, then 96 bytes of qs) is iq3_xxs exactly likewise; from floats
-// refused (no quantizer anywhere: the file's blocks only).
+// A GGUF IQ3_XXS source (98-byte super-blocks: fp16 d, then 96 bytes of qs) is iq3_xxs exactly likewise, and an IQ3_S
+// one (110 bytes: d, then 108 of qs, qh, signs and scales) iq3_s; from floats refused (no quantizer anywhere: the
+// file's blocks only).
 // A GGUF IQ1_S source (50-byte super-blocks: fp16 d, then 32 bytes of qs and 16 of qh) is iq1_s exactly: its d as the
 // head, its qs and qh as the values, as they are; from floats refused likewise.
 // A GGUF IQ1_M source (56-byte super-blocks: 32 bytes of qs, 16 of qh, 8 of scales holding d's nibbles) is iq1_m
@@ -50,7 +51,7 @@
 enum { HY_SRC_F32 = 0, HY_SRC_BF16 = 1, HY_SRC_F16 = 2, HY_SRC_FP8 = 3, HY_SRC_Q4_0 = 4, HY_SRC_Q8_0 = 5,
        HY_SRC_Q4_K = 6, HY_SRC_Q6_K = 7, HY_SRC_Q5_K = 8, HY_SRC_Q2_K = 9,
        HY_SRC_Q3_K = 10, HY_SRC_IQ4_XS = 11, HY_SRC_IQ2_XXS = 12, HY_SRC_IQ1_S = 13, HY_SRC_IQ1_M = 14,
-       HY_SRC_IQ3_XXS = 15 };
+       HY_SRC_IQ3_XXS = 15, HY_SRC_IQ3_S = 16 };
 constexpr int HY_ENONFINITE = -5;  // a NaN or Inf among the values read (or made by an FP8 block scale)
 
 // n experts of one matrix kind as the checkpoint holds them (cpu_kernels/moe.py ExpertRows): expert i's element
@@ -374,7 +375,7 @@ bool pack_row_iq4_xs_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r
   });
 }
 
-// Row r of a d-first IQ source expert i (IQ2_XXS: 64 bytes of qs after d; IQ3_XXS: 96; IQ1_S: 48 of qs and qh) -> the
+// Row r of a d-first IQ source expert i (IQ2_XXS: 64 bytes of qs after d; IQ3_XXS: 96; IQ3_S: 108; IQ1_S: 48) -> the
 // same dtype's row r of expert e: each super-block's fp16 d as the head and its `vbytes` after it as the values, as they
 // are. False if a d is not finite.
 bool pack_row_d_first_src(const HyPackSrc& S, int i, const HyMat& M, int e, int r, int vbytes) {
@@ -478,17 +479,19 @@ constexpr SuperBlockSrc kSuperBlockSrcs[] = {{HY_SRC_Q2_K, HY_Q2_K, 84},   {HY_S
                                              {HY_SRC_Q4_K, HY_Q4_K, 144},  {HY_SRC_Q5_K, HY_Q5_K, 176},
                                              {HY_SRC_Q6_K, HY_Q6_K, 210},  {HY_SRC_IQ4_XS, HY_IQ4_XS, 136},
                                              {HY_SRC_IQ2_XXS, HY_IQ2_XXS, 66}, {HY_SRC_IQ1_S, HY_IQ1_S, 50},
-                                             {HY_SRC_IQ1_M, HY_IQ1_M, 56}, {HY_SRC_IQ3_XXS, HY_IQ3_XXS, 98}};
+                                             {HY_SRC_IQ1_M, HY_IQ1_M, 56}, {HY_SRC_IQ3_XXS, HY_IQ3_XXS, 98},
+                                             {HY_SRC_IQ3_S, HY_IQ3_S, 110}};
 
 bool pack_args_ok(const HyPackSrc* S, const HyMat* M, int n) {
   if (!S || !M || !S->w || n < 0 || S->rows < 0 || S->k < 0 || S->rows > M->rows_p || S->k > M->ldk || !M->w) return false;
-  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ3_XXS) return false;
+  if (S->wdtype < HY_SRC_F32 || S->wdtype > HY_SRC_IQ3_S) return false;
   for (const SuperBlockSrc& b : kSuperBlockSrcs)  // each into its own dtype only, whole super-blocks, each one's
     if (S->wdtype == b.src)                        // bytes in one run
       return M->dtype == b.dtype && M->scale && S->k % 256 == 0 && S->cs >= b.bytes && M->ldk % 256 == 0;
   if (M->dtype == HY_Q4_K || M->dtype == HY_Q5_K || M->dtype == HY_Q6_K || M->dtype == HY_Q2_K || M->dtype == HY_Q3_K ||
-      M->dtype == HY_IQ2_XXS || M->dtype == HY_IQ1_S || M->dtype == HY_IQ1_M || M->dtype == HY_IQ3_XXS)
-    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs, iq3_xxs, iq1_s, iq1_m: none)
+      M->dtype == HY_IQ2_XXS || M->dtype == HY_IQ1_S || M->dtype == HY_IQ1_M || M->dtype == HY_IQ3_XXS ||
+      M->dtype == HY_IQ3_S)
+    return false;  // from floats: cpu_kernels/quant.py (iq2_xxs; iq3_xxs, iq3_s, iq1_s, iq1_m: none)
   if (S->wdtype == HY_SRC_Q8_0)  // q8_0 only, whole blocks, each block's bytes in one run
     return M->dtype == HY_Q8_0 && M->scale && S->k % 32 == 0 && S->cs >= 34 && M->ldk % 32 == 0;
   if (S->wdtype == HY_SRC_Q4_0)  // q4_0, or int4 in groups of 32; whole blocks, each block's bytes in one run
@@ -539,6 +542,7 @@ HY_API int hy_pack_mat(void* pool, const HyPackSrc* S, const HyMat* M, int e0, i
       if (S->wdtype == HY_SRC_IQ4_XS) { ok &= pack_row_iq4_xs_src(*S, i, *M, e, r); continue; }
       if (S->wdtype == HY_SRC_IQ2_XXS) { ok &= pack_row_d_first_src(*S, i, *M, e, r, 64); continue; }
       if (S->wdtype == HY_SRC_IQ3_XXS) { ok &= pack_row_d_first_src(*S, i, *M, e, r, 96); continue; }
+      if (S->wdtype == HY_SRC_IQ3_S) { ok &= pack_row_d_first_src(*S, i, *M, e, r, 108); continue; }
       if (S->wdtype == HY_SRC_IQ1_S) { ok &= pack_row_d_first_src(*S, i, *M, e, r, 48); continue; }
       if (S->wdtype == HY_SRC_IQ1_M) { ok &= pack_row_iq1_m_src(*S, i, *M, e, r); continue; }
       ok &= load_row(*S, i, r, v.data(), ldk);

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                    "fits --cpu-budget so (else the most precise of int8 and int4 that fits, said on stderr; `hybrid "
                    "generate --plan` then loads that), or mxfp4 for "
                    "checkpoints published in MXFP4 such as gpt-oss, or for a GGUF file the format nearest its expert "
-                   "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight, q8_0 1.0625, q4_0 0.5625, q4_k 0.5625, q5_k 0.6875, q6_k 0.8203, q2_k 0.3281, q3_k 0.4297, iq4_xs 0.5312, iq2_xxs 0.2578, iq3_xxs 0.3828, iq1_s 0.1953, iq1_m 0.2188)")
+                   "blocks, see `hybrid generate --help`; mxfp4: 0.53125 bytes a weight, q8_0 1.0625, q4_0 0.5625, q4_k 0.5625, q5_k 0.6875, q6_k 0.8203, q2_k 0.3281, q3_k 0.4297, iq4_xs 0.5312, iq2_xxs 0.2578, iq3_xxs 0.3828, iq3_s 0.4297, iq1_s 0.1953, iq1_m 0.2188)")
     p.add_argument("--int4-group", type=int, choices=(32, 64, 128), default=None, metavar="N",
                    help="values per int4 scale when --cpu-dtype is int4: 32, 64 or 128 (default 128; in groups of 32 "
                    "a GGUF file's Q4_0 blocks are kept as they are, as q4_0 keeps them at 4.5 bits); the plan records "

@@ -99,15 +99,16 @@ def add_hybrid_arguments(p) -> None:
                    "blocks of 32 with an fp16 scale each, llama.cpp's Q8_0, 8.5 bits a weight; q4_0: 4-bit values in "
                    "blocks of 32 with an fp16 scale each, llama.cpp's Q4_0, 4.5 bits; q4_k: llama.cpp's Q4_K, "
                    "4.5 bits; q5_k: Q5_K, 5.5 bits; q6_k: Q6_K, 6.56 bits; q2_k: Q2_K, 2.63 bits; q3_k: Q3_K, 3.44 "
-                   "bits; iq4_xs: IQ4_XS, 4.25 bits; iq2_xxs: IQ2_XXS, 2.06 bits; iq3_xxs: IQ3_XXS, 3.06 bits; iq1_s: "
-                   "IQ1_S, 1.56 bits; iq1_m: IQ1_M, 1.75 bits; iq3_xxs, iq1_s and iq1_m hold a GGUF file's blocks only (no quantizer from other weights; iq2_xxs's "
+                   "bits; iq4_xs: IQ4_XS, 4.25 bits; iq2_xxs: IQ2_XXS, 2.06 bits; iq3_xxs: IQ3_XXS, 3.06 bits; iq3_s: "
+                   "IQ3_S, 3.44 bits; iq1_s: IQ1_S, 1.56 bits; iq1_m: IQ1_M, 1.75 bits; iq3_xxs, iq3_s, iq1_s and "
+                   "iq1_m hold a GGUF file's blocks only (no quantizer from other weights; iq2_xxs's "
                    "rounds to the nearest codebook entry). A GGUF file: the "
                    "format nearest its expert blocks, its blocks as they are for Q4_0 (q4_0; int4 in groups of 32 "
                    "holds them too), Q8_0 (q8_0), Q4_K (q4_k), Q5_K (q5_k), Q6_K (q6_k), Q2_K (q2_k), Q3_K (q3_k), "
-                   "IQ4_XS (iq4_xs), IQ2_XXS (iq2_xxs), IQ3_XXS (iq3_xxs), IQ1_S (iq1_s), IQ1_M (iq1_m) and MXFP4 (mxfp4). A layer's down keeps its "
+                   "IQ4_XS (iq4_xs), IQ2_XXS (iq2_xxs), IQ3_XXS (iq3_xxs), IQ3_S (iq3_s), IQ1_S (iq1_s), IQ1_M (iq1_m) and MXFP4 (mxfp4). A layer's down keeps its "
                    "own type where a format holds it (a Q4_K_M file's Q6_K downs as q6_k, a UD-IQ1_S file's IQ2_XXS "
-                   "or Q4_K downs beside its IQ1_S gates and ups as iq2_xxs or q4_k); IQ2_XS and IQ2_S (q2_k), IQ3_S "
-                   "(q3_k), TQ2_0 and TQ1_0 (iq2_xxs) are de-quantized and re-quantized: no format holds them)")
+                   "or Q4_K downs beside its IQ1_S gates and ups as iq2_xxs or q4_k); IQ2_XS and IQ2_S (q2_k), TQ2_0 "
+                   "and TQ1_0 (iq2_xxs) are de-quantized and re-quantized: no format holds them)")
     g.add_argument("--cpu-threads", type=int, help="CPU executor threads (default: all this process may use)")
     g.add_argument("--profile", help="hardware profile for the scheduler (default: this machine's calibrated "
                    f"profile, else the built-in {FALLBACK_PROFILE})")

@@ -4,7 +4,7 @@ The CPU executor (cpu_kernels.CpuMoE) packs each expert once, per NUMA node, as 
 matrices (zero padded; the first rows x k are the plain weight, in bf16, int8 + per-row scales,
 packed int4 + group scales, packed mxfp4 codes + uint8 block exponents, q8_0's int8 + fp16 block scales, q4_0's
 4-bit values + fp16 block scales, q4_k's
-nibbles + super-block heads, q5_k's nibbles + heads with fifth bits, q2_k's 2-bit values + heads, q3_k's 3-bit values + heads, q6_k's 6-bit values + super-block heads, iq4_xs's codebook indices + heads, iq2_xxs's and iq3_xxs's qs + fp16 d, iq1_s's qs and qh + fp16 d, or iq1_m's qs and qh + scales words). The ship lane and the resident-expert upload read exactly those bytes and
+nibbles + super-block heads, q5_k's nibbles + heads with fifth bits, q2_k's 2-bit values + heads, q3_k's 3-bit values + heads, q6_k's 6-bit values + super-block heads, iq4_xs's codebook indices + heads, iq2_xxs's, iq3_xxs's and iq3_s's qs + fp16 d, iq1_s's qs and qh + fp16 d, or iq1_m's qs and qh + scales words). The ship lane and the resident-expert upload read exactly those bytes and
 de-quantize on the GPU, so no second, GPU-friendly copy of the cold experts is kept in DRAM (DESIGN
 section 3b, "one layout for both lanes"). With the `ref` ISA the executor keeps plain (de-quantized)
 torch tensors instead; they are shipped as they are.
@@ -26,10 +26,10 @@ class PackedMatrix:
     q: torch.Tensor  # bf16 [E, rows_p, ldk] | int8 [E, rows_p, ldk] | uint8 [E, rows_p, ldk/2] | float plain
     scale: torch.Tensor | None  # int8: [E, rows_p]; int4: [E, rows_p, ldk/group]; mxfp4: uint8 [E, rows_p, ldk/32];
     # q8_0, q4_0: fp16 [E, rows_p, ldk/32]; q4_k: uint8 heads [E, rows_p, ldk/256, 16]; q5_k 48, q6_k 18, q2_k 20, q3_k 14,
-    # iq4_xs 8, iq2_xxs 2, iq3_xxs 2, iq1_s 2, iq1_m 8 bytes
+    # iq4_xs 8, iq2_xxs 2, iq3_xxs 2, iq3_s 2, iq1_s 2, iq1_m 8 bytes
     rows: int
     k: int
-    kind: str  # "bf16" | "int8" | "int4" | "mxfp4" | "q8_0" | "q4_0" | "q2_k" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs" | "iq2_xxs" | "iq3_xxs" | "iq1_s" | "iq1_m" | "plain"
+    kind: str  # "bf16" | "int8" | "int4" | "mxfp4" | "q8_0" | "q4_0" | "q2_k" | "q3_k" | "q4_k" | "q5_k" | "q6_k" | "iq4_xs" | "iq2_xxs" | "iq3_xxs" | "iq3_s" | "iq1_s" | "iq1_m" | "plain"
     group: int = 0
     fold: int = 0  # int4: groups per fold block of the stored order (cpu_kernels/quant.py); 0: the default
 

@@ -12,10 +12,10 @@ de-quantizers, bit-exact with gguf-py's reference), repack (expert blocks kept f
 SentencePiece "llama" vocabulary's).
 
 Architectures: qwen3moe, qwen2moe, llama with experts (Mixtral), deepseek2 (DeepSeek-V3 / R1, Kimi-K2),
-glm4moe, gpt-oss. Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M,
-MXFP4.
-IQ2_XS, IQ2_S, IQ3_S, TQ1_0 and TQ2_0 load too; no CPU format holds them, so their experts are de-quantized
-and re-quantized (repack.NEAREST: q2_k, q2_k, q3_k, iq2_xxs, iq2_xxs).
+glm4moe, gpt-oss. Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S,
+IQ1_M, MXFP4.
+IQ2_XS, IQ2_S, TQ1_0 and TQ2_0 load too; no CPU format holds them, so their experts are de-quantized and
+re-quantized (repack.NEAREST: q2_k, q2_k, iq2_xxs, iq2_xxs).
 Tensors are de-quantized to the model's dtype, except expert blocks the CPU executor's format holds exactly (Q4_0
 in int4 groups of 32, MXFP4 in mxfp4: repack), which reach it as the file's own nibbles and scales.
 """

@@ -252,18 +252,11 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq3_s(b: torch.Tensor) -> torch.Tensor:
-    """110 bytes: fp16 d, 64 low bytes of 9-bit indices into a 512-entry codebook of 4 magnitudes, 8 bytes of the
-    indices' top bits, 32 sign bytes (a bit a value), 4 scale bytes (a 4-bit ls per 32 values, low nibble first);
-    x = d (1 + 2 ls) x magnitude x sign."""
-    n = b.shape[0]
-    d = _f16(b[:, :2])
-    ls = ((b[:, 106:110].reshape(n, 4, 1) >> _u8([0, 4], b).reshape(1, 1, 2)) & 0x0F).reshape(n, 8)
-    db = (d * (1 + 2 * ls).float()).reshape(n, -1, 1, 1)
-    qh = ((b[:, 66:74].reshape(n, 8, 1) >> _u8(range(8), b).reshape(1, 1, 8)) & 0x01).reshape(n, 64)
-    idx = b[:, 2:66].long() | (qh.long() << 8)
-    signs = _sign_bits(b[:, 74:106]).reshape(n, -1, 4, 8)
-    grid = _grid("IQ3_S", b)[idx].reshape(n, -1, 4, 8)
-    return (db * grid * signs).reshape(n, QK_K)
+    """IQ3_S (110 bytes per 256 values: d, then qs, qh, signs and scales) by the CPU executor's reference,
+    cpu_kernels.quant (gguf-py's formula; its codebook from the gguf package)."""
+    from cpu_kernels import quant
+
+    return quant.dequantize_iq3_s(b[:, 2:], b[:, None, :2])
 
 
 def _tq1_0(b: torch.Tensor) -> torch.Tensor:
@@ -324,8 +317,9 @@ _FLOAT = {T.F32: _f32, T.F16: _f16_values, T.BF16: _bf16}
 _BLOCK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.MXFP4: _mxfp4, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k,
           T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs, T.IQ3_XXS: _iq3_xxs,
           T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
+          T.IQ3_S: _iq3_s,
           # no CPU format holds these: the loader de-quantizes them and packs the floats (repack.NEAREST)
-          T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_S: _iq3_s, T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0,
+          T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0,
           # the legacy 32-value types llama-quantize falls back to where a row is not whole 256-value blocks (a
           # K-type file's MLA attn_k_b of 128 columns: Q4_K -> Q5_0, Q5_K -> Q5_1, Q2_K / Q3_K / IQ4_XS -> IQ4_NL)
           T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.IQ4_NL: _iq4_nl}

@@ -1,14 +1,14 @@
 """Which MoE layers of a GGUF checkpoint reach the CPU executor as the file's own blocks, not de-quantized.
 
-Thirteen GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
+Fourteen GGUF block types are held exactly by a format of the CPU executor (cpu_kernels/quant.py, module doc): Q4_0
 by q4_0 (and by int4 in groups of 32, at 5 bits a weight), Q8_0 by q8_0, Q2_K by q2_k, Q3_K by q3_k, Q4_K by q4_k, Q5_K
-by q5_k, Q6_K by q6_k, IQ4_XS by iq4_xs, IQ2_XXS by iq2_xxs, IQ3_XXS by iq3_xxs, IQ1_S by iq1_s, IQ1_M by iq1_m and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU
+by q5_k, Q6_K by q6_k, IQ4_XS by iq4_xs, IQ2_XXS by iq2_xxs, IQ3_XXS by iq3_xxs, IQ3_S by iq3_s, IQ1_S by iq1_s, IQ1_M by iq1_m and MXFP4 by mxfp4. When the executor packs into that format (the load's CPU
 format), each of a layer's expert weights (gate, up and down, or the fused gate_up and down) of that type goes to the
 experts factory as a weight source over the memory-mapped file (cpu_kernels.moe.gguf_blocks: views, no copy), and the
 executor computes with exactly the file's values; a layer's down may keep a format of its own (a Q4_K_M file's Q6_K
 downs as q6_k among Q4_K gates and ups kept as q4_k, a Q4_0 down as q4_0); a weight of another block type than the
 layer's format, and float weights (F32, F16, BF16) are de-quantized and the executor packs them into the load's
-format, which changes a block type's values; iq3_xxs, iq1_s and iq1_m have no quantizer, so a gate or up of another
+format, which changes a block type's values; iq3_xxs, iq3_s, iq1_s and iq1_m have no quantizer, so a gate or up of another
 type in a layer whose format is one of them is refused by the executor, naming --cpu-dtype (a down takes a format of
 its own, down_format). A file of mixed layers loaded without --cpu-dtype keeps each layer in the format of its own gate and up
 blocks where one holds them (layer_format), so no layer is re-quantized. One log line per load says which layers'
@@ -29,7 +29,7 @@ from hybrid.models.gguf.names import ExpertTensor, expert_tensors
 # GGUF type -> the CPU executor's (dtype, group) that holds its blocks exactly at the file's size
 LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q5_K": ("q5_k", 32), "Q6_K": ("q6_k", 32),
             "Q2_K": ("q2_k", 32), "Q3_K": ("q3_k", 32), "IQ4_XS": ("iq4_xs", 32), "IQ2_XXS": ("iq2_xxs", 32),
-            "IQ3_XXS": ("iq3_xxs", 32), "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
+            "IQ3_XXS": ("iq3_xxs", 32), "IQ3_S": ("iq3_s", 32), "IQ1_S": ("iq1_s", 32), "IQ1_M": ("iq1_m", 32),
             "MXFP4": ("mxfp4", 32)}
 # GGUF type -> the other formats that hold its blocks exactly too: Q4_0's nibbles and fp16 scales are int4's in groups of
 # 32 (at 5 bits a weight, its scales in fp32); the 32-value types llama-quantize falls back to where a row is not whole
@@ -38,14 +38,14 @@ LOSSLESS = {"Q4_0": ("q4_0", 32), "Q8_0": ("q8_0", 32), "Q4_K": ("q4_k", 32), "Q
 ALSO_EXACT = {"Q4_0": (("int4", 32),), "Q5_0": (("q8_0", 32),), "IQ4_NL": (("q8_0", 32),)}
 _CONVERTED = ("Q5_0", "IQ4_NL")  # types whose blocks are converted into their format's bytes (cpu_kernels.moe.gguf_blocks)
 # GGUF type -> the CPU executor's format a file of it defaults to: every block type's exact one (Q8_0's, Q6_K's, Q5_K's,
-# Q4_0's, Q4_K's, IQ4_XS's, Q3_K's, IQ3_XXS's, Q2_K's, IQ2_XXS's, IQ1_M's and IQ1_S's are the file's 8.5, 6.56, 5.5,
-# 4.5, 4.5, 4.25, 3.44, 3.06, 2.63, 2.06, 1.75 and 1.56 bits), so
+# Q4_0's, Q4_K's, IQ4_XS's, Q3_K's, IQ3_S's, IQ3_XXS's, Q2_K's, IQ2_XXS's, IQ1_M's and IQ1_S's are the file's 8.5, 6.56,
+# 5.5, 4.5, 4.5, 4.25, 3.44, 3.44, 3.06, 2.63, 2.06, 1.75 and 1.56 bits), so
 # the experts' DRAM stays the file's size; a block type no format holds is de-quantized and re-quantized into the
 # smallest format of at least its bits that has a quantizer from floats (IQ2_XS's 2.31 and IQ2_S's 2.56 bits into
-# q2_k's 2.63, IQ3_S's 3.44 into q3_k's 3.44, TQ2_0's 2.06 and TQ1_0's 1.69 into iq2_xxs's 2.06); float experts
+# q2_k's 2.63, TQ2_0's 2.06 and TQ1_0's 1.69 into iq2_xxs's 2.06); float experts
 # default to bf16.
 NEAREST = {**LOSSLESS,
-           "IQ2_XS": ("q2_k", 32), "IQ2_S": ("q2_k", 32), "IQ3_S": ("q3_k", 32),
+           "IQ2_XS": ("q2_k", 32), "IQ2_S": ("q2_k", 32),
            "TQ2_0": ("iq2_xxs", 32), "TQ1_0": ("iq2_xxs", 32),
            "BF16": ("bf16", 0), "F16": ("bf16", 0), "F32": ("bf16", 0)}
 WEIGHTS = ("w_gate", "w_up", "w_down", "gate_up")  # ExpertTensor.which of expert weights (not biases)
@@ -97,8 +97,8 @@ def down_format(kind: str, fmt: tuple[str, int]) -> tuple[str, int]:
     a dtype of its own, cpu_kernels.dtypes.DOWN_DTYPES, beside any quantized one): the exact one of its type where
     there is one (a Q4_K_M file's Q6_K down in q6_k beside its q4_k gate and up), else the layer's (also where the
     layer's holds it exactly: a Q4_0 down in int4 group 32 beside int4 gates and ups). A down no format holds beside a
-    layer's format without a quantizer (FILE_ONLY_DTYPES: an IQ3_S down among IQ3_XXS gates and ups) is re-quantized
-    into its type's NEAREST format where that may be a down (q3_k), else q8_0 (a float down), not refused."""
+    layer's format without a quantizer (FILE_ONLY_DTYPES: an IQ2_S down among IQ3_XXS gates and ups) is re-quantized
+    into its type's NEAREST format where that may be a down (q2_k), else q8_0 (a float down), not refused."""
     from cpu_kernels.dtypes import DOWN_DTYPES, FILE_ONLY_DTYPES
 
     if fmt[0] == "bf16" or fmt in exact_formats(kind):
@@ -183,7 +183,7 @@ def describe(choice: dict[int, LayerChoice], fmt: tuple[str, int]) -> str:
 # no d field: _block_scales rebuilds it from its scales words)
 _SCALE_BYTES = {"Q4_0": slice(0, 2), "Q8_0": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
                 "Q6_K": slice(208, 210), "Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "IQ4_XS": slice(0, 2),
-                "IQ2_XXS": slice(0, 2), "IQ3_XXS": slice(0, 2), "IQ1_S": slice(0, 2), "Q5_0": slice(0, 2), "IQ4_NL": slice(0, 2)}
+                "IQ2_XXS": slice(0, 2), "IQ3_XXS": slice(0, 2), "IQ3_S": slice(0, 2), "IQ1_S": slice(0, 2), "Q5_0": slice(0, 2), "IQ4_NL": slice(0, 2)}
 
 
 def _block_scales(kind: str, raw: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,7 @@ def _block_scales(kind: str, raw: torch.Tensor) -> torch.Tensor:
 
 def _checked(ckpt: GgufCheckpoint, e: ExpertTensor, kind: str, raw: torch.Tensor) -> None:
     """The de-quantizing load's NaN/Inf refusal, on the blocks: a value is finite where its block's fp16 scales are
-    (Q4_0, Q8_0, Q6_K, Q3_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255
+    (Q4_0, Q8_0, Q6_K, Q3_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: d; Q4_K, Q5_K, Q2_K: d and dmin); an MXFP4 exponent of 255
     is e8m0's NaN."""
     if kind == "MXFP4":
         bad = int((raw[..., 0] == 255).sum())
