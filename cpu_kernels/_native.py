@@ -218,37 +218,21 @@ def load(isa: str) -> ctypes.CDLL:
         lib.hy_pack_mat.argtypes = [ctypes.c_void_p, ctypes.POINTER(HyPackSrc), ctypes.POINTER(HyMat), ctypes.c_int,
                                     ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]
         lib.hy_pack_mat.restype = ctypes.c_int
-    if hasattr(lib, "hy_set_grids"):  # the IQ codebooks (csrc/hy.h IqGrids), from the gguf package's tables
-        from .quant import iq_grid_bytes
+    for setter, kind, entries in _IQ_GRIDS:  # the IQ codebooks (csrc/hy.h IqGrids), from the gguf package's tables
+        if hasattr(lib, setter):  # absent from a library built before its format
+            from .quant import iq_grid_bytes
 
-        lib.hy_set_grids.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        lib.hy_set_grids.restype = ctypes.c_int
-        if lib.hy_set_grids(iq_grid_bytes("iq2_xxs"), 256) != 0:
-            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ codebooks")
-    if hasattr(lib, "hy_set_iq1_grid"):  # IQ1_S's and IQ1_M's codebook (csrc/hy.h IqGrids iq1)
-        from .quant import iq_grid_bytes
-
-        lib.hy_set_iq1_grid.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        lib.hy_set_iq1_grid.restype = ctypes.c_int
-        if lib.hy_set_iq1_grid(iq_grid_bytes("iq1"), 2048) != 0:
-            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ1 codebook")
-    if hasattr(lib, "hy_set_iq3_grid"):  # IQ3_XXS's codebook (csrc/hy.h IqGrids iq3xxs)
-        from .quant import iq_grid_bytes
-
-        lib.hy_set_iq3_grid.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        lib.hy_set_iq3_grid.restype = ctypes.c_int
-        if lib.hy_set_iq3_grid(iq_grid_bytes("iq3_xxs"), 256) != 0:
-            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ3_XXS codebook")
-    if hasattr(lib, "hy_set_iq3s_grid"):  # IQ3_S's codebook (csrc/hy.h IqGrids iq3s)
-        from .quant import iq_grid_bytes
-
-        lib.hy_set_iq3s_grid.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        lib.hy_set_iq3s_grid.restype = ctypes.c_int
-        if lib.hy_set_iq3s_grid(iq_grid_bytes("iq3_s"), 512) != 0:
-            raise RuntimeError(f"cpu_kernels: the {isa} library refused the IQ3_S codebook")
+            fn = getattr(lib, setter)
+            fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            if fn(iq_grid_bytes(kind), entries) != 0:
+                raise RuntimeError(f"cpu_kernels: the {isa} library refused the {kind} codebook")
     return lib
 
 
+# each IQ codebook's setter (csrc/api.h), its table (quant.iq_grid_bytes) and its entries
+_IQ_GRIDS = (("hy_set_grids", "iq2_xxs", 256), ("hy_set_iq1_grid", "iq1", 2048), ("hy_set_iq3_grid", "iq3_xxs", 256),
+             ("hy_set_iq3s_grid", "iq3_s", 512))
 # the entry point that sets each IQ format's codebook: a library without it was built before the format (iq1_m reads
 # IQ1_S's codebook)
 _IQ_GRID_SETTERS = {"iq2_xxs": "hy_set_grids", "iq1_s": "hy_set_iq1_grid", "iq1_m": "hy_set_iq1_grid",
